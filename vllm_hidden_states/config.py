@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine-level configuration of hidden-state capture.
+
+The switch lives in ``VllmConfig.additional_config["hidden_states"]`` so that it
+reaches every process (front-end, EngineCore, workers) inside the pickled config
+and keys vLLM's torch.compile cache: turning capture on adds aux outputs to the
+compiled graph, and a graph compiled without them cannot be reused with them.
+
+Layer convention (the same as HF transformers ``output_hidden_states``), with
+``L = num_hidden_layers``:
+
+* ``0``: the embedding output;
+* ``1..L-1``: the residual stream after decoder layer ``k``
+  (vLLM's aux hidden state ``k``, i.e. ``hidden + residual``);
+* ``L`` (``-1``): the final, post-norm hidden state, i.e. the LM-head input.
+
+Negative indices count from the end over those ``L + 1`` entries, so ``-2`` is
+``L - 1``: the residual stream entering the last decoder layer, which is what
+Z-Image reads from Qwen3-4B.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+ADDITIONAL_CONFIG_KEY = "hidden_states"
+
+ENABLE_HINT = (
+    "start the engine with enable_hidden_states=True (LLM / EngineArgs) "
+    "or `vllm serve MODEL --enable-hidden-states`"
+)
+
+
+def make_additional_config(layers: list[int] | None) -> dict[str, Any]:
+    """The ``additional_config["hidden_states"]`` entry for EngineArgs.
+
+    ``layers=None`` makes every layer ``0..L`` capturable.
+    """
+    return {"layers": None if layers is None else [int(x) for x in layers]}
+
+
+def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
+    """Parse ``--hidden-states-layers`` (``"-1,-2,16"``, ``"all"``, or a list)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [int(x) for x in value]
+    text = str(value).strip()
+    if text in ("", "all"):
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(
+            f"--hidden-states-layers must be 'all' or comma-separated integers "
+            f"such as '-1,-2,16', got {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class HiddenStatesConfig:
+    """Capturable layers of one engine.
+
+    Attributes:
+        num_layers: ``L``, the model's ``num_hidden_layers``.
+        layers: capturable absolute indices in ``0..L``, sorted, distinct.
+        given: the capturable set as configured (``None`` = every layer), kept
+            only to phrase error messages the way the operator wrote them.
+    """
+
+    num_layers: int
+    layers: tuple[int, ...]
+    given: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiddenStatesConfig | None":
+        """The engine's config, or None when hidden states are not enabled."""
+        extra = vllm_config.additional_config or {}
+        entry = extra.get(ADDITIONAL_CONFIG_KEY)
+        if entry is None:
+            return None
+        num_layers = num_hidden_layers(vllm_config)
+        given = entry.get("layers")
+        if given is None:
+            return cls(num_layers, tuple(range(num_layers + 1)), None)
+        layers = sorted({_absolute(k, num_layers) for k in given})
+        return cls(num_layers, tuple(layers), tuple(given))
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Layers taken from the model's aux hidden-state outputs (``k < L``).
+
+        Layer ``L`` is the model's own (post-norm) output and needs no aux slot.
+        """
+        return tuple(k for k in self.layers if k < self.num_layers)
+
+    def describe_capturable(self) -> str:
+        if self.given is None:
+            return f"all ({-(self.num_layers + 1)}..{self.num_layers})"
+        return ", ".join(str(k) for k in self.given)
+
+    def resolve(self, layer: int) -> int:
+        """Absolute index of a requested layer; ValueError naming what is allowed."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(
+                f"hidden_states_layers entries must be integers, got {layer!r}"
+            )
+        n = self.num_layers
+        if not -(n + 1) <= layer <= n:
+            raise ValueError(
+                f"layer {layer} is out of range for a {n}-layer model; valid "
+                f"indices are {-(n + 1)}..{n} (0 = embeddings, {n} or -1 = final "
+                f"post-norm state); capturable layers: {self.describe_capturable()}"
+            )
+        absolute = layer % (n + 1)
+        if absolute not in self.layers:
+            raise ValueError(
+                f"layer {layer} is not capturable on this engine; capturable "
+                f"layers: {self.describe_capturable()} (the set is fixed at "
+                f"engine start by hidden_states_layers)"
+            )
+        return absolute
+
+
+def _absolute(layer: int, num_layers: int) -> int:
+    if not -(num_layers + 1) <= int(layer) <= num_layers:
+        raise ValueError(
+            f"hidden_states_layers entry {layer} is out of range for a "
+            f"{num_layers}-layer model; valid indices are "
+            f"{-(num_layers + 1)}..{num_layers}"
+        )
+    return int(layer) % (num_layers + 1)
+
+
+def num_hidden_layers(vllm_config: "VllmConfig") -> int:
+    text_config = vllm_config.model_config.hf_text_config
+    return int(text_config.num_hidden_layers)
+
+
+def validate_engine_config(vllm_config: "VllmConfig") -> None:
+    """Refuse, at start-up, set-ups where returned states would be wrong.
+
+    Called once from ``EngineArgs.create_engine_config`` in the front-end.
+    """
+    cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
+    if cfg is None:
+        return
+    problems = []
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        problems.append(
+            "pipeline parallelism (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}) is not supported yet"
+        )
+    if parallel.data_parallel_size > 1:
+        problems.append(
+            "data parallelism (data_parallel_size="
+            f"{parallel.data_parallel_size}) is not supported yet: the extract "
+            "must reach the engine that served the request"
+        )
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        problems.append(
+            f"speculative decoding (method {spec.method!r}) is not supported yet"
+        )
+    if vllm_config.model_config.runner_type != "generate":
+        problems.append(
+            f"runner {vllm_config.model_config.runner_type!r}: hidden states "
+            "need a generate model"
+        )
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        problems.append(
+            "Model Runner V2 capture is not implemented yet; unset "
+            "VLLM_USE_V2_MODEL_RUNNER (the V1 runner is chosen automatically)"
+        )
+    if problems:
+        raise ValueError(
+            "--enable-hidden-states cannot be used with this configuration: "
+            + "; ".join(problems)
+        )
+
+
+def add_cli_args(parser) -> None:
+    """``--enable-hidden-states`` and ``--hidden-states-layers`` for EngineArgs."""
+    group = parser.add_argument_group(
+        title="Hidden states (vllm-hidden-states)",
+        description="Per-request hidden states on chat/completions and "
+        "POST /v1/hidden_states.",
+    )
+    group.add_argument(
+        "--enable-hidden-states",
+        action="store_true",
+        default=False,
+        help="Let requests ask for hidden states (return_hidden_states).",
+    )
+    group.add_argument(
+        "--hidden-states-layers",
+        type=str,
+        default=None,
+        help="Capturable layers, HF convention (0 = embeddings, -1 = final "
+        "post-norm state), e.g. '-1,-2,16'. Default: every layer. Each "
+        "intermediate layer costs one max_num_batched_tokens x hidden_size "
+        "activation buffer.",
+    )

