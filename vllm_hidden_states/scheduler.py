@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""EngineCore side: the scheduler's queue of post-sampling prefills.
+"""EngineCore side: post-sampling prefills in the scheduler.
 
 A ``HIDDEN_STATES_EXTRACT`` core request becomes a vLLM ``Request`` over
 ``prompt + output`` token ids that samples nothing useful: it is a prefill
@@ -21,7 +21,6 @@ check per step). It tells the model runner, through
 copies the captured tensors onto the extracts' EngineCoreOutputs.
 """
 
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -92,8 +91,6 @@ class HiddenStatesScheduler:
     def __init__(self, config: HiddenStatesConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        # Extracts received by the EngineCore, not yet handed to the scheduler.
-        self.queue: deque[tuple["Request", HiddenStatesExtractRequest]] = deque()
         # Extracts in the scheduler (waiting or running), by request id.
         self.active: dict[str, HiddenStatesExtractRequest] = {}
 
@@ -124,23 +121,32 @@ class HiddenStatesScheduler:
                 f"sequence length {len(extract.token_ids)} must be in "
                 f"1..{self.max_model_len - 1} (max_model_len={self.max_model_len})"
             )
+        if extract.request_id in self.active:
+            return "an extract with this request id is already running"
         return None
 
-    def enqueue(self, request: "Request", extract: HiddenStatesExtractRequest) -> None:
-        self.queue.append((request, extract))
+    def add(
+        self,
+        scheduler: "Scheduler",
+        request: "Request",
+        extract: HiddenStatesExtractRequest,
+    ) -> None:
+        """Queue an extract in the scheduler, ahead of not-yet-started requests.
+
+        Its request's output is complete and held by the front-end; running
+        the extract first returns it sooner and frees what is held. Under the
+        priority policy, the extract keeps its original request's priority.
+        """
+        from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+        self.active[request.request_id] = extract
+        scheduler.add_request(request)
+        waiting = scheduler.waiting
+        if isinstance(waiting, FCFSRequestQueue) and waiting and waiting[-1] is request:
+            waiting.pop()
+            waiting.prepend_request(request)
 
     # -- Scheduler call-outs -------------------------------------------------
-
-    def admit(self, scheduler: "Scheduler") -> None:
-        """Top of ``schedule()``: hand queued extracts to the waiting queue.
-
-        From there they are scheduled like any prefill under the step's token
-        budget, in the scheduler's own policy order (FCFS or priority).
-        """
-        while self.queue:
-            request, extract = self.queue.popleft()
-            self.active[request.request_id] = extract
-            scheduler.add_request(request)
 
     def annotate(self, scheduler: "Scheduler", output: "SchedulerOutput") -> None:
         """After the SchedulerOutput is built and before ``_update_after_schedule``
@@ -222,4 +228,4 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
                 )
             continue
         request = make_extract_request(extract, engine_core.request_block_hasher)
-        hs.enqueue(request, extract)
+        hs.add(engine_core.scheduler, request, extract)
