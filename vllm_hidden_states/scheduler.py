@@ -154,24 +154,21 @@ class HiddenStatesScheduler:
         if not self.active:
             return
         steps: dict[str, CaptureStep] = {}
-        gone = []
         scheduled = output.num_scheduled_tokens
         for req_id, extract in self.active.items():
-            request = scheduler.requests.get(req_id)
-            if request is None or request.is_finished():
-                gone.append(req_id)  # aborted or finished without output
-                continue
             if req_id in scheduled:
                 steps[req_id] = CaptureStep(
                     layers=tuple(extract.layers),
                     positions=extract.positions,
-                    start=request.num_computed_tokens,
+                    start=scheduler.requests[req_id].num_computed_tokens,
                     num_tokens=len(extract.token_ids),
                 )
-        for req_id in gone:
-            del self.active[req_id]
         if steps:
             output.hidden_states = steps
+
+    def forget(self, request_id: str) -> None:
+        """In ``_free_request``: an extract left the scheduler (done or aborted)."""
+        self.active.pop(request_id, None)
 
     def attach(
         self,
@@ -187,7 +184,6 @@ class HiddenStatesScheduler:
                 tensor = captured.get(eco.request_id)
                 if tensor is not None:
                     eco.hidden_states = tensor
-                    self.active.pop(eco.request_id, None)
 
 
 def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -> None:

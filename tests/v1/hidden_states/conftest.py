@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared engines, tiny models and the HF transformers reference.
+
+Engines are expensive on a 2-core CPU (20-60 s each), so each is built once per
+session and shared:
+
+* ``llm``: Qwen3-shaped model, eager, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING
+  =0``) so tests can look inside the scheduler and the output processor, with
+  chunked prefill at 64 tokens and prefix caching on; every layer capturable.
+* ``llm_compiled``: Llama-shaped model (adds a BOS token), torch.compile'd
+  (vLLM's default CPU mode), EngineCore in its own process so states travel
+  over ZMQ as msgpack tensor frames; capturable set restricted to 0, 2, -2, -1.
+
+Every returned vector is compared with HF transformers' ``output_hidden_states``
+on the same token ids.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+MODELS = Path(os.environ.get("VLLM_HIDDEN_STATES_MODELS", REPO / ".models"))
+REL_TOL = 1e-3
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def assert_close(actual: torch.Tensor, reference: torch.Tensor, what: str = ""):
+    """max |actual - reference| / max |reference| < 1e-3, shapes equal."""
+    assert actual.shape == reference.shape, (what, actual.shape, reference.shape)
+    actual = actual.float()
+    reference = reference.float()
+    rel = (actual - reference).abs().max() / reference.abs().max()
+    assert rel < REL_TOL, f"{what}: relative error {rel:.2e} >= {REL_TOL}"
+
+
+class HFReference:
+    """HF transformers forward over exact token ids, float32, on CPU."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, torch_dtype=torch.float32
+        ).eval()
+        self.num_layers = self.model.config.num_hidden_layers
+
+    @torch.inference_mode()
+    def states(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """``L + 1`` tensors ``[len(token_ids), hidden]``, HF's indexing."""
+        out = self.model(torch.tensor([token_ids]), output_hidden_states=True)
+        return tuple(h[0] for h in out.hidden_states)
+
+    def last(self, token_ids: list[int], layer: int) -> torch.Tensor:
+        """``[1, hidden]``: the state of the final token at ``layer``."""
+        return self.states(token_ids)[layer][-1:]
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    from vllm_hidden_states.tiny_models import build_tiny_model
+
+    return build_tiny_model(MODELS / "tiny-qwen3", arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_dir() -> Path:
+    from vllm_hidden_states.tiny_models import build_tiny_model
+
+    return build_tiny_model(MODELS / "tiny-llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(qwen3_dir) -> HFReference:
+    return HFReference(qwen3_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_llama(llama_dir) -> HFReference:
+    return HFReference(llama_dir)
+
+
+COMMON_ENGINE_ARGS = dict(
+    dtype="float32",
+    gpu_memory_utilization=0.2,
+    max_num_batched_tokens=64,
+    max_num_seqs=16,
+    enable_prefix_caching=True,
+    seed=0,
+)
+
+
+@pytest.fixture(scope="session")
+def llm(qwen3_dir):
+    """Eager, in-process engine; every layer capturable."""
+    from vllm import LLM
+
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        engine = LLM(
+            model=str(qwen3_dir),
+            enable_hidden_states=True,
+            enforce_eager=True,
+            max_model_len=1024,
+            **COMMON_ENGINE_ARGS,
+        )
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def llm_compiled(llama_dir):
+    """torch.compile'd engine in its own process; capturable 0, 2, -2, -1."""
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(llama_dir),
+        enable_hidden_states=True,
+        hidden_states_layers=[0, 2, -2, -1],
+        max_model_len=512,
+        **COMMON_ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture
+def engine_core(llm):
+    """The EngineCore inside ``llm``, driven directly.
+
+    Tests that use it must finish every request they add, so the shared
+    engine is idle again for the next test.
+    """
+    core = llm.llm_engine.engine_core.engine_core
+    yield core
+    assert not core.scheduler.has_unfinished_requests()
+    assert not core.scheduler.hidden_states.active
+
+
+def token_ids_of(output) -> list[int]:
+    """prompt + generated token ids of the first completion of an output."""
+    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)

@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+"""EngineCore driven directly: ADD, then HIDDEN_STATES_EXTRACT, step, read outputs."""
+
+import time
+
+import pytest
+import torch
+
+from vllm import SamplingParams
+from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+from vllm_hidden_states.request import HiddenStatesExtractRequest
+
+from .conftest import assert_close
+
+PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
+
+
+def _add(core, req_id: str, prompt: list[int], max_tokens: int) -> None:
+    request = EngineCoreRequest(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+    req, wave = core.preprocess_add_request(request)
+    core.add_request(req, wave)
+
+
+def _run(core, req_ids: set[str], max_steps: int = 200) -> dict:
+    """Step until every id in req_ids has a finished output; outputs by id."""
+    finished, tokens = {}, {r: [] for r in req_ids}
+    for _ in range(max_steps):
+        outputs, _ = core.step()
+        for eco in (o for outs in outputs.values() for o in outs.outputs):
+            if eco.request_id in tokens:
+                tokens[eco.request_id] += eco.new_token_ids
+                if eco.finished:
+                    finished[eco.request_id] = eco
+        if finished.keys() == req_ids:
+            return {r: (finished[r], tokens[r]) for r in req_ids}
+    raise AssertionError(f"not finished after {max_steps} steps: {req_ids - finished.keys()}")
+
+
+def _extract(req_id, token_ids, layers, positions="last"):
+    return HiddenStatesExtractRequest(
+        request_id=req_id, token_ids=token_ids, layers=layers, positions=positions,
+        arrival_time=time.time(),
+    )
+
+
+def test_request_type_has_hidden_states_extract_member():
+    assert EngineCoreRequestType.HIDDEN_STATES_EXTRACT.value == b"\x06"
+    assert len({t.value for t in EngineCoreRequestType}) == len(EngineCoreRequestType)
+
+
+def test_extract_after_generation_returns_last_token_states(engine_core, hf_qwen3):
+    _add(engine_core, "gen-1", PROMPT, max_tokens=6)
+    _, generated = _run(engine_core, {"gen-1"})["gen-1"]
+    sequence = PROMPT + generated
+    engine_core.add_hidden_states_extracts([_extract("gen-1-hs", sequence, [0, 2, 4])])
+    eco, _ = _run(engine_core, {"gen-1-hs"})["gen-1-hs"]
+
+    assert eco.hidden_states.shape == (3, 1, 128)
+    ref = hf_qwen3.states(sequence)
+    for row, layer in enumerate([0, 2, 4]):
+        assert_close(eco.hidden_states[row], ref[layer][-1:], f"layer {layer}")
+
+
+def test_extract_all_positions_spans_chunked_prefill(engine_core, hf_qwen3):
+    sequence = (PROMPT * 15)[:150]  # > max_num_batched_tokens=64: three chunks
+    engine_core.add_hidden_states_extracts([_extract("all-1", sequence, [1, 4], "all")])
+    eco, _ = _run(engine_core, {"all-1"})["all-1"]
+
+    assert eco.hidden_states.shape == (2, 150, 128)
+    ref = hf_qwen3.states(sequence)
+    assert_close(eco.hidden_states[0], ref[1], "layer 1")
+    assert_close(eco.hidden_states[1], ref[4], "layer 4")
+
+
+def test_extract_output_carries_no_tokens_for_plain_requests(engine_core):
+    _add(engine_core, "plain-1", PROMPT, max_tokens=3)
+    eco, _ = _run(engine_core, {"plain-1"})["plain-1"]
+    assert eco.hidden_states is None
+
+
+def test_extract_with_uncapturable_layer_raises_clear_error(engine_core):
+    with pytest.raises(ValueError, match=r"layers \[9\] are not capturable"):
+        engine_core.add_hidden_states_extracts([_extract("bad-1", PROMPT, [9])])
+    assert not engine_core.scheduler.hidden_states.active
+
+
+def test_extract_with_bad_positions_raises_clear_error(engine_core):
+    with pytest.raises(ValueError, match="positions must be 'last' or 'all'"):
+        engine_core.add_hidden_states_extracts([_extract("bad-2", PROMPT, [4], "first")])
+
+
+def test_aborted_extract_leaves_no_state(engine_core):
+    sequence = (PROMPT * 20)[:200]
+    engine_core.add_hidden_states_extracts([_extract("abort-1", sequence, [4], "all")])
+    engine_core.step()  # first chunk runs
+    engine_core.abort_requests(["abort-1"])
+    engine_core.step()
+    scheduler = engine_core.scheduler
+    assert "abort-1" not in scheduler.requests
+    assert not scheduler.hidden_states.active
+    runner = engine_core.model_executor.driver_worker.worker.model_runner
+    capture = runner.__dict__["_hidden_states_capture"]
+    assert not capture._partial and not capture._ready
+
+
+def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
+    with pytest.raises(ValueError):
+        engine_core.add_hidden_states_extracts([_extract("bad-3", PROMPT, [])])
+    engine_core.add_hidden_states_extracts([_extract("ok-3", PROMPT, [4])])
+    eco, _ = _run(engine_core, {"ok-3"})["ok-3"]
+    assert_close(eco.hidden_states[0], hf_qwen3.last(PROMPT, 4), "layer 4")
