@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python API through ``LLM``: contract for layers, positions and stops."""
+
+import pytest
+import torch
+
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+
+from .conftest import assert_close, token_ids_of
+
+PROMPT = "Once upon a time there was a small robot who loved to count"
+LONG_PROMPT = " ".join(["The engine schedules requests, runs the model and samples tokens."] * 10)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 8)
+    return SamplingParams(temperature=0.0, return_hidden_states=True, **kwargs)
+
+
+def generate(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_last_token_states_match_hf_at_embedding_middle_and_final_layers(llm, hf_qwen3):
+    (out,) = generate(llm, [PROMPT], greedy(hidden_states_layers=[0, 2, -2, -1]))
+    states = out.outputs[0].hidden_states
+    ref = hf_qwen3.states(token_ids_of(out))
+    assert list(states) == [0, 2, -2, -1]
+    for layer, tensor in states.items():
+        assert tensor.shape == (1, 128) and tensor.dtype == torch.float32
+        assert_close(tensor, ref[layer][-1:], f"layer {layer}")
+
+
+def test_default_layer_is_final_post_norm_state(llm, hf_qwen3):
+    (out,) = generate(llm, [PROMPT], greedy())
+    states = out.outputs[0].hidden_states
+    assert list(states) == [-1]
+    assert_close(states[-1], hf_qwen3.states(token_ids_of(out))[4][-1:], "layer L")
+
+
+def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
+    (out,) = generate(llm, [PROMPT], greedy(hidden_states_layers=[1, -1],
+                                            hidden_states_positions="all"))
+    ids = token_ids_of(out)
+    ref = hf_qwen3.states(ids)
+    for layer, tensor in out.outputs[0].hidden_states.items():
+        assert tensor.shape == (len(ids), 128)
+        assert_close(tensor, ref[layer], f"layer {layer}")
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_prompt_longer_than_batch_budget_is_chunked_and_exact(llm, hf_qwen3, positions):
+    params = greedy(hidden_states_layers=[-2, 3], hidden_states_positions=positions)
+    (out,) = generate(llm, [LONG_PROMPT], params)
+    ids = token_ids_of(out)
+    assert len(out.prompt_token_ids) > 64  # max_num_batched_tokens
+    ref = hf_qwen3.states(ids)
+    for layer, tensor in out.outputs[0].hidden_states.items():
+        expected = ref[layer] if positions == "all" else ref[layer][-1:]
+        assert_close(tensor, expected, f"{positions} layer {layer}")
+
+
+def test_same_prompt_twice_hits_prefix_cache_with_identical_states(llm, hf_qwen3):
+    prompt = LONG_PROMPT + " Prefix cache run."
+    (first,) = generate(llm, [prompt], greedy(hidden_states_layers=[-1, 2]))
+    (second,) = generate(llm, [prompt], greedy(hidden_states_layers=[-1, 2]))
+    assert second.num_cached_tokens > 0
+    assert token_ids_of(first) == token_ids_of(second)
+    ref = hf_qwen3.states(token_ids_of(second))
+    for layer in (-1, 2):
+        assert_close(second.outputs[0].hidden_states[layer], ref[layer][-1:], f"layer {layer}")
+        assert torch.equal(first.outputs[0].hidden_states[layer],
+                           second.outputs[0].hidden_states[layer])
+
+
+def test_each_of_n_children_gets_its_own_sequence_states(llm, hf_qwen3):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8,
+                            return_hidden_states=True, hidden_states_layers=[-1, 1])
+    (out,) = generate(llm, [PROMPT], params)
+    assert len(out.outputs) == 2
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    for child in out.outputs:
+        ids = list(out.prompt_token_ids) + list(child.token_ids)
+        ref = hf_qwen3.states(ids)
+        for layer in (-1, 1):
+            assert_close(child.hidden_states[layer], ref[layer][-1:], f"child {child.index}")
+
+
+def test_batch_mixing_requests_with_and_without_states(llm, hf_qwen3):
+    prompts = [PROMPT, "Hello world! How are you today?", LONG_PROMPT, "Paris is"]
+    params = [greedy(hidden_states_layers=[2]), SamplingParams(temperature=0.0, max_tokens=8)] * 2
+    outs = generate(llm, prompts, params)
+    for out, asked in zip(outs, [True, False, True, False]):
+        states = out.outputs[0].hidden_states
+        if not asked:
+            assert states is None
+            continue
+        assert_close(states[2], hf_qwen3.last(token_ids_of(out), 2), out.prompt)
+
+
+def test_finish_by_eos_returns_state_of_the_eos_token(llm, hf_qwen3):
+    eos = llm.get_tokenizer().eos_token_id
+    params = greedy(min_tokens=3, logit_bias={eos: 100.0}, max_tokens=20)
+    (out,) = generate(llm, [PROMPT], params)
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.token_ids[-1] == eos
+    assert len(completion.token_ids) == 4
+    assert_close(completion.hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "eos")
+
+
+def test_finish_by_stop_token_ids_returns_state_of_the_stop_token(llm, hf_qwen3):
+    (free,) = generate(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8))
+    stop_id = free.outputs[0].token_ids[3]
+    (out,) = generate(llm, [PROMPT], greedy(stop_token_ids=[stop_id]))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_id
+    assert completion.token_ids[-1] == stop_id
+    assert_close(completion.hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "stop id")
+
+
+def test_finish_by_stop_string_uses_the_trimmed_token_list(llm, hf_qwen3):
+    (free,) = generate(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=12))
+    tokenizer = llm.get_tokenizer()
+    # A stop string that ends inside the 6th generated token's text.
+    text6 = tokenizer.decode(free.outputs[0].token_ids[:6])
+    stop = text6[-3:] if len(text6) >= 3 else text6
+    (out,) = generate(llm, [PROMPT], greedy(stop=[stop], max_tokens=12))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert len(completion.token_ids) < len(free.outputs[0].token_ids)
+    assert_close(completion.hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "stop str")
+
+
+def test_finish_by_max_tokens(llm, hf_qwen3):
+    (out,) = generate(llm, [PROMPT], greedy(max_tokens=5, hidden_states_layers=[3]))
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+    assert_close(out.outputs[0].hidden_states[3], hf_qwen3.last(token_ids_of(out), 3), "len")
+
+
+def test_requests_that_do_not_ask_get_none(llm):
+    (out,) = generate(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=4))
+    assert out.outputs[0].hidden_states is None
+
+
+def test_out_of_range_layer_is_rejected_naming_valid_range(llm):
+    with pytest.raises(VLLMValidationError, match=r"layer 40 is out of range for a 4-layer model; "
+                                         r"valid indices are -5\.\.4"):
+        generate(llm, [PROMPT], greedy(hidden_states_layers=[40]))
+
+
+def test_bad_positions_value_is_rejected(llm):
+    with pytest.raises(VLLMValidationError, match=r"hidden_states_positions must be one of \['last', 'all'\]"):
+        generate(llm, [PROMPT], greedy(hidden_states_positions="first"))
+
+
+def test_layers_without_return_flag_is_rejected(llm):
+    with pytest.raises(VLLMValidationError, match="return_hidden_states is not set"):
+        generate(llm, [PROMPT], SamplingParams(max_tokens=2, hidden_states_layers=[1]))
+
+
+def test_engine_keeps_serving_after_rejected_request(llm, hf_qwen3):
+    with pytest.raises(VLLMValidationError):
+        generate(llm, [PROMPT], greedy(hidden_states_layers=[-9]))
+    (out,) = generate(llm, [PROMPT], greedy())
+    assert_close(out.outputs[0].hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "after")
+
+
+def test_abort_while_extract_pending_leaves_nothing_held(llm):
+    engine = llm.llm_engine
+    engine.add_request("abort-me", LONG_PROMPT,
+                       greedy(max_tokens=2, hidden_states_positions="all"))
+    processor = engine.output_processor
+    for _ in range(50):
+        engine.step()
+        if processor.hidden_states.num_held:
+            break
+    assert processor.hidden_states.num_held == 1  # final output held, extract queued
+    engine.abort_request(["abort-me"], internal=False)
+    for _ in range(10):
+        engine.step()
+    scheduler = engine.engine_core.engine_core.scheduler
+    assert processor.get_num_unfinished_requests() == 0
+    assert processor.hidden_states.num_held == 0
+    assert not scheduler.requests and not scheduler.hidden_states.active
+    (out,) = generate(llm, [PROMPT], greedy())
+    assert out.outputs[0].hidden_states is not None
+
+
+def test_compiled_engine_matches_hf_over_zmq(llm_compiled, hf_llama):
+    params = [greedy(hidden_states_layers=[-1, 0, 2]),
+              greedy(hidden_states_layers=[-2], hidden_states_positions="all")]
+    outs = generate(llm_compiled, [PROMPT, LONG_PROMPT], params)
+    assert outs[0].prompt_token_ids[0] == llm_compiled.get_tokenizer().bos_token_id
+    ref = hf_llama.states(token_ids_of(outs[0]))
+    for layer in (-1, 0, 2):
+        assert_close(outs[0].outputs[0].hidden_states[layer], ref[layer][-1:], f"layer {layer}")
+    ref = hf_llama.states(token_ids_of(outs[1]))
+    assert_close(outs[1].outputs[0].hidden_states[-2], ref[-2], "all, layer -2")
+
+
+def test_layer_outside_capturable_set_is_rejected_naming_the_set(llm_compiled):
+    with pytest.raises(VLLMValidationError, match=r"layer 1 is not capturable on this engine; "
+                                         r"capturable layers: 0, 2, -2, -1"):
+        generate(llm_compiled, [PROMPT], greedy(hidden_states_layers=[1]))
