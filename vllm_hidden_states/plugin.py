@@ -29,3 +29,7 @@ def register() -> None:
     from vllm_hidden_states.capture import install_mrv1_hooks
 
     install_mrv1_hooks()
+
+    from vllm_hidden_states.api import install_server_hooks
+
+    install_server_hooks()

@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The HTTP wire format of hidden states, and the server's error bodies.
+
+Two encodings, the same for every endpoint (``client.py`` is the inverse):
+
+* ``"float"``: nested JSON lists of float32 values, row-major over ``shape``.
+  The array is handed to orjson as a numpy array (``OPT_SERIALIZE_NUMPY``), so
+  no Python float object is ever made per value; float32 values are written in
+  their shortest round-tripping form.
+* ``"base64"``: base64 of the float32 little-endian bytes of the array in
+  row-major order of ``shape``, taken straight from the tensor's buffer::
+
+      np.frombuffer(base64.b64decode(data), "<f4").reshape(shape)
+
+Whatever the model dtype (bf16, fp16, fp32), values are sent as float32 and the
+model dtype is reported separately as ``dtype``.
+
+Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
+"code"}}`` with ``code`` the HTTP status, and the OpenAI ``type`` names
+(``invalid_request_error``, ``model_not_found``, ``model_error``,
+``internal_error``).
+"""
+
+import base64
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import numpy as np
+import orjson
+import torch
+
+ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")
+
+# orjson options for every body that may carry hidden states: numpy arrays are
+# written natively; non-str keys occur in some vLLM payloads (logprob maps).
+ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def as_float32(tensor: torch.Tensor) -> np.ndarray:
+    """A C-contiguous little-endian float32 numpy view/copy of a CPU tensor."""
+    array = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    # x86 and aarch64 hosts are little-endian already: this is a no-op there.
+    return array.astype("<f4", copy=False)
+
+
+def encode_array(tensor: torch.Tensor, encoding_format: str) -> np.ndarray | str:
+    """The ``data`` value for ``tensor`` in ``encoding_format``.
+
+    Returns a float32 numpy array for ``"float"`` (serialize the body with
+    :data:`ORJSON_OPTIONS`) or the base64 text for ``"base64"``.
+    """
+    array = as_float32(tensor)
+    if encoding_format == "base64":
+        return base64.b64encode(array.data).decode("ascii")
+    return array
+
+
+def encoded_size_bytes(num_values: int, encoding_format: str) -> int:
+    """About how many bytes ``num_values`` float32 values take on the wire.
+
+    Exact for base64 (4 bytes per value, 4/3 expansion). For JSON floats it is
+    an upper-end estimate: float32 shortest form is at most ~15 characters and
+    typically 10-12, plus a separator.
+    """
+    if encoding_format == "base64":
+        return 4 * ((4 * num_values + 2) // 3)
+    return 13 * num_values
+
+
+@dataclass
+class ApiError(Exception):
+    """A request error to answer with an OpenAI-shaped error body.
+
+    Attributes:
+        message: what was wrong and what is allowed.
+        status: the HTTP status.
+        type: OpenAI error type, e.g. ``invalid_request_error``.
+        param: the request field at fault, when there is one.
+    """
+
+    message: str
+    status: HTTPStatus = HTTPStatus.BAD_REQUEST
+    type: str = "invalid_request_error"
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_error_response(self):
+        """vLLM's ``ErrorResponse`` model (what its routes return for errors)."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message,
+                type=self.type,
+                param=self.param,
+                code=int(self.status),
+            )
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": int(self.status),
+            }
+        }
+
+
+def invalid_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(message, HTTPStatus.BAD_REQUEST, "invalid_request_error", param)
