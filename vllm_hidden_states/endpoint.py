@@ -187,7 +187,9 @@ async def _token_ids(state: Any, request: HiddenStatesRequest) -> list[list[int]
     tokenizer = state.engine_client.renderer.get_tokenizer()
     out = []
     for i, text in enumerate(texts):
-        ids = tokenizer.encode(text, truncation=True, max_length=request.max_length)
+        # Cut here rather than with truncation=True: vLLM loads tokenizers
+        # with truncation_side="left", and the contract keeps the *first* tokens.
+        ids = tokenizer.encode(text)[: request.max_length]
         if not ids:
             raise invalid_request(
                 f"input {i} encodes to no tokens; give non-empty text", "input"

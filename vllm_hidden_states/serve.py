@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``make serve``: the OpenAI server with hidden states, on a model that needs no download.
+
+    python -m vllm_hidden_states.serve [--model DIR_OR_HF_ID] [--port 8000] [vllm serve args...]
+
+Without ``--model`` it builds (once) the tiny random-weight Qwen3 of
+:mod:`vllm_hidden_states.tiny_models` under ``$VLLM_HIDDEN_STATES_MODELS``
+(default: ``.models/`` at the repository root) and serves it as ``tiny-qwen3``.
+It then replaces itself with ``vllm serve MODEL --enable-hidden-states ...``,
+adding these defaults unless the same flag is given:
+
+* ``--enable-hidden-states`` (every layer capturable);
+* the tiny model: ``--dtype float32 --max-model-len 2048 --served-model-name
+  tiny-qwen3``;
+* on machines without CUDA: ``--max-model-len 2048
+  --gpu-memory-utilization 0.3`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), since
+  vLLM's CPU backend refuses its 0.92 default on small hosts.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+TINY_NAME = "tiny-qwen3"
+
+
+def models_dir() -> Path:
+    """Where the default model is built: ``$VLLM_HIDDEN_STATES_MODELS`` or ``.models/``."""
+    env = os.environ.get("VLLM_HIDDEN_STATES_MODELS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / ".models"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _given(extra: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in extra)
+
+
+def build_command(
+    model: str | None, port: int, extra: list[str], cuda: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The ``vllm serve`` argv and the environment defaults to run it with."""
+    env: dict[str, str] = {}
+    defaults: list[tuple[str, str | None]] = [("--enable-hidden-states", None)]
+    if model is None:
+        from vllm_hidden_states.tiny_models import build_tiny_model
+
+        model = str(build_tiny_model(models_dir() / TINY_NAME, arch="qwen3"))
+        defaults += [
+            ("--dtype", "float32"),
+            ("--max-model-len", "2048"),
+            ("--served-model-name", TINY_NAME),
+        ]
+    if not cuda:
+        defaults += [("--max-model-len", "2048"), ("--gpu-memory-utilization", "0.3")]
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    argv += ["--port", str(port)]
+    seen: set[str] = set()
+    for flag, value in defaults:
+        if flag in seen or _given(extra, flag):
+            continue
+        seen.add(flag)
+        argv += [flag] if value is None else [flag, value]
+    return argv + extra, env
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Serve a model with per-request hidden states (vllm serve "
+        "--enable-hidden-states); the tiny built-in model by default.",
+    )
+    parser.add_argument("--model", default=None, help="model directory or HF id")
+    parser.add_argument("--port", type=int, default=8000)
+    known, extra = parser.parse_known_args(args)
+    argv, env = build_command(known.model, known.port, extra, _has_cuda())
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    print("+ " + " ".join(argv[1:]), flush=True)
+    # Replace this process, so signals (Ctrl-C, make's SIGTERM) reach vLLM.
+    os.execv(argv[0], argv)
+
+
+if __name__ == "__main__":
+    main()
