@@ -48,6 +48,7 @@ Requests that do not ask pay one ``dict`` lookup per wrapper.
 
 import functools
 import sys
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,8 @@ ENGINE_PARAMS = frozenset(
 DEFAULT_LAYERS: tuple[int, ...] = (-1,)
 
 _APP_MODULE = "vllm.entrypoints.launchers.app"
+# engine client -> its HiddenStatesConfig (None when not enabled).
+_engine_configs: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _installed = False
 _serving_patched = False
 
@@ -146,14 +149,14 @@ def ask_of(request: Any) -> HiddenStatesAsk | None:
 
 
 def engine_config(engine_client: Any):
-    """The engine's ``HiddenStatesConfig`` (None: not enabled), cached per client."""
-    from vllm_hidden_states.config import HiddenStatesConfig
-
+    """The engine's ``HiddenStatesConfig`` (None: not enabled), computed once per client."""
     try:
-        return engine_client._hidden_states_config
-    except AttributeError:
+        return _engine_configs[engine_client]
+    except KeyError:
+        from vllm_hidden_states.config import HiddenStatesConfig
+
         cfg = HiddenStatesConfig.from_vllm_config(engine_client.vllm_config)
-        engine_client._hidden_states_config = cfg
+        _engine_configs[engine_client] = cfg
         return cfg
 
 

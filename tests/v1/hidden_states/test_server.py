@@ -15,6 +15,7 @@ server reports (``return_token_ids``), max|diff| / max|ref| < 1e-3.
 """
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -592,8 +593,6 @@ def test_server_without_the_flag_says_how_to_enable(plain_server):
 
 
 def wait_idle(server: ServerProcess, timeout: float = 20.0) -> tuple[float, float]:
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         running = server.metric("vllm:num_requests_running")
@@ -603,18 +602,31 @@ def wait_idle(server: ServerProcess, timeout: float = 20.0) -> tuple[float, floa
         time.sleep(0.2)
 
 
+def wait_running(server: ServerProcess, timeout: float = 3.0) -> float:
+    """vllm:num_requests_running once it is >= 1 (gauges lag a step or two)."""
+    deadline = time.monotonic() + timeout
+    while (running := server.metric("vllm:num_requests_running")) < 1:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return running
+
+
 def test_client_disconnecting_mid_stream_leaves_nothing_held(server, http, hf_qwen3):
     body = completion_body(
-        max_tokens=400, ignore_eos=True, stream=True, n=2, temperature=1.0
+        max_tokens=900, ignore_eos=True, stream=True, n=2, temperature=1.0
     )
     with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            got = [line for _, line in zip(range(6), lines) if line.startswith("data:")]
-            assert got
-        # leaving the block closes the connection mid-stream
+            events = r.iter_lines()
+            assert next(line for line in events if line.startswith("data: {"))
+            # Still generating when the client goes away: the disconnect is
+            # mid-stream, not after the end.
+            assert wait_running(server) >= 1
+        # leaving both blocks closes the connection
     assert wait_idle(server) == (0, 0)
     r = http.post("/v1/completions", json=completion_body(hidden_states_layers=[2]))
     (choice,) = r.json()["choices"]
     ids = choice["prompt_token_ids"] + choice["token_ids"]
     assert_choice_matches_hf(hf_qwen3, choice["hidden_states"], ids, [2])
+
