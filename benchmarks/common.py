@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared benchmark machinery: models, servers, A/B rounds, results, targets.
+
+Every comparison runs its variants in one session, alternating A B A B ... for
+``rounds`` rounds, and reports the median of each variant and the median of the
+per-round ratios (variant / baseline of the same round), which cancels slow
+drifts of the machine (thermal, other load) better than a ratio of medians.
+"""
+
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+MODELS = Path(os.environ.get("VLLM_HIDDEN_STATES_MODELS", REPO / ".models"))
+
+
+def bench_model(kind: str = "default") -> Path:
+    """The benchmark model: a ~130M-parameter random Qwen3 (12 x 1024), large
+    enough that compute, not Python overhead, dominates on a CPU."""
+    from vllm_hidden_states.tiny_models import build_tiny_model
+
+    if kind == "tiny":
+        return build_tiny_model(MODELS / "tiny-qwen3", arch="qwen3")
+    return build_tiny_model(MODELS / "bench-qwen3", arch="qwen3", num_layers=12,
+                            hidden_size=1024, intermediate_size=2816, vocab_size=512)
+
+
+def machine() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+        info["mem_gib"] = round(int(mem) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+@dataclass
+class Comparison:
+    """One A/B(/C...) comparison: per-variant samples, in rounds."""
+
+    name: str
+    unit: str
+    baseline: str
+    higher_is_better: bool = True
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    targets: dict[str, float] = field(default_factory=dict)  # variant -> min ratio
+    notes: str = ""
+
+    def add(self, variant: str, value: float) -> None:
+        self.samples.setdefault(variant, []).append(value)
+
+    def median(self, variant: str) -> float:
+        return statistics.median(self.samples[variant])
+
+    def ratio(self, variant: str) -> float:
+        """Median over rounds of variant / baseline (same round)."""
+        base = self.samples[self.baseline]
+        vals = self.samples[variant]
+        return statistics.median(v / b for v, b in zip(vals, base))
+
+    def summary(self) -> dict[str, Any]:
+        out = {"name": self.name, "unit": self.unit, "baseline": self.baseline,
+               "notes": self.notes, "variants": {}}
+        for v in self.samples:
+            entry = {"median": self.median(v), "samples": self.samples[v]}
+            if v != self.baseline:
+                entry["ratio"] = self.ratio(v)
+                if v in self.targets:
+                    entry["target"] = self.targets[v]
+                    entry["meets_target"] = entry["ratio"] >= self.targets[v]
+            out["variants"][v] = entry
+        return out
+
+    def lines(self) -> list[str]:
+        rows = [f"{self.name} ({self.unit}, median; ratio = median per-round vs {self.baseline})"]
+        for v in self.samples:
+            row = f"  {v:<34s} {self.median(v):>12.2f}"
+            if v != self.baseline:
+                row += f"   x{self.ratio(v):.3f}"
+                if v in self.targets:
+                    ok = self.ratio(v) >= self.targets[v]
+                    row += f"   target >= {self.targets[v]:.2f}: {'MET' if ok else 'MISSED'}"
+            rows.append(row)
+        if self.notes:
+            rows.append(f"  note: {self.notes}")
+        return rows
+
+
+def alternate(comparison: Comparison, variants: dict[str, Callable[[], float]],
+              rounds: int, progress=None) -> Comparison:
+    """Run each variant once per round, in order, for ``rounds`` rounds."""
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            comparison.add(name, fn())
+            if progress is not None:
+                progress.update(1)
+    return comparison
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``vllm serve`` process on loopback (its own process group)."""
+
+    def __init__(self, model: Path | str, *args: str, name: str = "server",
+                 env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.name = name
+        self.log_path = RESULTS / f"{name}.log"
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+                "--port", str(self.port), "--host", "127.0.0.1",
+                "--served-model-name", "bench", "--disable-log-requests", *args]
+        full_env = dict(os.environ)
+        full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        full_env.update(env or {})
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 600) -> "Server":
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its descendants."""
+        return tree_rss(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def tree_rss(pid: int) -> int:
+    """Sum of VmRSS over ``pid`` and its descendants, in bytes (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines()
+                          if ":" in line)
+            children.setdefault(int(fields["PPid"]), []).append(int(fields["Pid"]))
+        except (OSError, KeyError, ValueError):
+            continue
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        stack.extend(children.get(p, []))
+    return total
+
+
+def write_results(results: dict[str, Any], stem: str = "latest") -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{stem}.json"
+    path.write_text(json.dumps(results, indent=2, default=str))
+    return path
+
+
+def to_dict(obj) -> dict:
+    return asdict(obj)
