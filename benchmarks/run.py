@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``make bench``: every comparison of issue 4 in one session.
+
+    python -m benchmarks.run [--rounds 3] [--quick] [--only offline,server,...]
+                             [--model DIR]
+
+Writes ``benchmarks/results/latest.json`` and PNG plots next to it, and prints a
+table with each target. Sections: offline (LLM throughput), server (HTTP
+throughput), prompt (POST /v1/hidden_states vs the pooling runner vs HF),
+payload (float JSON vs base64), load (256 concurrent mixed requests, RSS).
+"""
+
+import argparse
+import importlib
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, Comparison, machine, write_results
+
+SECTIONS = ("payload", "offline", "server", "prompt", "load")
+
+
+def _plot(results: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    labels, ratios, targets = [], [], []
+    for comp in results.get("comparisons", []):
+        for name, v in comp["variants"].items():
+            if "ratio" in v:
+                labels.append(f"{comp['name'].split(':')[0]}: {name}")
+                ratios.append(v["ratio"])
+                targets.append(v.get("target"))
+    if labels:
+        fig, ax = plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))
+        ax.barh(range(len(labels)), ratios, color="#4c72b0")
+        for i, t in enumerate(targets):
+            if t is not None:
+                ax.plot([t, t], [i - 0.4, i + 0.4], color="#c44e52", lw=2)
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xlabel("throughput ratio vs baseline (median of per-round ratios); red = target")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        path = out_dir / "throughput_ratios.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    latencies = (results.get("load") or {}).get("latencies")
+    if latencies:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        kinds = [k for k, v in latencies.items() if v]
+        ax.boxplot([latencies[k] for k in kinds], showfliers=True)
+        ax.set_xticks(range(1, len(kinds) + 1), kinds, rotation=20, fontsize=8)
+        ax.set_ylabel("request latency (s)")
+        ax.set_title("load: 256 concurrent mixed requests")
+        fig.tight_layout()
+        path = out_dir / "load_latency.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smaller batches, fewer shapes")
+    parser.add_argument("--only", default=",".join(SECTIONS))
+    parser.add_argument("--model", type=Path, default=None)
+    args = parser.parse_args(argv)
+    sections = [s for s in args.only.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+
+    results: dict = {"machine": machine(), "rounds": args.rounds, "quick": args.quick,
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "comparisons": []}
+    report: list[str] = []
+    with tqdm(total=len(sections), desc="benchmarks", unit="section") as bar:
+        for section in sections:
+            bar.set_postfix_str(section)
+            started = time.perf_counter()
+            if section == "payload":
+                from benchmarks import payload
+
+                results["payload"] = payload.run(args.rounds, args.quick)
+                report += payload.lines(results["payload"])
+            elif section == "load":
+                from benchmarks import load
+
+                results["load"] = load.run(quick=args.quick, model=args.model)
+                report += load.lines(results["load"]) if hasattr(load, "lines") else [
+                    f"load: {results['load']}"]
+            else:
+                module = importlib.import_module(
+                    {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
+                     "prompt": "benchmarks.prompt_states"}[section])
+                kwargs = {"model": args.model} if args.model else {}
+                comps: list[Comparison] = module.run(args.rounds, args.quick, **kwargs)
+                for comp in comps:
+                    results["comparisons"].append(comp.summary())
+                    report += comp.lines()
+            results.setdefault("seconds", {})[section] = time.perf_counter() - started
+            write_results(results)  # keep partial results if a later section fails
+            bar.update(1)
+
+    plots = _plot(results, RESULTS)
+    results["plots"] = [str(p) for p in plots]
+    path = write_results(results)
+    print("\n".join(report))
+    print(f"\nresults: {path}" + "".join(f"\nplot: {p}" for p in plots))
+    return results
+
+
+if __name__ == "__main__":
+    main()
