@@ -184,8 +184,40 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         )
 
 
+LAYERS_FLAG = "--hidden-states-layers"
+
+
+def join_layers_value(args: list[str]) -> list[str]:
+    """``["--hidden-states-layers", "-1,-2,16"]`` -> ``["--hidden-states-layers=-1,-2,16"]``.
+
+    argparse reads a value that starts with ``-`` and is not a plain negative
+    number as an option, so the natural spelling would fail to parse.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == LAYERS_FLAG and i + 1 < len(args) and args[i + 1].startswith("-"):
+            out.append(f"{LAYERS_FLAG}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def add_cli_args(parser) -> None:
     """``--enable-hidden-states`` and ``--hidden-states-layers`` for EngineArgs."""
+    import sys
+
+    if not getattr(parser, "_hidden_states_join", False):
+        parse_known_args = parser.parse_known_args
+
+        def parse_known_args_joined(args=None, namespace=None):
+            args = sys.argv[1:] if args is None else list(args)
+            return parse_known_args(join_layers_value(args), namespace)
+
+        parser.parse_known_args = parse_known_args_joined
+        parser._hidden_states_join = True
     group = parser.add_argument_group(
         title="Hidden states (vllm-hidden-states)",
         description="Per-request hidden states on chat/completions and "
@@ -198,7 +230,7 @@ def add_cli_args(parser) -> None:
         help="Let requests ask for hidden states (return_hidden_states).",
     )
     group.add_argument(
-        "--hidden-states-layers",
+        LAYERS_FLAG,
         type=str,
         default=None,
         help="Capturable layers, HF convention (0 = embeddings, -1 = final "

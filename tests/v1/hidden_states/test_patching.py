@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-hidden-states patch``: idempotent, version-pinned, reports its state."""
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm_hidden_states import patching
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm_hidden_states.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_every_patch_is_applied_to_the_installed_vllm():
+    states = patching.status()
+    assert [s.name for s in states] == [p.name for p in patching.patch_files()]
+    assert all(s.state == "applied" for s in states), states
+
+
+def test_apply_twice_changes_nothing():
+    result = _cli("patch", "apply")
+    assert result.returncode == 0, result.stderr
+    assert "already patched" in result.stdout
+
+
+def test_check_exits_zero_and_lists_each_patch():
+    result = _cli("patch", "check")
+    assert result.returncode == 0, result.stderr
+    for p in patching.patch_files():
+        assert f"applied      {p.name}" in result.stdout
+
+
+def test_installed_vllm_is_the_pinned_version():
+    assert patching.check_version().split("+")[0] == patching.VLLM_VERSION == "0.32.0"
+
+
+def test_other_vllm_versions_are_refused_by_name(monkeypatch):
+    monkeypatch.setattr(patching, "installed_vllm_version", lambda: "0.31.2")
+    with pytest.raises(patching.PatchError, match=r"supports vLLM 0\.32\.0 exactly; "
+                                                  r"the installed version is 0\.31\.2"):
+        patching.apply()
+
+
+def test_patched_engine_args_expose_the_flags():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--enable-hidden-states", "--hidden-states-layers", "-1,-2,3"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.enable_hidden_states and engine_args.hidden_states_layers == "-1,-2,3"
