@@ -21,7 +21,7 @@ Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
 ``internal_error``).
 """
 
-import base64
+import pybase64
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -42,8 +42,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def as_float32(tensor: torch.Tensor) -> np.ndarray:
-    """A C-contiguous little-endian float32 numpy view/copy of a CPU tensor."""
-    array = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    """A C-contiguous little-endian float32 numpy view/copy of a CPU tensor.
+
+    bfloat16 is widened in numpy by moving its 16 bits to the top of a 32-bit
+    word: exact (bf16 is float32's upper half) and ~10x faster than torch's CPU
+    cast on a [512, 2560] array, which dominated the base64 encode time.
+    """
+    tensor = tensor.detach().to(device="cpu").contiguous()
+    if tensor.dtype == torch.bfloat16:
+        bits = tensor.view(torch.int16).numpy().view(np.uint16)
+        wide = np.empty(bits.shape, dtype=np.uint32)
+        np.left_shift(bits, 16, out=wide, dtype=np.uint32)
+        array = wide.view(np.float32)
+    else:
+        array = tensor.to(torch.float32).numpy()
     # x86 and aarch64 hosts are little-endian already: this is a no-op there.
     return array.astype("<f4", copy=False)
 
@@ -56,7 +68,8 @@ def encode_array(tensor: torch.Tensor, encoding_format: str) -> np.ndarray | str
     """
     array = as_float32(tensor)
     if encoding_format == "base64":
-        return base64.b64encode(array.data).decode("ascii")
+        # SIMD base64 (pybase64): ~40x the stdlib on a [512, 2560] array.
+        return pybase64.b64encode_as_string(array.data)
     return array
 
 
