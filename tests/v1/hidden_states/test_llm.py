@@ -203,3 +203,13 @@ def test_layer_outside_capturable_set_is_rejected_naming_the_set(llm_compiled):
     with pytest.raises(VLLMValidationError, match=r"layer 1 is not capturable on this engine; "
                                          r"capturable layers: 0, 2, -2, -1"):
         generate(llm_compiled, [PROMPT], greedy(hidden_states_layers=[1]))
+
+
+def test_output_stops_one_short_of_max_model_len_so_the_last_state_exists(llm, hf_qwen3):
+    max_model_len = llm.llm_engine.model_config.max_model_len
+    prompt = {"prompt_token_ids": [(7 * i) % 500 + 3 for i in range(max_model_len - 12)]}
+    params = greedy(max_tokens=100, ignore_eos=True)
+    (out,) = generate(llm, [prompt], params)
+    ids = token_ids_of(out)
+    assert len(ids) == max_model_len - 1 and out.outputs[0].finish_reason == "length"
+    assert_close(out.outputs[0].hidden_states[-1], hf_qwen3.last(ids, -1), "at max_model_len-1")
