@@ -195,6 +195,31 @@ async def run_all(client: httpx.AsyncClient, specs: list[Spec], concurrency: int
         bar.close()
 
 
+def rss_by_process(root: int) -> dict[str, float]:
+    """VmRSS in MB of ``root`` and each descendant, keyed ``"<pid> <name>"``
+    (names like ``VLLM::EngineCore``), to see which process grows."""
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
+    rss: dict[int, float] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines()
+                          if ":" in line)
+            pid = int(fields["Pid"])
+            parent[pid] = int(fields["PPid"])
+            names[pid] = fields["Name"].strip()
+            rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+        except (OSError, KeyError, ValueError):
+            continue
+    out, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in names:
+            out[f"{pid} {names[pid]}"] = rss[pid]
+        stack.extend(c for c, p in parent.items() if p == pid)
+    return out
+
+
 def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
     if a.shape != b.shape:
         return float("inf")
@@ -249,6 +274,7 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
                              "rss warm-up")
         await asyncio.sleep(2.0)
         rss_before = server.rss_bytes()
+        by_process_before = rss_by_process(server.proc.pid)
         samples: list[tuple[int, float]] = [(0, rss_before / MB)]
 
         def sample(done: int) -> None:
@@ -261,6 +287,7 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         rss_wall = time.perf_counter() - t0
         await asyncio.sleep(2.0)
         rss_after = server.rss_bytes()
+        by_process_after = rss_by_process(server.proc.pid)
         samples.append((rss_requests, rss_after / MB))
 
     rss_errors = [r.error for r in warm + long_run if r.error]
@@ -289,6 +316,8 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         "rss_after_mb": rss_after / MB,
         "rss_growth_mb": growth,
         "rss_samples_mb": samples,
+        "rss_growth_by_process_mb": {
+            k: by_process_after[k] - by_process_before.get(k, 0.0) for k in by_process_after},
         "rss_wall_s": rss_wall,
         "rss_latency_s": [r.latency_s for r in long_run],
         "latency_s": latency,
