@@ -15,6 +15,9 @@
 3. **Memory**: process-tree RSS of the server (``Server.rss_bytes``) after a
    warm-up, then ``rss_requests`` requests with hidden states (2000; quick: 200)
    at concurrency 32, then RSS again; growth in MB (2**20 bytes; target < 50).
+   Just before, the same traffic without hidden states is measured the same way
+   (``rss_control_growth_mb``), and the growth is split by process
+   (API server, EngineCore, Worker) to tell a leak of ours from vLLM's caches.
 
 Times are seconds. Run alone:
 ``python -m benchmarks.load [--quick] [--model DIR]``.
@@ -265,32 +268,43 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         rng = random.Random(1)
         kinds = list(itertools.product(["completions", "chat"], [False, True], [1, 2]))
 
-        def rss_specs(n: int, start: int) -> list[Spec]:
-            return [make_spec(start + i, *kinds[i % len(kinds)][:2], True,
+        def rss_specs(n: int, start: int, hidden: bool = True) -> list[Spec]:
+            return [make_spec(start + i, *kinds[i % len(kinds)][:2], hidden,
                               kinds[i % len(kinds)][2], rng, max_tokens=8)
                     for i in range(n)]
 
+        def sampler(samples: list[tuple[int, float]]):
+            def sample(done: int) -> None:
+                if done % 100 == 0:
+                    samples.append((done, server.rss_bytes() / MB))
+            return sample
+
         warm = await run_all(client, rss_specs(RSS_WARMUP, 10**6), RSS_CONCURRENCY,
                              "rss warm-up")
+        # control: the same traffic without hidden states, so growth that plain
+        # vLLM shows too (allocator, oneDNN/compile caches per new shape) is seen
+        await asyncio.sleep(2.0)
+        rss_plain_before = server.rss_bytes()
+        plain_samples: list[tuple[int, float]] = [(0, rss_plain_before / MB)]
+        control = await run_all(client, rss_specs(rss_requests, 3 * 10**6, hidden=False),
+                                RSS_CONCURRENCY, "rss control (no states)",
+                                on_done=sampler(plain_samples))
         await asyncio.sleep(2.0)
         rss_before = server.rss_bytes()
+        plain_samples.append((rss_requests, rss_before / MB))
         by_process_before = rss_by_process(server.proc.pid)
         samples: list[tuple[int, float]] = [(0, rss_before / MB)]
 
-        def sample(done: int) -> None:
-            if done % 100 == 0:
-                samples.append((done, server.rss_bytes() / MB))
-
         t0 = time.perf_counter()
         long_run = await run_all(client, rss_specs(rss_requests, 2 * 10**6),
-                                 RSS_CONCURRENCY, "rss requests", on_done=sample)
+                                 RSS_CONCURRENCY, "rss requests", on_done=sampler(samples))
         rss_wall = time.perf_counter() - t0
         await asyncio.sleep(2.0)
         rss_after = server.rss_bytes()
         by_process_after = rss_by_process(server.proc.pid)
         samples.append((rss_requests, rss_after / MB))
 
-    rss_errors = [r.error for r in warm + long_run if r.error]
+    rss_errors = [r.error for r in warm + control + long_run if r.error]
     growth = (rss_after - rss_before) / MB
     kinds_count: dict[str, int] = {}
     for s in specs:
@@ -316,6 +330,8 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         "rss_after_mb": rss_after / MB,
         "rss_growth_mb": growth,
         "rss_samples_mb": samples,
+        "rss_control_growth_mb": (rss_before - rss_plain_before) / MB,
+        "rss_control_samples_mb": plain_samples,
         "rss_growth_by_process_mb": {
             k: by_process_after[k] - by_process_before.get(k, 0.0) for k in by_process_after},
         "rss_wall_s": rss_wall,
@@ -362,7 +378,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"  RSS over {result['rss_requests']} requests with hidden states: "
         f"{result['rss_before_mb']:.0f} -> {result['rss_after_mb']:.0f} MB "
         f"({result['rss_growth_mb']:+.1f} MB, {result['rss_errors']} errors) target "
-        f"< {RSS_GROWTH_MB:g} MB: {'MET' if m['rss_growth_mb'] else 'MISSED'}",
+        f"< {RSS_GROWTH_MB:g} MB: {'MET' if m['rss_growth_mb'] else 'MISSED'}; "
+        f"control (same traffic without states, just before): "
+        f"{result['rss_control_growth_mb']:+.1f} MB",
     ]
 
 
