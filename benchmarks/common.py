@@ -138,7 +138,7 @@ class Server:
         self.log_path = RESULTS / f"{name}.log"
         argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                 "--port", str(self.port), "--host", "127.0.0.1",
-                "--served-model-name", "bench", "--disable-log-requests", *args]
+                "--served-model-name", "bench", *args]
         full_env = dict(os.environ)
         full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
