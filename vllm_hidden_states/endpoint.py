@@ -21,9 +21,10 @@ Z-Image backend), plus a batch form and a ``messages`` form::
   the model's chat template as /v1/chat/completions does (``add_generation_
   prompt`` default true, ``chat_template_kwargs`` passed through).
 
-Each input runs as a ``max_tokens=1`` generation with ``positions="all"``: the
-engine recomputes every position (no prefix-cache reads), and the returned
-``[len(prompt) + 1, hidden]`` tensor is cut to the prompt's rows.
+Each input runs as a ``max_tokens=1`` generation with ``positions="prompt"``:
+the prompt's states are captured during its own prefill (which skips prefix-
+cache reads, so every position is computed), one forward pass per input like
+vLLM's pooling runner; no post-sampling extract is needed.
 """
 
 import asyncio
@@ -236,9 +237,9 @@ def _check_limits(
 ) -> None:
     """422 when the model cannot take an input; 400 when the answer is too big."""
     max_model_len = engine_client.model_config.max_model_len
-    # The engine generates one token after the prompt and needs one more
-    # position for that token's state: prompt_len <= max_model_len - 2.
-    limit = max_model_len - 2
+    # vLLM generates one token after the prompt, so the prompt must leave one
+    # position free: prompt_len <= max_model_len - 1.
+    limit = max_model_len - 1
     for i, ids in enumerate(inputs):
         if len(ids) > limit:
             raise ApiError(
@@ -279,7 +280,7 @@ async def _extract(
         output_kind=RequestOutputKind.FINAL_ONLY,
         return_hidden_states=True,
         hidden_states_layers=[layer],
-        hidden_states_positions="all",
+        hidden_states_positions="prompt",
     )
     final = None
     async for output in engine_client.generate(
@@ -294,8 +295,7 @@ async def _extract(
             HTTPStatus.INTERNAL_SERVER_ERROR,
             "internal_error",
         )
-    # Rows cover prompt + the one generated token; keep the prompt's.
-    return states[layer][: len(ids)]
+    return states[layer]
 
 
 def _input_object(request: HiddenStatesRequest, rows) -> dict[str, Any]:

@@ -7,8 +7,10 @@ Flow owned here (all in the front-end process, next to the OutputProcessor):
    ``SamplingParams.return_hidden_states`` & co. into a validated
    :class:`HiddenStatesSpec` on ``EngineCoreRequest.return_hidden_states``.
 2. When such a request finishes (EOS, stop token, stop string, length), the
-   OutputProcessor calls :meth:`HiddenStatesDispatcher.hold` instead of emitting
-   the final output. Only the front-end knows the final token list (stop strings
+   OutputProcessor hands its final output to :meth:`HiddenStatesDispatcher.on_output`,
+   which holds it (positions "last"/"all") instead of emitting it. (Positions
+   "prompt" are captured during the request's own prefill and arrive on an
+   earlier output; those requests are never held.) Only the front-end knows the final token list (stop strings
    are matched and trimmed here), so only it can say which token is "last".
 3. The held request becomes a :class:`HiddenStatesExtractRequest`, sent to the
    EngineCore as a ``HIDDEN_STATES_EXTRACT`` core request by the engine loop
@@ -107,6 +109,14 @@ def resolve_request(
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
 
+    if positions == "prompt":
+        # Captured during the request's own prefill, so every prompt position
+        # must be computed there: cached blocks hold KV, not hidden states.
+        params.skip_reading_prefix_cache = True
+        return HiddenStatesSpec(
+            layers=[int(k) for k in layers], abs_layers=abs_layers, positions=positions
+        )
+
     max_model_len = vllm_config.model_config.max_model_len
     room = max_model_len - 1 - prompt_len
     if room < 1:
@@ -174,6 +184,31 @@ class HiddenStatesDispatcher:
     def num_held(self) -> int:
         return len(self._held)
 
+    def on_output(self, req_state: Any, engine_core_output: "EngineCoreOutput",
+                  *args) -> bool:
+        """Per output of a request that asked; True if its output is now held.
+
+        ``args`` are the OutputProcessor's emit arguments (``args[2]`` is the
+        finish reason). ``"prompt"`` states arrive on the output of the step
+        that completed the prefill and are kept until the request finishes;
+        ``"last"``/``"all"`` finish by holding the output and queueing an extract.
+        """
+        tracked: TrackedRequest = req_state.hidden_states
+        if engine_core_output.hidden_states is not None:
+            tracked.states = self._by_key(tracked, engine_core_output.hidden_states)
+        if args[2] is None or tracked.spec.positions == "prompt":
+            return False
+        self.hold(req_state, engine_core_output, *args)
+        return True
+
+    @staticmethod
+    def _by_key(tracked: TrackedRequest, data: torch.Tensor) -> dict[int, torch.Tensor]:
+        """``[num_distinct_layers, positions, hidden]`` -> {layer as requested: rows}."""
+        extracted = sorted(set(tracked.spec.abs_layers))
+        row = {k: i for i, k in enumerate(extracted)}
+        return {key: data[row[k]]
+                for key, k in zip(tracked.spec.layers, tracked.spec.abs_layers)}
+
     def hold(self, req_state: Any, engine_core_output: "EngineCoreOutput", *args):
         """Hold the final output of ``req_state`` and queue its extract."""
         tracked: TrackedRequest = req_state.hidden_states
@@ -218,8 +253,7 @@ class HiddenStatesDispatcher:
             return None
         tracked: TrackedRequest = held.req_state.hidden_states
         data = engine_core_output.hidden_states
-        extracted = sorted(set(tracked.spec.abs_layers))
-        if data is None or data.shape[0] != len(extracted):
+        if data is None or data.shape[0] != len(set(tracked.spec.abs_layers)):
             tracked.error = (
                 "hidden-state extraction failed in the engine "
                 f"(finish_reason={engine_core_output.finish_reason})"
@@ -228,11 +262,7 @@ class HiddenStatesDispatcher:
                 "Request %s: %s", held.req_state.request_id, tracked.error
             )
         else:
-            row = {k: i for i, k in enumerate(extracted)}
-            tracked.states = {
-                key: data[row[k]]
-                for key, k in zip(tracked.spec.layers, tracked.spec.abs_layers)
-            }
+            tracked.states = self._by_key(tracked, data)
         return held
 
     def abort(self, req_state: Any) -> str | None:

@@ -24,8 +24,11 @@ import msgspec
 
 from vllm.lora.request import LoRARequest
 
-Positions = Literal["last", "all"]
-POSITIONS: tuple[str, ...] = ("last", "all")
+Positions = Literal["last", "all", "prompt"]
+POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
+# Positions served by a post-sampling HIDDEN_STATES_EXTRACT prefill. "prompt" is
+# captured during the request's own prefill instead: no extract, one pass.
+EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
 
 # Suffix of the engine-internal id of a HIDDEN_STATES_EXTRACT request. The
 # scheduler treats a duplicate request id as a streaming continuation, so the
@@ -65,7 +68,8 @@ class HiddenStatesExtractRequest(
             states are wanted. Positions index this list.
         layers: distinct absolute HF layer indices (``0..L``) to capture, in the
             order the result tensor's first dimension will have.
-        positions: ``"last"`` (only ``token_ids[-1]``) or ``"all"``.
+        positions: ``"last"`` (only ``token_ids[-1]``) or ``"all"``
+            (``"prompt"`` never needs an extract).
         lora_request, cache_salt: copied from the original request, so the
             prefill reproduces its activations and hits its prefix-cache blocks.
     """

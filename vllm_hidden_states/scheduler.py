@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm_hidden_states.config import HiddenStatesConfig
-from vllm_hidden_states.request import HiddenStatesExtractRequest
+from vllm_hidden_states.request import EXTRACT_POSITIONS, HiddenStatesExtractRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,6 +38,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to capture for one request id while it is in the scheduler.
+
+    Attributes:
+        layers: distinct absolute HF layer indices, in result order.
+        positions: "last" (only position ``num_tokens - 1``) or "all".
+        num_tokens: the capture ends once this many positions are computed.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -91,8 +106,10 @@ class HiddenStatesScheduler:
     def __init__(self, config: HiddenStatesConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        # Extracts in the scheduler (waiting or running), by request id.
-        self.active: dict[str, HiddenStatesExtractRequest] = {}
+        # Captures pending in the scheduler (waiting or running), by request
+        # id: HIDDEN_STATES_EXTRACT requests, and "prompt" captures of
+        # generation requests until their prefill has delivered them.
+        self.active: dict[str, CaptureSpec] = {}
 
     @classmethod
     def maybe_create(cls, vllm_config: "VllmConfig") -> "HiddenStatesScheduler | None":
@@ -106,7 +123,7 @@ class HiddenStatesScheduler:
     def validate(self, extract: HiddenStatesExtractRequest) -> str | None:
         """Why an extract cannot run, or None. The front-end validated the
         original request, so this only guards against a direct EngineCore user."""
-        if extract.positions not in ("last", "all"):
+        if extract.positions not in EXTRACT_POSITIONS:
             return f"positions must be 'last' or 'all', got {extract.positions!r}"
         if not extract.layers:
             return "no layers requested"
@@ -139,7 +156,8 @@ class HiddenStatesScheduler:
         """
         from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
-        self.active[request.request_id] = extract
+        self.active[request.request_id] = CaptureSpec(
+            tuple(extract.layers), extract.positions, len(extract.token_ids))
         scheduler.add_request(request)
         waiting = scheduler.waiting
         if isinstance(waiting, FCFSRequestQueue) and waiting and waiting[-1] is request:
@@ -155,16 +173,34 @@ class HiddenStatesScheduler:
             return
         steps: dict[str, CaptureStep] = {}
         scheduled = output.num_scheduled_tokens
-        for req_id, extract in self.active.items():
+        for req_id, spec in self.active.items():
             if req_id in scheduled:
                 steps[req_id] = CaptureStep(
-                    layers=tuple(extract.layers),
-                    positions=extract.positions,
+                    layers=spec.layers,
+                    positions=spec.positions,
                     start=scheduler.requests[req_id].num_computed_tokens,
-                    num_tokens=len(extract.token_ids),
+                    num_tokens=spec.num_tokens,
                 )
         if steps:
             output.hidden_states = steps
+
+    def on_new_request(self, request: "Request") -> None:
+        """In ``Scheduler.add_request``: register a "prompt" capture.
+
+        The request's prompt positions are captured during its own prefill
+        (the front-end set ``skip_reading_prefix_cache``, so all are computed).
+        """
+        params = request.sampling_params
+        if (
+            params is None
+            or not params.return_hidden_states
+            or params.hidden_states_positions != "prompt"
+        ):
+            return
+        layers = params.hidden_states_layers or [-1]
+        absolute = sorted({self.config.resolve(k) for k in layers})
+        self.active[request.request_id] = CaptureSpec(
+            tuple(absolute), "all", request.num_prompt_tokens)
 
     def forget(self, request_id: str) -> None:
         """In ``_free_request``: an extract left the scheduler (done or aborted)."""
@@ -184,6 +220,9 @@ class HiddenStatesScheduler:
                 tensor = captured.get(eco.request_id)
                 if tensor is not None:
                     eco.hidden_states = tensor
+                    # Delivered: a "prompt" capture must not run again if the
+                    # request is preempted and recomputed later.
+                    self.active.pop(eco.request_id, None)
 
 
 def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -> None:

@@ -99,6 +99,28 @@ def test_batch_mixing_requests_with_and_without_states(llm, hf_qwen3):
         assert_close(states[2], hf_qwen3.last(token_ids_of(out), 2), out.prompt)
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT])
+def test_prompt_positions_come_from_the_requests_own_prefill(llm, hf_qwen3, prompt):
+    params = greedy(max_tokens=5, hidden_states_layers=[-2, 0],
+                    hidden_states_positions="prompt")
+    (out,) = generate(llm, [prompt], params)
+    ref = hf_qwen3.states(list(out.prompt_token_ids))
+    for layer, tensor in out.outputs[0].hidden_states.items():
+        assert tensor.shape == (len(out.prompt_token_ids), 128)
+        assert_close(tensor, ref[layer], f"prompt layer {layer}")
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_prompt_positions_are_complete_on_a_prefix_cache_hit(llm, hf_qwen3):
+    prompt = LONG_PROMPT + " Cached prompt states."
+    generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=2))  # fill cache
+    params = greedy(max_tokens=1, hidden_states_positions="prompt")
+    (out,) = generate(llm, [prompt], params)
+    assert out.outputs[0].hidden_states[-1].shape[0] == len(out.prompt_token_ids)
+    assert_close(out.outputs[0].hidden_states[-1],
+                 hf_qwen3.states(list(out.prompt_token_ids))[-1], "prompt after cache")
+
+
 def test_finish_by_eos_returns_state_of_the_eos_token(llm, hf_qwen3):
     eos = llm.get_tokenizer().eos_token_id
     params = greedy(min_tokens=3, logit_bias={eos: 100.0}, max_tokens=20)
@@ -150,7 +172,8 @@ def test_out_of_range_layer_is_rejected_naming_valid_range(llm):
 
 
 def test_bad_positions_value_is_rejected(llm):
-    with pytest.raises(VLLMValidationError, match=r"hidden_states_positions must be one of \['last', 'all'\]"):
+    with pytest.raises(VLLMValidationError, match=r"hidden_states_positions must be one of "
+                                                  r"\['last', 'all', 'prompt'\]"):
         generate(llm, [PROMPT], greedy(hidden_states_positions="first"))
 
 

@@ -13,9 +13,13 @@ from .conftest import COMMON_ENGINE_ARGS, assert_close, token_ids_of
 
 @pytest.fixture(scope="module")
 def llm_tp2(qwen3_dir):
+    import vllm.envs as envs
     from vllm import LLM
 
-    # Two CPU workers on one NUMA node need explicit core binding.
+    # Two CPU workers on one NUMA node need explicit core binding. An
+    # in-process engine started earlier in this session froze vLLM's env reads
+    # (envs cache); drop that cache so the binding is seen.
+    envs.disable_envs_cache()
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     try:
