@@ -51,7 +51,7 @@ def _plot(results: dict, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
-    latencies = (results.get("load") or {}).get("latencies")
+    latencies = (results.get("load") or {}).get("latency_s")
     if latencies:
         fig, ax = plt.subplots(figsize=(9, 4))
         kinds = [k for k, v in latencies.items() if v]
@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer shapes")
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--report", type=Path, default=None,
+                        help="print the table and redraw the plots of a results JSON")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        return report_from(args.report)
     sections = [s for s in args.only.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -95,8 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                 from benchmarks import load
 
                 results["load"] = load.run(quick=args.quick, model=args.model)
-                report += load.lines(results["load"]) if hasattr(load, "lines") else [
-                    f"load: {results['load']}"]
+                report += load.summary_lines(results["load"])
             else:
                 module = importlib.import_module(
                     {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
@@ -115,6 +118,41 @@ def main(argv: list[str] | None = None) -> dict:
     path = write_results(results)
     print("\n".join(report))
     print(f"\nresults: {path}" + "".join(f"\nplot: {p}" for p in plots))
+    return results
+
+
+def report_lines(results: dict) -> list[str]:
+    """The printed table, rebuilt from a results dict."""
+    from benchmarks import load, payload
+
+    lines: list[str] = []
+    if results.get("payload"):
+        lines += payload.lines(results["payload"])
+    for comp in results.get("comparisons", []):
+        lines.append(f"{comp['name']} ({comp['unit']}, median; ratio = median per-round "
+                     f"vs {comp['baseline']})")
+        for name, v in comp["variants"].items():
+            row = f"  {name:<34s} {v['median']:>12.2f}"
+            if "ratio" in v:
+                row += f"   x{v['ratio']:.3f}"
+                if "target" in v:
+                    row += (f"   target >= {v['target']:.2f}: "
+                            f"{'MET' if v['meets_target'] else 'MISSED'}")
+            lines.append(row)
+        if comp.get("notes"):
+            lines.append(f"  note: {comp['notes']}")
+    if results.get("load"):
+        lines += load.summary_lines(results["load"])
+    return lines
+
+
+def report_from(path: Path) -> dict:
+    import json
+
+    results = json.loads(path.read_text())
+    plots = _plot(results, path.parent)
+    print("\n".join(report_lines(results)))
+    print("".join(f"\nplot: {p}" for p in plots))
     return results
 
 
