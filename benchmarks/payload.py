@@ -13,7 +13,6 @@ array), i.e. what the encoding itself costs.
 import statistics
 import time
 
-import numpy as np
 import orjson
 import torch
 

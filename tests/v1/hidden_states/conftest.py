@@ -16,6 +16,7 @@ on the same token ids.
 """
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,21 @@ def hf_llama(llama_dir) -> HFReference:
     return HFReference(llama_dir)
 
 
+@contextmanager
+def env_set(name: str, value: str):
+    """Set an environment variable while an engine is built, then restore it
+    (spawned engine processes read it at start; later engines must not)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = saved
+
+
 COMMON_ENGINE_ARGS = dict(
     dtype="float32",
     gpu_memory_utilization=0.2,
@@ -98,9 +114,7 @@ def llm(qwen3_dir):
     """Eager, in-process engine; every layer capturable."""
     from vllm import LLM
 
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
+    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
         engine = LLM(
             model=str(qwen3_dir),
             enable_hidden_states=True,
@@ -108,11 +122,6 @@ def llm(qwen3_dir):
             max_model_len=1024,
             **COMMON_ENGINE_ARGS,
         )
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

@@ -4,7 +4,6 @@
 import time
 
 import pytest
-import torch
 
 from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType

@@ -2,13 +2,11 @@
 """Where vLLM scales out: tensor parallel works; what is not supported yet is
 refused at start-up with a message, before any engine process starts."""
 
-import os
-
 import pytest
 
 from vllm import SamplingParams
 
-from .conftest import COMMON_ENGINE_ARGS, assert_close, token_ids_of
+from .conftest import COMMON_ENGINE_ARGS, assert_close, env_set, token_ids_of
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +18,9 @@ def llm_tp2(qwen3_dir):
     # in-process engine started earlier in this session froze vLLM's env reads
     # (envs cache); drop that cache so the binding is seen.
     envs.disable_envs_cache()
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    try:
+    with env_set("VLLM_CPU_OMP_THREADS_BIND", "0|1"):
         engine = LLM(model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
                      tensor_parallel_size=2, max_model_len=512, **COMMON_ENGINE_ARGS)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
