@@ -21,7 +21,7 @@ Flow owned here (all in the front-end process, next to the OutputProcessor):
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,7 +158,6 @@ class HeldOutput:
     req_state: Any
     engine_core_output: "EngineCoreOutput"
     args: tuple
-    held_at: float = field(default_factory=time.monotonic)
 
 
 class HiddenStatesDispatcher:

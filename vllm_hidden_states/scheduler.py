@@ -18,7 +18,9 @@ scheduling path, which is the point:
 the engine has hidden states disabled, so the scheduler pays one ``is None``
 check per step). It tells the model runner, through
 ``SchedulerOutput.hidden_states``, which rows of this step to capture, and
-copies the captured tensors onto the extracts' EngineCoreOutputs.
+copies the captured tensors onto the extracts' EngineCoreOutputs. It also
+registers ``positions="prompt"`` captures, which need no extract: the request's
+own prefill chunks are captured and the states ride on its first output.
 """
 
 from dataclasses import dataclass
