@@ -23,13 +23,18 @@ registers ``positions="prompt"`` captures, which need no extract: the request's
 own prefill chunks are captured and the states ride on its first output.
 """
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm_hidden_states.config import HiddenStatesConfig
-from vllm_hidden_states.request import EXTRACT_POSITIONS, HiddenStatesExtractRequest
+from vllm_hidden_states.request import (
+    EXTRACT_ID_SUFFIX,
+    EXTRACT_POSITIONS,
+    HiddenStatesExtractRequest,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,6 +45,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+# How long a finished "last" request's KV blocks wait for its extract before
+# they are freed anyway (the front-end sends the extract as soon as it sees the
+# finished output, so this only bounds leaks, e.g. a client abort that raced
+# the finish), in seconds.
+PARK_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,10 @@ class HiddenStatesScheduler:
         # id: HIDDEN_STATES_EXTRACT requests, and "prompt" captures of
         # generation requests until their prefill has delivered them.
         self.active: dict[str, CaptureSpec] = {}
+        # Finished "last" requests whose KV blocks wait for their extract, by
+        # request id, with the monotonic time they were parked (oldest first).
+        self.parked: dict[str, tuple["Request", float]] = {}
+        self._adoptable: bool | None = None
 
     @classmethod
     def maybe_create(cls, vllm_config: "VllmConfig") -> "HiddenStatesScheduler | None":
@@ -158,6 +173,7 @@ class HiddenStatesScheduler:
         """
         from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
+        self._adopt_parked(scheduler, request, extract)
         self.active[request.request_id] = CaptureSpec(
             tuple(extract.layers), extract.positions, len(extract.token_ids))
         scheduler.add_request(request)
@@ -166,11 +182,96 @@ class HiddenStatesScheduler:
             waiting.pop()
             waiting.prepend_request(request)
 
+    # -- KV-block hand-over for "last" extracts ------------------------------
+
+    def park(self, scheduler: "Scheduler", request: "Request") -> bool:
+        """In ``_free_request``: keep a finished "last" request's KV blocks.
+
+        Its extract (same token ids, the final one appended) then computes one
+        token on top of them instead of re-prefilling everything after the
+        last full, prefix-cached block (up to ``block_size - 1`` tokens).
+        Returns True when the blocks are kept (the caller must not free them).
+        """
+        from vllm.v1.request import RequestStatus
+
+        params = request.sampling_params
+        if (
+            params is None
+            or not params.return_hidden_states
+            or params.hidden_states_positions != "last"
+            or request.status
+            not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+            or not self._can_adopt(scheduler)
+        ):
+            return False
+        self.parked[request.request_id] = (request, time.monotonic())
+        return True
+
+    def _can_adopt(self, scheduler: "Scheduler") -> bool:
+        """Hand-over is implemented for plain full attention without a KV
+        connector (the only per-request KV state is the block list)."""
+        if self._adoptable is None:
+            from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+            managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+            self._adoptable = scheduler.connector is None and all(
+                type(m) is FullAttentionManager for m in managers
+            )
+        return self._adoptable
+
+    def _adopt_parked(
+        self,
+        scheduler: "Scheduler",
+        request: "Request",
+        extract: HiddenStatesExtractRequest,
+    ) -> None:
+        """Give the extract its finished request's blocks, if they are parked
+        and hold exactly the extract's tokens but the last one."""
+        original_id = extract.request_id.removesuffix(EXTRACT_ID_SUFFIX)
+        entry = self.parked.pop(original_id, None)
+        if entry is None:
+            return
+        original = entry[0]
+        n = len(extract.token_ids)
+        if not (
+            original.num_tokens == n
+            and original.num_computed_tokens == n - 1
+            and list(original.all_token_ids) == list(extract.token_ids)
+        ):
+            # E.g. a stop string trimmed the output in the front-end: the
+            # sequences differ, fall back to the prefix cache.
+            scheduler._free_blocks(original)
+            return
+        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+            manager.req_to_blocks[request.request_id] = manager.req_to_blocks.pop(
+                original_id
+            )
+            if original_id in manager.num_cached_block:
+                manager.num_cached_block[request.request_id] = (
+                    manager.num_cached_block.pop(original_id)
+                )
+        del scheduler.requests[original_id]
+        # Holding blocks with computed tokens, the extract waits in the
+        # scheduler's KV-holding queue (drained first) and schedules 1 token.
+        request.num_computed_tokens = original.num_computed_tokens
+        request.last_sched_seq = original.last_sched_seq
+
+    def _expire_parked(self, scheduler: "Scheduler") -> None:
+        deadline = time.monotonic() - PARK_SECONDS
+        while self.parked:
+            request_id, (request, parked_at) = next(iter(self.parked.items()))
+            if parked_at > deadline:
+                break
+            del self.parked[request_id]
+            scheduler._free_blocks(request)
+
     # -- Scheduler call-outs -------------------------------------------------
 
     def annotate(self, scheduler: "Scheduler", output: "SchedulerOutput") -> None:
         """After the SchedulerOutput is built and before ``_update_after_schedule``
         advances ``num_computed_tokens``: tell the runner what to capture."""
+        if self.parked:
+            self._expire_parked(scheduler)
         if not self.active:
             return
         steps: dict[str, CaptureStep] = {}

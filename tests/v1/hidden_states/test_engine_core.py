@@ -14,12 +14,12 @@ from .conftest import assert_close
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
 
 
-def _add(core, req_id: str, prompt: list[int], max_tokens: int) -> None:
+def _add(core, req_id: str, prompt: list[int], max_tokens: int, **params) -> None:
     request = EngineCoreRequest(
         request_id=req_id,
         prompt_token_ids=prompt,
         mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
         pooling_params=None,
         arrival_time=time.time(),
         lora_request=None,
@@ -118,3 +118,35 @@ def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
     engine_core.add_hidden_states_extracts([_extract("ok-3", PROMPT, [4])])
     eco, _ = _run(engine_core, {"ok-3"})["ok-3"]
     assert_close(eco.hidden_states[0], hf_qwen3.last(PROMPT, 4), "layer 4")
+
+
+def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf_qwen3):
+    hs = engine_core.scheduler.hidden_states
+    prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail
+    _add(engine_core, "park-1", prompt, max_tokens=5, return_hidden_states=True)
+    _, generated = _run(engine_core, {"park-1"})["park-1"]
+    assert "park-1" in hs.parked  # blocks kept for the extract
+    sequence = prompt + generated
+
+    engine_core.add_hidden_states_extracts([_extract("park-1-hs", sequence, [4, 2])])
+    extract = engine_core.scheduler.requests["park-1-hs"]
+    assert not hs.parked and "park-1" not in engine_core.scheduler.requests
+    assert extract.num_computed_tokens == len(sequence) - 1  # one token to compute
+    eco, _ = _run(engine_core, {"park-1-hs"})["park-1-hs"]
+
+    ref = hf_qwen3.states(sequence)  # rows follow the extract's layer order
+    assert_close(eco.hidden_states[0], ref[4][-1:], "layer 4")
+    assert_close(eco.hidden_states[1], ref[2][-1:], "layer 2")
+
+
+def test_parked_blocks_without_an_extract_are_freed(engine_core, monkeypatch):
+    from vllm_hidden_states import scheduler as hs_scheduler
+
+    hs = engine_core.scheduler.hidden_states
+    _add(engine_core, "park-2", PROMPT, max_tokens=3, return_hidden_states=True)
+    _run(engine_core, {"park-2"})
+    assert "park-2" in hs.parked
+    monkeypatch.setattr(hs_scheduler, "PARK_SECONDS", 0.0)
+    _add(engine_core, "after-2", PROMPT, max_tokens=2)  # any later step expires it
+    _run(engine_core, {"after-2"})
+    assert not hs.parked and "park-2" not in engine_core.scheduler.requests
