@@ -8,8 +8,9 @@ the step that computes its last position. It otherwise goes through the normal
 scheduling path, which is the point:
 
 * it is scheduled under the normal token budget (chunked when long);
-* the prefix-cache lookup covers every full block the original request left
-  behind, so "last" usually recomputes only the tail block
+* for "last" it takes over the finished request's KV blocks, parked for it in
+  ``_free_request``, and computes one token; when those are gone or differ it
+  reads the prefix cache, recomputing only what follows the last full block
   (``positions="all"`` sets ``skip_reading_prefix_cache``: cached blocks hold
   KV, not hidden states, so every position must be recomputed);
 * preemption, abort and block freeing are vLLM's own.
