@@ -181,27 +181,28 @@ class Server:
         self._log.close()
 
 
-def tree_rss(pid: int) -> int:
-    """Sum of VmRSS over ``pid`` and its descendants, in bytes (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
+def rss_by_process(root: int) -> dict[str, int]:
+    """RSS in bytes of ``root`` and each live descendant, keyed ``"<pid> <name>"``
+    (names like ``VLLM::EngineCore``), to see which process grows."""
+    import psutil
+
+    try:
+        top = psutil.Process(root)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for proc in procs:
         try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines()
-                          if ":" in line)
-            children.setdefault(int(fields["PPid"]), []).append(int(fields["Pid"]))
-        except (OSError, KeyError, ValueError):
+            out[f"{proc.pid} {proc.name()}"] = proc.memory_info().rss
+        except psutil.NoSuchProcess:
             continue
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        stack.extend(children.get(p, []))
-    return total
+    return out
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants, in bytes."""
+    return sum(rss_by_process(pid).values())
 
 
 def write_results(results: dict[str, Any], stem: str = "latest") -> Path:

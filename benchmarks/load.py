@@ -199,28 +199,8 @@ async def run_all(client: httpx.AsyncClient, specs: list[Spec], concurrency: int
 
 
 def rss_by_process(root: int) -> dict[str, float]:
-    """VmRSS in MB of ``root`` and each descendant, keyed ``"<pid> <name>"``
-    (names like ``VLLM::EngineCore``), to see which process grows."""
-    parent: dict[int, int] = {}
-    names: dict[int, str] = {}
-    rss: dict[int, float] = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines()
-                          if ":" in line)
-            pid = int(fields["Pid"])
-            parent[pid] = int(fields["PPid"])
-            names[pid] = fields["Name"].strip()
-            rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
-        except (OSError, KeyError, ValueError):
-            continue
-    out, stack = {}, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in names:
-            out[f"{pid} {names[pid]}"] = rss[pid]
-        stack.extend(c for c, p in parent.items() if p == pid)
-    return out
+    """RSS in MB of ``root`` and each descendant, keyed ``"<pid> <name>"``."""
+    return {k: v / 2**20 for k, v in common.rss_by_process(root).items()}
 
 
 def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
