@@ -5,17 +5,18 @@ PY := $(VENV)/bin/python
 VLLM_VERSION := 0.32.0
 MODEL ?=
 PORT ?= 8000
+HOST ?= 127.0.0.1
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.setup-done
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup serve test bench patch-check clean-venv
+.PHONY: setup serve test unit bench patch-check clean-venv
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard patches/*.patch)
+$(STAMP): pyproject.toml setup.py $(wildcard vllm_hidden_states/patches/*.patch)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),1)
 	$(PY) -m pip install -q "vllm==$(VLLM_VERSION)"
@@ -30,10 +31,16 @@ endif
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m vllm_hidden_states.serve $(if $(MODEL),--model $(MODEL)) --port $(PORT)
+	$(PY) -m vllm_hidden_states.tools.serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
+# The unit tier first (no engine, seconds), then real engines and servers, then
+# the wheel install.
 test: setup
-	$(PY) -m pytest -x -q tests
+	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -x -q tests/v1 tests/install
+
+unit: setup
+	$(PY) -m pytest -q tests/unit
 
 bench: setup
 	$(PY) -m benchmarks.run

@@ -10,15 +10,12 @@ drifts of the machine (thermal, other load) better than a ratio of medians.
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from vllm_hidden_states.tools.server_process import ServerProcess, rss_by_process  # noqa: F401 (load.py)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -28,7 +25,7 @@ MODELS = Path(os.environ.get("VLLM_HIDDEN_STATES_MODELS", REPO / ".models"))
 def bench_model(kind: str = "default") -> Path:
     """The benchmark model: a ~130M-parameter random Qwen3 (12 x 1024), large
     enough that compute, not Python overhead, dominates on a CPU."""
-    from vllm_hidden_states.tiny_models import build_tiny_model
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
     if kind == "tiny":
         return build_tiny_model(MODELS / "tiny-qwen3", arch="qwen3")
@@ -122,87 +119,21 @@ def alternate(comparison: Comparison, variants: dict[str, Callable[[], float]],
     return comparison
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A ``vllm serve`` process on loopback (its own process group)."""
+class Server(ServerProcess):
+    """A benchmark server: :class:`ServerProcess` serving ``bench``, started at
+    once, its log under ``benchmarks/results/``."""
 
     def __init__(self, model: Path | str, *args: str, name: str = "server",
                  env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.name = name
-        self.log_path = RESULTS / f"{name}.log"
-        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-                "--port", str(self.port), "--host", "127.0.0.1",
-                "--served-model-name", "bench", *args]
-        full_env = dict(os.environ)
-        full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        full_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+        full_env.update({k: os.environ[k] for k in full_env if k in os.environ})
         full_env.update(env or {})
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env, start_new_session=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        super().__init__(model, list(args), RESULTS / f"{name}.log", full_env, "bench")
+        self.start()
 
     def wait(self, timeout: float = 600) -> "Server":
-        import httpx
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log_path}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
-
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and all its descendants."""
-        return tree_rss(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
-
-
-def rss_by_process(root: int) -> dict[str, int]:
-    """RSS in bytes of ``root`` and each live descendant, keyed ``"<pid> <name>"``
-    (names like ``VLLM::EngineCore``), to see which process grows."""
-    import psutil
-
-    try:
-        top = psutil.Process(root)
-        procs = [top, *top.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
-    out = {}
-    for proc in procs:
-        try:
-            out[f"{proc.pid} {proc.name()}"] = proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
-def tree_rss(pid: int) -> int:
-    """Resident memory of ``pid`` and all its descendants, in bytes."""
-    return sum(rss_by_process(pid).values())
+        self.wait_ready(timeout)
+        return self
 
 
 def write_results(results: dict[str, Any], stem: str = "latest") -> Path:

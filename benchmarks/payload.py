@@ -17,7 +17,7 @@ import orjson
 import torch
 
 from vllm_hidden_states.client import to_numpy
-from vllm_hidden_states.encoding import ORJSON_OPTIONS, encode_array
+from vllm_hidden_states.server.encoding import ORJSON_OPTIONS, encode_array
 
 SHAPES = ((512, 2560), (4096, 4096))
 

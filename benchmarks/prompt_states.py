@@ -39,11 +39,8 @@ import base64
 import contextlib
 import os
 import random
-import subprocess
 import sys
 import time
-import types
-import unittest.mock
 from pathlib import Path
 from typing import Callable
 
@@ -53,7 +50,7 @@ import numpy as np
 from benchmarks import common
 from benchmarks.common import Comparison, Server, bench_model
 
-SERVED = "bench"  # common.Server's --served-model-name
+SERVED = "bench"  # the served model name of common.Server
 SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "1024",
                "--gpu-memory-utilization", "0.3")
 POOLING_ARGS = ("--runner", "pooling", "--convert", "embed",
@@ -77,19 +74,7 @@ SETTLE_S = 1.2
 
 def start_server(model: Path, *args: str, name: str,
                  env: dict[str, str] | None = None) -> Server:
-    """``common.Server`` without ``--disable-log-requests``.
-
-    vLLM 0.32's CLI no longer knows that flag (request logging is off by
-    default), and ``common.Server`` adds it, so the process would exit at once.
-    The filter only applies while this constructor runs and does nothing once
-    ``common.Server`` stops adding the flag.
-    """
-    def popen(argv, *a, **kw):
-        return subprocess.Popen([x for x in argv if x != "--disable-log-requests"], *a, **kw)
-
-    shim = types.SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT)
-    with unittest.mock.patch.object(common, "subprocess", shim):
-        return Server(model, *args, name=name, env=env)
+    return Server(model, *args, name=name, env=env)
 
 
 @contextlib.contextmanager

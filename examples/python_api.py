@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from vllm import LLM, SamplingParams
-from vllm_hidden_states.tiny_models import build_tiny_model
+from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
 if __name__ == "__main__":
     model = str(build_tiny_model(".models/tiny-qwen3"))  # 4 layers, hidden 128

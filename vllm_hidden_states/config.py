@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine-level configuration of hidden-state capture.
+"""The shared contract: engine configuration and the layer convention.
+
+Imported by every process (front-end, EngineCore, workers, API server); it
+imports nothing from vLLM at module level.
 
 The switch lives in ``VllmConfig.additional_config["hidden_states"]`` so that it
 reaches every process (front-end, EngineCore, workers) inside the pickled config
@@ -27,18 +30,32 @@ if TYPE_CHECKING:
 
 ADDITIONAL_CONFIG_KEY = "hidden_states"
 
+# Layers a request gets when it asks for hidden states without naming any: the
+# final post-norm state. The one place this default is written.
+DEFAULT_LAYERS: tuple[int, ...] = (-1,)
+
+# ``hidden_states_positions`` values. "last": the final token of prompt +
+# output; "all": every position; "prompt": every prompt position.
+POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
+# Positions served by a post-sampling HIDDEN_STATES_EXTRACT prefill. "prompt" is
+# captured during the request's own prefill instead: no extract, one pass.
+EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
+
 ENABLE_HINT = (
     "start the engine with enable_hidden_states=True (LLM / EngineArgs) "
     "or `vllm serve MODEL --enable-hidden-states`"
 )
 
 
-def make_additional_config(layers: list[int] | None) -> dict[str, Any]:
-    """The ``additional_config["hidden_states"]`` entry for EngineArgs.
+def additional_config_entry(layers: str | list[int] | None) -> dict[str, Any]:
+    """The ``additional_config["hidden_states"]`` entry EngineArgs folds in.
 
-    ``layers=None`` makes every layer ``0..L`` capturable.
+    Args:
+        layers: ``EngineArgs.hidden_states_layers`` as given (a list, or the
+            ``--hidden-states-layers`` string); None = every layer ``0..L``.
     """
-    return {"layers": None if layers is None else [int(x) for x in layers]}
+    parsed = parse_layers_arg(layers)
+    return {"layers": parsed}
 
 
 def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
@@ -46,17 +63,28 @@ def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
-        return [int(x) for x in value]
-    text = str(value).strip()
-    if text in ("", "all"):
-        return None
+        items = list(value)
+    else:
+        text = str(value).strip()
+        if text in ("", "all"):
+            return None
+        items = [x for x in text.replace(" ", "").split(",") if x]
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
+        layers = [_as_int(x) for x in items]
+    except (TypeError, ValueError):
+        layers = []
+    if not layers:
         raise ValueError(
-            f"--hidden-states-layers must be 'all' or comma-separated integers "
-            f"such as '-1,-2,16', got {value!r}"
-        ) from None
+            f"--hidden-states-layers (hidden_states_layers) must be 'all' or "
+            f"integers such as '-1,-2,16', got {value!r}"
+        )
+    return layers
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(value)
+    return int(value)
 
 
 @dataclass(frozen=True)

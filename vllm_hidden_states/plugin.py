@@ -7,7 +7,7 @@ start on a vLLM that is not 0.32.0 or not patched, and installs the model-runner
 capture hooks. It is idempotent.
 """
 
-from vllm_hidden_states.patching import VLLM_VERSION
+from vllm_hidden_states.tools.patching import VLLM_VERSION
 
 
 def register() -> None:
@@ -26,10 +26,10 @@ def register() -> None:
             "vllm-hidden-states is installed but vLLM is not patched; run "
             "`vllm-hidden-states patch apply` (or uninstall vllm-hidden-states)"
         )
-    from vllm_hidden_states.capture import install_mrv1_hooks
+    from vllm_hidden_states.worker.capture import install_mrv1_hooks
 
     install_mrv1_hooks()
 
-    from vllm_hidden_states.api import install_server_hooks
+    from vllm_hidden_states.server import install_server_hooks
 
     install_server_hooks()

@@ -62,14 +62,14 @@ class HFReference:
 
 @pytest.fixture(scope="session")
 def qwen3_dir() -> Path:
-    from vllm_hidden_states.tiny_models import build_tiny_model
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
     return build_tiny_model(MODELS / "tiny-qwen3", arch="qwen3")
 
 
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
-    from vllm_hidden_states.tiny_models import build_tiny_model
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
     return build_tiny_model(MODELS / "tiny-llama", arch="llama")
 
@@ -152,7 +152,7 @@ def engine_core(llm):
     core = llm.llm_engine.engine_core.engine_core
     yield core
     assert not core.scheduler.has_unfinished_requests()
-    assert not core.scheduler.hidden_states.active
+    assert not core.scheduler.capture_planner.active
 
 
 def token_ids_of(output) -> list[int]:

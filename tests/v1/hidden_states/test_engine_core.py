@@ -7,24 +7,31 @@ import pytest
 
 from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
-from vllm_hidden_states.request import HiddenStatesExtractRequest
+from vllm_hidden_states.wire import HiddenStatesExtractRequest, HiddenStatesSpec
 
 from .conftest import assert_close
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
 
 
-def _add(core, req_id: str, prompt: list[int], max_tokens: int, **params) -> None:
+LAST_FINAL_LAYER = HiddenStatesSpec(layers=[-1], abs_layers=[4], positions="last")
+
+
+def _add(core, req_id: str, prompt: list[int], max_tokens: int,
+         spec: HiddenStatesSpec | None = None) -> None:
+    """ADD a request as the front-end would send it (``spec``: what it asked for,
+    already resolved, on ``EngineCoreRequest.return_hidden_states``)."""
     request = EngineCoreRequest(
         request_id=req_id,
         prompt_token_ids=prompt,
         mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         pooling_params=None,
         arrival_time=time.time(),
         lora_request=None,
         cache_salt=None,
         data_parallel_rank=None,
+        return_hidden_states=spec,
     )
     req, wave = core.preprocess_add_request(request)
     core.add_request(req, wave)
@@ -90,7 +97,7 @@ def test_extract_output_carries_no_tokens_for_plain_requests(engine_core):
 def test_extract_with_uncapturable_layer_raises_clear_error(engine_core):
     with pytest.raises(ValueError, match=r"layers \[9\] are not capturable"):
         engine_core.add_hidden_states_extracts([_extract("bad-1", PROMPT, [9])])
-    assert not engine_core.scheduler.hidden_states.active
+    assert not engine_core.scheduler.capture_planner.active
 
 
 def test_extract_with_bad_positions_raises_clear_error(engine_core):
@@ -106,7 +113,7 @@ def test_aborted_extract_leaves_no_state(engine_core):
     engine_core.step()
     scheduler = engine_core.scheduler
     assert "abort-1" not in scheduler.requests
-    assert not scheduler.hidden_states.active
+    assert not scheduler.capture_planner.active
     runner = engine_core.model_executor.driver_worker.worker.model_runner
     capture = runner.__dict__["_hidden_states_capture"]
     assert not capture._partial and not capture._ready
@@ -121,9 +128,9 @@ def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
 
 
 def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf_qwen3):
-    hs = engine_core.scheduler.hidden_states
+    hs = engine_core.scheduler.capture_planner
     prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail
-    _add(engine_core, "park-1", prompt, max_tokens=5, return_hidden_states=True)
+    _add(engine_core, "park-1", prompt, max_tokens=5, spec=LAST_FINAL_LAYER)
     _, generated = _run(engine_core, {"park-1"})["park-1"]
     assert "park-1" in hs.parked  # blocks kept for the extract
     sequence = prompt + generated
@@ -140,13 +147,13 @@ def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf
 
 
 def test_parked_blocks_without_an_extract_are_freed(engine_core, monkeypatch):
-    from vllm_hidden_states import scheduler as hs_scheduler
+    from vllm_hidden_states.engine import planner
 
-    hs = engine_core.scheduler.hidden_states
-    _add(engine_core, "park-2", PROMPT, max_tokens=3, return_hidden_states=True)
+    hs = engine_core.scheduler.capture_planner
+    _add(engine_core, "park-2", PROMPT, max_tokens=3, spec=LAST_FINAL_LAYER)
     _run(engine_core, {"park-2"})
     assert "park-2" in hs.parked
-    monkeypatch.setattr(hs_scheduler, "PARK_SECONDS", 0.0)
+    monkeypatch.setattr(planner, "PARK_SECONDS", 0.0)
     _add(engine_core, "after-2", PROMPT, max_tokens=2)  # any later step expires it
     _run(engine_core, {"after-2"})
     assert not hs.parked and "park-2" not in engine_core.scheduler.requests

@@ -196,16 +196,16 @@ def test_abort_while_extract_pending_leaves_nothing_held(llm):
     processor = engine.output_processor
     for _ in range(50):
         engine.step()
-        if processor.hidden_states.num_held:
+        if processor.extract_dispatcher.num_held:
             break
-    assert processor.hidden_states.num_held == 1  # final output held, extract queued
+    assert processor.extract_dispatcher.num_held == 1  # final output held, extract queued
     engine.abort_request(["abort-me"], internal=False)
     for _ in range(10):
         engine.step()
     scheduler = engine.engine_core.engine_core.scheduler
     assert processor.get_num_unfinished_requests() == 0
-    assert processor.hidden_states.num_held == 0
-    assert not scheduler.requests and not scheduler.hidden_states.active
+    assert processor.extract_dispatcher.num_held == 0
+    assert not scheduler.requests and not scheduler.capture_planner.active
     (out,) = generate(llm, [PROMPT], greedy())
     assert out.outputs[0].hidden_states is not None
 

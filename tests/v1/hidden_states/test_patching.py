@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from vllm_hidden_states import patching
+from vllm_hidden_states.tools import patching
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_hidden_states.cli", *args],
+    return subprocess.run([sys.executable, "-m", "vllm_hidden_states.tools.cli", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -26,7 +26,7 @@ import torch
 from vllm_hidden_states.client import to_numpy, to_torch
 
 from .conftest import assert_close
-from .server_utils import ServerProcess, sse_events
+from .server_utils import ServerProcess, sse_events, test_server_process
 
 MODEL = "tiny-qwen3"
 HIDDEN = 128
@@ -45,18 +45,21 @@ LONG_TEXT = "The engine schedules requests, runs the model and samples tokens. "
 @pytest.fixture(scope="module")
 def servers(qwen3_dir, llama_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
-    main = ServerProcess(
+    main = test_server_process(
         qwen3_dir,
         [
             "--enable-hidden-states",
             "--hidden-states-layers", CAPTURABLE,
             "--max-model-len", str(MAX_MODEL_LEN),
+            # /load: in-flight HTTP requests, for the disconnect test
+            "--enable-server-load-tracking",
         ],
         logs / "main.log",
-        env={"VLLM_HIDDEN_STATES_MAX_RESPONSE_MB": CAP_MB},
+        # VLLM_SERVER_DEV_MODE: vLLM's /pause and /resume, for the disconnect test
+        env={"VLLM_HIDDEN_STATES_MAX_RESPONSE_MB": CAP_MB, "VLLM_SERVER_DEV_MODE": "1"},
         name=MODEL,
     )  # fmt: skip
-    plain = ServerProcess(
+    plain = test_server_process(
         llama_dir, ["--max-model-len", "256"], logs / "plain.log", name="tiny-llama"
     )
     main.start()
@@ -70,12 +73,12 @@ def servers(qwen3_dir, llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(servers) -> ServerProcess:
-    return servers[0].wait_ready()
+    return servers[0].wait_ready(timeout=600)
 
 
 @pytest.fixture(scope="module")
 def plain_server(servers) -> ServerProcess:
-    return servers[1].wait_ready()
+    return servers[1].wait_ready(timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -592,41 +595,50 @@ def test_server_without_the_flag_says_how_to_enable(plain_server):
 # Disconnects
 
 
-def wait_idle(server: ServerProcess, timeout: float = 20.0) -> tuple[float, float]:
+def wait_until(condition, what: str, timeout: float = 120.0, interval: float = 0.2):
+    """Poll ``condition()`` until it is truthy; a generous deadline, never a
+    measure of the machine's speed. Returns the truthy value."""
     deadline = time.monotonic() + timeout
-    while True:
-        running = server.metric("vllm:num_requests_running")
-        waiting = server.metric("vllm:num_requests_waiting")
-        if (running, waiting) == (0, 0) or time.monotonic() > deadline:
-            return running, waiting
-        time.sleep(0.2)
-
-
-def wait_running(server: ServerProcess, timeout: float = 3.0) -> float:
-    """vllm:num_requests_running once it is >= 1 (gauges lag a step or two)."""
-    deadline = time.monotonic() + timeout
-    while (running := server.metric("vllm:num_requests_running")) < 1:
+    while not (value := condition()):
         if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return running
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return value
+
+
+def num_completed(server: ServerProcess) -> float:
+    """Requests the server finished by generating to their end (stop or length)."""
+    return sum(
+        server.metric("vllm:request_success_total", finished_reason=reason)
+        for reason in ("stop", "length")
+    )
 
 
 def test_client_disconnecting_mid_stream_leaves_nothing_held(server, http, hf_qwen3):
+    """The client leaves while its request is still generating, by construction:
+    the engine is frozen in place (vLLM's ``/pause?mode=keep``) after the first
+    token, the client disconnects, and the engine resumes only once the server
+    has closed the stream. The request must then be aborted, not run to its
+    end, and nothing may stay held."""
+    completed_before = num_completed(server)
     body = completion_body(
         max_tokens=900, ignore_eos=True, stream=True, n=2, temperature=1.0
     )
     with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
-            events = r.iter_lines()
-            assert next(line for line in events if line.startswith("data: {"))
-            # Still generating when the client goes away: the disconnect is
-            # mid-stream, not after the end.
-            assert wait_running(server) >= 1
-        # leaving both blocks closes the connection
-    assert wait_idle(server) == (0, 0)
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
+            assert paused.status_code == 200, paused.text
+        # leaving both blocks closes the connection while the engine is frozen
+    try:
+        wait_until(lambda: server.load() == 0, "the server to close the stream")
+    finally:
+        assert http.post("/resume").status_code == 200
     r = http.post("/v1/completions", json=completion_body(hidden_states_layers=[2]))
     (choice,) = r.json()["choices"]
     ids = choice["prompt_token_ids"] + choice["token_ids"]
     assert_choice_matches_hf(hf_qwen3, choice["hidden_states"], ids, [2])
-
+    # Only the request just sent ran to its end: both disconnected children were
+    # aborted mid-generation. Nothing is left in the engine.
+    assert num_completed(server) == completed_before + 1
+    wait_until(lambda: server.num_unfinished() == 0, "the engine to hold no request")

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """``make serve``: the OpenAI server with hidden states, on a model that needs no download.
 
-    python -m vllm_hidden_states.serve [--model DIR_OR_HF_ID] [--port 8000] [vllm serve args...]
+    python -m vllm_hidden_states.tools.serve [--model DIR_OR_HF_ID] [--port 8000] [vllm serve args...]
 
 Without ``--model`` it builds (once) the tiny random-weight Qwen3 of
-:mod:`vllm_hidden_states.tiny_models` under ``$VLLM_HIDDEN_STATES_MODELS``
-(default: ``.models/`` at the repository root) and serves it as ``tiny-qwen3``.
+:mod:`vllm_hidden_states.tools.tiny_models` under ``$VLLM_HIDDEN_STATES_MODELS``
+(default: ``.models/`` in a source checkout) and serves it as ``tiny-qwen3``.
 It then replaces itself with ``vllm serve MODEL --enable-hidden-states ...``,
 adding these defaults unless the same flag is given:
 
@@ -26,11 +26,15 @@ TINY_NAME = "tiny-qwen3"
 
 
 def models_dir() -> Path:
-    """Where the default model is built: ``$VLLM_HIDDEN_STATES_MODELS`` or ``.models/``."""
+    """Where the default model is built: ``$VLLM_HIDDEN_STATES_MODELS``, else
+    ``.models/`` in a source checkout, else ``~/.cache/vllm-hidden-states/models``."""
     env = os.environ.get("VLLM_HIDDEN_STATES_MODELS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / ".models"
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / ".models"
+    return Path.home() / ".cache" / "vllm-hidden-states" / "models"
 
 
 def _has_cuda() -> bool:
@@ -47,13 +51,17 @@ def _given(extra: list[str], flag: str) -> bool:
 
 
 def build_command(
-    model: str | None, port: int, extra: list[str], cuda: bool
+    model: str | None,
+    port: int,
+    extra: list[str],
+    cuda: bool,
+    host: str = "127.0.0.1",
 ) -> tuple[list[str], dict[str, str]]:
     """The ``vllm serve`` argv and the environment defaults to run it with."""
     env: dict[str, str] = {}
     defaults: list[tuple[str, str | None]] = [("--enable-hidden-states", None)]
     if model is None:
-        from vllm_hidden_states.tiny_models import build_tiny_model
+        from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
         model = str(build_tiny_model(models_dir() / TINY_NAME, arch="qwen3"))
         defaults += [
@@ -65,7 +73,7 @@ def build_command(
         defaults += [("--max-model-len", "2048"), ("--gpu-memory-utilization", "0.3")]
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
-    argv += ["--port", str(port)]
+    argv += ["--host", host, "--port", str(port)]
     seen: set[str] = set()
     for flag, value in defaults:
         if flag in seen or _given(extra, flag):
@@ -81,9 +89,15 @@ def main(args: list[str] | None = None) -> None:
         "--enable-hidden-states); the tiny built-in model by default.",
     )
     parser.add_argument("--model", default=None, help="model directory or HF id")
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to listen on (default: loopback only; 0.0.0.0 opens it)",
+    )
     parser.add_argument("--port", type=int, default=8000)
     known, extra = parser.parse_known_args(args)
-    argv, env = build_command(known.model, known.port, extra, _has_cuda())
+    argv, env = build_command(
+        known.model, known.port, extra, _has_cuda(), host=known.host
+    )
     for key, value in env.items():
         os.environ.setdefault(key, value)
     print("+ " + " ".join(argv[1:]), flush=True)

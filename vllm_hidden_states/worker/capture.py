@@ -10,12 +10,15 @@ mode or forward hooks (which Dynamo would freeze at trace time and CUDA-graph
 replay would skip). The capturable set is fixed at load time, before the first
 forward (compilation and graph capture happen in the profile/warm-up run).
 
-Per step, only when the SchedulerOutput names extracts
-(``scheduler_output.hidden_states``), rows are gathered right after the forward:
+Per step, only when the SchedulerOutput carries a capture plan
+(``scheduler_output.capture_plan``, written by
+:class:`vllm_hidden_states.engine.planner.CapturePlanner`), rows are gathered
+right after the forward:
 graph outputs are static buffers that the next forward overwrites, so the rows
 must be copied out in the same step, on the main stream, before anything else
-runs. ``index_select`` makes that copy; the result then goes to the host. Steps
-without extracts pay one attribute check.
+runs. ``index_select`` makes that copy; the result then goes to the host and
+rides on ``ModelRunnerOutput.captured_hidden_states``. Steps without a plan pay
+one attribute check.
 
 Covers Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``),
 which CPU always runs and CUDA falls back to; V2 is refused at start-up
@@ -31,7 +34,7 @@ from vllm_hidden_states.config import HiddenStatesConfig
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm_hidden_states.scheduler import CaptureStep
+    from vllm_hidden_states.engine.planner import CaptureStep
 
 logger = init_logger(__name__)
 
@@ -82,8 +85,8 @@ class HiddenStatesCapture:
     # -- per step ------------------------------------------------------------
 
     def after_forward(self, runner: Any, scheduler_output: "SchedulerOutput") -> None:
-        """Gather this step's rows for every scheduled extract."""
-        steps: dict[str, "CaptureStep"] = scheduler_output.hidden_states
+        """Gather this step's rows for every request in the capture plan."""
+        steps: dict[str, "CaptureStep"] = scheduler_output.capture_plan
         state = runner.execute_model_state
         if state is None:
             return
@@ -170,7 +173,7 @@ def install_mrv1_hooks() -> None:
                 capture._partial or capture._ready
             ):
                 capture.forget(scheduler_output.finished_req_ids)
-            if scheduler_output.hidden_states:
+            if scheduler_output.capture_plan:
                 with torch.inference_mode():
                     capture.after_forward(self, scheduler_output)
         return result
@@ -180,7 +183,7 @@ def install_mrv1_hooks() -> None:
         capture = _capture_of(self)
         if capture is not None and capture._ready:
             target = getattr(output, "_model_runner_output", output)
-            target.hidden_states = capture.take_ready()
+            target.captured_hidden_states = capture.take_ready()
         return output
 
     cls._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs

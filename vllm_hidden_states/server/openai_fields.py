@@ -1,12 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""OpenAI server hooks: hidden states on /v1/chat/completions and /v1/completions,
-and the POST /v1/hidden_states route.
+"""Hidden states on /v1/chat/completions and /v1/completions.
 
-Installed by :func:`install_server_hooks` from the general plugin, in every
-process vLLM starts; it only acts in a process that builds the OpenAI app
-(``vllm.entrypoints.launchers.app`` already imported), and there it only wraps
-``register_api_routers``. Everything else is patched when the app is built, so
-engine and worker processes pay nothing.
+:func:`patch_serving` wraps vLLM's OpenAI serving classes once, when the app is
+built (see :func:`vllm_hidden_states.server.install_server_hooks`).
 
 Request fields (OpenAI extras; ``OpenAIBaseModel`` keeps unknown fields in
 ``model_extra``)::
@@ -27,7 +23,6 @@ that carries that choice's ``finish_reason``, once.
 
 What is wrapped (vLLM 0.32.0):
 
-* ``launchers.app.register_api_routers``: patch the rest, then add our route;
 * ``ChatCompletionRequest.to_sampling_params``,
   ``CompletionRequest.to_sampling_params``: copy the fields onto SamplingParams;
 * ``OpenAIServingChat.create_chat_completion``,
@@ -47,8 +42,7 @@ Requests that do not ask pay one ``dict`` lookup per wrapper.
 """
 
 import functools
-import sys
-import weakref
+import inspect
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +50,8 @@ from typing import Any
 import orjson
 
 from vllm.logger import init_logger
-from vllm_hidden_states.encoding import (
+from vllm_hidden_states.config import DEFAULT_LAYERS
+from vllm_hidden_states.server.encoding import (
     ENCODING_FORMATS,
     ORJSON_OPTIONS,
     ApiError,
@@ -64,6 +59,7 @@ from vllm_hidden_states.encoding import (
     encode_array,
     invalid_request,
 )
+from vllm_hidden_states.server.validation import validate_layers
 
 logger = init_logger(__name__)
 
@@ -76,12 +72,6 @@ REQUEST_FIELDS: tuple[str, ...] = (
 ENGINE_PARAMS = frozenset(
     ("return_hidden_states", "hidden_states_layers", "hidden_states_positions")
 )
-DEFAULT_LAYERS: tuple[int, ...] = (-1,)
-
-_APP_MODULE = "vllm.entrypoints.launchers.app"
-# engine client -> its HiddenStatesConfig (None when not enabled).
-_engine_configs: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_installed = False
 _serving_patched = False
 
 
@@ -146,34 +136,6 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
 def ask_of(request: Any) -> HiddenStatesAsk | None:
     """:func:`parse_ask` on a vLLM OpenAI request model's extra fields."""
     return parse_ask(request.model_extra)
-
-
-def engine_config(engine_client: Any):
-    """The engine's ``HiddenStatesConfig`` (None: not enabled), computed once per client."""
-    try:
-        return _engine_configs[engine_client]
-    except KeyError:
-        from vllm_hidden_states.config import HiddenStatesConfig
-
-        cfg = HiddenStatesConfig.from_vllm_config(engine_client.vllm_config)
-        _engine_configs[engine_client] = cfg
-        return cfg
-
-
-def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> None:
-    """400 unless hidden states are enabled and every layer is capturable."""
-    from vllm_hidden_states.config import ENABLE_HINT
-
-    cfg = engine_config(engine_client)
-    if cfg is None:
-        raise invalid_request(
-            f"hidden states are not enabled on this server; {ENABLE_HINT}", param
-        )
-    for layer in layers:
-        try:
-            cfg.resolve(layer)
-        except ValueError as e:
-            raise invalid_request(str(e), param) from None
 
 
 def validate_ask(serving: Any, request: Any) -> HiddenStatesAsk | None:
@@ -325,9 +287,20 @@ async def _inject(
         await inner.aclose()
 
 
-def _wrap_stream(cls: type, name: str, source_pos: int, index_of_factory) -> None:
-    """Wrap a stream generator whose result iterator is argument ``source_pos``."""
+RESULTS_ARG = "result_generator"
+
+
+def _wrap_stream(cls: type, name: str, index_of_factory) -> None:
+    """Wrap a stream generator whose result iterator is its ``result_generator``
+    argument (bound by name: a vLLM upgrade that renames it fails here, at
+    server start, not per request)."""
     original = getattr(cls, name)
+    signature = inspect.signature(original)
+    if RESULTS_ARG not in signature.parameters:
+        raise RuntimeError(
+            f"{cls.__name__}.{name} has no {RESULTS_ARG!r} parameter; "
+            "vllm-hidden-states supports vLLM 0.32.0's signature only"
+        )
 
     @functools.wraps(original)
     def stream(self, request, *args, **kwargs):
@@ -335,11 +308,11 @@ def _wrap_stream(cls: type, name: str, source_pos: int, index_of_factory) -> Non
         if ask is None:
             return original(self, request, *args, **kwargs)
         finished: dict[int, Any] = {}
-        args = list(args)
-        args[source_pos] = _collect(
-            args[source_pos], finished, index_of_factory(request)
+        bound = signature.bind(self, request, *args, **kwargs)
+        bound.arguments[RESULTS_ARG] = _collect(
+            bound.arguments[RESULTS_ARG], finished, index_of_factory(request)
         )
-        return _inject(original(self, request, *args, **kwargs), finished, ask)
+        return _inject(original(*bound.args, **bound.kwargs), finished, ask)
 
     setattr(cls, name, stream)
 
@@ -405,7 +378,7 @@ def _orjson_response_class(base: type) -> type:
     return HiddenStatesAwareJSONResponse
 
 
-def _patch_serving() -> None:
+def patch_serving() -> None:
     """Patch the chat/completions protocol, serving and router modules (once)."""
     global _serving_patched
     if _serving_patched:
@@ -426,55 +399,17 @@ def _patch_serving() -> None:
     _wrap_chat_full(OpenAIServingChat)
     _wrap_completion_response(OpenAIServingCompletion)
 
-    # chat_completion_stream_generator(request, result_generator, ...)
-    _wrap_stream(
-        OpenAIServingChat, "chat_completion_stream_generator", 0, lambda _: _single
-    )
+    # chat: result_generator yields RequestOutput.
+    _wrap_stream(OpenAIServingChat, "chat_completion_stream_generator", lambda _: _single)
 
-    # completion_stream_generator(request, engine_inputs, result_generator, ...)
-    # yields (prompt_idx, RequestOutput); choice index = prompt_idx * n + index.
+    # completions: result_generator yields (prompt_idx, RequestOutput); the
+    # choice index is prompt_idx * n + output index.
     def completion_index(request):
         n = request.n or 1
         return lambda item: (item[1], item[0] * n)
 
-    _wrap_stream(
-        OpenAIServingCompletion, "completion_stream_generator", 1, completion_index
-    )
+    _wrap_stream(OpenAIServingCompletion, "completion_stream_generator", completion_index)
 
     for module in (chat_router, completion_router):
         module.JSONResponse = _orjson_response_class(module.JSONResponse)
     _serving_patched = True
-
-
-def _wrap_register_api_routers(app_module: Any) -> None:
-    original = app_module.register_api_routers
-
-    @functools.wraps(original)
-    def register_api_routers(args, app, supported_tasks, *rest, **kwargs):
-        if "generate" in supported_tasks:
-            _patch_serving()
-        original(args, app, supported_tasks, *rest, **kwargs)
-        if "generate" in supported_tasks:
-            from vllm_hidden_states.endpoint import router
-
-            app.include_router(router)
-
-    app_module.register_api_routers = register_api_routers
-
-
-def install_server_hooks() -> None:
-    """Install the OpenAI-server hooks in this process; idempotent, cheap.
-
-    A no-op in processes that do not build the OpenAI app (EngineCore, workers,
-    offline ``LLM``): the app module is not imported there, and importing it
-    just to patch it would cost seconds.
-    """
-    global _installed
-    if _installed:
-        return
-    app_module = sys.modules.get(_APP_MODULE)
-    if app_module is None:
-        return
-    _wrap_register_api_routers(app_module)
-    _installed = True
-    logger.debug("vllm-hidden-states: OpenAI server hooks installed")

@@ -1,0 +1,300 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm_hidden_states.config: layer convention, resolve(), the CLI flags."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_hidden_states.config import (
+    ADDITIONAL_CONFIG_KEY,
+    HiddenStatesConfig,
+    add_cli_args,
+    join_layers_value,
+    parse_layers_arg,
+)
+
+L = 36  # Qwen3-4B's num_hidden_layers
+
+
+def every_layer(num_layers: int = L) -> HiddenStatesConfig:
+    return HiddenStatesConfig(
+        num_layers=num_layers, layers=tuple(range(num_layers + 1)), given=None
+    )
+
+
+def restricted() -> HiddenStatesConfig:
+    """Capturable 0, 2, -2, -1 as an operator would write them."""
+    return HiddenStatesConfig(num_layers=L, layers=(0, 2, L - 1, L), given=(0, 2, -2, -1))
+
+
+def fake_vllm_config(entry, num_layers: int = L):
+    """Just the attributes ``HiddenStatesConfig.from_vllm_config`` reads."""
+    extra = None if entry is None else {ADDITIONAL_CONFIG_KEY: entry}
+    text_config = SimpleNamespace(num_hidden_layers=num_layers)
+    return SimpleNamespace(
+        additional_config=extra,
+        model_config=SimpleNamespace(hf_text_config=text_config),
+    )
+
+
+# --------------------------------------------------------------------------
+# resolve(): the layer convention
+
+
+@pytest.mark.parametrize("layer", [0, 1, 17, L - 1, L])
+def test_resolve_returns_non_negative_indices_unchanged(layer):
+    assert every_layer().resolve(layer) == layer
+
+
+@pytest.mark.parametrize("k", range(-1, -(L + 2), -1))
+def test_resolve_maps_negative_index_k_to_L_plus_1_plus_k(k):
+    assert every_layer().resolve(k) == L + 1 + k
+
+
+def test_resolve_minus_one_is_the_final_post_norm_layer_L():
+    assert every_layer().resolve(-1) == L
+
+
+def test_resolve_minus_two_is_the_residual_stream_entering_the_last_layer():
+    assert every_layer().resolve(-2) == L - 1
+
+
+def test_resolve_lowest_negative_index_is_the_embedding_output():
+    assert every_layer().resolve(-(L + 1)) == 0
+
+
+def test_resolve_out_of_range_names_the_layer_model_size_and_valid_range():
+    with pytest.raises(ValueError) as e:
+        every_layer().resolve(40)
+    assert (
+        "layer 40 is out of range for a 36-layer model; valid indices are -37..36"
+        in str(e.value)
+    )
+
+
+@pytest.mark.parametrize("layer", [L + 1, -(L + 2), 10**9, -(10**9)])
+def test_resolve_rejects_every_index_outside_minus_L_plus_1_to_L(layer):
+    with pytest.raises(ValueError, match=f"layer {layer} is out of range"):
+        every_layer().resolve(layer)
+
+
+def test_resolve_out_of_range_on_a_full_engine_says_every_layer_is_capturable():
+    with pytest.raises(ValueError, match=r"capturable layers: all \(-37\.\.36\)"):
+        every_layer().resolve(37)
+
+
+def test_resolve_out_of_range_names_the_capturable_set_as_configured():
+    with pytest.raises(ValueError, match="capturable layers: 0, 2, -2, -1"):
+        restricted().resolve(-38)
+
+
+def test_resolve_not_capturable_names_the_capturable_set_as_configured():
+    with pytest.raises(ValueError) as e:
+        restricted().resolve(5)
+    message = str(e.value)
+    assert "layer 5 is not capturable on this engine" in message
+    assert "capturable layers: 0, 2, -2, -1" in message
+
+
+def test_resolve_not_capturable_negative_index_is_reported_as_requested():
+    with pytest.raises(ValueError, match="layer -3 is not capturable"):
+        restricted().resolve(-3)
+
+
+@pytest.mark.parametrize(
+    "layer, absolute", [(0, 0), (2, 2), (-2, L - 1), (-1, L), (L, L), (L - 1, L - 1)]
+)
+def test_resolve_accepts_capturable_layers_in_either_spelling(layer, absolute):
+    assert restricted().resolve(layer) == absolute
+
+
+@pytest.mark.parametrize("layer", [True, False])
+def test_resolve_rejects_booleans(layer):
+    with pytest.raises(ValueError, match="entries must be integers"):
+        every_layer().resolve(layer)
+
+
+@pytest.mark.parametrize("layer", [1.0, -1.5, "1", "-1", None, [1]])
+def test_resolve_rejects_non_integers(layer):
+    with pytest.raises(ValueError, match="entries must be integers"):
+        every_layer().resolve(layer)
+
+
+# --------------------------------------------------------------------------
+# aux_layers / describe_capturable
+
+
+def test_aux_layers_excludes_the_final_layer_L():
+    assert restricted().aux_layers == (0, 2, L - 1)
+
+
+def test_aux_layers_of_a_full_engine_is_0_to_L_minus_1():
+    assert every_layer().aux_layers == tuple(range(L))
+
+
+def test_aux_layers_is_empty_when_only_the_final_layer_is_capturable():
+    cfg = HiddenStatesConfig(num_layers=L, layers=(L,), given=(-1,))
+    assert cfg.aux_layers == ()
+
+
+def test_describe_capturable_of_a_full_engine_gives_the_index_range():
+    assert every_layer(4).describe_capturable() == "all (-5..4)"
+
+
+# --------------------------------------------------------------------------
+# from_vllm_config (with a stand-in VllmConfig)
+
+
+def test_from_vllm_config_is_none_when_hidden_states_are_not_enabled():
+    assert HiddenStatesConfig.from_vllm_config(fake_vllm_config(None)) is None
+
+
+def test_from_vllm_config_without_layers_makes_every_layer_capturable():
+    cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config({"layers": None}))
+    assert cfg == every_layer()
+
+
+def test_from_vllm_config_stores_sorted_distinct_absolute_layers_and_the_given_spelling():
+    entry = {"layers": [-1, 2, -2, 0, 36]}
+    cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config(entry))
+    assert cfg.num_layers == L
+    assert cfg.layers == (0, 2, L - 1, L)
+    assert cfg.given == (-1, 2, -2, 0, 36)
+
+
+def test_from_vllm_config_rejects_an_out_of_range_layer_with_the_valid_range():
+    entry = {"layers": [-1, 99]}
+    expected = r"entry 99 is out of range for a 36-layer model; valid indices are -37\.\.36"
+    with pytest.raises(ValueError, match=expected):
+        HiddenStatesConfig.from_vllm_config(fake_vllm_config(entry))
+
+
+# --------------------------------------------------------------------------
+# parse_layers_arg
+
+
+def test_parse_layers_arg_reads_comma_separated_integers_in_order():
+    assert parse_layers_arg("-1,-2,16") == [-1, -2, 16]
+
+
+def test_parse_layers_arg_ignores_spaces():
+    assert parse_layers_arg(" -1, -2 , 16 ") == [-1, -2, 16]
+
+
+def test_parse_layers_arg_all_means_every_layer():
+    assert parse_layers_arg("all") is None
+
+
+def test_parse_layers_arg_empty_string_means_every_layer():
+    assert parse_layers_arg("") is None
+
+
+def test_parse_layers_arg_none_means_every_layer():
+    assert parse_layers_arg(None) is None
+
+
+def test_parse_layers_arg_accepts_a_list():
+    assert parse_layers_arg([-1, 2]) == [-1, 2]
+
+
+def test_parse_layers_arg_accepts_a_tuple_and_returns_a_list():
+    assert parse_layers_arg((3, -1)) == [3, -1]
+
+
+@pytest.mark.parametrize("garbage", ["abc", "1,x", "1.5", "-1;-2", "ALL", "1,,two"])
+def test_parse_layers_arg_rejects_garbage_naming_the_flag(garbage):
+    with pytest.raises(ValueError) as e:
+        parse_layers_arg(garbage)
+    assert "--hidden-states-layers" in str(e.value)
+    assert repr(garbage) in str(e.value)
+
+
+# --------------------------------------------------------------------------
+# join_layers_value
+
+
+def test_join_layers_value_joins_a_dash_leading_value_into_the_flag():
+    assert join_layers_value(["--hidden-states-layers", "-1,-2"]) == [
+        "--hidden-states-layers=-1,-2"
+    ]
+
+
+def test_join_layers_value_leaves_the_other_args_untouched_and_in_order():
+    args = ["serve", "m", "--port", "8000",
+            "--hidden-states-layers", "-1,-2", "--enable-hidden-states"]
+    assert join_layers_value(args) == [
+        "serve", "m", "--port", "8000", "--hidden-states-layers=-1,-2", "--enable-hidden-states",
+    ]
+
+
+def test_join_layers_value_leaves_a_value_not_starting_with_dash_separate():
+    args = ["--hidden-states-layers", "16,2"]
+    assert join_layers_value(args) == ["--hidden-states-layers", "16,2"]
+
+
+def test_join_layers_value_leaves_the_equals_spelling_untouched():
+    args = ["--hidden-states-layers=-1,-2", "--port", "1"]
+    assert join_layers_value(args) == args
+
+
+def test_join_layers_value_leaves_a_trailing_flag_without_value_untouched():
+    args = ["--enable-hidden-states", "--hidden-states-layers"]
+    assert join_layers_value(args) == args
+
+
+def test_join_layers_value_does_not_modify_its_input():
+    args = ["--hidden-states-layers", "-1"]
+    join_layers_value(args)
+    assert args == ["--hidden-states-layers", "-1"]
+
+
+# --------------------------------------------------------------------------
+# add_cli_args on a plain argparse parser
+
+
+def parser_with_flags() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=8000)
+    add_cli_args(parser)
+    return parser
+
+
+def test_add_cli_args_defaults_are_disabled_and_every_layer():
+    ns = parser_with_flags().parse_args([])
+    assert ns.enable_hidden_states is False
+    assert ns.hidden_states_layers is None
+
+
+def test_add_cli_args_parses_the_natural_dash_leading_spelling_to_the_raw_string():
+    ns = parser_with_flags().parse_args(
+        ["--enable-hidden-states", "--hidden-states-layers", "-1,-2,16"]
+    )
+    assert ns.enable_hidden_states is True
+    assert ns.hidden_states_layers == "-1,-2,16"
+
+
+def test_add_cli_args_keeps_the_parsers_other_options_working():
+    ns = parser_with_flags().parse_args(
+        ["--hidden-states-layers", "-2", "--port", "9000"]
+    )
+    assert ns.hidden_states_layers == "-2"
+    assert ns.port == 9000
+
+
+def test_add_cli_args_parse_known_args_joins_too_and_passes_unknown_args_back():
+    ns, rest = parser_with_flags().parse_known_args(
+        ["--hidden-states-layers", "-1,-2", "--unknown", "x"]
+    )
+    assert ns.hidden_states_layers == "-1,-2"
+    assert rest == ["--unknown", "x"]
+
+
+def test_add_cli_args_joins_sys_argv_when_no_args_are_given(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["prog", "--hidden-states-layers", "-1,-2,16"])
+    assert parser_with_flags().parse_args().hidden_states_layers == "-1,-2,16"
+
+
+def test_add_cli_args_value_feeds_parse_layers_arg():
+    ns = parser_with_flags().parse_args(["--hidden-states-layers", "-1,-2,16"])
+    assert parse_layers_arg(ns.hidden_states_layers) == [-1, -2, 16]

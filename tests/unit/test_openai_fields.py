@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm_hidden_states.server.openai_fields: the request fields and a choice's object.
+
+Importing the module imports ``vllm`` (its logger), not the engine or the
+OpenAI server; nothing here builds either.
+"""
+
+from http import HTTPStatus
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hidden_states.client import to_numpy
+from vllm_hidden_states.server.encoding import ApiError
+from vllm_hidden_states.server.openai_fields import (
+    HiddenStatesAsk,
+    encode_choice_states,
+    parse_ask,
+)
+
+
+def ask(**fields):
+    return parse_ask({"return_hidden_states": True, **fields})
+
+
+def bad_request(extra) -> ApiError:
+    """The ApiError ``parse_ask(extra)`` raises (fails the test if none)."""
+    with pytest.raises(ApiError) as e:
+        parse_ask(extra)
+    return e.value
+
+
+# --------------------------------------------------------------------------
+# parse_ask: nothing asked
+
+
+@pytest.mark.parametrize("extra", [None, {}])
+def test_parse_ask_is_none_without_extra_fields(extra):
+    assert parse_ask(extra) is None
+
+
+def test_parse_ask_is_none_when_only_unrelated_extra_fields_are_given():
+    assert parse_ask({"top_k": 5, "return_tokens_as_token_ids": True}) is None
+
+
+def test_parse_ask_is_none_when_return_hidden_states_is_false():
+    assert parse_ask({"return_hidden_states": False}) is None
+
+
+def test_parse_ask_is_none_when_every_field_is_null():
+    extra = {"return_hidden_states": None, "hidden_states_layers": None,
+             "hidden_states_format": None}
+    assert parse_ask(extra) is None
+
+
+# --------------------------------------------------------------------------
+# parse_ask: what is asked
+
+
+def test_parse_ask_defaults_to_the_final_layer_as_float():
+    assert ask() == HiddenStatesAsk(layers=(-1,), encoding_format="float")
+
+
+def test_parse_ask_null_layers_and_format_take_the_defaults():
+    parsed = ask(hidden_states_layers=None, hidden_states_format=None)
+    assert parsed == HiddenStatesAsk((-1,), "float")
+
+
+def test_parse_ask_keeps_the_requested_layers_in_request_order_as_a_tuple():
+    assert ask(hidden_states_layers=[2, -1, 0, 2]).layers == (2, -1, 0, 2)
+
+
+def test_parse_ask_does_not_check_layers_against_any_model():
+    assert ask(hidden_states_layers=[10_000]).layers == (10_000,)
+
+
+@pytest.mark.parametrize("fmt", ["float", "base64"])
+def test_parse_ask_accepts_each_encoding_format(fmt):
+    assert ask(hidden_states_format=fmt).encoding_format == fmt
+
+
+# --------------------------------------------------------------------------
+# parse_ask: 400s naming the field
+
+
+@pytest.mark.parametrize("flag", ["yes", "true", 1, 0, [True], {}])
+def test_return_hidden_states_must_be_a_bool(flag):
+    error = bad_request({"return_hidden_states": flag})
+    assert error.param == "return_hidden_states"
+    assert error.status == HTTPStatus.BAD_REQUEST
+    assert error.type == "invalid_request_error"
+    assert "return_hidden_states must be true or false" in error.message
+    assert repr(flag) in error.message
+
+
+@pytest.mark.parametrize("flag", [None, False])
+def test_layers_without_return_hidden_states_true_is_rejected(flag):
+    error = bad_request({"return_hidden_states": flag, "hidden_states_layers": [-1]})
+    assert error.param == "hidden_states_layers"
+    assert "return_hidden_states is not true" in error.message
+
+
+def test_layers_alone_is_rejected():
+    assert bad_request({"hidden_states_layers": [-1]}).param == "hidden_states_layers"
+
+
+@pytest.mark.parametrize("flag", [None, False])
+def test_format_without_return_hidden_states_true_is_rejected(flag):
+    error = bad_request({"return_hidden_states": flag, "hidden_states_format": "base64"})
+    assert error.param == "hidden_states_format"
+    assert "return_hidden_states is not true" in error.message
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [-1, "-1", "-1,-2", (-1,), {"layer": -1}],
+    ids=["int", "str", "csv", "tuple", "dict"],
+)
+def test_layers_must_be_a_list(layers):
+    error = bad_request({"return_hidden_states": True, "hidden_states_layers": layers})
+    assert error.param == "hidden_states_layers"
+    assert "must be a non-empty list of integers" in error.message
+
+
+def test_layers_must_not_be_empty():
+    error = bad_request({"return_hidden_states": True, "hidden_states_layers": []})
+    assert error.param == "hidden_states_layers"
+    assert "non-empty" in error.message
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [[True], [-1, False], [1.0], [-1, 2.5], ["-1"], [-1, "2"], [None], [[-1]]],
+    ids=["true", "false", "float", "float2", "str", "str2", "null", "nested"],
+)
+def test_layers_entries_must_be_integers_not_bools_floats_or_strings(layers):
+    error = bad_request({"return_hidden_states": True, "hidden_states_layers": layers})
+    assert error.param == "hidden_states_layers"
+    assert repr(layers) in error.message
+
+
+@pytest.mark.parametrize("fmt", ["binary", "FLOAT", "", 1, ["float"]])
+def test_unknown_format_is_rejected_listing_the_formats(fmt):
+    error = bad_request({"return_hidden_states": True, "hidden_states_format": fmt})
+    assert error.param == "hidden_states_format"
+    assert "['float', 'base64']" in error.message
+    assert repr(fmt) in error.message
+
+
+# --------------------------------------------------------------------------
+# encode_choice_states
+
+
+def two_layer_states(dtype=torch.float32, positions: int = 3, hidden: int = 8):
+    g = torch.Generator().manual_seed(0)
+    return {
+        -1: torch.randn(positions, hidden, generator=g).to(dtype),
+        2: torch.randn(positions, hidden, generator=g).to(dtype),
+    }
+
+
+def test_encode_choice_states_takes_the_last_row_of_each_layer_in_request_order():
+    states = two_layer_states()
+    out = encode_choice_states(states, HiddenStatesAsk((2, -1), "float"))
+    expected = torch.stack([states[2][-1], states[-1][-1]]).numpy()
+    np.testing.assert_array_equal(out["data"], expected)
+
+
+def test_encode_choice_states_reports_layers_shape_dtype_and_encoding():
+    out = encode_choice_states(two_layer_states(), HiddenStatesAsk((2, -1), "float"))
+    assert out["layers"] == [2, -1]
+    assert out["shape"] == [2, 8]
+    assert out["dtype"] == "float32"
+    assert out["encoding_format"] == "float"
+
+
+def test_encode_choice_states_reports_the_model_dtype_but_sends_float32():
+    states = two_layer_states(torch.bfloat16)
+    out = encode_choice_states(states, HiddenStatesAsk((-1,), "float"))
+    assert out["dtype"] == "bfloat16"
+    assert out["data"].dtype == np.float32
+    np.testing.assert_array_equal(out["data"], states[-1][-1:].float().numpy())
+
+
+def test_encode_choice_states_with_one_position_uses_that_row():
+    states = two_layer_states(positions=1)
+    out = encode_choice_states(states, HiddenStatesAsk((-1, 2), "float"))
+    np.testing.assert_array_equal(
+        out["data"], torch.cat([states[-1], states[2]]).numpy()
+    )
+
+
+def test_encode_choice_states_base64_decodes_with_the_client(wire):
+    states = two_layer_states(torch.float16)
+    out = encode_choice_states(states, HiddenStatesAsk((2, -1), "base64"))
+    assert out["encoding_format"] == "base64"
+    assert isinstance(out["data"], str)
+    expected = torch.stack([states[2][-1], states[-1][-1]]).float().numpy()
+    np.testing.assert_array_equal(to_numpy(wire({"index": 0, "hidden_states": out})), expected)
+
+
+def test_encode_choice_states_repeats_a_layer_asked_twice():
+    states = two_layer_states()
+    out = encode_choice_states(states, HiddenStatesAsk((-1, -1), "float"))
+    assert out["shape"] == [2, 8]
+    np.testing.assert_array_equal(out["data"][0], out["data"][1])
+
+
+def test_encode_choice_states_is_none_without_states():
+    assert encode_choice_states(None, HiddenStatesAsk((-1,), "float")) is None

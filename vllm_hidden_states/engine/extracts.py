@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""HIDDEN_STATES_EXTRACT core requests in the EngineCore.
+
+An extract becomes a vLLM ``Request`` over ``prompt + output`` token ids that
+samples nothing useful: a prefill with ``max_tokens=1`` whose sampled token is
+discarded, so it finishes in the step that computes its last position. It
+otherwise goes through the normal scheduling path, which is the point: the
+normal token budget (chunked when long), prefix caching, preemption, abort and
+block freeing are vLLM's own. :class:`~vllm_hidden_states.engine.planner.
+CapturePlanner` queues it and plans its captures.
+"""
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm_hidden_states.config import EXTRACT_POSITIONS
+from vllm_hidden_states.wire import HiddenStatesExtractRequest
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+    from vllm_hidden_states.engine.planner import CapturePlanner
+
+logger = init_logger(__name__)
+
+
+def make_extract_request(
+    extract: HiddenStatesExtractRequest,
+    block_hasher: Callable[["Request"], list[Any]] | None,
+) -> "Request":
+    """The vLLM Request that performs one post-sampling prefill."""
+    from vllm.v1.request import Request
+
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        # Cached blocks hold KV, not hidden states: "all" must recompute them.
+        skip_reading_prefix_cache=extract.positions == "all",
+    )
+    return Request(
+        request_id=extract.request_id,
+        prompt_token_ids=list(extract.token_ids),
+        sampling_params=params,
+        pooling_params=None,
+        client_index=extract.client_index,
+        arrival_time=extract.arrival_time,
+        lora_request=extract.lora_request,
+        cache_salt=extract.cache_salt,
+        priority=extract.priority,
+        block_hasher=block_hasher,
+    )
+
+
+def problem_with(
+    planner: "CapturePlanner | None", extract: HiddenStatesExtractRequest
+) -> str | None:
+    """Why an extract cannot run, or None. The front-end validated the original
+    request, so this only guards against a direct EngineCore user."""
+    if planner is None:
+        return "hidden states are not enabled on this engine"
+    if extract.positions not in EXTRACT_POSITIONS:
+        return f"positions must be 'last' or 'all', got {extract.positions!r}"
+    if not extract.layers:
+        return "no layers requested"
+    config = planner.config
+    bad = [k for k in extract.layers if k not in config.layers]
+    if bad:
+        return (
+            f"layers {bad} are not capturable; capturable layers: "
+            f"{config.describe_capturable()} (absolute indices expected)"
+        )
+    if not 0 < len(extract.token_ids) < planner.max_model_len:
+        return (
+            f"sequence length {len(extract.token_ids)} must be in "
+            f"1..{planner.max_model_len - 1} (max_model_len={planner.max_model_len})"
+        )
+    if extract.request_id in planner.active:
+        return "an extract with this request id is already running"
+    return None
+
+
+def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -> None:
+    """``EngineCore.add_hidden_states_extracts``: validate and queue extracts.
+
+    In the EngineCore process an invalid extract is finished at once with an
+    error output (no ``hidden_states``), so the front-end releases its held
+    request instead of waiting forever, and the engine keeps serving. An
+    in-process EngineCore (driven directly) raises ValueError instead.
+    """
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    planner: "CapturePlanner | None" = engine_core.scheduler.capture_planner
+    for extract in extracts:
+        problem = problem_with(planner, extract)
+        if problem is None:
+            request = make_extract_request(extract, engine_core.request_block_hasher)
+            planner.add_extract(engine_core.scheduler, request, extract)
+            continue
+        logger.error(
+            "Rejected hidden-states extract %s: %s", extract.request_id, problem
+        )
+        queue = getattr(engine_core, "output_queue", None)
+        if queue is None:
+            raise ValueError(f"hidden-states extract {extract.request_id}: {problem}")
+        error = EngineCoreOutput(
+            request_id=extract.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            stop_reason=problem,
+        )
+        queue.put_nowait((extract.client_index, EngineCoreOutputs(outputs=[error])))

@@ -1,0 +1,256 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the model runner captures each step, and the KV hand-over of "last".
+
+:class:`CapturePlanner` hangs off ``Scheduler.capture_planner`` (patch 0003;
+None when the engine has hidden states disabled, so the scheduler pays one
+``is None`` check per step). It keeps the captures pending in the scheduler,
+by request id:
+
+* HIDDEN_STATES_EXTRACT requests ("last"/"all"), from the moment
+  :meth:`CapturePlanner.add_extract` queues them until they are freed;
+* "prompt" captures of generation requests (registered in
+  :meth:`CapturePlanner.on_new_request`), until their prefill delivered them.
+
+Each step, after vLLM built the ``SchedulerOutput`` and before it advances
+``num_computed_tokens``, :meth:`CapturePlanner.plan_step` writes
+``SchedulerOutput.capture_plan``: a :class:`CaptureStep` per scheduled capture,
+which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into rows.
+:meth:`CapturePlanner.attach` moves the captured tensors from
+``ModelRunnerOutput.captured_hidden_states`` onto the ``EngineCoreOutput`` s.
+
+KV hand-over: a finished "last" request's blocks are kept (:meth:`park`,
+called from ``_free_request``) until its extract arrives, which takes them over
+through ``Scheduler._hand_over_blocks`` (patch 0003) and so computes one token
+instead of re-prefilling everything after the last full prefix-cached block.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+from vllm_hidden_states.config import HiddenStatesConfig
+from vllm_hidden_states.wire import (
+    HiddenStatesExtractRequest,
+    distinct_layers,
+    original_id_of,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+# How long a finished "last" request's KV blocks wait for its extract before
+# they are freed anyway (the front-end sends the extract as soon as it sees the
+# finished output, so this only bounds leaks, e.g. a client abort that raced
+# the finish), in seconds.
+PARK_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to capture for one request id while it is in the scheduler.
+
+    Attributes:
+        layers: distinct absolute HF layer indices, in result order.
+        positions: "last" (only position ``num_tokens - 1``) or "all".
+        num_tokens: the capture ends once this many positions are computed.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class CaptureStep:
+    """What the model runner captures for one request in one step.
+
+    Attributes:
+        layers: absolute HF layer indices, in result order.
+        positions: "last" or "all".
+        start: sequence position of this step's first scheduled token.
+        num_tokens: length of the whole sequence being captured.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    start: int
+    num_tokens: int
+
+
+class CapturePlanner:
+    """Pending captures and parked KV blocks of one scheduler."""
+
+    def __init__(self, vllm_config: "VllmConfig") -> None:
+        config = HiddenStatesConfig.from_vllm_config(vllm_config)
+        assert config is not None, "made only when hidden states are enabled"
+        self.config = config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        # Captures pending in the scheduler (waiting or running), by request id.
+        self.active: dict[str, CaptureSpec] = {}
+        # Finished "last" requests whose KV blocks wait for their extract, by
+        # request id, with the monotonic time they were parked (oldest first).
+        self.parked: dict[str, tuple["Request", float]] = {}
+        self._can_hand_over: bool | None = None
+
+    # -- requests entering ---------------------------------------------------
+
+    def add_extract(
+        self,
+        scheduler: "Scheduler",
+        request: "Request",
+        extract: HiddenStatesExtractRequest,
+    ) -> None:
+        """Queue an extract in the scheduler, ahead of not-yet-started requests.
+
+        Its request's output is complete and held by the front-end; running
+        the extract first returns it sooner and frees what is held. Under the
+        priority policy, the extract keeps its original request's priority.
+        """
+        from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+        self._adopt_parked(scheduler, request, extract)
+        self.active[request.request_id] = CaptureSpec(
+            tuple(extract.layers), extract.positions, len(extract.token_ids)
+        )
+        scheduler.add_request(request)
+        waiting = scheduler.waiting
+        if isinstance(waiting, FCFSRequestQueue) and waiting and waiting[-1] is request:
+            waiting.pop()
+            waiting.prepend_request(request)
+
+    def on_new_request(self, request: "Request") -> None:
+        """In ``Scheduler.add_request``: register a "prompt" capture.
+
+        The request's prompt positions are captured during its own prefill
+        (the front-end set ``skip_reading_prefix_cache``, so all are computed).
+        """
+        spec = request.hidden_states_spec
+        if spec is None or spec.positions != "prompt":
+            return
+        self.active[request.request_id] = CaptureSpec(
+            tuple(distinct_layers(spec)), "all", request.num_prompt_tokens
+        )
+
+    # -- each step -------------------------------------------------------------
+
+    def plan_step(self, scheduler: "Scheduler", output: "SchedulerOutput") -> None:
+        """After the SchedulerOutput is built and before ``_update_after_schedule``
+        advances ``num_computed_tokens``: tell the runner what to capture."""
+        if self.parked:
+            self._expire_parked(scheduler)
+        if not self.active:
+            return
+        steps: dict[str, CaptureStep] = {}
+        scheduled = output.num_scheduled_tokens
+        for req_id, spec in self.active.items():
+            if req_id in scheduled:
+                steps[req_id] = CaptureStep(
+                    layers=spec.layers,
+                    positions=spec.positions,
+                    start=scheduler.requests[req_id].num_computed_tokens,
+                    num_tokens=spec.num_tokens,
+                )
+        if steps:
+            output.capture_plan = steps
+
+    def attach(
+        self,
+        outputs: dict[int, list["EngineCoreOutput"]],
+        model_runner_output: "ModelRunnerOutput",
+    ) -> None:
+        """In ``update_from_output``: move captured tensors onto the outputs."""
+        captured = model_runner_output.captured_hidden_states
+        if not captured:
+            return
+        for client_outputs in outputs.values():
+            for eco in client_outputs:
+                tensor = captured.get(eco.request_id)
+                if tensor is not None:
+                    eco.hidden_states = tensor
+                    # Delivered: a "prompt" capture must not run again if the
+                    # request is preempted and recomputed later.
+                    self.active.pop(eco.request_id, None)
+
+    def on_request_freed(self, request_id: str) -> None:
+        """In ``_free_request``: a capture left the scheduler (done or aborted)."""
+        if self.active:
+            self.active.pop(request_id, None)
+
+    # -- KV-block hand-over for "last" extracts --------------------------------
+
+    def park(self, scheduler: "Scheduler", request: "Request") -> bool:
+        """In ``_free_request``: keep a finished "last" request's KV blocks.
+
+        Its extract (same token ids, the final one appended) then computes one
+        token on top of them instead of re-prefilling everything after the
+        last full, prefix-cached block (up to ``block_size - 1`` tokens).
+        Returns True when the blocks are kept (the caller must not free them).
+        """
+        from vllm.v1.request import RequestStatus
+
+        spec = request.hidden_states_spec
+        if (
+            spec is None
+            or spec.positions != "last"
+            or request.status
+            not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+            or not self._hand_over_supported(scheduler)
+        ):
+            return False
+        self.parked[request.request_id] = (request, time.monotonic())
+        return True
+
+    def _hand_over_supported(self, scheduler: "Scheduler") -> bool:
+        """Hand-over is implemented for plain full attention without a KV
+        connector (the only per-request KV state is the block list)."""
+        if self._can_hand_over is None:
+            from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+            managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+            self._can_hand_over = scheduler.connector is None and all(
+                type(m) is FullAttentionManager for m in managers
+            )
+        return self._can_hand_over
+
+    def _adopt_parked(
+        self,
+        scheduler: "Scheduler",
+        request: "Request",
+        extract: HiddenStatesExtractRequest,
+    ) -> None:
+        """Give the extract its finished request's blocks, if they are parked
+        and hold exactly the extract's tokens but the last one."""
+        entry = self.parked.pop(original_id_of(extract.request_id), None)
+        if entry is None:
+            return
+        original = entry[0]
+        n = len(extract.token_ids)
+        if (
+            original.num_tokens == n
+            and original.num_computed_tokens == n - 1
+            and list(original.all_token_ids) == list(extract.token_ids)
+        ):
+            # Holding blocks with computed tokens, the extract waits in the
+            # scheduler's KV-holding queue (drained first) and schedules 1 token.
+            scheduler._hand_over_blocks(original, request)
+        else:
+            # E.g. a stop string trimmed the output in the front-end: the
+            # sequences differ, fall back to the prefix cache.
+            scheduler._free_blocks(original)
+
+    def _expire_parked(self, scheduler: "Scheduler") -> None:
+        deadline = time.monotonic() - PARK_SECONDS
+        while self.parked:
+            request_id, (request, parked_at) = next(iter(self.parked.items()))
+            if parked_at > deadline:
+                break
+            del self.parked[request_id]
+            scheduler._free_blocks(request)

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hold finished outputs, dispatch HIDDEN_STATES_EXTRACT requests, release.
+
+Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
+
+1. ``OutputProcessor.add_request``: a request whose ``EngineCoreRequest``
+   carries ``return_hidden_states`` gets a :class:`HiddenStatesTracker` on its
+   ``RequestState.hidden_states_tracker``; the OutputProcessor's
+   :class:`ExtractDispatcher` is made then (``ExtractDispatcher.of``).
+2. Each output of such a request passes :meth:`ExtractDispatcher.on_output`.
+   "prompt" states arrive on the output of the step that completed the
+   prefill and are kept until the request finishes. When a "last"/"all"
+   request finishes (EOS, stop token, stop string, length), its final
+   :class:`OutputEmission` is *held* instead of emitted, and a
+   :class:`HiddenStatesExtractRequest` over prompt + output token ids is queued.
+   Only the front-end knows the final token list (stop strings are matched and
+   trimmed here), so only it can say which token is "last".
+3. The engine loop (``LLMEngine.step`` / the ``AsyncLLM`` output handler)
+   sends the queued extracts (:meth:`ExtractDispatcher.take_extracts`) as a
+   ``HIDDEN_STATES_EXTRACT`` core request.
+4. The extract's ``EngineCoreOutput`` (id ``<request id>-hs``, which has no
+   ``RequestState``) reaches :meth:`ExtractDispatcher.release`: its
+   ``hidden_states`` tensor goes onto the tracker, and the held emission goes
+   back to the OutputProcessor, which emits it unchanged. That output's
+   ``CompletionOutput.hidden_states`` is then ``{layer as requested: rows}``.
+
+Requests that did not ask never reach this module.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.logger import init_logger
+from vllm_hidden_states.wire import (
+    HiddenStatesExtractRequest,
+    HiddenStatesSpec,
+    distinct_layers,
+    extract_id_for,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from vllm.v1.engine.output_processor import (
+        OutputEmission,
+        OutputProcessor,
+        RequestState,
+    )
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class HiddenStatesTracker:
+    """One request's hidden-state bookkeeping, on ``RequestState.hidden_states_tracker``.
+
+    Attributes:
+        spec: what the request asked for.
+        cache_salt, priority: copied onto its extract.
+        states: ``{layer as requested: [num_positions, hidden_size]}`` once
+            they arrived; becomes ``CompletionOutput.hidden_states``.
+        error: why the engine returned none, if it failed.
+    """
+
+    spec: HiddenStatesSpec
+    cache_salt: str | None
+    priority: int
+    states: dict[int, torch.Tensor] | None = None
+    error: str | None = None
+
+    def take(self, data: torch.Tensor) -> None:
+        """Key ``[num_distinct_layers, positions, hidden]`` rows by the request's layers."""
+        row = {k: i for i, k in enumerate(distinct_layers(self.spec))}
+        self.states = {
+            key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)
+        }
+
+
+@dataclass
+class HeldOutput:
+    """A finished request's final output, held until its hidden states arrive."""
+
+    req_state: "RequestState"
+    engine_core_output: "EngineCoreOutput"
+    emission: "OutputEmission"
+
+
+class ExtractDispatcher:
+    """Holds finished outputs and produces HIDDEN_STATES_EXTRACT requests.
+
+    One per OutputProcessor (``OutputProcessor.extract_dispatcher``). All
+    methods run on the output-processing path and cost dict lookups.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, HeldOutput] = {}  # extract id -> held output
+        self._outgoing: list[HiddenStatesExtractRequest] = []
+
+    @classmethod
+    def of(cls, processor: "OutputProcessor") -> "ExtractDispatcher":
+        """The processor's dispatcher, made on first use."""
+        if processor.extract_dispatcher is None:
+            processor.extract_dispatcher = cls()
+        return processor.extract_dispatcher
+
+    @staticmethod
+    def track(request: "EngineCoreRequest") -> HiddenStatesTracker:
+        """The tracker of a request that asked (``return_hidden_states`` set)."""
+        assert request.return_hidden_states is not None
+        return HiddenStatesTracker(
+            request.return_hidden_states, request.cache_salt, request.priority
+        )
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def on_output(
+        self,
+        req_state: "RequestState",
+        engine_core_output: "EngineCoreOutput",
+        emission: "OutputEmission",
+    ) -> bool:
+        """Per output of a request that asked; True if it is now held."""
+        tracker: HiddenStatesTracker = req_state.hidden_states_tracker
+        if engine_core_output.hidden_states is not None:
+            tracker.take(engine_core_output.hidden_states)
+        if emission.finish_reason is None or tracker.spec.positions == "prompt":
+            return False
+        self._hold(req_state, engine_core_output, emission)
+        return True
+
+    def _hold(
+        self,
+        req_state: "RequestState",
+        engine_core_output: "EngineCoreOutput",
+        emission: "OutputEmission",
+    ) -> None:
+        tracker: HiddenStatesTracker = req_state.hidden_states_tracker
+        assert req_state.detokenizer is not None
+        # The sequence as vLLM reports it: prompt + output after stop trimming.
+        token_ids = list(req_state.prompt_token_ids) + list(
+            req_state.detokenizer.output_token_ids
+        )
+        extract_id = extract_id_for(req_state.request_id)
+        self._held[extract_id] = HeldOutput(req_state, engine_core_output, emission)
+        self._outgoing.append(
+            HiddenStatesExtractRequest(
+                request_id=extract_id,
+                token_ids=token_ids,
+                layers=distinct_layers(tracker.spec),
+                positions=tracker.spec.positions,
+                arrival_time=time.time(),
+                lora_request=req_state.lora_request,
+                cache_salt=tracker.cache_salt,
+                priority=tracker.priority,
+            )
+        )
+
+    def take_extracts(self) -> list[HiddenStatesExtractRequest]:
+        """The extracts queued since the last call, for the engine loop to send."""
+        if not self._outgoing:
+            return []
+        out, self._outgoing = self._outgoing, []
+        return out
+
+    def release(self, engine_core_output: "EngineCoreOutput") -> HeldOutput | None:
+        """Attach an extract's states to its request; the held output, if any.
+
+        Returns None for outputs that belong to no held request (e.g. an
+        extract whose request was aborted meanwhile).
+        """
+        if not self._held or not engine_core_output.finished:
+            return None  # extracts emit exactly one (final) output
+        held = self._held.pop(engine_core_output.request_id, None)
+        if held is None:
+            return None
+        tracker: HiddenStatesTracker = held.req_state.hidden_states_tracker
+        data = engine_core_output.hidden_states
+        if data is None or data.shape[0] != len(distinct_layers(tracker.spec)):
+            tracker.error = (
+                "hidden-state extraction failed in the engine "
+                f"(finish_reason={engine_core_output.finish_reason})"
+            )
+            logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
+        else:
+            tracker.take(data)
+        return held
+
+    def abort(self, req_state: Any) -> str | None:
+        """Forget a held request; the extract id to abort in the engine, if any."""
+        extract_id = extract_id_for(req_state.request_id)
+        if self._held.pop(extract_id, None) is None:
+            return None
+        return extract_id
