@@ -39,7 +39,11 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, what: str = ""):
 
 
 class HFReference:
-    """HF transformers forward over exact token ids, float32, on CPU."""
+    """HF transformers forward over exact token ids, float32, on CPU.
+
+    ``num_layers`` (L) and ``hidden_size`` come from the model's config, so
+    tests read shapes from here rather than hard-coding them.
+    """
 
     def __init__(self, model_dir: Path):
         from transformers import AutoModelForCausalLM
@@ -48,6 +52,7 @@ class HFReference:
             model_dir, torch_dtype=torch.float32
         ).eval()
         self.num_layers = self.model.config.num_hidden_layers
+        self.hidden_size = self.model.config.hidden_size
 
     @torch.inference_mode()
     def states(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:

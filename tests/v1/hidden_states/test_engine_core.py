@@ -14,9 +14,6 @@ from .conftest import assert_close
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
 
 
-LAST_FINAL_LAYER = HiddenStatesSpec(layers=[-1], abs_layers=[4], positions="last")
-
-
 def _add(core, req_id: str, prompt: list[int], max_tokens: int,
          spec: HiddenStatesSpec | None = None) -> None:
     """ADD a request as the front-end would send it (``spec``: what it asked for,
@@ -52,6 +49,11 @@ def _run(core, req_ids: set[str], max_steps: int = 200) -> dict:
     raise AssertionError(f"not finished after {max_steps} steps: {req_ids - finished.keys()}")
 
 
+def last_final_layer(hf) -> HiddenStatesSpec:
+    """The spec the front-end resolves for "last" with the default layer -1."""
+    return HiddenStatesSpec(layers=[-1], abs_layers=[hf.num_layers], positions="last")
+
+
 def _extract(req_id, token_ids, layers, positions="last"):
     return HiddenStatesExtractRequest(
         request_id=req_id, token_ids=token_ids, layers=layers, positions=positions,
@@ -68,24 +70,26 @@ def test_extract_after_generation_returns_last_token_states(engine_core, hf_qwen
     _add(engine_core, "gen-1", PROMPT, max_tokens=6)
     _, generated = _run(engine_core, {"gen-1"})["gen-1"]
     sequence = PROMPT + generated
-    engine_core.add_hidden_states_extracts([_extract("gen-1-hs", sequence, [0, 2, 4])])
+    layers = [0, 2, hf_qwen3.num_layers]  # absolute indices: embeddings, middle, L
+    engine_core.add_hidden_states_extracts([_extract("gen-1-hs", sequence, layers)])
     eco, _ = _run(engine_core, {"gen-1-hs"})["gen-1-hs"]
 
-    assert eco.hidden_states.shape == (3, 1, 128)
+    assert eco.hidden_states.shape == (3, 1, hf_qwen3.hidden_size)
     ref = hf_qwen3.states(sequence)
-    for row, layer in enumerate([0, 2, 4]):
+    for row, layer in enumerate(layers):
         assert_close(eco.hidden_states[row], ref[layer][-1:], f"layer {layer}")
 
 
 def test_extract_all_positions_spans_chunked_prefill(engine_core, hf_qwen3):
     sequence = (PROMPT * 15)[:150]  # > max_num_batched_tokens=64: three chunks
-    engine_core.add_hidden_states_extracts([_extract("all-1", sequence, [1, 4], "all")])
+    final = hf_qwen3.num_layers
+    engine_core.add_hidden_states_extracts([_extract("all-1", sequence, [1, final], "all")])
     eco, _ = _run(engine_core, {"all-1"})["all-1"]
 
-    assert eco.hidden_states.shape == (2, 150, 128)
+    assert eco.hidden_states.shape == (2, 150, hf_qwen3.hidden_size)
     ref = hf_qwen3.states(sequence)
     assert_close(eco.hidden_states[0], ref[1], "layer 1")
-    assert_close(eco.hidden_states[1], ref[4], "layer 4")
+    assert_close(eco.hidden_states[1], ref[final], "layer L")
 
 
 def test_extract_output_carries_no_tokens_for_plain_requests(engine_core):
@@ -94,20 +98,21 @@ def test_extract_output_carries_no_tokens_for_plain_requests(engine_core):
     assert eco.hidden_states is None
 
 
-def test_extract_with_uncapturable_layer_raises_clear_error(engine_core):
-    with pytest.raises(ValueError, match=r"layers \[9\] are not capturable"):
-        engine_core.add_hidden_states_extracts([_extract("bad-1", PROMPT, [9])])
+def test_extract_with_uncapturable_layer_raises_clear_error(engine_core, hf_qwen3):
+    beyond = hf_qwen3.num_layers + 5
+    with pytest.raises(ValueError, match=rf"layers \[{beyond}\] are not capturable"):
+        engine_core.add_hidden_states_extracts([_extract("bad-1", PROMPT, [beyond])])
     assert not engine_core.scheduler.capture_planner.active
 
 
 def test_extract_with_bad_positions_raises_clear_error(engine_core):
     with pytest.raises(ValueError, match="positions must be 'last' or 'all'"):
-        engine_core.add_hidden_states_extracts([_extract("bad-2", PROMPT, [4], "first")])
+        engine_core.add_hidden_states_extracts([_extract("bad-2", PROMPT, [0], "first")])
 
 
 def test_aborted_extract_leaves_no_state(engine_core):
     sequence = (PROMPT * 20)[:200]
-    engine_core.add_hidden_states_extracts([_extract("abort-1", sequence, [4], "all")])
+    engine_core.add_hidden_states_extracts([_extract("abort-1", sequence, [0], "all")])
     engine_core.step()  # first chunk runs
     engine_core.abort_requests(["abort-1"])
     engine_core.step()
@@ -122,35 +127,37 @@ def test_aborted_extract_leaves_no_state(engine_core):
 def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
     with pytest.raises(ValueError):
         engine_core.add_hidden_states_extracts([_extract("bad-3", PROMPT, [])])
-    engine_core.add_hidden_states_extracts([_extract("ok-3", PROMPT, [4])])
+    final = hf_qwen3.num_layers
+    engine_core.add_hidden_states_extracts([_extract("ok-3", PROMPT, [final])])
     eco, _ = _run(engine_core, {"ok-3"})["ok-3"]
-    assert_close(eco.hidden_states[0], hf_qwen3.last(PROMPT, 4), "layer 4")
+    assert_close(eco.hidden_states[0], hf_qwen3.last(PROMPT, final), "layer L")
 
 
 def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf_qwen3):
     hs = engine_core.scheduler.capture_planner
     prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail
-    _add(engine_core, "park-1", prompt, max_tokens=5, spec=LAST_FINAL_LAYER)
+    _add(engine_core, "park-1", prompt, max_tokens=5, spec=last_final_layer(hf_qwen3))
     _, generated = _run(engine_core, {"park-1"})["park-1"]
     assert "park-1" in hs.parked  # blocks kept for the extract
     sequence = prompt + generated
 
-    engine_core.add_hidden_states_extracts([_extract("park-1-hs", sequence, [4, 2])])
+    final = hf_qwen3.num_layers
+    engine_core.add_hidden_states_extracts([_extract("park-1-hs", sequence, [final, 2])])
     extract = engine_core.scheduler.requests["park-1-hs"]
     assert not hs.parked and "park-1" not in engine_core.scheduler.requests
     assert extract.num_computed_tokens == len(sequence) - 1  # one token to compute
     eco, _ = _run(engine_core, {"park-1-hs"})["park-1-hs"]
 
     ref = hf_qwen3.states(sequence)  # rows follow the extract's layer order
-    assert_close(eco.hidden_states[0], ref[4][-1:], "layer 4")
+    assert_close(eco.hidden_states[0], ref[final][-1:], "layer L")
     assert_close(eco.hidden_states[1], ref[2][-1:], "layer 2")
 
 
-def test_parked_blocks_without_an_extract_are_freed(engine_core, monkeypatch):
+def test_parked_blocks_without_an_extract_are_freed(engine_core, monkeypatch, hf_qwen3):
     from vllm_hidden_states.engine import planner
 
     hs = engine_core.scheduler.capture_planner
-    _add(engine_core, "park-2", PROMPT, max_tokens=3, spec=LAST_FINAL_LAYER)
+    _add(engine_core, "park-2", PROMPT, max_tokens=3, spec=last_final_layer(hf_qwen3))
     _run(engine_core, {"park-2"})
     assert "park-2" in hs.parked
     monkeypatch.setattr(planner, "PARK_SECONDS", 0.0)

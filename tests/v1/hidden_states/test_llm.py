@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Python API through ``LLM``: contract for layers, positions and stops."""
 
+import re
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def test_last_token_states_match_hf_at_embedding_middle_and_final_layers(llm, hf
     ref = hf_qwen3.states(token_ids_of(out))
     assert list(states) == [0, 2, -2, -1]
     for layer, tensor in states.items():
-        assert tensor.shape == (1, 128) and tensor.dtype == torch.float32
+        assert tensor.shape == (1, hf_qwen3.hidden_size) and tensor.dtype == torch.float32
         assert_close(tensor, ref[layer][-1:], f"layer {layer}")
 
 
@@ -36,7 +38,7 @@ def test_default_layer_is_final_post_norm_state(llm, hf_qwen3):
     (out,) = generate(llm, [PROMPT], greedy())
     states = out.outputs[0].hidden_states
     assert list(states) == [-1]
-    assert_close(states[-1], hf_qwen3.states(token_ids_of(out))[4][-1:], "layer L")
+    assert_close(states[-1], hf_qwen3.states(token_ids_of(out))[hf_qwen3.num_layers][-1:], "layer L")
 
 
 def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
@@ -45,7 +47,7 @@ def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
     ids = token_ids_of(out)
     ref = hf_qwen3.states(ids)
     for layer, tensor in out.outputs[0].hidden_states.items():
-        assert tensor.shape == (len(ids), 128)
+        assert tensor.shape == (len(ids), hf_qwen3.hidden_size)
         assert_close(tensor, ref[layer], f"layer {layer}")
 
 
@@ -106,7 +108,7 @@ def test_prompt_positions_come_from_the_requests_own_prefill(llm, hf_qwen3, prom
     (out,) = generate(llm, [prompt], params)
     ref = hf_qwen3.states(list(out.prompt_token_ids))
     for layer, tensor in out.outputs[0].hidden_states.items():
-        assert tensor.shape == (len(out.prompt_token_ids), 128)
+        assert tensor.shape == (len(out.prompt_token_ids), hf_qwen3.hidden_size)
         assert_close(tensor, ref[layer], f"prompt layer {layer}")
     assert len(out.outputs[0].token_ids) == 5
 
@@ -165,10 +167,12 @@ def test_requests_that_do_not_ask_get_none(llm):
     assert out.outputs[0].hidden_states is None
 
 
-def test_out_of_range_layer_is_rejected_naming_valid_range(llm):
-    with pytest.raises(VLLMValidationError, match=r"layer 40 is out of range for a 4-layer model; "
-                                         r"valid indices are -5\.\.4"):
-        generate(llm, [PROMPT], greedy(hidden_states_layers=[40]))
+def test_out_of_range_layer_is_rejected_naming_valid_range(llm, hf_qwen3):
+    n = hf_qwen3.num_layers
+    message = (f"layer {10 * n} is out of range for a {n}-layer model; "
+               f"valid indices are {-(n + 1)}..{n}")
+    with pytest.raises(VLLMValidationError, match=re.escape(message)):
+        generate(llm, [PROMPT], greedy(hidden_states_layers=[10 * n]))
 
 
 def test_bad_positions_value_is_rejected(llm):

@@ -29,8 +29,6 @@ from .conftest import assert_close
 from .server_utils import ServerProcess, sse_events, test_server_process
 
 MODEL = "tiny-qwen3"
-HIDDEN = 128
-NUM_LAYERS = 4
 CAPTURABLE = "0,2,3,-1"
 CAP_MB = "0.25"
 MAX_MODEL_LEN = 1024
@@ -108,7 +106,7 @@ def decode_rows(obj: dict) -> torch.Tensor:
 def assert_choice_matches_hf(hf, obj: dict, token_ids: list[int], layers: list[int]):
     """Rows of ``obj`` = HF's last-token states at ``layers``, in that order."""
     assert obj["layers"] == layers
-    assert obj["shape"] == [len(layers), HIDDEN]
+    assert obj["shape"] == [len(layers), hf.hidden_size]
     rows = decode_rows(obj)
     ref = hf.states(token_ids)
     for row, layer in zip(rows, layers):
@@ -164,7 +162,7 @@ def test_completion_default_layer_is_final_post_norm_state(http, hf_qwen3):
     ids = choice["prompt_token_ids"] + choice["token_ids"]
     assert choice["hidden_states"]["layers"] == [-1]
     assert_close(
-        decode_rows(choice["hidden_states"]), hf_qwen3.states(ids)[NUM_LAYERS][-1:]
+        decode_rows(choice["hidden_states"]), hf_qwen3.states(ids)[hf_qwen3.num_layers][-1:]
     )
 
 
@@ -174,7 +172,7 @@ def test_completion_base64_is_float32_le_bytes_of_the_rows(http, hf_qwen3):
     (choice,) = http.post("/v1/completions", json=body).json()["choices"]
     obj = choice["hidden_states"]
     assert obj["encoding_format"] == "base64" and isinstance(obj["data"], str)
-    assert len(base64.b64decode(obj["data"])) == 4 * len(layers) * HIDDEN
+    assert len(base64.b64decode(obj["data"])) == 4 * len(layers) * hf_qwen3.hidden_size
     ids = choice["prompt_token_ids"] + choice["token_ids"]
     assert_choice_matches_hf(hf_qwen3, obj, ids, layers)
 
@@ -318,14 +316,14 @@ def test_chat_stream_non_finish_chunks_carry_no_states(http):
 # client.py
 
 
-def test_client_decodes_both_encodings_of_both_endpoints(http, oai):
+def test_client_decodes_both_encodings_of_both_endpoints(http, oai, hf_qwen3):
     body = completion_body(hidden_states_layers=[0, -1])
     f = http.post("/v1/completions", json=body).json()["choices"][0]
     b = http.post(
         "/v1/completions", json={**body, "hidden_states_format": "base64"}
     ).json()["choices"][0]
     np.testing.assert_array_equal(to_numpy(f), to_numpy(b))
-    assert to_numpy(f["hidden_states"]).shape == (2, HIDDEN)
+    assert to_numpy(f["hidden_states"]).shape == (2, hf_qwen3.hidden_size)
     hf_f = http.post("/v1/hidden_states", json={"model": MODEL, "input": PROMPT}).json()
     hf_b = http.post(
         "/v1/hidden_states",
@@ -343,7 +341,7 @@ def test_client_decodes_both_encodings_of_both_endpoints(http, oai):
         model=MODEL, prompt=PROMPT, max_tokens=2,
         extra_body={"return_hidden_states": True, "hidden_states_format": "base64"},
     )  # fmt: skip
-    assert to_numpy(r.choices[0]).shape == (1, HIDDEN)
+    assert to_numpy(r.choices[0]).shape == (1, hf_qwen3.hidden_size)
 
 
 # --------------------------------------------------------------------------
@@ -363,7 +361,7 @@ def test_hidden_states_default_is_layer_minus_2_every_position_float(
     assert r.status_code == 200, r.text
     data = r.json()
     ids = hf_tokenize(qwen3_dir, ZIMAGE_PROMPT)
-    assert data["shape"] == [len(ids), HIDDEN]
+    assert data["shape"] == [len(ids), hf_qwen3.hidden_size]
     assert data["model"] == MODEL and data["layer"] == -2 and data["dtype"] == "float32"
     assert "encoding_format" not in data and "attention_mask" not in data
     states = torch.tensor(data["hidden_states"], dtype=torch.float32)
@@ -393,7 +391,7 @@ def test_hidden_states_max_length_keeps_the_first_tokens(http, hf_qwen3, qwen3_d
     body = {"model": MODEL, "input": PROMPT, "max_length": 5, "layer": 2}
     data = http.post("/v1/hidden_states", json=body).json()
     ids = hf_tokenize(qwen3_dir, PROMPT)[:5]
-    assert data["shape"] == [5, HIDDEN]
+    assert data["shape"] == [5, hf_qwen3.hidden_size]
     assert_close(torch.tensor(data["hidden_states"]), hf_qwen3.states(ids)[2])
 
 
@@ -407,7 +405,7 @@ def test_hidden_states_batch_returns_one_object_per_input_in_order(
     assert len(data["data"]) == len(texts)
     for text, item in zip(texts, data["data"]):
         ids = hf_tokenize(qwen3_dir, text)
-        assert item["shape"] == [len(ids), HIDDEN]
+        assert item["shape"] == [len(ids), hf_qwen3.hidden_size]
         assert item["attention_mask"] == [1] * len(ids)
         assert_close(
             torch.tensor(item["hidden_states"]), hf_qwen3.states(ids)[-1], text
@@ -424,7 +422,7 @@ def test_hidden_states_messages_apply_the_chat_template(http, hf_qwen3, qwen3_di
     tok = AutoTokenizer.from_pretrained(qwen3_dir)
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert data["shape"] == [len(ids), HIDDEN]
+    assert data["shape"] == [len(ids), hf_qwen3.hidden_size]
     assert_close(torch.tensor(data["hidden_states"]), hf_qwen3.states(ids)[-2])
 
 
@@ -437,7 +435,7 @@ def test_hidden_states_repeat_request_loses_no_position_to_prefix_cache(
     body = {"model": MODEL, "input": text, "layer": 3, "encoding_format": "base64"}
     for attempt in range(2):
         data = http.post("/v1/hidden_states", json=body).json()
-        assert data["shape"] == [len(ids), HIDDEN], attempt
+        assert data["shape"] == [len(ids), hf_qwen3.hidden_size], attempt
         assert_close(to_torch(data), ref, f"attempt {attempt}")
 
 
@@ -478,9 +476,10 @@ def test_hidden_states_unknown_model_is_404_model_not_found(http):
     assert_still_serving(http)
 
 
-def test_hidden_states_layer_out_of_range_is_400(http):
-    r = http.post("/v1/hidden_states", json={"model": MODEL, "input": "x", "layer": 40})
-    assert_error(r, 400, "invalid_request_error", "out of range", "-5..4")
+def test_hidden_states_layer_out_of_range_is_400(http, hf_qwen3):
+    n = hf_qwen3.num_layers
+    r = http.post("/v1/hidden_states", json={"model": MODEL, "input": "x", "layer": n + 1})
+    assert_error(r, 400, "invalid_request_error", "out of range", f"{-(n + 1)}..{n}")
     assert_still_serving(http)
 
 
