@@ -47,15 +47,36 @@ ENABLE_HINT = (
 )
 
 
-def additional_config_entry(layers: str | list[int] | None) -> dict[str, Any]:
+# Default of --hidden-states-max-rows, capped by max_num_batched_tokens (a step
+# never computes more rows than that).
+DEFAULT_MAX_ROWS = 512
+# Bumped when what the compiled graph contains changes (2: capture points),
+# so a graph cached by an older version is never reused.
+CAPTURE_VERSION = 2
+
+
+def additional_config_entry(
+    layers: str | list[int] | None, max_rows: int | None = None
+) -> dict[str, Any]:
     """The ``additional_config["hidden_states"]`` entry EngineArgs folds in.
+
+    It keys vLLM's torch.compile cache, so it holds everything that changes
+    the compiled graph: the capturable layers, the buffer rows, the version.
 
     Args:
         layers: ``EngineArgs.hidden_states_layers`` as given (a list, or the
             ``--hidden-states-layers`` string); None = every layer ``0..L``.
+        max_rows: ``EngineArgs.hidden_states_max_rows``; None = the default.
     """
-    parsed = parse_layers_arg(layers)
-    return {"layers": parsed}
+    if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
+        raise ValueError(
+            f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}"
+        )
+    return {
+        "layers": parse_layers_arg(layers),
+        "max_rows": None if max_rows is None else int(max_rows),
+        "capture": CAPTURE_VERSION,
+    }
 
 
 def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
@@ -96,11 +117,15 @@ class HiddenStatesConfig:
         layers: capturable absolute indices in ``0..L``, sorted, distinct.
         given: the capturable set as configured (``None`` = every layer), kept
             only to phrase error messages the way the operator wrote them.
+        max_rows: rows of hidden states one forward can capture (the
+            capture buffers' first dimension); captures are split over steps
+            so that no step asks more.
     """
 
     num_layers: int
     layers: tuple[int, ...]
     given: tuple[int, ...] | None = None
+    max_rows: int = DEFAULT_MAX_ROWS
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiddenStatesConfig | None":
@@ -110,19 +135,25 @@ class HiddenStatesConfig:
         if entry is None:
             return None
         num_layers = num_hidden_layers(vllm_config)
+        max_rows = entry.get("max_rows") or min(
+            DEFAULT_MAX_ROWS, vllm_config.scheduler_config.max_num_batched_tokens
+        )
         given = entry.get("layers")
         if given is None:
-            return cls(num_layers, tuple(range(num_layers + 1)), None)
+            return cls(num_layers, tuple(range(num_layers + 1)), None, max_rows)
         layers = sorted({_absolute(k, num_layers) for k in given})
-        return cls(num_layers, tuple(layers), tuple(given))
+        return cls(num_layers, tuple(layers), tuple(given), max_rows)
 
     @property
-    def aux_layers(self) -> tuple[int, ...]:
-        """Layers taken from the model's aux hidden-state outputs (``k < L``).
-
-        Layer ``L`` is the model's own (post-norm) output and needs no aux slot.
-        """
+    def inner_layers(self) -> tuple[int, ...]:
+        """Capturable layers ``k < L``: each has a capture point before decoder
+        layer ``k``. Layer ``L`` is the model's own (post-norm) output."""
         return tuple(k for k in self.layers if k < self.num_layers)
+
+    def buffer_bytes(self, hidden_size: int, dtype_bytes: int) -> int:
+        """Memory of the capture buffers: one ``[max_rows, hidden_size]`` per
+        inner layer, in the model dtype."""
+        return len(self.inner_layers) * self.max_rows * hidden_size * dtype_bytes
 
     def describe_capturable(self) -> str:
         if self.given is None:
@@ -189,9 +220,10 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "must reach the engine that served the request"
         )
     spec = vllm_config.speculative_config
-    if spec is not None:
+    if spec is not None and spec.method not in SPECULATIVE_METHODS:
         problems.append(
-            f"speculative decoding (method {spec.method!r}) is not supported yet"
+            f"speculative decoding method {spec.method!r} is not supported yet "
+            f"(tested with hidden states: {', '.join(SPECULATIVE_METHODS)})"
         )
     if vllm_config.model_config.runner_type != "generate":
         problems.append(
@@ -211,6 +243,12 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             + "; ".join(problems)
         )
 
+
+# Speculative methods tested alongside hidden states. Extracts and prompt
+# captures are prefills, never drafted for; captures do not use the models'
+# aux outputs, so drafters that do (EAGLE3) would not conflict, but they are
+# untested here (no GPU and no tiny drafter), so they are refused.
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 
 LAYERS_FLAG = "--hidden-states-layers"
 
@@ -262,7 +300,16 @@ def add_cli_args(parser) -> None:
         type=str,
         default=None,
         help="Capturable layers, HF convention (0 = embeddings, -1 = final "
-        "post-norm state), e.g. '-1,-2,16'. Default: every layer. Each "
-        "intermediate layer costs one max_num_batched_tokens x hidden_size "
-        "activation buffer.",
+        "post-norm state), e.g. '-1,-2,16'. Default: every layer. Each layer "
+        "but the last costs one capture buffer of --hidden-states-max-rows x "
+        "hidden_size in the model dtype.",
+    )
+    group.add_argument(
+        "--hidden-states-max-rows",
+        type=int,
+        default=None,
+        help="Rows of hidden states one forward can capture (the capture "
+        f"buffers' length). Default: {DEFAULT_MAX_ROWS}, or "
+        "max_num_batched_tokens if smaller. Longer captures are split over "
+        "steps.",
     )

@@ -8,8 +8,11 @@ import pytest
 
 from vllm_hidden_states.config import (
     ADDITIONAL_CONFIG_KEY,
+    CAPTURE_VERSION,
+    DEFAULT_MAX_ROWS,
     HiddenStatesConfig,
     add_cli_args,
+    additional_config_entry,
     join_layers_value,
     parse_layers_arg,
 )
@@ -28,13 +31,14 @@ def restricted() -> HiddenStatesConfig:
     return HiddenStatesConfig(num_layers=L, layers=(0, 2, L - 1, L), given=(0, 2, -2, -1))
 
 
-def fake_vllm_config(entry, num_layers: int = L):
+def fake_vllm_config(entry, num_layers: int = L, max_num_batched_tokens: int = 8192):
     """Just the attributes ``HiddenStatesConfig.from_vllm_config`` reads."""
     extra = None if entry is None else {ADDITIONAL_CONFIG_KEY: entry}
     text_config = SimpleNamespace(num_hidden_layers=num_layers)
     return SimpleNamespace(
         additional_config=extra,
         model_config=SimpleNamespace(hf_text_config=text_config),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
     )
 
 
@@ -122,20 +126,20 @@ def test_resolve_rejects_non_integers(layer):
 
 
 # --------------------------------------------------------------------------
-# aux_layers / describe_capturable
+# inner_layers / describe_capturable
 
 
-def test_aux_layers_excludes_the_final_layer_L():
-    assert restricted().aux_layers == (0, 2, L - 1)
+def test_inner_layers_excludes_the_final_layer_L():
+    assert restricted().inner_layers == (0, 2, L - 1)
 
 
-def test_aux_layers_of_a_full_engine_is_0_to_L_minus_1():
-    assert every_layer().aux_layers == tuple(range(L))
+def test_inner_layers_of_a_full_engine_is_0_to_L_minus_1():
+    assert every_layer().inner_layers == tuple(range(L))
 
 
-def test_aux_layers_is_empty_when_only_the_final_layer_is_capturable():
+def test_inner_layers_is_empty_when_only_the_final_layer_is_capturable():
     cfg = HiddenStatesConfig(num_layers=L, layers=(L,), given=(-1,))
-    assert cfg.aux_layers == ()
+    assert cfg.inner_layers == ()
 
 
 def test_describe_capturable_of_a_full_engine_gives_the_index_range():
@@ -298,3 +302,39 @@ def test_add_cli_args_joins_sys_argv_when_no_args_are_given(monkeypatch):
 def test_add_cli_args_value_feeds_parse_layers_arg():
     ns = parser_with_flags().parse_args(["--hidden-states-layers", "-1,-2,16"])
     assert parse_layers_arg(ns.hidden_states_layers) == [-1, -2, 16]
+
+
+# --------------------------------------------------------------------------
+# capture buffers: max_rows and memory
+
+
+def test_max_rows_defaults_to_512_rows():
+    cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config({"layers": None}))
+    assert cfg.max_rows == DEFAULT_MAX_ROWS == 512
+
+
+def test_max_rows_default_never_exceeds_the_step_token_budget():
+    vllm_config = fake_vllm_config({"layers": None}, max_num_batched_tokens=64)
+    assert HiddenStatesConfig.from_vllm_config(vllm_config).max_rows == 64
+
+
+def test_max_rows_given_is_kept():
+    vllm_config = fake_vllm_config({"layers": None, "max_rows": 16})
+    assert HiddenStatesConfig.from_vllm_config(vllm_config).max_rows == 16
+
+
+def test_buffer_bytes_is_one_max_rows_by_hidden_buffer_per_inner_layer():
+    # Qwen3-4B: 36 layers, hidden 2560, bf16, every layer capturable.
+    cfg = HiddenStatesConfig(num_layers=36, layers=tuple(range(37)), max_rows=512)
+    assert cfg.buffer_bytes(hidden_size=2560, dtype_bytes=2) == 36 * 512 * 2560 * 2
+
+
+def test_additional_config_entry_keys_the_compile_cache_with_layers_rows_and_version():
+    entry = additional_config_entry("-1,-2", 128)
+    assert entry == {"layers": [-1, -2], "max_rows": 128, "capture": CAPTURE_VERSION}
+
+
+@pytest.mark.parametrize("bad", [0, -3, True])
+def test_additional_config_entry_refuses_a_non_positive_max_rows(bad):
+    with pytest.raises(ValueError, match="--hidden-states-max-rows must be a positive"):
+        additional_config_entry(None, bad)

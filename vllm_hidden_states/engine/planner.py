@@ -99,6 +99,8 @@ class CapturePlanner:
         # request id, with the monotonic time they were parked (oldest first).
         self.parked: dict[str, tuple["Request", float]] = {}
         self._can_hand_over: bool | None = None
+        # Capture rows still free in the step being scheduled.
+        self.rows_left = config.max_rows
 
     # -- requests entering ---------------------------------------------------
 
@@ -141,9 +143,32 @@ class CapturePlanner:
 
     # -- each step -------------------------------------------------------------
 
+    def cap_tokens(self, request: "Request", num_new_tokens: int) -> int:
+        """In ``Scheduler.schedule``, while captures are pending: the tokens
+        ``request`` may schedule in this step so that the step's captured rows
+        fit the capture buffers (``max_rows``); 0 = none this step.
+
+        An "all" capture takes a row per scheduled token, so a long one is
+        split over steps. A "last" capture takes one row, in the chunk that
+        reaches its last position; with no row left, the chunk stops one short
+        of it. Requests without a capture are not limited.
+        """
+        spec = self.active.get(request.request_id)
+        if spec is None:
+            return num_new_tokens
+        if spec.positions == "last":
+            if self.rows_left > 0:
+                self.rows_left -= 1
+                return num_new_tokens
+            return num_new_tokens - 1
+        num_new_tokens = min(num_new_tokens, self.rows_left)
+        self.rows_left -= num_new_tokens
+        return num_new_tokens
+
     def plan_step(self, scheduler: "Scheduler", output: "SchedulerOutput") -> None:
         """After the SchedulerOutput is built and before ``_update_after_schedule``
         advances ``num_computed_tokens``: tell the runner what to capture."""
+        self.rows_left = self.config.max_rows  # for the next step
         if self.parked:
             self._expire_parked(scheduler)
         if not self.active:

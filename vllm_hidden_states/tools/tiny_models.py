@@ -1,16 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build tiny random-weight models with a real tokenizer, without downloads.
 
-Used by the tests, ``make serve`` and the benchmarks. Two shapes:
+Used by the tests, ``make serve`` and the benchmarks. Every architecture in
+:data:`ARCHS` gets the same tokenizer machinery in one of three styles:
 
-* ``qwen3``: Qwen3 layout, ChatML template, no BOS token (exactness tests);
-* ``llama``: Llama layout, adds a BOS token (``<s>``) to every encode.
+* ChatML, no BOS token: ``qwen3`` (exactness tests), ``qwen2``, ``qwen3_moe``,
+  ``olmo2``, ``granite``;
+* Llama, adds a BOS token (``<s>``) to every encode: ``llama``, ``mistral``,
+  ``mixtral``, ``phi3``;
+* Gemma, adds ``<bos>`` (ids as in Gemma: pad 0, eos 1, bos 2): ``gemma2``,
+  ``gemma3`` (the text-only ``Gemma3ForCausalLM``).
 
 The tokenizer is a byte-level BPE trained with HF ``tokenizers`` on a small
 built-in corpus, so text round-trips and stop strings behave as with a real
 model. Weights are float32 (exact comparison with HF transformers) and drawn
 from a fixed seed, so the same arguments always give the same model.
 Head dim is 64: vLLM's CPU attention kernel rejects smaller ones.
+
+``qwen3`` and ``llama`` are built exactly as before the other architectures
+were added (other tests and the benchmarks depend on those files). The others
+carry what makes each architecture itself, at toy size: biases (Qwen2), MoE
+with 4 experts top-2 (Qwen3-MoE, Mixtral), tied embeddings, scaled embeddings,
+``(1 + w)`` norms, sandwich norms, soft-capping and 8-token sliding windows that
+a 20-token prompt overruns (Gemma 2 and 3), fused QKV and gate-up projections
+(Phi-3), post-norms and full-width QK norms (OLMo 2), embedding, residual and
+attention multipliers (Granite). Their weights are perturbed after HF's
+initialisation, so norms and biases are not the trivial ones and zeros.
 """
 
 import json
@@ -56,6 +71,117 @@ def _train_tokenizer(vocab_size: int, specials: list[str]):
     return tok
 
 
+ARCHS = ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "gemma2",
+         "gemma3", "phi3", "olmo2", "granite")
+
+# Tokenizer style per architecture (see the module docstring).
+_STYLE = {"qwen3": "chatml", "qwen2": "chatml", "qwen3_moe": "chatml",
+          "olmo2": "chatml", "granite": "chatml", "llama": "llama",
+          "mistral": "llama", "mixtral": "llama", "phi3": "llama",
+          "gemma2": "gemma", "gemma3": "gemma"}
+
+# Gemma 2 and 3: short enough that the tests' prompts overrun it.
+GEMMA_SLIDING_WINDOW = 8
+
+
+def _tokenizer(style: str, vocab_size: int):
+    """``(HF tokenizer, {"bos": id, "eos": id, "pad": id})`` of a style."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    if style == "chatml":
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        tok = _train_tokenizer(vocab_size, specials)
+        ids = {s: tok.token_to_id(s) for s in specials}
+        hf_tok = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>",
+            pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
+        token_ids = dict(bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"],
+                         pad=ids["<|endoftext|>"])
+    elif style in ("llama", "gemma"):
+        bos_s, eos_s, other = (("<s>", "</s>", "<unk>") if style == "llama"
+                               else ("<bos>", "<eos>", "<pad>"))
+        specials = [other, bos_s, eos_s] if style == "llama" else [other, eos_s, bos_s]
+        tok = _train_tokenizer(vocab_size, specials)
+        bos, eos = tok.token_to_id(bos_s), tok.token_to_id(eos_s)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_s} $A", pair=f"{bos_s} $A {bos_s} $B",
+            special_tokens=[(bos_s, bos)])
+        if style == "llama":
+            hf_tok = PreTrainedTokenizerFast(
+                tokenizer_object=tok, bos_token=bos_s, eos_token=eos_s,
+                unk_token=other, pad_token=eos_s)
+            token_ids = dict(bos=bos, eos=eos, pad=eos)
+        else:
+            hf_tok = PreTrainedTokenizerFast(
+                tokenizer_object=tok, bos_token=bos_s, eos_token=eos_s,
+                pad_token=other)
+            token_ids = dict(bos=bos, eos=eos, pad=tok.token_to_id(other))
+    else:
+        raise ValueError(style)
+    hf_tok.chat_template = CHATML_TEMPLATE
+    return hf_tok, token_ids
+
+
+def _arch_config(arch: str, common: dict, token_ids: dict):
+    """``(config, model class)`` of an architecture, from the shared sizes."""
+    import transformers as T
+
+    common = dict(common)
+    ffn = common["intermediate_size"]
+    num_heads = common["num_attention_heads"]
+    if arch == "qwen3":
+        # As originally built: no pad_token_id.
+        return T.Qwen3Config(bos_token_id=token_ids["bos"],
+                             eos_token_id=token_ids["eos"], **common), T.Qwen3ForCausalLM
+    if arch == "llama":
+        common.pop("head_dim")
+        return T.LlamaConfig(bos_token_id=token_ids["bos"],
+                             eos_token_id=token_ids["eos"], **common), T.LlamaForCausalLM
+
+    common.update(bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"],
+                  pad_token_id=token_ids["pad"])
+    if arch not in ("mistral", "mixtral", "gemma2", "gemma3"):
+        common.pop("head_dim")  # config classes without one: hidden / heads = 64
+    # vLLM's Gemma 2 and 3 always tie the LM head to the embeddings.
+    gemma = dict(tie_word_embeddings=True, query_pre_attn_scalar=common.get("head_dim"),
+                 sliding_window=GEMMA_SLIDING_WINDOW,
+                 hidden_activation="gelu_pytorch_tanh")
+    if arch == "mistral":
+        return T.MistralConfig(sliding_window=None, **common), T.MistralForCausalLM
+    if arch == "qwen2":
+        return T.Qwen2Config(**common), T.Qwen2ForCausalLM
+    if arch == "qwen3_moe":
+        return T.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=max(1, ffn // 4),
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+            **common), T.Qwen3MoeForCausalLM
+    if arch == "mixtral":
+        return T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=None, **common), T.MixtralForCausalLM
+    if arch == "gemma2":
+        common.update(gemma)
+        return T.Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              **common), T.Gemma2ForCausalLM
+    if arch == "gemma3":
+        common.update(gemma)
+        # Gemma 3 interleaves sliding and full attention; every 4th layer full.
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                       for i in range(common["num_hidden_layers"])]
+        return T.Gemma3TextConfig(layer_types=layer_types, **common), T.Gemma3ForCausalLM
+    if arch == "phi3":
+        common["num_key_value_heads"] = num_heads
+        return T.Phi3Config(sliding_window=None, **common), T.Phi3ForCausalLM
+    if arch == "olmo2":
+        common["num_key_value_heads"] = num_heads
+        return T.Olmo2Config(**common), T.Olmo2ForCausalLM
+    if arch == "granite":
+        return T.GraniteConfig(embedding_multiplier=3.0, residual_multiplier=0.5,
+                               attention_multiplier=0.1, logits_scaling=2.0,
+                               **common), T.GraniteForCausalLM
+    raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
+
+
 def build_tiny_model(
     out: str | Path,
     arch: str = "qwen3",
@@ -68,13 +194,13 @@ def build_tiny_model(
 ) -> Path:
     """Write a model directory loadable by vLLM and HF transformers; its path.
 
-    Skips the work when ``out`` already holds a model built with the same
-    arguments (recorded in ``tiny_model.json``).
+    ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
+    a model built with the same arguments (recorded in ``tiny_model.json``).
     """
     import torch
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
 
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(arch=arch, num_layers=num_layers, hidden_size=hidden_size,
                   vocab_size=vocab_size, intermediate_size=intermediate_size,
@@ -102,39 +228,17 @@ def build_tiny_model(
         torch_dtype="float32",
         initializer_range=0.05,
     )
-    if arch == "qwen3":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        tok = _train_tokenizer(vocab_size, specials)
-        ids = {s: tok.token_to_id(s) for s in specials}
-        config = Qwen3Config(bos_token_id=ids["<|endoftext|>"],
-                             eos_token_id=ids["<|im_end|>"], **common)
-        model_cls = Qwen3ForCausalLM
-        hf_tok = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|im_end|>",
-            pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
-        hf_tok.chat_template = CHATML_TEMPLATE
-    elif arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        specials = ["<unk>", "<s>", "</s>"]
-        tok = _train_tokenizer(vocab_size, specials)
-        bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-        common.pop("head_dim")
-        config = LlamaConfig(bos_token_id=bos, eos_token_id=eos, **common)
-        model_cls = LlamaForCausalLM
-        hf_tok = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-            unk_token="<unk>", pad_token="</s>")
-        hf_tok.chat_template = CHATML_TEMPLATE
-    else:
-        raise ValueError(f"unknown arch {arch!r}; use 'qwen3' or 'llama'")
+    hf_tok, token_ids = _tokenizer(_STYLE[arch], vocab_size)
+    config, model_cls = _arch_config(arch, common, token_ids)
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if arch not in ("qwen3", "llama"):
+        # HF initialises norms to ones (Gemma: zeros, for 1 + w) and biases to
+        # zeros; perturb every parameter so none of them is trivial.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(out, safe_serialization=True)
     hf_tok.save_pretrained(out)
     stamp.write_text(json.dumps(recipe))

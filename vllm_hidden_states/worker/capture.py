@@ -1,128 +1,167 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: capture hidden states inside the compiled, graph-captured model.
-
-Capture uses the models' aux-hidden-state outputs (the EAGLE3 path):
-``model.set_aux_hidden_state_layers(layers)`` makes the model return
-``(final_hidden, [aux_k for k in layers])`` from its forward, where ``aux_k`` is
-``hidden + residual`` after ``k`` decoder layers. Those are ordinary outputs of
-the torch.compile'd graph and of CUDA-graph replay, so nothing here needs eager
-mode or forward hooks (which Dynamo would freeze at trace time and CUDA-graph
-replay would skip). The capturable set is fixed at load time, before the first
-forward (compilation and graph capture happen in the profile/warm-up run).
+"""The model-runner side of capture: fill the row index before the forward,
+read the buffers after it, hand the rows to the scheduler.
 
 Per step, only when the SchedulerOutput carries a capture plan
 (``scheduler_output.capture_plan``, written by
-:class:`vllm_hidden_states.engine.planner.CapturePlanner`), rows are gathered
-right after the forward:
-graph outputs are static buffers that the next forward overwrites, so the rows
-must be copied out in the same step, on the main stream, before anything else
-runs. ``index_select`` makes that copy; the result then goes to the host and
-rides on ``ModelRunnerOutput.captured_hidden_states``. Steps without a plan pay
-one attribute check.
+:class:`vllm_hidden_states.engine.planner.CapturePlanner`):
 
-Covers Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``),
-which CPU always runs and CUDA falls back to; V2 is refused at start-up
-(see :func:`vllm_hidden_states.config.validate_engine_config`).
+1. before the forward (``_model_forward``), :meth:`HiddenStatesCapture.arm`
+   turns each request's :class:`CaptureStep` into batch rows (this step's
+   ``query_start_loc`` offsets) and arms the model's capture points
+   (:mod:`.capture_points`) with them;
+2. the forward writes those rows of every captured layer ``k < L`` into the
+   persistent buffers, inside the compiled graph;
+3. right after it, :meth:`HiddenStatesCapture.collect` reads the buffers (and
+   layer ``L``, the model's post-norm output, at the same rows), copies them to
+   the host as ``[num_layers, rows, hidden_size]`` per request, and disarms:
+   the next forward overwrites the buffers;
+4. ``sample_tokens`` puts finished captures on
+   ``ModelRunnerOutput.captured_hidden_states``.
+
+Steps without a plan pay one attribute check in ``execute_model`` and one in
+``_model_forward``. The glue is four wrapped Model Runner V1 methods
+(:func:`install_mrv1_hooks`); a V2 port needs the same four points (after
+load, before and after the forward, the output) and none of the capture code.
 """
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import HiddenStatesConfig
+from vllm_hidden_states.worker.capture_points import CapturePoints
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm_hidden_states.engine.planner import CaptureStep
 
 logger = init_logger(__name__)
 
 
-class HiddenStatesCapture:
-    """Per-runner capture state.
+@dataclass
+class _Armed:
+    """One request's share of the rows armed for this forward."""
 
-    ``_partial`` accumulates the chunks of ``positions="all"`` extracts whose
-    prefill spans several steps (chunked prefill); ``_ready`` holds finished
-    results until ``sample_tokens`` puts them on the ModelRunnerOutput.
-    Results are ``[num_layers, num_positions, hidden_size]`` CPU tensors in the
-    model dtype.
+    req_id: str
+    step: "CaptureStep"
+    offset: int  # first of its rows in the armed row list
+    count: int
+    done: bool  # this forward computes the capture's last position
+
+
+class HiddenStatesCapture:
+    """Per-runner capture state (``runner._hidden_states_capture``).
+
+    ``_partial`` accumulates the chunks of multi-step captures ("all" over a
+    chunked prefill); ``_ready`` holds finished results until ``sample_tokens``
+    puts them on the ModelRunnerOutput. Results are ``[num_layers,
+    num_positions, hidden_size]`` CPU tensors in the model dtype.
     """
 
-    def __init__(self, config: HiddenStatesConfig) -> None:
+    def __init__(self, config: HiddenStatesConfig, runner: Any) -> None:
         self.config = config
         self.final_layer = config.num_layers
-        # absolute layer -> index in the model's aux output list (sorted order)
-        self.aux_index = {k: i for i, k in enumerate(config.aux_layers)}
+        self.points: CapturePoints | None = None
+        self.plan: dict[str, "CaptureStep"] | None = None  # this step's, if any
+        self._armed: list[_Armed] = []
+        self._rows: torch.Tensor | None = None  # armed rows on the device
+        self._num_scheduled: dict[str, int] = {}
         self._partial: dict[str, list[torch.Tensor]] = {}
         self._ready: dict[str, torch.Tensor] = {}
+        self._install(runner)
 
-    # -- load time -----------------------------------------------------------
-
-    def setup_model(self, runner: Any) -> None:
-        """Enable aux outputs for the capturable layers (replaces the EAGLE3
-        setup, which only runs for EAGLE3 drafters; those are refused at start)."""
-        from vllm.model_executor.models.interfaces import supports_eagle3
-
+    def _install(self, runner: Any) -> None:
+        """Capture points before each capturable decoder layer ``k < L``."""
         model = runner.get_model()
-        if not self.config.aux_layers:
+        inner = list(self.config.inner_layers)
+        if not inner:
             return  # only the final layer: the model's own output
-        if not supports_eagle3(model):
-            raise RuntimeError(
-                f"{type(model).__name__} does not expose aux hidden states, so "
-                "vllm-hidden-states cannot capture intermediate layers for it; "
-                "use hidden_states_layers=[-1] or a model with the EAGLE3 "
-                "interface (Llama, Qwen2, Qwen3, Mistral, Gemma, ...)"
+        model_config = runner.vllm_config.model_config
+        try:
+            self.points = CapturePoints(
+                model,
+                inner,
+                num_layers=self.config.num_layers,
+                hidden_size=model_config.get_hidden_size(),
+                max_rows=self.config.max_rows,
+                dtype=model_config.dtype,
+                device=runner.device,
             )
-        runner.use_aux_hidden_state_outputs = True
-        model.set_aux_hidden_state_layers(self.config.aux_layers)
-        logger.info(
-            "Hidden states: capturing layers %s (aux %s + final post-norm)",
-            list(self.config.layers),
-            list(self.config.aux_layers),
-        )
+        except LookupError as e:
+            raise RuntimeError(
+                f"vllm-hidden-states cannot place capture points in "
+                f"{type(model).__name__} ({e}); it can still serve layer -1 "
+                "(the final post-norm state): start with --hidden-states-layers -1"
+            ) from None
 
     # -- per step ------------------------------------------------------------
 
-    def after_forward(self, runner: Any, scheduler_output: "SchedulerOutput") -> None:
-        """Gather this step's rows for every request in the capture plan."""
-        steps: dict[str, "CaptureStep"] = scheduler_output.capture_plan
-        state = runner.execute_model_state
-        if state is None:
-            return
-        hidden = state.hidden_states
-        aux = state.aux_hidden_states
+    def arm(self, runner: Any) -> None:
+        """Before the forward: arm the rows of this step's plan."""
         index_of = runner.input_batch.req_id_to_index
         query_start = runner.query_start_loc.np
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        for req_id, step in steps.items():
-            n = num_scheduled[req_id]
+        num_scheduled = self._num_scheduled
+        rows: list[np.ndarray] = []
+        offset = 0
+        self._armed = []
+        for req_id, step in self.plan.items():
+            # Rows by sequence position: row0 holds position step.start. Rows
+            # past the sequence (draft tokens of speculative decoding) are
+            # never captured.
             row0 = int(query_start[index_of[req_id]])
-            end = step.start + n
+            end = min(step.start + num_scheduled[req_id], step.num_tokens)
+            done = end == step.num_tokens
             if step.positions == "last":
-                if end < step.num_tokens:
+                if not done:
                     continue  # an earlier chunk; the last position comes later
-                rows = torch.tensor([row0 + n - 1], device=hidden.device)
+                selected = np.array([row0 + end - 1 - step.start], dtype=np.int64)
             else:
-                if step.start == 0:
-                    self._partial.pop(req_id, None)  # fresh start (or preempted)
-                rows = torch.arange(row0, row0 + n, device=hidden.device)
+                selected = np.arange(row0, row0 + end - step.start, dtype=np.int64)
+            rows.append(selected)
+            self._armed.append(_Armed(req_id, step, offset, len(selected), done))
+            offset += len(selected)
+        if not self._armed:
+            return
+        all_rows = np.concatenate(rows)
+        if self.points is not None:
+            self.points.arm(all_rows)
+            self._rows = self.points.rows[: len(all_rows)]
+        else:
+            self._rows = torch.from_numpy(all_rows).to(runner.device)
+
+    def collect(self, model_output: torch.Tensor) -> None:
+        """After the forward: copy this step's rows out, per request."""
+        if not self._armed:
+            return
+        if isinstance(model_output, tuple):  # (hidden, aux) with an EAGLE3 drafter
+            model_output = model_output[0]
+        final_rows = model_output.index_select(0, self._rows)
+        for armed in self._armed:
+            sl = slice(armed.offset, armed.offset + armed.count)
             layers = [
-                (hidden if k == self.final_layer else aux[self.aux_index[k]])
-                .index_select(0, rows)
-                for k in step.layers
+                final_rows[sl] if k == self.final_layer else self.points.read(k)[sl]
+                for k in armed.step.layers
             ]
-            # [num_layers, rows, hidden] on the host. A copy, never a view of the
-            # static output buffers the next forward overwrites.
-            chunk = torch.stack(layers).to("cpu")
-            if step.positions == "all":
-                chunks = self._partial.setdefault(req_id, [])
-                chunks.append(chunk)
-                if end < step.num_tokens:
+            # [num_layers, rows, hidden] on the host, a copy: the buffers are
+            # rewritten by the next forward.
+            chunk = torch.stack(layers).to("cpu", copy=True)
+            if armed.step.positions == "all":
+                if armed.step.start == 0:
+                    self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
+                if not armed.done:
+                    self._partial.setdefault(armed.req_id, []).append(chunk)
                     continue
-                del self._partial[req_id]
-                chunk = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunk
-            self._ready[req_id] = chunk
+                chunks = self._partial.pop(armed.req_id, [])
+                if chunks:
+                    chunk = torch.cat([*chunks, chunk], dim=1)
+            self._ready[armed.req_id] = chunk
+        self._armed = []
+        self._rows = None
+        if self.points is not None:
+            self.points.disarm()
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
@@ -142,7 +181,7 @@ def _capture_of(runner: Any) -> HiddenStatesCapture | None:
 
 
 def install_mrv1_hooks() -> None:
-    """Wrap Model Runner V1 methods (idempotent; runs in every worker process)."""
+    """Wrap four Model Runner V1 methods (idempotent; every worker process)."""
     from vllm.v1.worker import gpu_model_runner as mrv1
 
     cls = mrv1.GPUModelRunner
@@ -150,33 +189,45 @@ def install_mrv1_hooks() -> None:
         return
     orig_setup = cls._setup_eagle3_aux_hidden_state_outputs
     orig_execute = cls.execute_model
+    orig_forward = cls._model_forward
     orig_sample = cls.sample_tokens
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
+        # Runs once the model is loaded, before compilation and warm-up.
+        orig_setup(self)
         config = HiddenStatesConfig.from_vllm_config(self.vllm_config)
-        if config is None:
-            return orig_setup(self)
-        if self.use_aux_hidden_state_outputs:
-            raise RuntimeError(
-                "hidden states cannot share the model's aux outputs with an "
-                "EAGLE3/DFlash/extract_hidden_states drafter"
-            )
-        capture = HiddenStatesCapture(config)
-        capture.setup_model(self)
-        self.__dict__["_hidden_states_capture"] = capture
+        if config is not None:
+            self.__dict__["_hidden_states_capture"] = HiddenStatesCapture(config, self)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        result = orig_execute(self, scheduler_output, *args, **kwargs)
         capture = _capture_of(self)
-        if capture is not None:
-            if scheduler_output.finished_req_ids and (
-                capture._partial or capture._ready
-            ):
-                capture.forget(scheduler_output.finished_req_ids)
-            if scheduler_output.capture_plan:
-                with torch.inference_mode():
-                    capture.after_forward(self, scheduler_output)
-        return result
+        if capture is None:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        if scheduler_output.finished_req_ids and (capture._partial or capture._ready):
+            capture.forget(scheduler_output.finished_req_ids)
+        if scheduler_output.capture_plan:
+            capture.plan = scheduler_output.capture_plan
+            capture._num_scheduled = scheduler_output.num_scheduled_tokens
+        try:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            capture.plan = None
+
+    def _model_forward(self, *args, **kwargs):
+        capture = _capture_of(self)
+        if capture is None or capture.plan is None:
+            return orig_forward(self, *args, **kwargs)
+        with torch.inference_mode():
+            capture.arm(self)
+        try:
+            output = orig_forward(self, *args, **kwargs)
+            with torch.inference_mode():
+                capture.collect(output)
+        finally:
+            capture.plan = None  # one forward per plan
+            if capture.points is not None:
+                capture.points.disarm()
+        return output
 
     def sample_tokens(self, *args, **kwargs):
         output = orig_sample(self, *args, **kwargs)
@@ -188,5 +239,6 @@ def install_mrv1_hooks() -> None:
 
     cls._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
     cls.execute_model = execute_model
+    cls._model_forward = _model_forward
     cls.sample_tokens = sample_tokens
     cls._hidden_states_hooked = True

@@ -5,8 +5,10 @@ Engines are expensive on a 2-core CPU (20-60 s each), so each is built once per
 session and shared:
 
 * ``llm``: Qwen3-shaped model, eager, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING
-  =0``) so tests can look inside the scheduler and the output processor, with
-  chunked prefill at 64 tokens and prefix caching on; every layer capturable.
+  =0``) so tests can look inside the scheduler, the output processor and the
+  model, with chunked prefill at 64 tokens, capture buffers of 24 rows (so
+  long captures are split over steps) and prefix caching on; every layer
+  capturable.
 * ``llm_compiled``: Llama-shaped model (adds a BOS token), torch.compile'd
   (vLLM's default CPU mode), EngineCore in its own process so states travel
   over ZMQ as msgpack tensor frames; capturable set restricted to 0, 2, -2, -1.
@@ -114,15 +116,21 @@ COMMON_ENGINE_ARGS = dict(
 )
 
 
+LLM_MAX_ROWS = 24
+
+
 @pytest.fixture(scope="session")
 def llm(qwen3_dir):
-    """Eager, in-process engine; every layer capturable."""
+    """Eager, in-process engine; every layer capturable; 24-row capture buffers."""
     from vllm import LLM
 
     with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
         engine = LLM(
             model=str(qwen3_dir),
             enable_hidden_states=True,
+            # Capture buffers smaller than the token budget (64): long
+            # captures are split over steps in every test on this engine.
+            hidden_states_max_rows=LLM_MAX_ROWS,
             enforce_eager=True,
             max_model_len=1024,
             **COMMON_ENGINE_ARGS,
@@ -163,3 +171,9 @@ def engine_core(llm):
 def token_ids_of(output) -> list[int]:
     """prompt + generated token ids of the first completion of an output."""
     return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
+
+
+def model_of(llm):
+    """The model inside an in-process engine's worker."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner.get_model()

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every layer, every position, on every supported architecture.
+
+One tiny random-weight model per architecture
+(:func:`vllm_hidden_states.tools.tiny_models.build_tiny_model`), each on an
+engine with the default capturable set (every layer), compared with HF
+transformers' ``output_hidden_states`` on the same token ids: the states of the
+last token and of every position, at every layer ``0..L``. A representative
+subset also runs torch.compile'd.
+
+Engines are expensive on a 2-core CPU, so tests are grouped by architecture
+(the module-scoped ``arch`` fixture makes pytest run both tests of one
+architecture back to back) and :func:`engine_for` keeps only the current
+architecture's engine alive, shutting the previous one down first.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
+
+from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of
+
+COMPILED_ARCHS = ("llama", "gemma2", "olmo2", "qwen3_moe")
+
+# ~20 tokens: longer than the Gemma models' 8-token sliding window.
+PROMPT = "Once upon a time there was a small robot who loved to count"
+MAX_TOKENS = 4
+
+ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=8, max_model_len=512)
+
+
+class _Current:
+    """The one live engine: its key ``(arch, compiled)``, the engine and the
+    HF reference, or the error it failed to start with."""
+
+    key: tuple[str, bool] | None = None
+    engine: LLM | None = None
+    reference: HFReference | None = None
+    error: str | None = None
+
+
+def _shutdown() -> None:
+    if _Current.engine is not None:
+        _Current.engine.llm_engine.engine_core.shutdown()
+    _Current.key = _Current.engine = _Current.reference = _Current.error = None
+    gc.collect()
+
+
+def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
+    """The engine (every layer capturable) and HF reference of ``arch``.
+
+    Starting another architecture's engine shuts the previous one down first,
+    so at most one is alive. An engine that failed to start is not retried by
+    the next test of the same architecture; that test fails with the error.
+    """
+    key = (arch, compiled)
+    if _Current.key != key:
+        _shutdown()
+        _Current.key = key
+        model_dir = build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
+        _Current.reference = HFReference(model_dir)
+        # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
+        _Current.reference.model.set_attn_implementation("eager")
+        try:
+            _Current.engine = LLM(model=str(model_dir), enable_hidden_states=True,
+                                  enforce_eager=not compiled, **ENGINE_ARGS)
+        except Exception as e:
+            _Current.error = f"{type(e).__name__}: {e}"
+            raise
+    if _Current.error is not None:
+        pytest.fail(f"the {arch} engine failed to start: {_Current.error}")
+    return _Current.engine, _Current.reference
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _last_engine_is_shut_down():
+    yield
+    _shutdown()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=COMPILED_ARCHS)
+def compiled_arch(request) -> str:
+    return request.param
+
+
+def every_layer(hf: HFReference, positions: str) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                          return_hidden_states=True,
+                          hidden_states_layers=list(range(hf.num_layers + 1)),
+                          hidden_states_positions=positions)
+
+
+def assert_every_layer_matches_hf(out, hf: HFReference, positions: str, what: str):
+    ids = token_ids_of(out)
+    reference = hf.states(ids)
+    states = out.outputs[0].hidden_states
+    assert list(states) == list(range(hf.num_layers + 1)), what
+    for layer, tensor in states.items():
+        expected = reference[layer] if positions == "all" else reference[layer][-1:]
+        assert tensor.dtype == torch.float32, (what, layer, tensor.dtype)
+        assert tensor.shape == (len(ids) if positions == "all" else 1, hf.hidden_size)
+        assert_close(tensor, expected, f"{what} {positions} layer {layer}")
+
+
+def test_every_layer_of_the_last_token_matches_hf(arch):
+    llm, hf = engine_for(arch)
+    (out,) = llm.generate([PROMPT], every_layer(hf, "last"), use_tqdm=False)
+    assert_every_layer_matches_hf(out, hf, "last", arch)
+
+
+def test_every_layer_of_every_position_matches_hf(arch):
+    llm, hf = engine_for(arch)
+    (out,) = llm.generate([PROMPT], every_layer(hf, "all"), use_tqdm=False)
+    assert_every_layer_matches_hf(out, hf, "all", arch)
+
+
+def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    outs = llm.generate([PROMPT, PROMPT], [every_layer(hf, "last"), every_layer(hf, "all")],
+                        use_tqdm=False)
+    for out, positions in zip(outs, ("last", "all")):
+        assert_every_layer_matches_hf(out, hf, positions, f"compiled {compiled_arch}")

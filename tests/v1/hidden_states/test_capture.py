@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Capture inside the model: capture points before the decoder layers,
+persistent buffers of bounded rows, and what shares the engine with them."""
+
+import time
+
+import pytest
+
+from vllm import SamplingParams
+from vllm_hidden_states.wire import HiddenStatesExtractRequest
+from vllm_hidden_states.worker.capture_points import (
+    find_decoder_layers,
+    has_capture_points,
+)
+
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    LLM_MAX_ROWS,
+    assert_close,
+    env_set,
+    model_of,
+    token_ids_of,
+)
+
+PROMPT = "Once upon a time there was a small robot who loved to count"
+
+
+def _capturing_layers(model, num_layers: int) -> list[int]:
+    _, layers = find_decoder_layers(model, num_layers)
+    return [k for k, layer in enumerate(layers) if hasattr(layer, "_hs_out")]
+
+
+def test_every_decoder_layer_gets_a_capture_point_when_every_layer_is_capturable(
+    llm, hf_qwen3
+):
+    model = model_of(llm)
+    assert _capturing_layers(model, hf_qwen3.num_layers) == list(range(hf_qwen3.num_layers))
+
+
+def test_capture_buffers_hold_max_rows_by_hidden_size_in_the_model_dtype(llm, hf_qwen3):
+    _, layers = find_decoder_layers(model_of(llm), hf_qwen3.num_layers)
+    for layer in layers:
+        assert tuple(layer._hs_out.shape) == (LLM_MAX_ROWS, hf_qwen3.hidden_size)
+        assert layer._hs_out.dtype == layer.input_layernorm.weight.dtype
+
+
+def test_capture_points_keep_the_models_parameter_names(llm, hf_qwen3):
+    names = [name for name, _ in model_of(llm).named_parameters()]
+    assert any(".layers.0.self_attn." in n for n in names)
+    assert not any("_hs_" in n for n in names)
+
+
+def test_all_capture_longer_than_the_buffers_is_split_over_steps(engine_core, hf_qwen3):
+    sequence = ([5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8] * 10)[:100]
+    final = hf_qwen3.num_layers
+    engine_core.add_hidden_states_extracts([
+        HiddenStatesExtractRequest(request_id="split-1", token_ids=sequence,
+                                   layers=[0, final], positions="all",
+                                   arrival_time=time.time())
+    ])  # fmt: skip
+    request = engine_core.scheduler.requests["split-1"]
+    engine_core.step()
+    # The token budget (64) would allow more; the buffers hold LLM_MAX_ROWS.
+    assert request.num_computed_tokens == LLM_MAX_ROWS
+    eco = None
+    for _ in range(50):
+        outputs, _ = engine_core.step()
+        done = [o for outs in outputs.values() for o in outs.outputs
+                if o.request_id == "split-1" and o.finished]  # fmt: skip
+        if done:
+            (eco,) = done
+            break
+    assert eco is not None
+    ref = hf_qwen3.states(sequence)
+    assert eco.hidden_states.shape == (2, len(sequence), hf_qwen3.hidden_size)
+    assert_close(eco.hidden_states[0], ref[0], "layer 0")
+    assert_close(eco.hidden_states[1], ref[final], "layer L")
+
+
+def test_engine_without_the_flag_installs_no_capture_points(qwen3_dir):
+    from vllm import LLM
+
+    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+        plain = LLM(model=str(qwen3_dir), enforce_eager=True, max_model_len=256,
+                    **COMMON_ENGINE_ARGS)
+    try:
+        assert not has_capture_points(model_of(plain))
+        (out,) = plain.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert out.outputs[0].hidden_states is None
+    finally:
+        plain.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm_ngram(qwen3_dir):
+    """n-gram speculative decoding next to hidden states (EngineCore in its
+    own process)."""
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        **COMMON_ENGINE_ARGS,
+    )  # fmt: skip
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+# Repetitive text, so the n-gram proposer has drafts to make.
+NGRAM_PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
+
+
+@pytest.mark.parametrize("positions", ["last", "all", "prompt"])
+def test_ngram_speculative_decoding_keeps_states_exact(llm_ngram, hf_qwen3, positions):
+    layers = [0, 2, -2, -1]
+    params = SamplingParams(max_tokens=12, temperature=0.0, return_hidden_states=True,
+                            hidden_states_layers=layers,
+                            hidden_states_positions=positions)  # fmt: skip
+    (out,) = llm_ngram.generate([NGRAM_PROMPT], params, use_tqdm=False)
+    ids = token_ids_of(out)
+    ref = hf_qwen3.states(ids)
+    for layer in layers:
+        got = out.outputs[0].hidden_states[layer]
+        if positions == "last":
+            want = ref[layer][-1:]
+        elif positions == "all":
+            want = ref[layer]
+        else:
+            want = ref[layer][: len(out.prompt_token_ids)]
+        assert_close(got, want, f"{positions} layer {layer}")
+
+
+def test_untested_speculative_methods_are_refused_at_start(qwen3_dir):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm_hidden_states.config import validate_engine_config
+
+    # A real config with a speculative method vLLM-CPU can build here; then the
+    # method swapped for one that would need a drafter model (EAGLE3).
+    config = EngineArgs(
+        model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
+        max_model_len=512, dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    ).create_engine_config()  # fmt: skip
+    config.speculative_config.method = "eagle3"
+    with pytest.raises(ValueError, match=r"speculative decoding method 'eagle3' is not "
+                                         r"supported yet \(tested with hidden states: ngram\)"):
+        validate_engine_config(config)

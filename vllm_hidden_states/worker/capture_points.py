@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Capture points inside the model: selected rows of the residual stream,
+written into persistent buffers by one custom op, under torch.compile and
+CUDA-graph replay alike.
+
+At model load (:meth:`CapturePoints.install`), the decoder-layer list is found
+generically (:func:`find_decoder_layers`: no per-architecture code) and each
+decoder layer ``k`` whose layer index is capturable gets a capture point: its
+class is swapped for a subclass whose ``forward`` first calls
+``torch.ops.vllm.hidden_states_capture(hidden, residual, rows, count, out)``
+and then the original forward. Swapping the class (rather than wrapping the
+module) keeps parameter names, ``isinstance`` checks and attribute access
+intact, so weight loading, LoRA and reloads see the same model.
+
+The op writes ``(hidden + residual)[rows[:count]]`` into ``out[:count]``: the
+residual stream *entering* layer ``k``, which is HF's
+``output_hidden_states[k]`` (``k = 0``: the embedding output, Gemma's
+embedding scaling included; layers with vLLM's fused residual pass
+``residual`` separately, others fold it into ``hidden``). Layer ``L``, the
+final post-norm state, is the model's own output: the runner gathers it.
+
+``rows`` (int64 ``[max_rows]``) and ``count`` (int64 ``[1]``) are shared by all
+capture points; ``out`` is one ``[max_rows, hidden_size]`` buffer per captured
+layer, in the model dtype. All are registered as non-persistent module buffers,
+so Dynamo lifts them as graph inputs rather than constants; their storage never
+changes, so compiled graphs and captured CUDA graphs stay valid. The runner
+fills ``rows``/``count`` before a forward that captures and sets ``count`` to 0
+after it (:meth:`CapturePoints.arm` / :meth:`CapturePoints.disarm`).
+
+Cost of a forward where nobody asked (``count == 0``): on CPU the op reads the
+count and returns (one call per capture point); on other devices, where the
+count cannot be read without a host sync (and not at all inside CUDA-graph
+capture), the op gathers all ``max_rows`` rows of the persistent index, whose
+unused entries point at row 0: ``max_rows x hidden_size`` elements copied per
+capture point per forward.
+"""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+OP_NAME = "hidden_states_capture"
+
+# Names a decoder layer's forward uses for its input stream, most common
+# first; failing these, the first positional argument that is not a position.
+_STREAM_ARG_NAMES = ("hidden_states", "hidden_state", "hidden", "x")
+_NOT_STREAM_ARGS = ("positions", "position_ids", "position_embeddings")
+
+
+def _capture_rows(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rows: torch.Tensor,
+    count: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``out[:n] = (hidden + residual)[rows[:n]]`` with ``n = count`` (see module doc)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.device.type == "cpu":
+        n = int(count.item())  # free on CPU; the op is opaque to Dynamo
+        if n == 0:
+            return
+        index, target = rows[:n], out[:n]
+    else:
+        # No host sync (nor one inside CUDA-graph capture): gather every row
+        # of the persistent index; the runner reads out[:count].
+        index, target = rows, out
+    if residual is None:
+        torch.index_select(hidden, 0, index, out=target)
+    else:
+        residual = residual.reshape(-1, residual.shape[-1])
+        torch.add(hidden.index_select(0, index), residual.index_select(0, index),
+                  out=target)
+
+
+def _capture_rows_fake(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rows: torch.Tensor,
+    count: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    return None
+
+
+def register_op() -> None:
+    """Register ``torch.ops.vllm.hidden_states_capture`` once per process."""
+    if hasattr(torch.ops.vllm, OP_NAME):
+        return
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(
+        op_name=OP_NAME,
+        op_func=_capture_rows,
+        mutates_args=["out"],
+        fake_impl=_capture_rows_fake,
+    )
+
+
+def _is_pp_placeholder(layer: nn.Module) -> bool:
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return isinstance(layer, PPMissingLayer)
+
+
+def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
+    """The model's decoder-layer list: ``(qualified name, ModuleList)``.
+
+    Rule: of the ``nn.ModuleList`` s whose children are modules (not lists)
+    and whose length is ``num_layers`` (the config's ``num_hidden_layers``;
+    pipeline-parallel placeholders keep the length), the shallowest. Raises
+    ``LookupError`` when there is none.
+    """
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) == num_layers
+        and not any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in module)
+    ]
+    if not candidates:
+        raise LookupError(
+            f"no list of {num_layers} decoder layers in {type(model).__name__}"
+        )
+    return min(candidates, key=lambda c: c[0].count("."))
+
+
+class StreamArgs:
+    """Where a decoder layer's forward takes the residual stream: the
+    ``hidden`` argument and, with vLLM's fused residual, ``residual``."""
+
+    def __init__(self, forward: Callable[..., Any]):
+        params = [
+            p for p in inspect.signature(forward).parameters.values()
+            if p.name != "self"
+        ]  # fmt: skip
+        names = [p.name for p in params]
+        positional = [
+            p.name for p in params
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]  # fmt: skip
+        hidden = next((n for n in _STREAM_ARG_NAMES if n in names), None)
+        if hidden is None:
+            hidden = next((n for n in positional if n not in _NOT_STREAM_ARGS), None)
+        if hidden is None:
+            raise LookupError(f"no hidden-states argument in forward{tuple(names)}")
+        self.hidden = hidden
+        self.hidden_pos = positional.index(hidden) if hidden in positional else None
+        self.residual = "residual" if "residual" in names else None
+        self.residual_pos = (
+            positional.index("residual") if "residual" in positional else None
+        )
+
+    def read(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.hidden_pos is not None and len(args) > self.hidden_pos:
+            hidden = args[self.hidden_pos]
+        else:
+            hidden = kwargs[self.hidden]
+        residual = None
+        if self.residual is not None:
+            if self.residual_pos is not None and len(args) > self.residual_pos:
+                residual = args[self.residual_pos]
+            else:
+                residual = kwargs.get(self.residual)
+        return hidden, residual
+
+    def __repr__(self) -> str:
+        return f"StreamArgs(hidden={self.hidden!r}, residual={self.residual!r})"
+
+
+_capturing_classes: dict[type, type] = {}
+
+
+def _capturing_class(cls: type) -> type:
+    """``cls`` with a capture point before its forward (one subclass per class)."""
+    if cls in _capturing_classes:
+        return _capturing_classes[cls]
+    original = cls.forward
+    stream = StreamArgs(original)
+
+    def forward(self, *args, **kwargs):
+        hidden, residual = stream.read(args, kwargs)
+        torch.ops.vllm.hidden_states_capture(
+            hidden, residual, self._hs_rows, self._hs_count, self._hs_out
+        )
+        return original(self, *args, **kwargs)
+
+    subclass = type(
+        cls.__name__,  # logs, reprs and name-based checks stay the same
+        (cls,),
+        {
+            "forward": forward,
+            "_hs_stream_args": stream,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
+    _capturing_classes[cls] = subclass
+    return subclass
+
+
+def has_capture_points(model: nn.Module) -> bool:
+    """Whether any module of ``model`` carries a capture point."""
+    return any(type(m) in _capturing_classes.values() for m in model.modules())
+
+
+class CapturePoints:
+    """The capture points of one model and their buffers.
+
+    Attributes:
+        layers: absolute layer indices ``k < L`` with a capture point, ascending.
+        buffers: ``{k: [max_rows, hidden_size]}`` in the model dtype.
+        max_rows: rows one forward can capture.
+        count: rows armed for the next forward (host-side mirror of the
+            device ``count`` tensor).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[int],
+        num_layers: int,
+        hidden_size: int,
+        max_rows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        register_op()
+        self.layers_name, decoder_layers = find_decoder_layers(model, num_layers)
+        self.max_rows = max_rows
+        self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.rows_host = torch.zeros(max_rows, dtype=torch.int64)
+        self.count_tensor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.count = 0
+        self.buffers: dict[int, torch.Tensor] = {}
+        for k in layers:
+            layer = decoder_layers[k]
+            if _is_pp_placeholder(layer):
+                continue  # another pipeline stage owns this layer
+            out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+            layer.__class__ = _capturing_class(type(layer))
+            layer.register_buffer("_hs_rows", self.rows, persistent=False)
+            layer.register_buffer("_hs_count", self.count_tensor, persistent=False)
+            layer.register_buffer("_hs_out", out, persistent=False)
+            self.buffers[k] = out
+        self.layers = sorted(self.buffers)
+        if self.layers:
+            logger.info(
+                "Hidden states: capture points before %d of %d layers of %s.%s "
+                "(%s), %d rows each",
+                len(self.layers), num_layers, type(model).__name__,
+                self.layers_name, type(decoder_layers[self.layers[0]])._hs_stream_args,
+                max_rows,
+            )  # fmt: skip
+
+    def arm(self, rows: np.ndarray) -> None:
+        """Capture batch rows ``rows`` (int64, at most ``max_rows``) in the next forward."""
+        n = len(rows)
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows asked in one step; the buffers hold {self.max_rows}")
+        self.rows_host[:n] = torch.from_numpy(rows)
+        self.rows_host[n:] = 0
+        self.rows.copy_(self.rows_host, non_blocking=True)
+        self.count_tensor.fill_(n)
+        self.count = n
+
+    def disarm(self) -> None:
+        """No capture in later forwards (profile, dummy and warm-up runs included)."""
+        if self.count:
+            self.count_tensor.fill_(0)
+            self.count = 0
+
+    def read(self, k: int) -> torch.Tensor:
+        """``[count, hidden_size]``: layer ``k``'s rows of the last forward (a view)."""
+        return self.buffers[k][: self.count]
