@@ -7,8 +7,9 @@ Two comparisons, each alternating its variants round by round:
    requests vs ``return_hidden_states`` "last" at layer -1, "last" at 4 layers,
    and "all" at layer -1, on 100% of the requests.
 2. Plain requests on an engine started without hidden states vs the same on an
-   engine started with them (enabled but unused): the cost of the aux outputs
-   in every forward.
+   engine started with them (enabled but unused, every layer capturable): the
+   cost of the capture points (one custom-op call per layer per forward, with
+   nothing to copy) and of the capture buffers' memory.
 
 Throughput is generated tokens per second over a fixed batch (random token
 prompts, greedy, ``ignore_eos`` so every variant generates the same count).
@@ -44,6 +45,17 @@ def _throughput(llm, prompts, **hs) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
+def _buffer_mib(llm) -> float:
+    """Capture-buffer memory of an engine with hidden states enabled, in MiB."""
+    from vllm_hidden_states.config import HiddenStatesConfig
+
+    vllm_config = llm.llm_engine.vllm_config
+    cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
+    model_config = vllm_config.model_config
+    dtype_bytes = model_config.dtype.itemsize
+    return cfg.buffer_bytes(model_config.get_hidden_size(), dtype_bytes) / 2**20
+
+
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
     from vllm import LLM
 
@@ -77,7 +89,8 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
 
     unused = Comparison(
         "offline LLM: engine enabled but no request asks", "generated tok/s",
-        baseline="engine without hidden states", notes=cfg,
+        baseline="engine without hidden states",
+        notes=f"{cfg}; capture buffers at the default setting: {_buffer_mib(enabled):.1f} MiB",
         targets={"engine with --enable-hidden-states": 0.99})
     alternate(unused, {
         "engine without hidden states": lambda: _throughput(

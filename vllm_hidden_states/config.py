@@ -6,7 +6,7 @@ imports nothing from vLLM at module level.
 
 The switch lives in ``VllmConfig.additional_config["hidden_states"]`` so that it
 reaches every process (front-end, EngineCore, workers) inside the pickled config
-and keys vLLM's torch.compile cache: turning capture on adds aux outputs to the
+and keys vLLM's torch.compile cache: turning capture on adds capture points to the
 compiled graph, and a graph compiled without them cannot be reused with them.
 
 Layer convention (the same as HF transformers ``output_hidden_states``), with
@@ -14,7 +14,7 @@ Layer convention (the same as HF transformers ``output_hidden_states``), with
 
 * ``0``: the embedding output;
 * ``1..L-1``: the residual stream after decoder layer ``k``
-  (vLLM's aux hidden state ``k``, i.e. ``hidden + residual``);
+  (the stream entering decoder layer ``k``, i.e. vLLM's ``hidden + residual``);
 * ``L`` (``-1``): the final, post-norm hidden state, i.e. the LM-head input.
 
 Negative indices count from the end over those ``L + 1`` entries, so ``-2`` is

@@ -135,6 +135,13 @@ def llm(qwen3_dir):
             max_model_len=1024,
             **COMMON_ENGINE_ARGS,
         )
+    # Building an engine freezes vLLM's env reads (envs cache) with
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 in it; unfreeze them, or every later
+    # engine would be in-process too, and shutting one down would tear down
+    # the process-wide distributed state this engine runs on.
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
