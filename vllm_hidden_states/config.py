@@ -193,6 +193,17 @@ def _absolute(layer: int, num_layers: int) -> int:
     return int(layer) % (num_layers + 1)
 
 
+def captures_all_inline(vllm_config: "VllmConfig") -> bool:
+    """Whether "all" is captured during the request's own forwards (prompt rows
+    in its prefill, each generated position in the decode step that feeds it),
+    leaving only the final token to its extract.
+
+    Not with speculative decoding: a decode step's accepted draft positions are
+    only known after it, so "all" recomputes everything in its extract there.
+    """
+    return vllm_config.speculative_config is None
+
+
 def num_hidden_layers(vllm_config: "VllmConfig") -> int:
     text_config = vllm_config.model_config.hf_text_config
     return int(text_config.num_hidden_layers)
@@ -312,4 +323,29 @@ def add_cli_args(parser) -> None:
         f"buffers' length). Default: {DEFAULT_MAX_ROWS}, or "
         "max_num_batched_tokens if smaller. Longer captures are split over "
         "steps.",
+    )
+    # Server admission limits (read by vllm_hidden_states.server.admission;
+    # the API server only, EngineArgs ignores them).
+    group.add_argument(
+        "--hidden-states-max-response-mb",
+        type=float,
+        default=None,
+        help="Largest response a hidden-states request may produce, in MB "
+        "(2**20 bytes), priced before any work. Default: the environment "
+        "variable VLLM_HIDDEN_STATES_MAX_RESPONSE_MB, else 256.",
+    )
+    group.add_argument(
+        "--hidden-states-max-batch",
+        type=int,
+        default=None,
+        help="Most hidden-state results one request may ask for (inputs on "
+        "/v1/hidden_states, prompts x n on completions, n on chat). "
+        "Default: 256.",
+    )
+    group.add_argument(
+        "--hidden-states-max-input-chars",
+        type=int,
+        default=None,
+        help="Most characters of input text (prompt, messages, input) one "
+        "hidden-states request may send. Default: 2000000.",
     )

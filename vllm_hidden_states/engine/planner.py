@@ -9,7 +9,14 @@ by request id:
 * HIDDEN_STATES_EXTRACT requests ("last"/"all"), from the moment
   :meth:`CapturePlanner.add_extract` queues them until they are freed;
 * "prompt" captures of generation requests (registered in
-  :meth:`CapturePlanner.on_new_request`), until their prefill delivered them.
+  :meth:`CapturePlanner.on_new_request`), until their prefill delivered them;
+* inline "all" captures of generation requests: every position the request's
+  own forwards compute (prompt rows in its prefill, position ``p`` in the
+  decode step that feeds token ``p``), delivered with each output, until the
+  request is freed. Only its final token, which no forward computes, goes
+  through an extract (a "last" one, on the parked KV blocks). A position is
+  delivered once: after a preemption the recompute captures only positions
+  past ``CaptureSpec.delivered``.
 
 Each step, after vLLM built the ``SchedulerOutput`` and before it advances
 ``num_computed_tokens``, :meth:`CapturePlanner.plan_step` writes
@@ -53,19 +60,22 @@ logger = init_logger(__name__)
 PARK_SECONDS = 5.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class CaptureSpec:
     """What to capture for one request id while it is in the scheduler.
 
     Attributes:
         layers: distinct absolute HF layer indices, in result order.
         positions: "last" (only position ``num_tokens - 1``) or "all".
-        num_tokens: the capture ends once this many positions are computed.
+        num_tokens: the capture ends once this many positions are computed;
+            None for an inline capture (the sequence grows as it generates).
+        delivered: inline captures: positions ``< delivered`` were delivered.
     """
 
     layers: tuple[int, ...]
     positions: str
-    num_tokens: int
+    num_tokens: int | None
+    delivered: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,13 +86,17 @@ class CaptureStep:
         layers: absolute HF layer indices, in result order.
         positions: "last" or "all".
         start: sequence position of this step's first scheduled token.
-        num_tokens: length of the whole sequence being captured.
+        num_tokens: length of the sequence known at this step; rows are
+            delivered in the step that computes position ``num_tokens - 1``.
+        first: first position to capture ("all"; positions before it were
+            delivered before a preemption).
     """
 
     layers: tuple[int, ...]
     positions: str
     start: int
     num_tokens: int
+    first: int = 0
 
 
 class CapturePlanner:
@@ -135,11 +149,15 @@ class CapturePlanner:
         (the front-end set ``skip_reading_prefix_cache``, so all are computed).
         """
         spec = request.hidden_states_spec
-        if spec is None or spec.positions != "prompt":
+        if spec is None:
             return
-        self.active[request.request_id] = CaptureSpec(
-            tuple(distinct_layers(spec)), "all", request.num_prompt_tokens
-        )
+        layers = tuple(distinct_layers(spec))
+        if spec.positions == "prompt":
+            self.active[request.request_id] = CaptureSpec(
+                layers, "all", request.num_prompt_tokens
+            )
+        elif spec.inline:
+            self.active[request.request_id] = CaptureSpec(layers, "all", None)
 
     # -- each step -------------------------------------------------------------
 
@@ -177,11 +195,19 @@ class CapturePlanner:
         scheduled = output.num_scheduled_tokens
         for req_id, spec in self.active.items():
             if req_id in scheduled:
+                request = scheduler.requests[req_id]
+                start = request.num_computed_tokens
+                num_tokens = spec.num_tokens
+                if num_tokens is None:  # inline: up to the sequence so far
+                    num_tokens = request.num_tokens
+                    if start + scheduled[req_id] <= spec.delivered:
+                        continue  # recomputing delivered positions
                 steps[req_id] = CaptureStep(
                     layers=spec.layers,
                     positions=spec.positions,
-                    start=scheduler.requests[req_id].num_computed_tokens,
-                    num_tokens=spec.num_tokens,
+                    start=start,
+                    num_tokens=num_tokens,
+                    first=max(start, spec.delivered),
                 )
         if steps:
             output.capture_plan = steps
@@ -198,8 +224,13 @@ class CapturePlanner:
         for client_outputs in outputs.values():
             for eco in client_outputs:
                 tensor = captured.get(eco.request_id)
-                if tensor is not None:
-                    eco.hidden_states = tensor
+                if tensor is None:
+                    continue
+                eco.hidden_states = tensor
+                spec = self.active.get(eco.request_id)
+                if spec is not None and spec.num_tokens is None:
+                    spec.delivered += tensor.shape[1]  # inline: more to come
+                else:
                     # Delivered: a "prompt" capture must not run again if the
                     # request is preempted and recomputed later.
                     self.active.pop(eco.request_id, None)
@@ -224,7 +255,7 @@ class CapturePlanner:
         spec = request.hidden_states_spec
         if (
             spec is None
-            or spec.positions != "last"
+            or not (spec.positions == "last" or spec.inline)
             or request.status
             not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
             or not self._hand_over_supported(scheduler)

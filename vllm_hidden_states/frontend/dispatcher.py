@@ -9,10 +9,13 @@ Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
    :class:`ExtractDispatcher` is made then (``ExtractDispatcher.of``).
 2. Each output of such a request passes :meth:`ExtractDispatcher.on_output`.
    "prompt" states arrive on the output of the step that completed the
-   prefill and are kept until the request finishes. When a "last"/"all"
-   request finishes (EOS, stop token, stop string, length), its final
-   :class:`OutputEmission` is *held* instead of emitted, and a
-   :class:`HiddenStatesExtractRequest` over prompt + output token ids is queued.
+   prefill and are kept until the request finishes. Inline "all" rows arrive
+   with every output (the positions its forwards computed since the last one)
+   and are appended. When a "last"/"all" request finishes (EOS, stop token,
+   stop string, length), its final :class:`OutputEmission` is *held* instead
+   of emitted, and a :class:`HiddenStatesExtractRequest` over prompt + output
+   token ids is queued: "last" (also for inline "all": only the final token is
+   missing) or "all" (without inline capture: everything recomputed).
    Only the front-end knows the final token list (stop strings are matched and
    trimmed here), so only it can say which token is "last".
 3. The engine loop (``LLMEngine.step`` / the ``AsyncLLM`` output handler)
@@ -23,12 +26,15 @@ Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
    ``hidden_states`` tensor goes onto the tracker, and the held emission goes
    back to the OutputProcessor, which emits it unchanged. That output's
    ``CompletionOutput.hidden_states`` is then ``{layer as requested: rows}``.
+5. With ``RequestOutputKind.DELTA``, inline "all" outputs each carry the rows
+   that arrived since the previous output (:meth:`HiddenStatesTracker.for_output`);
+   concatenated, they are the final result of the same request.
 
 Requests that did not ask never reach this module.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,23 +65,78 @@ class HiddenStatesTracker:
     Attributes:
         spec: what the request asked for.
         cache_salt, priority: copied onto its extract.
-        states: ``{layer as requested: [num_positions, hidden_size]}`` once
-            they arrived; becomes ``CompletionOutput.hidden_states``.
+        chunks: inline "all": ``[num_distinct_layers, rows, hidden]`` tensors
+            in position order, as they arrived.
+        complete: every row the request gets, ``[num_distinct_layers,
+            positions, hidden]``, once known.
         error: why the engine returned none, if it failed.
     """
 
     spec: HiddenStatesSpec
     cache_salt: str | None
     priority: int
-    states: dict[int, torch.Tensor] | None = None
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    complete: torch.Tensor | None = None
     error: str | None = None
+    _emitted_chunks: int = 0  # DELTA: chunks already given to outputs
+    _emitted_rows: int = 0
 
-    def take(self, data: torch.Tensor) -> None:
-        """Key ``[num_distinct_layers, positions, hidden]`` rows by the request's layers."""
+    @property
+    def states(self) -> dict[int, torch.Tensor] | None:
+        """``{layer as requested: [positions, hidden_size]}`` once complete."""
+        return None if self.complete is None else self._keyed(self.complete)
+
+    def _keyed(self, data: torch.Tensor) -> dict[int, torch.Tensor]:
         row = {k: i for i, k in enumerate(distinct_layers(self.spec))}
-        self.states = {
+        return {
             key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)
         }
+
+    def receive(self, data: torch.Tensor) -> None:
+        """Rows that rode on one of the request's own outputs."""
+        if self.spec.inline:
+            self.chunks.append(data)
+        else:
+            self.complete = data  # "prompt": every prompt position at once
+
+    def finish(self, data: torch.Tensor, num_tokens: int) -> None:
+        """The extract's rows: everything, or (inline) the final token's row,
+        appended to the inline rows cut to ``num_tokens - 1`` positions (a
+        stop string may have trimmed the output after they were computed)."""
+        if not self.spec.inline:
+            self.complete = data
+            return
+        earlier = torch.cat(self.chunks, dim=1) if self.chunks else data[:, :0]
+        if earlier.shape[1] < num_tokens - 1:
+            self.error = (
+                f"{earlier.shape[1]} inline positions arrived for a sequence of "
+                f"{num_tokens} tokens"
+            )
+            logger.error("hidden states: %s", self.error)
+            return
+        self.complete = torch.cat([earlier[:, : num_tokens - 1], data], dim=1)
+
+    def for_output(self, finished: bool, delta: bool) -> dict[int, torch.Tensor] | None:
+        """``CompletionOutput.hidden_states`` of the output being made.
+
+        Cumulative and final-only outputs: everything, on the final output.
+        DELTA outputs of inline "all": the rows that arrived since the previous
+        output (the final one: the rest, final token included).
+        """
+        if not delta or not self.spec.inline:
+            return self.states if finished else None
+        if finished:
+            if self.complete is None:
+                return None
+            new = self.complete[:, self._emitted_rows :]
+        else:
+            pending = self.chunks[self._emitted_chunks :]
+            if not pending:
+                return None
+            new = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
+            self._emitted_chunks = len(self.chunks)
+        self._emitted_rows += new.shape[1]
+        return self._keyed(new)
 
 
 @dataclass
@@ -85,6 +146,7 @@ class HeldOutput:
     req_state: "RequestState"
     engine_core_output: "EngineCoreOutput"
     emission: "OutputEmission"
+    num_tokens: int  # prompt + output after stop trimming
 
 
 class ExtractDispatcher:
@@ -126,7 +188,7 @@ class ExtractDispatcher:
         """Per output of a request that asked; True if it is now held."""
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
         if engine_core_output.hidden_states is not None:
-            tracker.take(engine_core_output.hidden_states)
+            tracker.receive(engine_core_output.hidden_states)
         if emission.finish_reason is None or tracker.spec.positions == "prompt":
             return False
         self._hold(req_state, engine_core_output, emission)
@@ -145,13 +207,16 @@ class ExtractDispatcher:
             req_state.detokenizer.output_token_ids
         )
         extract_id = extract_id_for(req_state.request_id)
-        self._held[extract_id] = HeldOutput(req_state, engine_core_output, emission)
+        self._held[extract_id] = HeldOutput(
+            req_state, engine_core_output, emission, len(token_ids)
+        )
         self._outgoing.append(
             HiddenStatesExtractRequest(
                 request_id=extract_id,
                 token_ids=token_ids,
                 layers=distinct_layers(tracker.spec),
-                positions=tracker.spec.positions,
+                # Inline "all" misses only the final token.
+                positions="last" if tracker.spec.inline else tracker.spec.positions,
                 arrival_time=time.time(),
                 lora_request=req_state.lora_request,
                 cache_salt=tracker.cache_salt,
@@ -186,7 +251,7 @@ class ExtractDispatcher:
             )
             logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
         else:
-            tracker.take(data)
+            tracker.finish(data, held.num_tokens)
         return held
 
     def abort(self, req_state: Any) -> str | None:

@@ -15,6 +15,7 @@ from vllm_hidden_states.config import (
     ENABLE_HINT,
     POSITIONS,
     HiddenStatesConfig,
+    captures_all_inline,
 )
 from vllm_hidden_states.wire import HiddenStatesSpec
 
@@ -87,14 +88,19 @@ def resolve_request(
         abs_layers = [cfg.resolve(k) for k in layers]
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
+    inline = positions == "all" and captures_all_inline(vllm_config)
     spec = HiddenStatesSpec(
-        layers=[int(k) for k in layers], abs_layers=abs_layers, positions=positions
+        layers=[int(k) for k in layers],
+        abs_layers=abs_layers,
+        positions=positions,
+        inline=inline,
     )
 
-    if positions == "prompt":
+    if positions == "prompt" or inline:
         # Captured during the request's own prefill, so every prompt position
         # must be computed there: cached blocks hold KV, not hidden states.
         params.skip_reading_prefix_cache = True
+    if positions == "prompt":
         return spec
 
     max_model_len = vllm_config.model_config.max_model_len

@@ -119,7 +119,12 @@ class HiddenStatesCapture:
                     continue  # an earlier chunk; the last position comes later
                 selected = np.array([row0 + end - 1 - step.start], dtype=np.int64)
             else:
-                selected = np.arange(row0, row0 + end - step.start, dtype=np.int64)
+                # From ``first``: earlier positions were delivered before a
+                # preemption made the request recompute them.
+                selected = np.arange(
+                    row0 + step.first - step.start, row0 + end - step.start,
+                    dtype=np.int64,
+                )
             rows.append(selected)
             self._armed.append(_Armed(req_id, step, offset, len(selected), done))
             offset += len(selected)
