@@ -2,7 +2,7 @@
 """``vllm-hidden-states`` console script.
 
     vllm-hidden-states patch apply|check|revert
-    vllm-hidden-states tiny-model DIR [--arch qwen3|llama] [...]
+    vllm-hidden-states tiny-model DIR [--arch qwen3|llama|gemma2|...] [...]
 """
 
 import argparse
@@ -10,13 +10,15 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_hidden_states.tools.tiny_models import ARCHS
+
     parser = argparse.ArgumentParser(prog="vllm-hidden-states")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("patch", help="manage the patches on the installed vLLM")
     p.add_argument("action", choices=["apply", "check", "revert"])
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model")
     t.add_argument("out")
-    t.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    t.add_argument("--arch", choices=ARCHS, default="qwen3")
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--hidden", type=int, default=128)
     t.add_argument("--vocab", type=int, default=512)

@@ -84,9 +84,18 @@ _STYLE = {"qwen3": "chatml", "qwen2": "chatml", "qwen3_moe": "chatml",
 GEMMA_SLIDING_WINDOW = 8
 
 
+def _prepend_bos(tok, bos: str) -> int:
+    """Make ``tok`` add ``bos`` to every encode, as Llama and Gemma do; its id."""
+    from tokenizers import processors
+
+    bos_id = tok.token_to_id(bos)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return bos_id
+
+
 def _tokenizer(style: str, vocab_size: int):
     """``(HF tokenizer, {"bos": id, "eos": id, "pad": id})`` of a style."""
-    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     if style == "chatml":
@@ -98,27 +107,22 @@ def _tokenizer(style: str, vocab_size: int):
             pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
         token_ids = dict(bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"],
                          pad=ids["<|endoftext|>"])
-    elif style in ("llama", "gemma"):
-        bos_s, eos_s, other = (("<s>", "</s>", "<unk>") if style == "llama"
-                               else ("<bos>", "<eos>", "<pad>"))
-        specials = [other, bos_s, eos_s] if style == "llama" else [other, eos_s, bos_s]
-        tok = _train_tokenizer(vocab_size, specials)
-        bos, eos = tok.token_to_id(bos_s), tok.token_to_id(eos_s)
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos_s} $A", pair=f"{bos_s} $A {bos_s} $B",
-            special_tokens=[(bos_s, bos)])
-        if style == "llama":
-            hf_tok = PreTrainedTokenizerFast(
-                tokenizer_object=tok, bos_token=bos_s, eos_token=eos_s,
-                unk_token=other, pad_token=eos_s)
-            token_ids = dict(bos=bos, eos=eos, pad=eos)
-        else:
-            hf_tok = PreTrainedTokenizerFast(
-                tokenizer_object=tok, bos_token=bos_s, eos_token=eos_s,
-                pad_token=other)
-            token_ids = dict(bos=bos, eos=eos, pad=tok.token_to_id(other))
+    elif style == "llama":
+        tok = _train_tokenizer(vocab_size, ["<unk>", "<s>", "</s>"])
+        bos = _prepend_bos(tok, "<s>")
+        hf_tok = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+            unk_token="<unk>", pad_token="</s>")
+        eos = tok.token_to_id("</s>")
+        token_ids = dict(bos=bos, eos=eos, pad=eos)
+    elif style == "gemma":
+        tok = _train_tokenizer(vocab_size, ["<pad>", "<eos>", "<bos>"])  # ids 0, 1, 2
+        bos = _prepend_bos(tok, "<bos>")
+        hf_tok = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+        token_ids = dict(bos=bos, eos=tok.token_to_id("<eos>"), pad=tok.token_to_id("<pad>"))
     else:
-        raise ValueError(style)
+        raise ValueError(f"unknown tokenizer style {style!r}")
     hf_tok.chat_template = CHATML_TEMPLATE
     return hf_tok, token_ids
 

@@ -11,10 +11,17 @@ subset also runs torch.compile'd.
 Engines are expensive on a 2-core CPU, so tests are grouped by architecture
 (the module-scoped ``arch`` fixture makes pytest run both tests of one
 architecture back to back) and :func:`engine_for` keeps only the current
-architecture's engine alive, shutting the previous one down first.
+architecture's engine alive, shutting the previous one down first. Engines run
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, seconds to start instead of
+half a minute for two spawned processes), except on vLLM's Transformers
+backend (OLMo 2 in vLLM 0.32): it decorates the HF model classes in place for
+torch.compile, after which HF transformers cannot run them in this process, so
+those engines run in their own processes (which also covers the ZMQ path).
 """
 
 import gc
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +29,8 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
-from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of
+from .conftest import (COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set,
+                       token_ids_of)
 
 COMPILED_ARCHS = ("llama", "gemma2", "olmo2", "qwen3_moe")
 
@@ -50,6 +58,15 @@ def _shutdown() -> None:
     gc.collect()
 
 
+def on_transformers_backend(model_dir: Path) -> bool:
+    """Whether vLLM runs this model on its Transformers backend."""
+    from vllm import ModelRegistry
+
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    model = ModelRegistry.models.get(arch)  # unregistered: the Transformers backend
+    return model is None or getattr(model, "module_name", "").endswith(".transformers")
+
+
 def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
     """The engine (every layer capturable) and HF reference of ``arch``.
 
@@ -65,12 +82,21 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
         _Current.reference = HFReference(model_dir)
         # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
         _Current.reference.model.set_attn_implementation("eager")
+        multiprocessing = "1" if on_transformers_backend(model_dir) else "0"
         try:
-            _Current.engine = LLM(model=str(model_dir), enable_hidden_states=True,
-                                  enforce_eager=not compiled, **ENGINE_ARGS)
+            with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing):
+                _Current.engine = LLM(model=str(model_dir), enable_hidden_states=True,
+                                      enforce_eager=not compiled, **ENGINE_ARGS)
         except Exception as e:
             _Current.error = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            # Starting an engine freezes vLLM's env reads (envs cache) with
+            # this engine's VLLM_ENABLE_V1_MULTIPROCESSING; unfreeze them so
+            # the next engine, here or in a later module, reads its own.
+            import vllm.envs as envs
+
+            envs.disable_envs_cache()
     if _Current.error is not None:
         pytest.fail(f"the {arch} engine failed to start: {_Current.error}")
     return _Current.engine, _Current.reference
@@ -107,7 +133,8 @@ def assert_every_layer_matches_hf(out, hf: HFReference, positions: str, what: st
     for layer, tensor in states.items():
         expected = reference[layer] if positions == "all" else reference[layer][-1:]
         assert tensor.dtype == torch.float32, (what, layer, tensor.dtype)
-        assert tensor.shape == (len(ids) if positions == "all" else 1, hf.hidden_size)
+        rows = len(ids) if positions == "all" else 1
+        assert tensor.shape == (rows, hf.hidden_size), (what, layer, tensor.shape)
         assert_close(tensor, expected, f"{what} {positions} layer {layer}")
 
 
