@@ -28,7 +28,6 @@ vLLM's pooling runner; no post-sampling extract is needed.
 """
 
 import asyncio
-import os
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -47,39 +46,18 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
+from vllm_hidden_states.server import admission
+from vllm_hidden_states.server.admission import MAX_RESPONSE_ENV  # noqa: F401 (compat)
 from vllm_hidden_states.server.validation import validate_layers
 from vllm_hidden_states.server.encoding import (
     ORJSON_OPTIONS,
     ApiError,
     dtype_name,
     encode_array,
-    encoded_size_bytes,
     invalid_request,
 )
 
 logger = init_logger(__name__)
-
-MAX_RESPONSE_ENV = "VLLM_HIDDEN_STATES_MAX_RESPONSE_MB"
-DEFAULT_MAX_RESPONSE_MB = 256.0
-
-def max_response_bytes() -> int:
-    """The response size cap, from ``VLLM_HIDDEN_STATES_MAX_RESPONSE_MB`` (MB = 2**20 B).
-
-    Read once, when the route is added to the app, so a bad value stops the
-    server at start-up rather than failing requests.
-    """
-    raw = os.environ.get(MAX_RESPONSE_ENV)
-    if raw is None or raw == "":
-        return int(DEFAULT_MAX_RESPONSE_MB * 2**20)
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(
-            f"{MAX_RESPONSE_ENV} must be a number of megabytes, got {raw!r}"
-        ) from None
-    if mb <= 0:
-        raise ValueError(f"{MAX_RESPONSE_ENV} must be positive, got {raw!r}")
-    return int(mb * 2**20)
 
 
 class HiddenStatesRequest(BaseModel):
@@ -111,7 +89,6 @@ class HiddenStatesRequest(BaseModel):
         return self
 
 
-MAX_RESPONSE_BYTES = max_response_bytes()
 router = APIRouter()
 
 # What each field accepts, for error messages.
@@ -180,33 +157,92 @@ def _check_model(state: Any, name: str):
     )
 
 
+def _texts(request: HiddenStatesRequest) -> list[str]:
+    return [request.input] if isinstance(request.input, str) else list(request.input)
+
+
+def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRequest):
+    """Price the request before anything is tokenized: input characters, batch
+    size, and the smallest response it can produce (one position per input)."""
+    if request.messages is not None:
+        _check_text_only(request.messages)
+        chars = admission.text_chars(request.messages, limits.max_input_chars)
+        admission.check_input_chars(limits, chars, "messages")
+        results = 1
+    else:
+        texts = _texts(request)
+        admission.check_batch(limits, len(texts), "input", "inputs")
+        admission.check_input_chars(limits, sum(map(len, texts)), "input")
+        results = len(texts)
+    admission.check_response(
+        limits, results, 1, 1, engine_client.model_config.get_hidden_size(),
+        request.encoding_format, "input",
+        "split the batch, or use encoding_format 'base64'",
+    )  # fmt: skip
+
+
+def _check_text_only(messages: list[dict[str, Any]]) -> None:
+    """400 for content this route cannot encode (images, audio, ...): it
+    returns the states of text positions only."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(part, str) or kind == "text":
+                continue
+            raise invalid_request(
+                f"messages[{i}].content has a {kind!r} part; /v1/hidden_states "
+                "takes text only (string content or {'type': 'text', 'text': ...} "
+                "parts)",
+                "messages",
+            )
+
+
+def _run_in_tokenizer_pool(state: Any, fn, *args):
+    """Run ``fn`` where vLLM runs its own tokenization (the renderer's thread
+    pool), off the event loop."""
+    executor = getattr(state.engine_client.renderer, "_executor", None)
+    return asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
 async def _token_ids(state: Any, request: HiddenStatesRequest) -> list[list[int]]:
-    """Token ids of each input, cut to ``max_length``."""
+    """Token ids of each input, cut to ``max_length``; tokenized off the event
+    loop, ``ADMISSION_SLICE`` inputs at a time."""
     if request.messages is not None:
         return [await _render_messages(state, request)]
-    texts = [request.input] if isinstance(request.input, str) else request.input
+    texts = _texts(request)
     tokenizer = state.engine_client.renderer.get_tokenizer()
-    out = []
-    for i, text in enumerate(texts):
+    max_length = request.max_length
+
+    def encode(batch: list[str]) -> list[list[int]]:
         # Cut here rather than with truncation=True: vLLM loads tokenizers
         # with truncation_side="left", and the contract keeps the *first* tokens.
-        ids = tokenizer.encode(text)[: request.max_length]
+        return [list(tokenizer.encode(text)[:max_length]) for text in batch]
+
+    out: list[list[int]] = []
+    step = admission.ADMISSION_SLICE
+    for start in range(0, len(texts), step):
+        out.extend(await _run_in_tokenizer_pool(state, encode, texts[start : start + step]))
+    for i, ids in enumerate(out):
         if not ids:
             raise invalid_request(
                 f"input {i} encodes to no tokens; give non-empty text", "input"
             )
-        out.append(list(ids))
     return out
 
 
 async def _render_messages(state: Any, request: HiddenStatesRequest) -> list[int]:
-    """Apply the chat template exactly as /v1/chat/completions would."""
+    """Apply the chat template exactly as /v1/chat/completions would, keeping
+    the first ``max_length`` tokens (vLLM truncates them, from the right)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     serving_chat = state.openai_serving_chat
     if serving_chat is None:
         raise invalid_request("this server has no chat template support", "messages")
+    max_model_len = state.engine_client.model_config.max_model_len
     try:
         chat = ChatCompletionRequest.model_validate(
             {
@@ -214,6 +250,11 @@ async def _render_messages(state: Any, request: HiddenStatesRequest) -> list[int
                 "messages": request.messages,
                 "add_generation_prompt": request.add_generation_prompt,
                 "chat_template_kwargs": request.chat_template_kwargs,
+                # Keep the first max_length tokens. Past max_model_len the
+                # model cannot take it anyway (422 below), so cut there.
+                "truncate_prompt_tokens": min(request.max_length, max_model_len),
+                "truncation_side": "right",
+                "max_tokens": 1,
             }
         )
     except ValidationError as e:
@@ -233,9 +274,13 @@ async def _render_messages(state: Any, request: HiddenStatesRequest) -> list[int
 
 
 def _check_limits(
-    engine_client: Any, request: HiddenStatesRequest, inputs: list[list[int]]
+    engine_client: Any,
+    limits: admission.Limits,
+    request: HiddenStatesRequest,
+    inputs: list[list[int]],
 ) -> None:
-    """422 when the model cannot take an input; 400 when the answer is too big."""
+    """422 when the model cannot take an input; 400 when the answer is too big
+    (exact token counts, before any generation)."""
     max_model_len = engine_client.model_config.max_model_len
     # vLLM generates one token after the prompt, so the prompt must leave one
     # position free: prompt_len <= max_model_len - 1.
@@ -251,19 +296,13 @@ def _check_limits(
                 "model_error",
                 "max_length",
             )
-    hidden = engine_client.model_config.get_hidden_size()
-    rows = sum(len(ids) for ids in inputs)
-    size = encoded_size_bytes(rows * hidden, request.encoding_format)
-    cap = MAX_RESPONSE_BYTES
-    if size > cap:
-        raise invalid_request(
-            f"the response would be about {size / 2**20:.1f} MB ({rows} positions "
-            f"x {hidden} values, encoding_format={request.encoding_format!r}), "
-            f"over this server's {cap / 2**20:g} MB cap ({MAX_RESPONSE_ENV}); "
-            "lower max_length, split the batch, use encoding_format 'base64', "
-            "or raise the cap",
-            "max_length",
-        )
+    admission.check_response(
+        limits, 1, sum(len(ids) for ids in inputs), 1,
+        engine_client.model_config.get_hidden_size(), request.encoding_format,
+        "max_length",
+        "lower max_length, split the batch, use encoding_format 'base64', or "
+        "raise the cap",
+    )  # fmt: skip
 
 
 async def _extract(
@@ -298,7 +337,8 @@ async def _extract(
     return states[layer]
 
 
-def _input_object(request: HiddenStatesRequest, rows) -> dict[str, Any]:
+def _input_object_bytes(request: HiddenStatesRequest, rows) -> bytes:
+    """One input's JSON object, serialized (run off the event loop)."""
     out: dict[str, Any] = {
         "hidden_states": encode_array(rows, request.encoding_format),
         "shape": list(rows.shape),
@@ -311,48 +351,77 @@ def _input_object(request: HiddenStatesRequest, rows) -> dict[str, Any]:
     if request.return_attention_mask:
         # One sequence per object, never padded: every position is real.
         out["attention_mask"] = [1] * rows.shape[0]
+    return orjson.dumps(out, option=ORJSON_OPTIONS)
+
+
+async def _run_inputs(
+    engine_client: Any,
+    request: HiddenStatesRequest,
+    inputs: list[list[int]],
+    lora_request,
+) -> list[bytes]:
+    """Each input's serialized object, in order. At most ``ADMISSION_SLICE``
+    inputs of this request are in the engine at once, so requests arriving
+    meanwhile are queued between its slices, not behind the whole batch; each
+    result is encoded in a worker thread as soon as it is ready."""
+    from vllm.utils import random_uuid
+
+    base_id = f"hiddenstates-{random_uuid()}"
+    window = asyncio.Semaphore(admission.ADMISSION_SLICE)
+    out: list[bytes] = [b""] * len(inputs)
+
+    async def one(i: int, ids: list[int]) -> None:
+        async with window:
+            rows = await _extract(
+                engine_client, ids, request.layer, f"{base_id}-{i}", lora_request
+            )
+        out[i] = await asyncio.to_thread(_input_object_bytes, request, rows)
+
+    tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        # One input failed (or the client left): stop the others too.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return out
+
+
+async def _parse(body: bytes) -> HiddenStatesRequest:
+    if len(body) >= admission.OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_request, body)
+    return parse_request(body)
 
 
 async def _serve(body: bytes, raw_request: Request) -> Response:
     from vllm.exceptions import VLLMValidationError
-    from vllm.utils import random_uuid
 
     state = raw_request.app.state
     try:
-        request = parse_request(body)
+        limits = admission.limits_of(raw_request)
+        request = await _parse(body)
         lora_request = _check_model(state, request.model)
         engine_client = state.engine_client
         validate_layers(engine_client, (request.layer,), "layer")
+        _admit(engine_client, limits, request)
         inputs = await _token_ids(state, request)
-        _check_limits(engine_client, request, inputs)
-
-        base_id = f"hiddenstates-{random_uuid()}"
-        tasks = [
-            asyncio.ensure_future(
-                _extract(engine_client, ids, request.layer, f"{base_id}-{i}", lora_request)
-            )
-            for i, ids in enumerate(inputs)
-        ]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            # One input failed (or the client left): stop the others too.
-            for task in tasks:
-                task.cancel()
-            raise
-        objects = [_input_object(request, rows) for rows in results]
+        _check_limits(engine_client, limits, request, inputs)
+        objects = await _run_inputs(engine_client, request, inputs, lora_request)
         if isinstance(request.input, list):
-            payload: dict[str, Any] = {
-                "object": "list",
-                "data": objects,
-                "model": request.model,
-            }
+            content = b"".join(
+                (
+                    b'{"object":"list","data":[',
+                    b",".join(objects),
+                    b'],"model":',
+                    orjson.dumps(request.model),
+                    b"}",
+                )
+            )
         else:
-            payload = objects[0]
-        return Response(
-            orjson.dumps(payload, option=ORJSON_OPTIONS), media_type="application/json"
-        )
+            content = objects[0]
+        return Response(content, media_type="application/json")
     except ApiError as e:
         return _error(e)
     except VLLMValidationError as e:
@@ -377,9 +446,108 @@ def _error(e: ApiError) -> Response:
 @router.post("/v1/hidden_states")
 async def create_hidden_states(raw_request: Request):
     """POST /v1/hidden_states (see the module docstring)."""
+    from starlette.requests import ClientDisconnect
+
     from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 
-    body = await raw_request.body()
+    content_type = raw_request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        # As /v1/chat/completions and /v1/completions answer (400).
+        return _error(
+            invalid_request(
+                f"unsupported Content-Type {content_type or '(none)'!r}: "
+                "/v1/hidden_states takes a JSON body (Content-Type: "
+                "application/json)",
+                "Content-Type",
+            )
+        )
+    try:
+        body = await raw_request.body()
+    except ClientDisconnect:
+        # The client left while its body was being read: nobody to answer,
+        # nothing to abort. One line, no traceback.
+        logger.warning(
+            "POST /v1/hidden_states: the client disconnected while sending its body"
+        )
+        return Response(status_code=499)
     # with_cancellation cancels _serve (and so aborts the engine requests) when
     # the client disconnects; it needs the body read first, as done above.
     return await with_cancellation(_serve)(body, raw_request)
+
+
+# --------------------------------------------------------------------------
+# Routes that cannot return hidden states refuse the fields.
+
+HIDDEN_STATES_FIELDS = (
+    "return_hidden_states",
+    "hidden_states_layers",
+    "hidden_states_format",
+    "hidden_states_positions",
+)
+_refusals_installed = False
+
+
+def _asks_for_hidden_states(request: Any, raw_request: Any) -> bool:
+    extra = getattr(request, "model_extra", None)
+    if extra is not None:
+        return any(extra.get(f) not in (None, False) for f in HIDDEN_STATES_FIELDS)
+    # Models that drop unknown fields (Anthropic's): look at the body read
+    # for them (starlette caches it on the request).
+    body = getattr(raw_request, "_body", None)
+    if not body:
+        return False
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and any(
+        data.get(f) not in (None, False) for f in HIDDEN_STATES_FIELDS
+    )
+
+
+def _refuse_on(cls: type, name: str, route: str) -> None:
+    import functools
+
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    async def handler(self, request, *args, **kwargs):
+        raw_request = args[0] if args else kwargs.get("raw_request")
+        if _asks_for_hidden_states(request, raw_request):
+            return invalid_request(
+                f"hidden states are not supported on this route ({route}); "
+                "return_hidden_states and hidden_states_* work on "
+                "/v1/chat/completions, /v1/completions and POST /v1/hidden_states",
+                "return_hidden_states",
+            ).to_error_response()
+        return await original(self, request, *args, **kwargs)
+
+    setattr(cls, name, handler)
+
+
+def refuse_hidden_states_on() -> None:
+    """Wrap the serving classes of the generate routes that cannot carry
+    hidden states (once): a request naming the fields gets a 400."""
+    global _refusals_installed
+    if _refusals_installed:
+        return
+    targets = [
+        ("vllm.entrypoints.openai.chat_completion.batch_serving",
+         "OpenAIServingChatBatch", "create_batch_chat_completion",
+         "/v1/chat/completions/batch"),
+        ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses",
+         "create_responses", "/v1/responses"),
+        ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages",
+         "create_messages", "/v1/messages"),
+    ]  # fmt: skip
+    import importlib
+
+    for module_name, cls_name, method, route in targets:
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError):
+            logger.warning("vllm-hidden-states: %s not found; %s left as is",
+                           cls_name, route)  # fmt: skip
+            continue
+        _refuse_on(cls, method, route)
+    _refusals_installed = True

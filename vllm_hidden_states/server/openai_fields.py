@@ -138,17 +138,47 @@ def ask_of(request: Any) -> HiddenStatesAsk | None:
     return parse_ask(request.model_extra)
 
 
-def validate_ask(serving: Any, request: Any) -> HiddenStatesAsk | None:
-    """Parse and check a chat/completions request against the engine."""
+def validate_ask(
+    serving: Any, request: Any, raw_request: Any = None
+) -> HiddenStatesAsk | None:
+    """Parse, check and price a chat/completions request against the engine,
+    before anything is tokenized or generated (see :mod:`.admission`)."""
     ask = ask_of(request)
     if ask is None:
         return None
-    validate_layers(serving.engine_client, ask.layers, "hidden_states_layers")
+    engine_client = serving.engine_client
+    validate_layers(engine_client, ask.layers, "hidden_states_layers")
     if getattr(request, "use_beam_search", False):
         raise invalid_request(
             "return_hidden_states is not supported with use_beam_search",
             "use_beam_search",
         )
+    from vllm_hidden_states.server import admission
+
+    limits = admission.limits_of(raw_request)
+    n = getattr(request, "n", None) or 1
+    if hasattr(request, "messages"):
+        source, prompts = "messages", 1
+    else:
+        source = "prompt"
+        prompt = getattr(request, "prompt", None)
+        prompts = (
+            len(prompt)
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+            else 1
+        )
+    value = getattr(request, source, None)
+    admission.check_input_chars(
+        limits, admission.text_chars(value, limits.max_input_chars), source
+    )
+    results = prompts * n
+    admission.check_batch(limits, results, "n", "choices (prompts x n)")
+    admission.check_response(
+        limits, results, 1, len(ask.layers),
+        engine_client.model_config.get_hidden_size(), ask.encoding_format,
+        "hidden_states_layers",
+        "ask for fewer layers or choices, or use hidden_states_format 'base64'",
+    )  # fmt: skip
     return ask
 
 
@@ -210,7 +240,8 @@ def _wrap_create(cls: type, name: str) -> None:
         from vllm.exceptions import VLLMValidationError
 
         try:
-            validate_ask(self, request)
+            raw_request = args[0] if args else kwargs.get("raw_request")
+            validate_ask(self, request, raw_request)
             return await original(self, request, *args, **kwargs)
         except ApiError as e:
             return e.to_error_response()
@@ -395,6 +426,11 @@ def patch_serving() -> None:
 
     _wrap_create(OpenAIServingChat, "create_chat_completion")
     _wrap_create(OpenAIServingCompletion, "create_completion")
+    # Routes that cannot return hidden states refuse the fields (400) rather
+    # than ignoring them. (/invocations dispatches to the two above.)
+    from vllm_hidden_states.server.hidden_states_route import refuse_hidden_states_on
+
+    refuse_hidden_states_on()
 
     _wrap_chat_full(OpenAIServingChat)
     _wrap_completion_response(OpenAIServingCompletion)

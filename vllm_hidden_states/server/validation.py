@@ -9,6 +9,7 @@ import weakref
 from typing import Any
 
 from vllm_hidden_states.config import ENABLE_HINT, HiddenStatesConfig
+from vllm_hidden_states.server.admission import check_layers
 from vllm_hidden_states.server.encoding import invalid_request
 
 # engine client -> its HiddenStatesConfig (None when not enabled).
@@ -28,14 +29,12 @@ def engine_config(engine_client: Any) -> HiddenStatesConfig | None:
 
 
 def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> None:
-    """400 unless hidden states are enabled and every layer is capturable."""
+    """400 unless hidden states are enabled, every layer is capturable, no
+    layer is named twice (``-1`` and ``L`` are one layer) and there are at
+    most ``L + 1`` of them."""
     cfg = engine_config(engine_client)
     if cfg is None:
         raise invalid_request(
             f"hidden states are not enabled on this server; {ENABLE_HINT}", param
         )
-    for layer in layers:
-        try:
-            cfg.resolve(layer)
-        except ValueError as e:
-            raise invalid_request(str(e), param) from None
+    check_layers(tuple(layers), cfg.num_layers, cfg.resolve, param)
