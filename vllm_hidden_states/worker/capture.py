@@ -131,10 +131,12 @@ class HiddenStatesCapture:
         if not self._armed:
             return
         all_rows = np.concatenate(rows)
-        if self.points is not None:
+        inner = any(k < self.final_layer for a in self._armed for k in a.step.layers)
+        if inner:
             self.points.arm(all_rows)
             self._rows = self.points.rows[: len(all_rows)]
         else:
+            # Only layer L (the model output): the capture points stay idle.
             self._rows = torch.from_numpy(all_rows).to(runner.device)
 
     def collect(self, model_output: torch.Tensor) -> None:
