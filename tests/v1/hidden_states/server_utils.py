@@ -2,6 +2,7 @@
 """Real OpenAI server processes on loopback for the server tests."""
 
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -9,7 +10,7 @@ import orjson
 
 from vllm_hidden_states.tools.server_process import ServerProcess
 
-__all__ = ["ServerProcess", "sse_events", "test_server_process"]
+__all__ = ["ServerProcess", "sse_events", "test_server_process", "wait_until"]
 
 # Every test server: float32 like the HF reference, eager (fast start), seeded.
 TEST_SERVER_ARGS = [
@@ -45,3 +46,14 @@ def sse_events(response: httpx.Response) -> list[dict]:
             break
         events.append(orjson.loads(data))
     return events
+
+
+def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0.2):
+    """Poll ``condition()`` until it is truthy; a generous deadline, never a
+    measure of the machine's speed. Returns the truthy value."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return value

@@ -25,7 +25,7 @@ import torch
 from vllm_hidden_states.client import to_torch
 
 from .conftest import assert_close
-from .server_utils import ServerProcess, sse_events, test_server_process
+from .server_utils import ServerProcess, sse_events, test_server_process, wait_until
 
 MODEL = "tiny-qwen3"
 MAX_MODEL_LEN = 1024
@@ -50,10 +50,14 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
             "--enable-hidden-states",
             "--max-model-len", str(MAX_MODEL_LEN),
             "--max-num-batched-tokens", "48",
+            # /load counts requests inside the completion handlers
+            "--enable-server-load-tracking",
             *LIMIT_ARGS,
         ],
         logs / "hardening.log",
-        env={"VLLM_LOGGING_LEVEL": "INFO"},
+        # VLLM_SERVER_DEV_MODE: vLLM's /pause and /resume, which the
+        # head-of-line test uses to hold the engine still.
+        env={"VLLM_LOGGING_LEVEL": "INFO", "VLLM_SERVER_DEV_MODE": "1"},
         name=MODEL,
     )  # fmt: skip
     proc.start()
@@ -74,15 +78,6 @@ def tokenizer(qwen3_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen3_dir)
-
-
-def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-    return value
 
 
 def assert_openai_error(r: httpx.Response, status: int, param, *needles: str) -> dict:
@@ -367,6 +362,12 @@ def test_route_answers_a_disconnect_during_upload_quietly():
 def test_health_and_a_small_request_are_served_beside_a_maximal_batch(
     server, http, hf_qwen3, tokenizer
 ):
+    """True by construction, whatever the machine's speed: the engine is held
+    still (vLLM's /pause?mode=keep) while the batch is sent, so the batch
+    cannot finish while /health is probed and the small request is queued;
+    the route admits the batch in slices, each sent only once the previous
+    one is done, so after /resume every slice but the first queues behind
+    the small request."""
     # 64 inputs (the batch limit) x 180 positions, base64: 7.5 MB, just
     # under the 8 MB cap.
     texts = [f"item {i}: " + LONG_WORDS[:1200] for i in range(MAX_BATCH)]
@@ -379,29 +380,37 @@ def test_health_and_a_small_request_are_served_beside_a_maximal_batch(
             result["response"] = client.post(S, json=body)
         result["done_at"] = time.monotonic()
 
-    before = server.metric("vllm:request_success_total")
+    small_result: dict = {}
+
+    def run_small():
+        with httpx.Client(base_url=server.base_url, timeout=1200.0) as client:
+            small_result["response"] = client.post(
+                C, json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+            )
+        small_result["done_at"] = time.monotonic()
+
+    paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
+    assert paused.status_code == 200, paused.text
     big = threading.Thread(target=run_big)
-    big.start()
+    small = threading.Thread(target=run_small)
     try:
-        # The batch is running once the engine has finished part of it.
-        wait_until(
-            lambda: server.metric("vllm:request_success_total") > before
-            or "response" in result,
-            "the big batch to start finishing inputs",
-            timeout=600,
-        )
-        assert "response" not in result, "the batch finished before the probe"
+        big.start()
+        # The event loop serves /health while the batch is admitted and held.
         assert http.get("/health", timeout=60).status_code == 200
-        small = http.post(
-            C, json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, timeout=600
-        )
-        small_done = time.monotonic()
-        assert small.status_code == 200, small.text
-        assert "response" not in result or result["done_at"] > small_done, (
-            "the 1-token completion waited for the whole batch"
-        )
+        small.start()
+        # The completion is inside its handler (so queued right behind the
+        # held work) before the engine moves again.
+        wait_until(lambda: server.load() >= 1, "the small request to arrive")
+        assert http.get("/health", timeout=60).status_code == 200
+        assert "response" not in result  # held: it cannot have finished
     finally:
-        big.join(timeout=1200)
+        assert http.post("/resume").status_code == 200
+    small.join(timeout=1200)
+    big.join(timeout=1200)
+    assert small_result["response"].status_code == 200, small_result["response"].text
+    assert small_result["done_at"] < result["done_at"], (
+        "the 1-token completion waited for the whole batch"
+    )
     r = result["response"]
     assert r.status_code == 200, r.text[:500]
     data = r.json()["data"]

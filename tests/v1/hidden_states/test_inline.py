@@ -10,7 +10,7 @@ import torch
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from .conftest import COMMON_ENGINE_ARGS, assert_close, token_ids_of
+from .conftest import COMMON_ENGINE_ARGS, assert_close
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 # Longer than the engine's token budget (64) and its capture buffers (24 rows).

@@ -15,7 +15,6 @@ server reports (``return_token_ids``), max|diff| / max|ref| < 1e-3.
 """
 
 import base64
-import time
 
 import httpx
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 from vllm_hidden_states.client import to_numpy, to_torch
 
 from .conftest import assert_close
-from .server_utils import ServerProcess, sse_events, test_server_process
+from .server_utils import ServerProcess, sse_events, test_server_process, wait_until
 
 MODEL = "tiny-qwen3"
 CAPTURABLE = "0,2,3,-1"
@@ -592,17 +591,6 @@ def test_server_without_the_flag_says_how_to_enable(plain_server):
 
 # --------------------------------------------------------------------------
 # Disconnects
-
-
-def wait_until(condition, what: str, timeout: float = 120.0, interval: float = 0.2):
-    """Poll ``condition()`` until it is truthy; a generous deadline, never a
-    measure of the machine's speed. Returns the truthy value."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-    return value
 
 
 def num_completed(server: ServerProcess) -> float:
