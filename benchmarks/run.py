@@ -7,7 +7,9 @@
 Writes ``benchmarks/results/latest.json`` and PNG plots next to it, and prints a
 table with each target. Sections: offline (LLM throughput), server (HTTP
 throughput), prompt (POST /v1/hidden_states vs the pooling runner vs HF),
-payload (float JSON vs base64), load (256 concurrent mixed requests, RSS).
+payload (float JSON vs base64), load (256 concurrent mixed requests, RSS),
+peers (ours vs HF transformers and nnsight on equal cores, and the vLLM-based
+peers, n/a with their exact error where they cannot start).
 """
 
 import argparse
@@ -19,7 +21,7 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, Comparison, machine, write_results
 
-SECTIONS = ("payload", "offline", "server", "prompt", "load")
+SECTIONS = ("payload", "offline", "server", "prompt", "load", "peers")
 
 
 def _plot(results: dict, out_dir: Path) -> list[Path]:
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 module = importlib.import_module(
                     {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
-                     "prompt": "benchmarks.prompt_states"}[section])
+                     "prompt": "benchmarks.prompt_states",
+                     "peers": "benchmarks.peers"}[section])
                 kwargs = {"model": args.model} if args.model else {}
                 comps: list[Comparison] = module.run(args.rounds, args.quick, **kwargs)
                 for comp in comps:
