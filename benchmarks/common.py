@@ -136,6 +136,25 @@ class Server(ServerProcess):
         return self
 
 
+def section_main(run: Callable[..., list["Comparison"]], stem: str,
+                 argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.<section>``: run one section alone, print its
+    table and write ``benchmarks/results/<stem>.json``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=f"the {stem} benchmark section alone")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", type=Path, default=None)
+    args = p.parse_args(argv)
+    comps = run(args.rounds, args.quick, args.model)
+    for comp in comps:
+        print("\n".join(comp.lines()))
+    path = write_results({"machine": machine(), stem: [c.summary() for c in comps]},
+                         stem=stem)
+    print(f"results: {path}")
+
+
 def write_results(results: dict[str, Any], stem: str = "latest") -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{stem}.json"

@@ -58,7 +58,6 @@ Each timed call follows ``SETTLE_S`` seconds of idle (vLLM's worker spins for
 Run alone: ``python -m benchmarks.peers [--quick] [--rounds N] [--model DIR]``.
 """
 
-import argparse
 import contextlib
 import os
 import random
@@ -738,17 +737,7 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", type=Path, default=None)
-    args = p.parse_args(argv)
-    comps = run(args.rounds, args.quick, args.model)
-    for c in comps:
-        print("\n".join(c.lines()))
-    path = common.write_results({"machine": common.machine(),
-                                 "peers": [c.summary() for c in comps]}, stem="peers")
-    print(f"results: {path}")
+    common.section_main(run, "peers", argv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ HF``, baseline = HF transformers).
 Run alone: ``python -m benchmarks.prompt_states [--quick] [--rounds N] [--model DIR]``.
 """
 
-import argparse
 import base64
 import contextlib
 import os
@@ -330,18 +329,7 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", type=Path, default=None)
-    args = p.parse_args(argv)
-    comps = run(args.rounds, args.quick, args.model)
-    for c in comps:
-        print("\n".join(c.lines()))
-    path = common.write_results({"machine": common.machine(),
-                                 "prompt_states": [c.summary() for c in comps]},
-                                stem="prompt_states")
-    print(f"results: {path}")
+    common.section_main(run, "prompt_states", argv)
 
 
 if __name__ == "__main__":
