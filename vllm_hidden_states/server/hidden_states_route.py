@@ -47,7 +47,6 @@ from pydantic import (
 
 from vllm.logger import init_logger
 from vllm_hidden_states.server import admission
-from vllm_hidden_states.server.admission import MAX_RESPONSE_ENV  # noqa: F401 (compat)
 from vllm_hidden_states.server.validation import validate_layers
 from vllm_hidden_states.server.encoding import (
     ORJSON_OPTIONS,
