@@ -1,0 +1,608 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The activation store: per-request SAE features (and, opt-in, hidden states)
+appended to date-partitioned Parquet, off the serving path.
+
+Layout under the store root::
+
+    sae_features/date=2025-01-31/part-<unix ms>-<8 hex>.parquet
+    hidden_states/date=2025-01-31/part-....parquet      # opt-in only
+
+**``sae_features`` rows** (one per token position per top-k feature; the
+schema of seed 001 module 6 plus ``schema_version``)::
+
+    request_id        string
+    step              int32     0 for prompt positions (the prefill); for a
+                                generated position p, p - prompt_len + 1
+    token_position    int32     index in prompt + output token ids
+    token_id          int32
+    created_at        timestamp[us]  UTC (no zone attached), when the rows were queued
+    sae_release       string    the SAE's name (directory name or release id)
+    sae_layer         int16     the model layer the SAE reads (HF indexing)
+    feature_id        int32
+    activation_value  float32
+    rank              int16     0 = strongest feature of that position
+    source_mode       string    "inline" (encoded in the worker) or "nearline"
+    model_id          string
+    schema_version    int16     SCHEMA_VERSION
+
+Slots the encoder left empty (feature id ``-1``: fewer than k features
+active) are not written.
+
+**``hidden_states`` rows** (opt-in): ``request_id, step, token_position,
+token_id, created_at, layer (int16), vector (list<float32>), model_id,
+schema_version``. Adding it did not change ``sae_features`` (the "full vector
+migration path" of the seed: additive, versioned).
+
+**Off the serving path.** :meth:`ActivationStore.append_sae_features` and
+:meth:`~ActivationStore.append_hidden_states` copy nothing big and never
+block or raise: they put the arrays on a bounded queue (``max_queued``
+requests) and return. A daemon thread builds Arrow tables and writes one file
+per flush (every ``flush_rows`` rows or ``flush_interval_s`` seconds). A full
+queue, a failed write (full disk, read-only directory) or an unwritable root
+at start is logged (at most once a minute per kind) and counted in
+:attr:`ActivationStore.stats`; the request is served as usual.
+
+**Retention**: :func:`prune` deletes ``date=`` partitions older than
+``retention_days`` (default 14, env ``VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS``);
+the store runs it at start and at the first flush of each new day.
+
+**Queries** (DuckDB over the Parquet files, no server): :func:`feature_deltas`
+(feature activations over positions within a request, with the change from
+the previous position) and :func:`threshold_search` (requests, across runs,
+where a feature reached a threshold).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SAE_TABLE = "sae_features"
+HIDDEN_TABLE = "hidden_states"
+DEFAULT_RETENTION_DAYS = 14
+RETENTION_ENV = "VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS"
+SOURCE_MODES = ("inline", "nearline")
+_LOG_EVERY_S = 60.0
+
+
+def sae_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("request_id", pa.string()),
+        ("step", pa.int32()),
+        ("token_position", pa.int32()),
+        ("token_id", pa.int32()),
+        ("created_at", pa.timestamp("us")),
+        ("sae_release", pa.string()),
+        ("sae_layer", pa.int16()),
+        ("feature_id", pa.int32()),
+        ("activation_value", pa.float32()),
+        ("rank", pa.int16()),
+        ("source_mode", pa.string()),
+        ("model_id", pa.string()),
+        ("schema_version", pa.int16()),
+    ], metadata={"schema_version": str(SCHEMA_VERSION)})
+
+
+def hidden_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("request_id", pa.string()),
+        ("step", pa.int32()),
+        ("token_position", pa.int32()),
+        ("token_id", pa.int32()),
+        ("created_at", pa.timestamp("us")),
+        ("layer", pa.int16()),
+        ("vector", pa.list_(pa.float32())),
+        ("model_id", pa.string()),
+        ("schema_version", pa.int16()),
+    ], metadata={"schema_version": str(SCHEMA_VERSION)})
+
+
+@dataclass
+class StoreStats:
+    """Counters, updated by the writer thread and the appenders."""
+
+    requests_queued: int = 0
+    requests_dropped: int = 0  # queue full or store unavailable
+    rows_written: int = 0
+    rows_dropped: int = 0  # a write failed
+    files_written: int = 0
+    write_errors: int = 0
+    partitions_pruned: int = 0
+
+
+@dataclass
+class _SaeItem:
+    request_id: str
+    model_id: str
+    sae_release: str
+    sae_layer: int
+    token_ids: np.ndarray  # [n] int
+    positions: np.ndarray  # [n] int
+    prompt_len: int
+    feature_ids: np.ndarray  # [n, k] int, -1 = empty slot
+    values: np.ndarray  # [n, k] float
+    source_mode: str
+    created_at: dt.datetime
+
+
+@dataclass
+class _HiddenItem:
+    request_id: str
+    model_id: str
+    token_ids: np.ndarray
+    positions: np.ndarray
+    prompt_len: int
+    states: dict[int, np.ndarray]  # layer -> [n, hidden]
+    created_at: dt.datetime
+
+
+def _steps(positions: np.ndarray, prompt_len: int) -> np.ndarray:
+    return np.maximum(positions.astype(np.int64) - prompt_len + 1, 0).astype(np.int32)
+
+
+def sae_table(items: Sequence[_SaeItem]):
+    """Arrow table of ``items`` in :func:`sae_schema`."""
+    import pyarrow as pa
+
+    cols: dict[str, list] = {name: [] for name in sae_schema().names}
+    for it in items:
+        ids = np.asarray(it.feature_ids)
+        vals = np.asarray(it.values, dtype=np.float32)
+        n, k = ids.shape
+        keep = ids >= 0
+        rows = int(keep.sum())
+        pos = np.repeat(np.asarray(it.positions, dtype=np.int32), k).reshape(n, k)[keep]
+        tok = np.repeat(np.asarray(it.token_ids, dtype=np.int32), k).reshape(n, k)[keep]
+        cols["request_id"].append(np.full(rows, it.request_id, dtype=object))
+        cols["step"].append(_steps(pos, it.prompt_len))
+        cols["token_position"].append(pos)
+        cols["token_id"].append(tok)
+        cols["created_at"].append(np.full(rows, np.datetime64(it.created_at.replace(tzinfo=None), "us")))
+        cols["sae_release"].append(np.full(rows, it.sae_release, dtype=object))
+        cols["sae_layer"].append(np.full(rows, it.sae_layer, dtype=np.int16))
+        cols["feature_id"].append(ids[keep].astype(np.int32))
+        cols["activation_value"].append(vals[keep])
+        cols["rank"].append(np.tile(np.arange(k, dtype=np.int16), n).reshape(n, k)[keep])
+        cols["source_mode"].append(np.full(rows, it.source_mode, dtype=object))
+        cols["model_id"].append(np.full(rows, it.model_id, dtype=object))
+        cols["schema_version"].append(np.full(rows, SCHEMA_VERSION, dtype=np.int16))
+    schema = sae_schema()
+    arrays = [pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [], type=f.type)
+              for f in schema]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def hidden_table(items: Sequence[_HiddenItem]):
+    import pyarrow as pa
+
+    schema = hidden_schema()
+    cols: dict[str, list] = {name: [] for name in schema.names}
+    vec_chunks = []
+    for it in items:
+        pos = np.asarray(it.positions, dtype=np.int32)
+        tok = np.asarray(it.token_ids, dtype=np.int32)
+        for layer, rows in it.states.items():
+            rows = np.asarray(rows, dtype=np.float32)
+            n = rows.shape[0]
+            cols["request_id"].append(np.full(n, it.request_id, dtype=object))
+            cols["step"].append(_steps(pos, it.prompt_len))
+            cols["token_position"].append(pos)
+            cols["token_id"].append(tok)
+            cols["created_at"].append(np.full(n, np.datetime64(it.created_at.replace(tzinfo=None), "us")))
+            cols["layer"].append(np.full(n, layer, dtype=np.int16))
+            vec_chunks.append(rows)
+            cols["model_id"].append(np.full(n, it.model_id, dtype=object))
+            cols["schema_version"].append(np.full(n, SCHEMA_VERSION, dtype=np.int16))
+    arrays = []
+    for f in schema:
+        if f.name == "vector":
+            if vec_chunks:
+                flat = np.concatenate([c.reshape(-1) for c in vec_chunks])
+                offsets = np.concatenate([[0], np.cumsum(
+                    np.concatenate([np.full(c.shape[0], c.shape[1]) for c in vec_chunks]))])
+                arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                                       pa.array(flat)))
+            else:
+                arrays.append(pa.array([], type=f.type))
+        else:
+            arrays.append(pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [],
+                                   type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _partition_dates(root: Path, table: str) -> list[tuple[dt.date, Path]]:
+    out = []
+    base = root / table
+    if not base.is_dir():
+        return out
+    for p in base.iterdir():
+        if p.is_dir() and p.name.startswith("date="):
+            try:
+                out.append((dt.date.fromisoformat(p.name[5:]), p))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def prune(root: str | Path, retention_days: int = DEFAULT_RETENTION_DAYS,
+          today: dt.date | None = None) -> list[Path]:
+    """Delete ``date=`` partitions of every table older than ``retention_days``
+    days before ``today`` (UTC). A partition dated exactly ``today -
+    retention_days`` is kept. Returns the deleted directories."""
+    if retention_days < 0:
+        raise ValueError(f"retention_days must be >= 0, got {retention_days}")
+    root = Path(root)
+    today = today or dt.datetime.now(dt.timezone.utc).date()
+    cutoff = today - dt.timedelta(days=retention_days)
+    deleted = []
+    for table in (SAE_TABLE, HIDDEN_TABLE):
+        for date, path in _partition_dates(root, table):
+            if date < cutoff:
+                shutil.rmtree(path)
+                deleted.append(path)
+    return deleted
+
+
+def retention_days_from_env() -> int:
+    raw = os.environ.get(RETENTION_ENV)
+    if raw is None:
+        return DEFAULT_RETENTION_DAYS
+    try:
+        days = int(raw)
+        if days < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{RETENTION_ENV}={raw!r}: expected a whole number of days >= 0") from None
+    return days
+
+
+class ActivationStore:
+    """Appends per-request rows to the store under ``root``, in a daemon thread.
+
+    Args:
+        root: store directory (created if possible).
+        retention_days: delete partitions older than this (None: from
+            ``VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS``, default 14).
+        max_queued: requests waiting to be written; past it, appends are
+            dropped and counted.
+        flush_rows: rows buffered before a file is written.
+        flush_interval_s: longest time rows wait in the buffer.
+        clock: ``() -> datetime`` (UTC) for created_at and partition dates
+            (tests).
+
+    Never raises from the append methods; :meth:`close` flushes.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        retention_days: int | None = None,
+        max_queued: int = 1024,
+        flush_rows: int = 100_000,
+        flush_interval_s: float = 5.0,
+        clock=None,
+    ):
+        self.root = Path(root)
+        self.retention_days = (retention_days_from_env() if retention_days is None
+                               else retention_days)
+        self.flush_rows = flush_rows
+        self.flush_interval_s = flush_interval_s
+        self.stats = StoreStats()
+        self._clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._last_log: dict[str, float] = {}
+        self._pruned_on: dt.date | None = None
+        self._flushed = threading.Event()
+        self.available = self._probe()
+        if self.available:
+            self._maybe_prune()
+        self._thread = threading.Thread(target=self._run, name="activation-store-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- serving side -------------------------------------------------------------
+
+    def append_sae_features(
+        self,
+        request_id: str,
+        *,
+        model_id: str,
+        sae_release: str,
+        sae_layer: int,
+        token_ids: Sequence[int] | np.ndarray,
+        feature_ids: np.ndarray,
+        values: np.ndarray,
+        prompt_len: int,
+        positions: Sequence[int] | np.ndarray | None = None,
+        source_mode: str = "inline",
+    ) -> bool:
+        """Queue one request's top-k features; ``feature_ids``/``values`` are
+        ``[n, k]`` (int, float) for the positions ``positions`` (default
+        ``0..n-1``) whose tokens are ``token_ids`` ``[n]``. Returns whether it
+        was queued (False: dropped and counted). Never raises."""
+        try:
+            n = len(token_ids)
+            item = _SaeItem(
+                request_id, model_id, sae_release, int(sae_layer),
+                np.asarray(token_ids), np.arange(n) if positions is None else np.asarray(positions),
+                int(prompt_len), np.asarray(feature_ids), np.asarray(values),
+                source_mode, self._clock(),
+            )
+            if item.feature_ids.shape != item.values.shape or item.feature_ids.ndim != 2 \
+                    or item.feature_ids.shape[0] != n or len(item.positions) != n:
+                raise ValueError(
+                    f"feature_ids {item.feature_ids.shape} and values {item.values.shape} "
+                    f"must both be [n, k] with n = {n} token ids and positions"
+                )
+            return self._put(item)
+        except Exception as e:  # noqa: BLE001 - never fail the request
+            self.stats.requests_dropped += 1
+            self._log("bad", "activation store: dropped request %s: %s", request_id, e)
+            return False
+
+    def append_hidden_states(
+        self,
+        request_id: str,
+        *,
+        model_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        states: dict[int, Any],
+        prompt_len: int,
+        positions: Sequence[int] | np.ndarray | None = None,
+    ) -> bool:
+        """Queue one request's hidden states ``{layer: [n, hidden]}`` (numpy or
+        CPU torch tensors of any float dtype). Never raises."""
+        try:
+            n = len(token_ids)
+            conv = {int(k): np.asarray(v.float() if hasattr(v, "float") else v, dtype=np.float32)
+                    for k, v in states.items()}
+            item = _HiddenItem(request_id, model_id, np.asarray(token_ids),
+                               np.arange(n) if positions is None else np.asarray(positions),
+                               int(prompt_len), conv, self._clock())
+            return self._put(item)
+        except Exception as e:  # noqa: BLE001
+            self.stats.requests_dropped += 1
+            self._log("bad", "activation store: dropped request %s: %s", request_id, e)
+            return False
+
+    def _put(self, item) -> bool:
+        if not self.available:
+            self.stats.requests_dropped += 1
+            return False
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.stats.requests_dropped += 1
+            self._log("full", "activation store queue full (%d requests); dropping rows "
+                      "(%d requests dropped so far)", self._queue.maxsize,
+                      self.stats.requests_dropped)
+            return False
+        self.stats.requests_queued += 1
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Ask the writer to write what it has; wait until it did (tests,
+        shutdown). Returns False on timeout."""
+        self._flushed.clear()
+        try:
+            self._queue.put(_FLUSH, timeout=timeout)
+        except queue.Full:
+            return False
+        return self._flushed.wait(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.flush(timeout)
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(timeout)
+
+    # -- writer thread -------------------------------------------------------------
+
+    def _probe(self) -> bool:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{uuid.uuid4().hex[:8]}"
+            probe.write_bytes(b"")
+            probe.unlink()
+            return True
+        except OSError as e:
+            logger.warning(
+                "activation store %s is not writable (%s); requests are served "
+                "and their activation rows dropped (counted in the store's stats)",
+                self.root, e,
+            )
+            return False
+
+    def _log(self, kind: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(kind, -1e9) >= _LOG_EVERY_S:
+            self._last_log[kind] = now
+            logger.warning(msg, *args)
+
+    def _maybe_prune(self) -> None:
+        today = self._clock().date()
+        if self._pruned_on == today:
+            return
+        self._pruned_on = today
+        try:
+            deleted = prune(self.root, self.retention_days, today)
+            self.stats.partitions_pruned += len(deleted)
+            if deleted:
+                logger.info("activation store: deleted %d partitions older than %d days",
+                            len(deleted), self.retention_days)
+        except OSError as e:
+            self._log("prune", "activation store: retention failed: %s", e)
+
+    def _run(self) -> None:
+        sae: list[_SaeItem] = []
+        hid: list[_HiddenItem] = []
+        rows = 0
+        deadline = None
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = _FLUSH
+            if isinstance(item, _SaeItem):
+                sae.append(item)
+                rows += item.feature_ids.size
+            elif isinstance(item, _HiddenItem):
+                hid.append(item)
+                rows += sum(len(v) for v in item.states.values())
+            if deadline is None and (sae or hid):
+                deadline = time.monotonic() + self.flush_interval_s
+            if item is _FLUSH or item is _STOP or rows >= self.flush_rows:
+                self._write(sae, hid)
+                sae, hid, rows, deadline = [], [], 0, None
+                if item is _FLUSH:
+                    self._flushed.set()
+            if item is _STOP:
+                self._flushed.set()
+                return
+
+    def _write(self, sae: list[_SaeItem], hid: list[_HiddenItem]) -> None:
+        if not (sae or hid):
+            return
+        if not self.available:
+            self.available = self._probe()
+        for table_name, items, build in ((SAE_TABLE, sae, sae_table),
+                                         (HIDDEN_TABLE, hid, hidden_table)):
+            if not items:
+                continue
+            nrows = 0
+            try:
+                table = build(items)
+                nrows = table.num_rows
+                self._write_table(table_name, table)
+                self.stats.rows_written += nrows
+                self.stats.files_written += 1
+            except Exception as e:  # noqa: BLE001 - full disk, read-only, ...
+                self.stats.write_errors += 1
+                self.stats.rows_dropped += nrows
+                self._log("write", "activation store: writing %d %s rows under %s failed "
+                          "(%s); rows dropped, serving continues", nrows, table_name,
+                          self.root, e)
+        if self.available:
+            self._maybe_prune()
+
+    def _write_table(self, table_name: str, table) -> None:
+        import pyarrow.parquet as pq
+
+        date = self._clock().date().isoformat()
+        part = self.root / table_name / f"date={date}"
+        part.mkdir(parents=True, exist_ok=True)
+        name = f"part-{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = part / f".{name}.tmp"
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, part / name)
+
+
+_FLUSH = object()
+_STOP = object()
+
+
+# -- queries (DuckDB) ------------------------------------------------------------
+
+
+def _glob(root: str | Path, table: str) -> str:
+    return str(Path(root) / table / "date=*" / "*.parquet")
+
+
+def connect(root: str | Path):
+    """A DuckDB connection with views ``sae_features`` and ``hidden_states``
+    over the store's Parquet files (hive partitioning: a ``date`` column)."""
+    import duckdb
+
+    con = duckdb.connect()
+    for table in (SAE_TABLE, HIDDEN_TABLE):
+        if any((Path(root) / table).glob("date=*/*.parquet")):
+            path = _glob(root, table).replace("'", "''")
+            con.execute(f"CREATE VIEW {table} AS SELECT * FROM "
+                        f"read_parquet('{path}', hive_partitioning=true)")
+    return con
+
+
+FEATURE_DELTAS_SQL = """
+WITH r AS (
+    SELECT token_position, step, token_id, feature_id, activation_value
+    FROM sae_features WHERE request_id = $request_id AND sae_layer = coalesce($layer, sae_layer)
+),
+pos AS (SELECT DISTINCT token_position, step, token_id FROM r),
+feat AS (SELECT DISTINCT feature_id FROM r
+         WHERE $features IS NULL OR list_contains($features, feature_id)),
+grid AS (
+    SELECT p.token_position, p.step, p.token_id, f.feature_id,
+           coalesce(r.activation_value, 0.0) AS activation_value
+    FROM pos p CROSS JOIN feat f
+    LEFT JOIN r ON r.token_position = p.token_position AND r.feature_id = f.feature_id
+)
+SELECT feature_id, token_position, step, token_id, activation_value,
+       activation_value - lag(activation_value, 1, 0.0)
+           OVER (PARTITION BY feature_id ORDER BY token_position) AS delta
+FROM grid ORDER BY feature_id, token_position
+"""
+
+THRESHOLD_SQL = """
+SELECT request_id, model_id, sae_release, sae_layer,
+       count(*) AS positions, max(activation_value) AS max_activation,
+       min(token_position) AS first_position, min(created_at) AS created_at
+FROM sae_features
+WHERE feature_id = $feature_id AND activation_value >= $min_activation
+  AND ($since IS NULL OR created_at >= $since)
+  AND ($model_id IS NULL OR model_id = $model_id)
+GROUP BY ALL
+ORDER BY max_activation DESC, request_id
+"""
+
+
+def feature_deltas(root: str | Path, request_id: str, features: Sequence[int] | None = None,
+                   layer: int | None = None):
+    """Feature activations over the positions of one request.
+
+    One row per (feature, position) for every feature that appears in the
+    request's top-k anywhere (or the given ``features``), on every position of
+    the request: ``feature_id, token_position, step, token_id,
+    activation_value`` (0 where the feature was not in that position's top-k)
+    and ``delta`` (change from the previous position; the first position's
+    delta is its value). Returns a DuckDB relation (``.fetchall()``, ``.df()``,
+    ``.arrow()``)."""
+    con = connect(root)
+    return con.execute(FEATURE_DELTAS_SQL, {
+        "request_id": request_id, "layer": layer,
+        "features": None if features is None else [int(f) for f in features],
+    })
+
+
+def threshold_search(root: str | Path, feature_id: int, min_activation: float,
+                     since: dt.datetime | None = None, model_id: str | None = None):
+    """Requests (across runs and days) where ``feature_id`` reached
+    ``min_activation``: ``request_id, model_id, sae_release, sae_layer,
+    positions`` (how many positions), ``max_activation, first_position,
+    created_at``, strongest first."""
+    con = connect(root)
+    return con.execute(THRESHOLD_SQL, {
+        "feature_id": int(feature_id), "min_activation": float(min_activation),
+        "since": since, "model_id": model_id,
+    })
