@@ -7,7 +7,16 @@ Accepts, for both encodings (``"float"`` and ``"base64"``):
   /v1/completions (``{"layers", "shape", "dtype", "encoding_format",
   "data"}``), as a dict or as the openai client's choice object;
 * a POST /v1/hidden_states response (``{"hidden_states", "shape", ...}``);
-* a batch response (``{"object": "list", "data": [...]}``), giving a list.
+* a batch response (``{"object": "list", "data": [...]}``), giving a list;
+* a binary POST /v1/hidden_states answer (``encoding_format: "bytes"``): pass
+  the HTTP response itself (``httpx``/``requests``: anything with ``headers``
+  and ``content``), or :func:`from_bytes` with the body and its ``metadata``
+  header. float32 little-endian arrays come back as read-only views over the
+  body (no copy); float16/bfloat16 are widened to float32 (exact).
+
+For "all"/"prompt" choices the shape is ``[len(layers), num_positions,
+hidden_size]``, and streamed chunks carry ``start`` (the first row's
+position): concatenate them along axis 1.
 
 Values come back as float32 with the server's ``shape``: ``[len(layers),
 hidden_size]`` for a choice (rows in the order of ``layers``), ``[seq_len,
@@ -57,8 +66,60 @@ def _decode(data: Any, shape: list[int], encoding_format: str) -> np.ndarray:
     )
 
 
+_BINARY_DTYPES = {"float32": "f4", "float16": "f2", "bfloat16": "u2"}
+_ORDER = {"little": "<", "big": ">", "native": "="}
+
+
+def _binary_item(body: bytes, item: dict[str, Any]) -> np.ndarray:
+    kind = item.get("embed_dtype", "float32")
+    if kind not in _BINARY_DTYPES:
+        raise ValueError(
+            f"unknown embed_dtype {kind!r}; expected one of {list(_BINARY_DTYPES)}"
+        )
+    dtype = np.dtype(_ORDER[item.get("endianness", "little")] + _BINARY_DTYPES[kind])
+    array = np.frombuffer(body, dtype=dtype, count=-1, offset=0)[
+        item["start"] // dtype.itemsize : item["end"] // dtype.itemsize
+    ].reshape(item["shape"])
+    if kind == "bfloat16":  # bf16 is float32's upper half: exact widening
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    if dtype != np.dtype("<f4") and dtype != np.dtype("=f4"):
+        return array.astype(np.float32)
+    return array
+
+
+def from_bytes(body: bytes, metadata: str | dict[str, Any]) -> np.ndarray | list[np.ndarray]:
+    """Float32 array(s) from a binary POST /v1/hidden_states answer.
+
+    Args:
+        body: the response body.
+        metadata: its ``metadata`` header (JSON text or parsed): ``data`` holds
+            one ``{"start", "end", "shape", "embed_dtype", "endianness"}`` per
+            input.
+
+    Returns a list in input order when the request's ``input`` was a list
+    (``"object": "list"`` in the metadata), else one array.
+    """
+    import orjson
+
+    meta = orjson.loads(metadata) if isinstance(metadata, (str, bytes)) else metadata
+    arrays = [_binary_item(body, item) for item in meta["data"]]
+    return arrays if meta.get("object") == "list" else arrays[0]
+
+
+def _from_response(response: Any) -> np.ndarray | list[np.ndarray]:
+    headers = response.headers
+    content_type = (headers.get("content-type") or "").split(";")[0].strip()
+    if content_type == "application/octet-stream":
+        return from_bytes(response.content, headers["metadata"])
+    import orjson
+
+    return to_numpy(orjson.loads(response.content))
+
+
 def to_numpy(obj: Any) -> np.ndarray | list[np.ndarray]:
     """Float32 array(s) from a hidden-states payload (see the module docstring)."""
+    if hasattr(obj, "headers") and hasattr(obj, "content"):
+        return _from_response(obj)
     payload = _as_dict(obj)
     if payload.get("object") == "list":
         return [to_numpy(item) for item in payload["data"]]
@@ -89,5 +150,10 @@ def to_torch(obj: Any):
 
     arrays = to_numpy(obj)
     if isinstance(arrays, list):
-        return [torch.from_numpy(a) for a in arrays]
-    return torch.from_numpy(arrays)
+        return [torch.from_numpy(_writable(a)) for a in arrays]
+    return torch.from_numpy(_writable(arrays))
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    # torch warns on read-only buffers (binary views): copy those.
+    return array if array.flags.writeable else array.copy()

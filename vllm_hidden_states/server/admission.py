@@ -13,12 +13,13 @@ Before tokenization or generation, a request that asks for hidden states (on
   over ``--hidden-states-max-batch`` -> 413;
 * **response size**: results x positions x layers x hidden_size x bytes per
   value of the chosen format (base64: 16/3, exact; float JSON: 16, an upper
-  bound); over ``--hidden-states-max-response-mb`` -> 400 (its size named).
-  chat/completions return one position (the last token) per layer, so
-  their price is exact before any work; /v1/hidden_states is priced at one
-  position per input (a lower bound) before tokenization, and with its exact
-  token counts right after it (off the event loop, bounded by the character
-  limit), before any generation.
+  bound; binary: the dtype's size); over ``--hidden-states-max-response-mb``
+  -> 400 (its size named), streamed responses included. chat/completions
+  with "last" return one position per layer, so their price is exact before
+  any work; "all"/"prompt" and /v1/hidden_states are priced at one position
+  per result (a lower bound) before tokenization, and again right after it
+  with the exact prompt lengths (+ ``max_tokens`` for "all"), before any
+  generation.
 
 Layers: ``hidden_states_layers`` may name each layer once. A list longer than
 the model's ``L + 1`` layers, or one naming a layer twice (``-1`` and ``L`` are
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from vllm_hidden_states.server.encoding import ApiError, invalid_request
+from vllm_hidden_states.server.encoding import ApiError, invalid_request, value_bytes
 
 MAX_RESPONSE_ENV = "VLLM_HIDDEN_STATES_MAX_RESPONSE_MB"
 DEFAULT_MAX_RESPONSE_MB = 256.0
@@ -124,11 +125,6 @@ def limits_of(raw_request: Any) -> Limits:
 # Prices
 
 
-def bytes_per_value(encoding_format: str) -> float:
-    """Wire bytes per float32 value: base64 exactly 16/3; JSON at most 16."""
-    return 16 / 3 if encoding_format == "base64" else 16.0
-
-
 def too_large(message: str, param: str | None) -> ApiError:
     return ApiError(message, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                     "invalid_request_error", param)  # fmt: skip
@@ -163,11 +159,12 @@ def check_response(
     encoding_format: str,
     param: str,
     advice: str,
+    embed_dtype: str = "float32",
 ) -> None:
     """400 when ``results x positions x layers x hidden`` values would make a
     response over the cap (``positions`` may be an upper bound)."""
     values = results * positions * layers * hidden_size
-    size = values * bytes_per_value(encoding_format)
+    size = values * value_bytes(encoding_format, embed_dtype)
     if size > limits.max_response_bytes:
         raise invalid_request(
             f"the response would be about {size / 2**20:.1f} MB ({results} results x "

@@ -15,6 +15,15 @@ Two encodings, the same for every endpoint (``client.py`` is the inverse):
 Whatever the model dtype (bf16, fp16, fp32), values are sent as float32 and the
 model dtype is reported separately as ``dtype``.
 
+POST /v1/hidden_states also answers in binary (``"encoding_format": "bytes"``
+or ``Accept: application/octet-stream``), as vLLM's pooling endpoints do: the
+body is the raw arrays, one after another, in ``embed_dtype`` (float32 by
+default; float16 or bfloat16 on request, bfloat16 as its raw 16 bits) and
+``endianness`` (little by default), and a ``metadata`` header holds the JSON
+``{"model", "layer", "dtype", "data": [{"index", "embed_dtype", "endianness",
+"start", "end", "shape"}, ...]}`` that locates each input's bytes
+(:func:`binary_array`).
+
 Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}`` with ``code`` the HTTP status, and the OpenAI ``type`` names
 (``invalid_request_error``, ``model_not_found``, ``model_error``,
@@ -30,6 +39,14 @@ import orjson
 import torch
 
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")
+# Binary answers (POST /v1/hidden_states only): vLLM's pooling names.
+EMBED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+ENDIANNESS: tuple[str, ...] = ("little", "big", "native")
+OCTET_STREAM = "application/octet-stream"
 
 # orjson options for every body that may carry hidden states: numpy arrays are
 # written natively; non-str keys occur in some vLLM payloads (logprob maps).
@@ -71,6 +88,30 @@ def encode_array(tensor: torch.Tensor, encoding_format: str) -> np.ndarray | str
         # SIMD base64 (pybase64): ~40x the stdlib on a [512, 2560] array.
         return pybase64.b64encode_as_string(array.data)
     return array
+
+
+def binary_array(tensor: torch.Tensor, embed_dtype: str, endianness: str) -> np.ndarray:
+    """``tensor`` as a C-contiguous numpy array whose buffer is the wire bytes.
+
+    float32 goes through :func:`as_float32` (exact bf16 widening); float16 and
+    bfloat16 are cast in torch and sent as their 16 bits (numpy has no
+    bfloat16, so that array is ``uint16``).
+    """
+    if embed_dtype == "float32":
+        array = as_float32(tensor)
+    else:
+        tensor = tensor.detach().to(device="cpu", dtype=EMBED_DTYPES[embed_dtype])
+        array = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+    order = {"little": "<", "big": ">", "native": "="}[endianness]
+    return array.astype(array.dtype.newbyteorder(order), copy=False)
+
+
+def value_bytes(encoding_format: str, embed_dtype: str = "float32") -> float:
+    """Wire bytes per value: base64 exactly 16/3; JSON float at most 16;
+    binary the dtype's size."""
+    if encoding_format == "bytes":
+        return float(EMBED_DTYPES[embed_dtype].itemsize)
+    return 16 / 3 if encoding_format == "base64" else 16.0
 
 
 def encoded_size_bytes(num_values: int, encoding_format: str) -> int:

@@ -20,6 +20,15 @@ Z-Image backend), plus a batch form and a ``messages`` form::
 * ``messages`` (instead of ``input``) is a chat conversation; the server applies
   the model's chat template as /v1/chat/completions does (``add_generation_
   prompt`` default true, ``chat_template_kwargs`` passed through).
+* Binary: ``"encoding_format": "bytes"`` (or ``Accept: application/octet-stream``
+  and no ``encoding_format``) answers ``application/octet-stream``: the raw
+  arrays in input order, ``embed_dtype`` "float32" (default), "float16" or
+  "bfloat16", ``endianness`` "little" (default), "big" or "native"; the
+  ``metadata`` header says where each input's ``[seq_len, hidden]`` array
+  lies (vLLM's pooling ``bytes`` layout, see :mod:`.encoding`), and a single
+  input also gets ``X-Hidden-States-Shape: seq_len,hidden`` and
+  ``X-Hidden-States-Dtype``. An ``Accept`` that allows neither JSON nor
+  octet-stream, or that contradicts ``encoding_format``, is a 406.
 
 Each input runs as a ``max_tokens=1`` generation with ``positions="prompt"``:
 the prompt's states are captured during its own prefill (which skips prefix-
@@ -31,6 +40,7 @@ import asyncio
 from http import HTTPStatus
 from typing import Any, Literal
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -49,8 +59,10 @@ from vllm.logger import init_logger
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.validation import validate_layers
 from vllm_hidden_states.server.encoding import (
+    OCTET_STREAM,
     ORJSON_OPTIONS,
     ApiError,
+    binary_array,
     dtype_name,
     encode_array,
     invalid_request,
@@ -70,7 +82,9 @@ class HiddenStatesRequest(BaseModel):
     layer: StrictInt = -2
     max_length: StrictInt = Field(512, ge=1)
     return_attention_mask: StrictBool = False
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64", "bytes"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["little", "big", "native"] = "little"
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -85,6 +99,13 @@ class HiddenStatesRequest(BaseModel):
             raise ValueError("'input' must not be an empty list")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        binary_only = {"embed_dtype", "endianness"} & self.model_fields_set
+        if binary_only and self.encoding_format != "bytes":
+            name = sorted(binary_only)[0]
+            raise ValueError(
+                f"'{name}' applies to binary answers only; set encoding_format "
+                "'bytes' (JSON answers are float32)"
+            )
         return self
 
 
@@ -99,7 +120,9 @@ FIELD_HELP = {
     "state, -2 = the one before; default -2)",
     "max_length": "an integer >= 1 (default 512)",
     "return_attention_mask": "true or false",
-    "encoding_format": "'float' or 'base64'",
+    "encoding_format": "'float', 'base64' or 'bytes'",
+    "embed_dtype": "'float32', 'float16' or 'bfloat16' (encoding_format 'bytes')",
+    "endianness": "'little', 'big' or 'native' (encoding_format 'bytes')",
     "add_generation_prompt": "true or false (messages only)",
     "chat_template_kwargs": "an object (messages only)",
 }
@@ -123,6 +146,49 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (
         f"invalid {field!r}: {error['msg']}; expected {FIELD_HELP[field]}",
         field,
+    )
+
+
+def _accepts(accept: str) -> set[str]:
+    """The media types an ``Accept`` header allows (q=0 excluded)."""
+    types = set()
+    for part in accept.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        if any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params):
+            continue
+        if media:
+            types.add(media.lower())
+    return types
+
+
+def negotiate(request: HiddenStatesRequest, accept: str | None) -> HiddenStatesRequest:
+    """The request with its answer format settled against ``Accept``.
+
+    ``Accept: application/octet-stream`` without ``encoding_format`` picks
+    binary. 406 when the header allows neither JSON nor octet-stream, or
+    excludes the format the body names.
+    """
+    if not accept or not accept.strip():
+        return request
+    types = _accepts(accept)
+    anything = bool(types & {"*/*", "application/*"})
+    json_ok = anything or "application/json" in types
+    binary_ok = anything or OCTET_STREAM in types
+    given = "encoding_format" in request.model_fields_set
+    if not given and binary_ok and not json_ok:
+        return request.model_copy(update={"encoding_format": "bytes"})
+    binary = request.encoding_format == "bytes"
+    if (binary and binary_ok) or (not binary and json_ok):
+        return request
+    wanted = OCTET_STREAM if binary else "application/json"
+    raise ApiError(
+        f"Accept: {accept!r} does not allow {wanted}, which encoding_format="
+        f"{request.encoding_format!r} answers with; accept {wanted} (or */*), "
+        f"or send Accept: {OCTET_STREAM} with encoding_format 'bytes' (or none) "
+        "for binary and Accept: application/json for 'float'/'base64'",
+        HTTPStatus.NOT_ACCEPTABLE,
+        "invalid_request_error",
+        "Accept",
     )
 
 
@@ -176,7 +242,8 @@ def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRe
     admission.check_response(
         limits, results, 1, 1, engine_client.model_config.get_hidden_size(),
         request.encoding_format, "input",
-        "split the batch, or use encoding_format 'base64'",
+        "split the batch, or use encoding_format 'base64' or 'bytes'",
+        request.embed_dtype,
     )  # fmt: skip
 
 
@@ -299,8 +366,9 @@ def _check_limits(
         limits, 1, sum(len(ids) for ids in inputs), 1,
         engine_client.model_config.get_hidden_size(), request.encoding_format,
         "max_length",
-        "lower max_length, split the batch, use encoding_format 'base64', or "
-        "raise the cap",
+        "lower max_length, split the batch, use encoding_format 'base64' or "
+        "'bytes', or raise the cap",
+        request.embed_dtype,
     )  # fmt: skip
 
 
@@ -336,6 +404,11 @@ async def _extract(
     return states[layer]
 
 
+def _input_binary(request: HiddenStatesRequest, rows) -> np.ndarray:
+    """One input's array in its wire dtype and byte order (run off the loop)."""
+    return binary_array(rows, request.embed_dtype, request.endianness)
+
+
 def _input_object_bytes(request: HiddenStatesRequest, rows) -> bytes:
     """One input's JSON object, serialized (run off the event loop)."""
     out: dict[str, Any] = {
@@ -359,7 +432,7 @@ async def _run_inputs(
     inputs: list[list[int]],
     lora_request,
 ) -> list[bytes]:
-    """Each input's serialized object, in order. At most ``ADMISSION_SLICE``
+    """Each input's serialized object (binary: its wire array), in order. At most ``ADMISSION_SLICE``
     inputs of this request are in the engine at once, so requests arriving
     meanwhile are queued between its slices, not behind the whole batch; each
     result is encoded in a worker thread as soon as it is ready."""
@@ -367,14 +440,15 @@ async def _run_inputs(
 
     base_id = f"hiddenstates-{random_uuid()}"
     window = asyncio.Semaphore(admission.ADMISSION_SLICE)
-    out: list[bytes] = [b""] * len(inputs)
+    out: list[Any] = [None] * len(inputs)
+    encode = _input_binary if request.encoding_format == "bytes" else _input_object_bytes
 
     async def one(i: int, ids: list[int]) -> None:
         async with window:
             rows = await _extract(
                 engine_client, ids, request.layer, f"{base_id}-{i}", lora_request
             )
-        out[i] = await asyncio.to_thread(_input_object_bytes, request, rows)
+        out[i] = await asyncio.to_thread(encode, request, rows)
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
     try:
@@ -400,7 +474,7 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
     state = raw_request.app.state
     try:
         limits = admission.limits_of(raw_request)
-        request = await _parse(body)
+        request = negotiate(await _parse(body), raw_request.headers.get("accept"))
         lora_request = _check_model(state, request.model)
         engine_client = state.engine_client
         validate_layers(engine_client, (request.layer,), "layer")
@@ -408,6 +482,10 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
         inputs = await _token_ids(state, request)
         _check_limits(engine_client, limits, request, inputs)
         objects = await _run_inputs(engine_client, request, inputs, lora_request)
+        if request.encoding_format == "bytes":
+            return await asyncio.to_thread(
+                _binary_response, request, objects, engine_client.model_config.dtype
+            )
         if isinstance(request.input, list):
             content = b"".join(
                 (
@@ -434,6 +512,38 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
                 "internal_error",
             )
         )
+
+
+def _binary_response(request: HiddenStatesRequest, arrays: list[np.ndarray],
+                     model_dtype) -> Response:  # fmt: skip
+    """The octet-stream answer: the arrays back to back, located by the
+    ``metadata`` header (vLLM's pooling layout)."""
+    items, start = [], 0
+    for i, array in enumerate(arrays):
+        items.append({
+            "index": i, "embed_dtype": request.embed_dtype,
+            "endianness": request.endianness, "start": start,
+            "end": start + array.nbytes, "shape": list(array.shape),
+        })  # fmt: skip
+        if request.return_attention_mask:
+            items[-1]["attention_mask"] = [1] * array.shape[0]
+        start += array.nbytes
+    metadata = {
+        "model": request.model,
+        "layer": request.layer,
+        "dtype": dtype_name(model_dtype),
+        "data": items,
+    }
+    if isinstance(request.input, list):
+        metadata["object"] = "list"
+    headers = {
+        "metadata": orjson.dumps(metadata).decode(),
+        "X-Hidden-States-Dtype": request.embed_dtype,
+    }
+    if len(arrays) == 1:
+        headers["X-Hidden-States-Shape"] = ",".join(map(str, arrays[0].shape))
+    body = arrays[0].tobytes() if len(arrays) == 1 else b"".join(a.data for a in arrays)
+    return Response(body, media_type=OCTET_STREAM, headers=headers)
 
 
 def _error(e: ApiError) -> Response:
@@ -482,6 +592,7 @@ HIDDEN_STATES_FIELDS = (
     "hidden_states_layers",
     "hidden_states_format",
     "hidden_states_positions",
+    "hidden_states_stream",
 )
 _refusals_installed = False
 
