@@ -231,3 +231,81 @@ def test_client_import_needs_neither_torch_nor_vllm(modules_loaded_by):
     assert "vllm_hidden_states" in loaded
     assert "torch" not in loaded
     assert "vllm" not in loaded
+
+
+# --------------------------------------------------------------------------
+# binary answers (encoding_format "bytes")
+
+
+def binary_answer(tensors, embed_dtype="float32", endianness="little", listed=False):
+    """Body and metadata header of a binary answer, as the server builds them."""
+    import orjson
+
+    from vllm_hidden_states.server.encoding import binary_array
+
+    arrays = [binary_array(t, embed_dtype, endianness) for t in tensors]
+    items, start = [], 0
+    for i, a in enumerate(arrays):
+        items.append({"index": i, "embed_dtype": embed_dtype, "endianness": endianness,
+                      "start": start, "end": start + a.nbytes, "shape": list(a.shape)})  # fmt: skip
+        start += a.nbytes
+    meta = {"model": "m", "layer": -2, "dtype": "float32", "data": items}
+    if listed:
+        meta["object"] = "list"
+    return b"".join(a.tobytes() for a in arrays), orjson.dumps(meta).decode()
+
+
+@pytest.mark.parametrize("endianness", ["little", "big", "native"])
+def test_from_bytes_float32_is_exact_in_every_byte_order(endianness):
+    from vllm_hidden_states.client import from_bytes
+
+    t = random_tensor((5, 16))
+    body, meta = binary_answer([t], endianness=endianness)
+    assert np.array_equal(from_bytes(body, meta), t.numpy())
+
+
+@pytest.mark.parametrize("embed_dtype", ["float16", "bfloat16"])
+def test_from_bytes_half_precision_widens_exactly(embed_dtype):
+    from vllm_hidden_states.client import from_bytes
+
+    t = random_tensor((3, 16)).to(getattr(torch, embed_dtype))
+    body, meta = binary_answer([t], embed_dtype=embed_dtype)
+    assert len(body) == t.numel() * 2
+    assert np.array_equal(from_bytes(body, meta), t.float().numpy())
+
+
+def test_from_bytes_of_a_list_input_is_a_list_even_of_one():
+    from vllm_hidden_states.client import from_bytes
+
+    tensors = [random_tensor((n, 16), seed=n) for n in (1, 4, 2)]
+    body, meta = binary_answer(tensors, listed=True)
+    out = from_bytes(body, meta)
+    assert [a.shape for a in out] == [(1, 16), (4, 16), (2, 16)]
+    for a, t in zip(out, tensors):
+        assert np.array_equal(a, t.numpy())
+    body1, meta1 = binary_answer(tensors[:1], listed=True)
+    assert isinstance(from_bytes(body1, meta1), list)
+
+
+def test_to_numpy_decodes_a_binary_http_response():
+    import httpx
+
+    t = random_tensor((3, 16))
+    body, meta = binary_answer([t])
+    response = httpx.Response(200, content=body, headers={
+        "content-type": "application/octet-stream", "metadata": meta})  # fmt: skip
+    assert np.array_equal(to_numpy(response), t.numpy())
+    assert torch.equal(to_torch(response), t)
+
+
+def test_to_numpy_decodes_a_json_http_response():
+    import httpx
+    import orjson
+
+    from vllm_hidden_states.server.encoding import ORJSON_OPTIONS
+
+    t = random_tensor((3, 16))
+    content = orjson.dumps(endpoint_response(t, "base64"), option=ORJSON_OPTIONS)
+    response = httpx.Response(200, content=content,
+                              headers={"content-type": "application/json"})  # fmt: skip
+    assert np.array_equal(to_numpy(response), t.numpy())

@@ -209,3 +209,101 @@ def test_encode_choice_states_repeats_a_layer_asked_twice():
 
 def test_encode_choice_states_is_none_without_states():
     assert encode_choice_states(None, HiddenStatesAsk((-1,), "float")) is None
+
+
+# --------------------------------------------------------------------------
+# positions and per-token streaming
+
+
+def test_parse_ask_defaults_to_last_positions_not_streamed():
+    parsed = ask()
+    assert (parsed.positions, parsed.stream) == ("last", False)
+
+
+@pytest.mark.parametrize("positions", ["last", "all", "prompt"])
+def test_parse_ask_accepts_each_choice_position_mode(positions):
+    assert ask(hidden_states_positions=positions).positions == positions
+
+
+@pytest.mark.parametrize("positions", ["first", "ALL", "", 1, ["all"]])
+def test_unknown_positions_are_rejected_listing_the_modes(positions):
+    error = bad_request({"return_hidden_states": True, "hidden_states_positions": positions})
+    assert error.param == "hidden_states_positions"
+    assert "['last', 'all', 'prompt']" in error.message
+
+
+def test_hidden_states_stream_with_all_positions_is_accepted():
+    parsed = ask(hidden_states_positions="all", hidden_states_stream=True)
+    assert parsed == HiddenStatesAsk((-1,), "float", "all", True)
+
+
+@pytest.mark.parametrize("positions", [None, "last", "prompt"])
+def test_hidden_states_stream_needs_all_positions(positions):
+    error = bad_request({"return_hidden_states": True, "hidden_states_stream": True,
+                         "hidden_states_positions": positions})  # fmt: skip
+    assert error.param == "hidden_states_stream"
+    assert "'all'" in error.message
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, [True]])
+def test_hidden_states_stream_must_be_a_bool(flag):
+    error = bad_request({"return_hidden_states": True, "hidden_states_positions": "all",
+                         "hidden_states_stream": flag})  # fmt: skip
+    assert error.param == "hidden_states_stream"
+
+
+@pytest.mark.parametrize("field", ["hidden_states_positions", "hidden_states_stream"])
+def test_positions_or_stream_without_return_hidden_states_is_rejected(field):
+    value = "all" if field == "hidden_states_positions" else True
+    error = bad_request({field: value})
+    assert error.param == field
+    assert "return_hidden_states is not true" in error.message
+
+
+def test_encode_choice_states_all_positions_keeps_every_row_per_layer():
+    states = two_layer_states(positions=5)
+    out = encode_choice_states(states, HiddenStatesAsk((2, -1), "float", "all"), start=7)
+    assert (out["positions"], out["start"], out["shape"]) == ("all", 7, [2, 5, 8])
+    rows = to_numpy(out)
+    assert np.array_equal(rows[0], states[2].numpy())
+    assert np.array_equal(rows[1], states[-1].numpy())
+
+
+def test_choice_rows_take_advances_start_by_the_rows_taken():
+    from vllm_hidden_states.server.openai_fields import ChoiceRows
+
+    ask_all = HiddenStatesAsk((-1,), "base64", "all", True)
+    rows = ChoiceRows()
+    rows.pending = [{-1: torch.zeros(4, 8)}, {-1: torch.ones(1, 8)}]
+    first = rows.take(ask_all)
+    assert (first["start"], first["shape"]) == (0, [1, 5, 8])
+    assert rows.take(ask_all) is None
+    rows.pending = [{-1: torch.ones(2, 8)}]
+    assert rows.take(ask_all)["start"] == 5
+
+
+def test_price_positions_counts_prompt_plus_max_tokens_per_choice():
+    from vllm_hidden_states.server.admission import Limits
+    from vllm_hidden_states.server.openai_fields import PositionPricing, price_positions
+
+    # 1 layer x 8 values x 16 bytes (float JSON) = 128 bytes per position.
+    limits = Limits(max_response_bytes=128 * 100, max_batch=8, max_input_chars=100)
+    pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "all"), n=2,
+                              hidden_size=8)  # fmt: skip
+    price_positions(pricing, prompt_len=30, max_tokens=20)  # 2 x 50 = 100: fits
+    assert pricing.spent_positions == 100
+    with pytest.raises(ApiError) as e:
+        price_positions(pricing, prompt_len=1, max_tokens=0)
+    assert e.value.param == "max_tokens"
+    assert "--hidden-states-max-response-mb" in e.value.message
+
+
+def test_price_positions_counts_only_the_prompt_for_prompt_positions():
+    from vllm_hidden_states.server.admission import Limits
+    from vllm_hidden_states.server.openai_fields import PositionPricing, price_positions
+
+    limits = Limits(max_response_bytes=128 * 10, max_batch=8, max_input_chars=100)
+    pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "prompt"), n=1,
+                              hidden_size=8)  # fmt: skip
+    price_positions(pricing, prompt_len=10, max_tokens=500)
+    assert pricing.spent_positions == 10
