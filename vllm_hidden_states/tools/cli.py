@@ -3,6 +3,8 @@
 
     vllm-hidden-states patch apply|check|revert
     vllm-hidden-states tiny-model DIR [--arch qwen3|llama|gemma2|...] [...]
+    vllm-hidden-states collect DATASET OUT (--model M | --server-url URL) [...]
+    vllm-hidden-states store query ROOT deltas|threshold|sql ... | store prune ROOT
 """
 
 import argparse
@@ -23,7 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--hidden", type=int, default=128)
     t.add_argument("--vocab", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
+    from vllm_hidden_states.tools import collect
+
+    c = sub.add_parser("collect", help="harvest hidden states of a dataset to Parquet shards")
+    collect.add_arguments(c)
+    st = sub.add_parser("store", help="query or prune an activation store")
+    collect.add_store_arguments(st)
     args = parser.parse_args(argv)
+
+    if args.command == "collect":
+        return collect.run(args)
+    if args.command == "store":
+        return collect.run_store(args)
 
     if args.command == "tiny-model":
         from vllm_hidden_states.tools.tiny_models import build_tiny_model

@@ -1,0 +1,609 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-hidden-states collect``: harvest hidden states of a dataset to shards.
+
+    vllm-hidden-states collect DATASET OUT --model M [--layers -2] [--positions prompt]
+    vllm-hidden-states collect DATASET OUT --server-url http://host:8000 [--layers -2]
+
+**Datasets** (read lazily, one batch at a time; document ids must be unique):
+
+* ``*.jsonl`` / ``*.json`` (JSON lines): ``{"id": ..., "text": "..."}`` or
+  ``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}`` (the
+  model's chat template is applied with ``add_generation_prompt=True``). A
+  line without ``id`` gets its line number.
+* ``*.parquet``: columns ``id`` (optional; else the row number) and ``text``
+  (or ``messages``), read in record batches.
+* anything else: plain text, one prompt per line; the id is the line number
+  (0-based); blank lines are skipped.
+
+**Engines.** ``--model``: the offline engine in this process (``vllm.LLM``
+with ``enable_hidden_states``, the capturable set = ``--layers``); each batch
+of ``--batch-size`` documents runs as one ``LLM.generate`` with
+``SamplingParams(return_hidden_states=True, hidden_states_positions=...)``.
+``--positions prompt``: every prompt position, one forward (``max_tokens=1``,
+the text-encoder and SAE-training use); ``--positions all``: prompt and
+``--max-tokens`` generated positions. ``--server-url``: a running ``vllm
+serve --enable-hidden-states``: POST /v1/hidden_states per batch and layer
+(base64), ``--concurrency`` batches in flight (prompt positions only). Token
+ids come from the model's tokenizer here (text; the same ``encode`` the route
+uses) or the server's /tokenize (messages), cut to the returned length.
+
+**Output**: see :mod:`vllm_hidden_states.store.parquet_shards` (rows, manifest,
+resume). Rerunning the same command after a kill skips finished documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_hidden_states.store.parquet_shards import (
+    FORMATS,
+    STORAGE_DTYPES,
+    DocStates,
+    HarvestMeta,
+    ShardWriter,
+)
+
+logger = logging.getLogger(__name__)
+
+POSITIONS = ("prompt", "all")
+
+
+@dataclass
+class Doc:
+    """One dataset record: exactly one of ``text`` and ``messages``."""
+
+    doc_id: str
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def _record_to_doc(rec: dict[str, Any], default_id: int, where: str) -> Doc:
+    doc_id = rec.get("id", default_id)
+    text, messages = rec.get("text"), rec.get("messages")
+    if (text is None) == (messages is None):
+        raise ValueError(
+            f"{where}: a record needs exactly one of 'text' (a string) and "
+            f"'messages' (a list of chat messages); got keys {sorted(rec)}"
+        )
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+    if messages is not None and not isinstance(messages, list):
+        raise ValueError(f"{where}: 'messages' must be a list, got {type(messages).__name__}")
+    return Doc(str(doc_id), text, messages)
+
+
+def read_dataset(path: str | Path) -> Iterator[Doc]:
+    """The documents of ``path`` in order (see the module docstring)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i + 1}: not valid JSON ({e}); expected one "
+                                     "JSON object per line") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{i + 1}: expected a JSON object per line")
+                yield _record_to_doc(rec, i, f"{path}:{i + 1}")
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                yield _record_to_doc(rec, row, f"{path} row {row}")
+                row += 1
+    else:
+        with open(path) as f:
+            for i, line in enumerate(f):
+                text = line.rstrip("\n")
+                if text.strip():
+                    yield Doc(str(i), text)
+
+
+@dataclass
+class CollectConfig:
+    """What ``collect`` does; the command-line flags map one to one.
+
+    Attributes:
+        dataset: dataset path. out: shard directory.
+        model: model for the offline engine (or None with ``server_url``).
+        server_url: base URL of a running server (``http://host:port``).
+        served_model: the server's model name (default: its first model).
+        layers: layer indices (HF ``output_hidden_states`` indexing).
+        positions: ``"prompt"`` or ``"all"``.
+        max_tokens: generated tokens per document with ``"all"``.
+        max_length: prompt tokens kept per document (the first ones).
+        batch_size: documents per engine call / HTTP request.
+        concurrency: HTTP batches in flight (server mode).
+        dtype: storage dtype; fmt: ``"parquet"`` or ``"safetensors"``.
+        rows_per_shard, max_pending_mb: see :class:`ShardWriter`.
+        limit: stop after this many documents of the dataset (None: all).
+        progress: show a tqdm bar (tokens/s).
+        engine_kwargs: extra ``vllm.LLM`` keyword arguments.
+    """
+
+    dataset: str
+    out: str
+    model: str | None = None
+    server_url: str | None = None
+    served_model: str | None = None
+    tokenizer: str | None = None
+    layers: list[int] = field(default_factory=lambda: [-2])
+    positions: str = "prompt"
+    max_tokens: int = 16
+    max_length: int = 512
+    batch_size: int = 32
+    concurrency: int = 2
+    dtype: str = "float32"
+    fmt: str = "parquet"
+    rows_per_shard: int = 65536
+    max_pending_mb: int = 256
+    limit: int | None = None
+    progress: bool = True
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if (self.model is None) == (self.server_url is None):
+            raise ValueError("give exactly one of --model (offline engine) and --server-url")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"--positions {self.positions!r}: use one of {', '.join(POSITIONS)}")
+        if self.server_url is not None and self.positions != "prompt":
+            raise ValueError("--server-url collects prompt positions only (POST "
+                             "/v1/hidden_states); use --model for --positions all")
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"--layers {self.layers}: name at least one layer, each once")
+        for name in ("batch_size", "max_length", "max_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+@dataclass
+class CollectResult:
+    """What a run did. ``tokens_per_s``: tokens written per second of wall time
+    (engine start excluded)."""
+
+    out: str
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    empty: int = 0
+    seconds: float = 0.0
+    producer_wait_s: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _batches(docs: Iterator[Doc], finished: set[str], size: int, limit: int | None,
+             result: CollectResult) -> Iterator[list[Doc]]:
+    seen: set[str] = set()
+    batch: list[Doc] = []
+    for n, doc in enumerate(docs):
+        if limit is not None and n >= limit:
+            break
+        if doc.doc_id in seen:
+            raise ValueError(f"document id {doc.doc_id!r} appears twice in the dataset; "
+                             "ids must be unique (they key resume)")
+        seen.add(doc.doc_id)
+        if doc.doc_id in finished:
+            result.skipped += 1
+            continue
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _to_numpy(t) -> tuple[np.ndarray, bool]:
+    """A CPU torch tensor as numpy; bfloat16 as uint16 bits (flag True)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16), True
+    return t.numpy(), False
+
+
+def _progress(cfg: CollectConfig):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit="tok", unit_scale=True, desc="collect", dynamic_ncols=True)
+
+
+def _tokenize_text(tokenizer, text: str, max_length: int) -> list[int]:
+    return list(tokenizer.encode(text))[:max_length]
+
+
+def _tokenize_messages(tokenizer, messages, max_length: int) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))[:max_length]
+
+
+# -- offline engine ----------------------------------------------------------------
+
+
+def _collect_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
+    from vllm import LLM
+
+    if llm is None:
+        llm = LLM(model=cfg.model, enable_hidden_states=True,
+                  hidden_states_layers=list(cfg.layers), **cfg.engine_kwargs)
+        try:
+            _run_offline(cfg, llm, result)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    else:
+        _run_offline(cfg, llm, result)
+
+
+def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model_config = llm.llm_engine.model_config
+    tokenizer = llm.get_tokenizer()
+    meta = HarvestMeta(model=str(cfg.model), layers=tuple(cfg.layers), positions=cfg.positions,
+                       hidden_size=model_config.get_hidden_size(), dtype=cfg.dtype,
+                       fmt=cfg.fmt, model_dtype=str(model_config.dtype).removeprefix("torch."))
+    # The prompt must leave room for one generated token (and, with "all",
+    # for the final token's extract).
+    max_prompt = min(cfg.max_length, model_config.max_model_len - 2)
+    params = SamplingParams(
+        max_tokens=1 if cfg.positions == "prompt" else cfg.max_tokens,
+        temperature=0.0, detokenize=False, return_hidden_states=True,
+        hidden_states_layers=list(cfg.layers), hidden_states_positions=cfg.positions,
+    )
+    with ShardWriter(cfg.out, meta, rows_per_shard=cfg.rows_per_shard,
+                     max_pending_bytes=cfg.max_pending_mb << 20) as writer:
+        bar = _progress(cfg)
+        t0 = time.monotonic()
+        for batch in _batches(read_dataset(cfg.dataset), writer.finished_doc_ids(),
+                              cfg.batch_size, cfg.limit, result):
+            prompts, kept = [], []
+            for doc in batch:
+                ids = (_tokenize_text(tokenizer, doc.text, max_prompt) if doc.text is not None
+                       else _tokenize_messages(tokenizer, doc.messages, max_prompt))
+                if not ids:
+                    result.empty += 1
+                    logger.warning("document %r encodes to no tokens; skipped", doc.doc_id)
+                    continue
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+                kept.append(doc)
+            outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+            tokens = 0
+            for doc, out in zip(kept, outputs):
+                completion = out.outputs[0]
+                token_ids = list(out.prompt_token_ids)
+                if cfg.positions == "all":
+                    token_ids += list(completion.token_ids)
+                states = completion.hidden_states
+                if states is None:
+                    raise RuntimeError(f"document {doc.doc_id!r}: the engine returned no "
+                                       "hidden states")
+                vectors, bf16 = _to_numpy(torch.stack([states[layer] for layer in cfg.layers]))
+                writer.submit(DocStates(doc.doc_id, np.asarray(token_ids, dtype=np.int32),
+                                        vectors, bf16))
+                tokens += len(token_ids)
+                result.docs += 1
+            result.tokens += tokens
+            if bar is not None:
+                bar.update(tokens)
+                bar.set_postfix(docs=result.docs, skipped=result.skipped, refresh=False)
+        writer.close()
+        result.seconds = time.monotonic() - t0
+        result.producer_wait_s = writer.stats.producer_wait_s
+        result.stats = vars(writer.stats).copy()
+        if bar is not None:
+            bar.close()
+
+
+# -- server ---------------------------------------------------------------------------
+
+
+class _ServerClient:
+    def __init__(self, cfg: CollectConfig):
+        import httpx
+
+        self.base = cfg.server_url.rstrip("/")
+        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0))
+        models = self._json("GET", "/v1/models")["data"]
+        if cfg.served_model is None:
+            self.model, root = models[0]["id"], models[0].get("root")
+        else:
+            match = [m for m in models if m["id"] == cfg.served_model]
+            if not match:
+                raise ValueError(f"the server does not serve {cfg.served_model!r}; it serves "
+                                 f"{', '.join(m['id'] for m in models)}")
+            self.model, root = match[0]["id"], match[0].get("root")
+        self.root = root or self.model
+        self.tokenizer = None
+        source = cfg.tokenizer or self.root
+        try:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception as e:  # noqa: BLE001 - fall back to the server's /tokenize
+            logger.info("no local tokenizer from %s (%s); using the server's /tokenize",
+                        source, e)
+
+    def _json(self, method: str, path: str, body: dict | None = None) -> Any:
+        r = self.http.request(method, self.base + path, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} {path} answered {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def token_ids(self, doc: Doc, max_length: int) -> list[int]:
+        if doc.text is not None and self.tokenizer is not None:
+            return _tokenize_text(self.tokenizer, doc.text, max_length)
+        body: dict[str, Any] = {"model": self.model}
+        if doc.text is not None:
+            body["prompt"] = doc.text
+        else:
+            body.update(messages=doc.messages, add_generation_prompt=True)
+        return list(self._json("POST", "/tokenize", body)["tokens"])[:max_length]
+
+    def states(self, docs: list[Doc], layer: int, max_length: int) -> list[np.ndarray]:
+        """``[n_i, hidden]`` float32 per document at ``layer``."""
+        from vllm_hidden_states.client import to_numpy
+
+        texts = [d for d in docs if d.text is not None]
+        out: dict[str, np.ndarray] = {}
+        if texts:
+            body = {"model": self.model, "input": [d.text for d in texts], "layer": layer,
+                    "max_length": max_length, "encoding_format": "base64"}
+            arrays = to_numpy(self._json("POST", "/v1/hidden_states", body))
+            out.update({d.doc_id: a for d, a in zip(texts, arrays)})
+        for d in docs:
+            if d.messages is not None:
+                body = {"model": self.model, "messages": d.messages, "layer": layer,
+                        "max_length": max_length, "encoding_format": "base64"}
+                out[d.doc_id] = to_numpy(self._json("POST", "/v1/hidden_states", body))
+        return [out[d.doc_id] for d in docs]
+
+    def batch(self, docs: list[Doc], layers: list[int], max_length: int):
+        """``(token_ids [n], vectors [layers, n, hidden])`` per document."""
+        per_layer = [self.states(docs, layer, max_length) for layer in layers]
+        results = []
+        for i, doc in enumerate(docs):
+            n = per_layer[0][i].shape[0]
+            ids = self.token_ids(doc, max_length)
+            if len(ids) < n:
+                raise RuntimeError(
+                    f"document {doc.doc_id!r}: the server returned {n} positions but the "
+                    f"tokenizer gives {len(ids)} tokens; pass --tokenizer matching the "
+                    "server's model"
+                )
+            results.append((np.asarray(ids[:n], dtype=np.int32),
+                            np.stack([layer_rows[i] for layer_rows in per_layer])))
+        return results
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
+    client = _ServerClient(cfg)
+    layers = list(cfg.layers)
+    try:
+        first = client.states([Doc("probe", text="a")], layers[0], 8)[0]
+        meta = HarvestMeta(model=f"{client.base}#{client.model}", layers=tuple(layers),
+                           positions="prompt", hidden_size=int(first.shape[1]),
+                           dtype=cfg.dtype, fmt=cfg.fmt, model_dtype="float32 (HTTP)")
+        with ShardWriter(cfg.out, meta, rows_per_shard=cfg.rows_per_shard,
+                         max_pending_bytes=cfg.max_pending_mb << 20) as writer, \
+                ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            bar = _progress(cfg)
+            t0 = time.monotonic()
+            inflight: list[tuple[list[Doc], Future]] = []
+
+            def drain_one() -> None:
+                docs, fut = inflight.pop(0)
+                tokens = 0
+                for doc, (ids, vectors) in zip(docs, fut.result()):
+                    writer.submit(DocStates(doc.doc_id, ids, vectors))
+                    tokens += len(ids)
+                    result.docs += 1
+                result.tokens += tokens
+                if bar is not None:
+                    bar.update(tokens)
+                    bar.set_postfix(docs=result.docs, skipped=result.skipped, refresh=False)
+
+            for batch in _batches(read_dataset(cfg.dataset), writer.finished_doc_ids(),
+                                  cfg.batch_size, cfg.limit, result):
+                inflight.append((batch, pool.submit(client.batch, batch, layers,
+                                                    cfg.max_length)))
+                while len(inflight) >= cfg.concurrency:
+                    drain_one()
+            while inflight:
+                drain_one()
+            writer.close()
+            result.seconds = time.monotonic() - t0
+            result.producer_wait_s = writer.stats.producer_wait_s
+            result.stats = vars(writer.stats).copy()
+            if bar is not None:
+                bar.close()
+    finally:
+        client.close()
+
+
+def collect(cfg: CollectConfig, llm=None) -> CollectResult:
+    """Harvest ``cfg.dataset`` into ``cfg.out``; ``llm``: an already built
+    ``vllm.LLM`` (with ``enable_hidden_states`` and the layers capturable) to
+    use instead of building one from ``cfg.model``."""
+    cfg.check()
+    if cfg.dtype not in STORAGE_DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype!r}: use one of {', '.join(STORAGE_DTYPES)}")
+    if cfg.fmt not in FORMATS:
+        raise ValueError(f"--format {cfg.fmt!r}: use one of {', '.join(FORMATS)}")
+    result = CollectResult(out=str(cfg.out))
+    if cfg.server_url is not None:
+        _collect_server(cfg, result)
+    else:
+        _collect_offline(cfg, llm, result)
+    return result
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated integers, e.g. -2 or 0,8,-1") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dataset", help="JSONL ({id, text|messages}), Parquet, or text (one prompt a line)")
+    p.add_argument("out", help="output directory (shards + manifest.json); rerun to resume")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model for the offline engine")
+    src.add_argument("--server-url", help="a running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model", help="server mode: the model name (default: the first)")
+    p.add_argument("--tokenizer", help="server mode: tokenizer for token ids (default: the "
+                   "server's model root, else the server's /tokenize)")
+    p.add_argument("--layers", type=_layers, default=[-2], help="comma-separated (default -2)")
+    p.add_argument("--positions", choices=POSITIONS, default="prompt")
+    p.add_argument("--max-tokens", type=int, default=16, help="generated tokens with --positions all")
+    p.add_argument("--max-length", type=int, default=512, help="prompt tokens kept per document")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=2, help="server mode: batches in flight")
+    p.add_argument("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage dtype")
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="parquet")
+    p.add_argument("--rows-per-shard", type=int, default=65536)
+    p.add_argument("--max-pending-mb", type=int, default=256,
+                   help="writer buffer; the engine waits only when it is full")
+    p.add_argument("--limit", type=int, help="stop after this many dataset records")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-model-len", type=int, help="offline engine: vLLM max_model_len")
+    p.add_argument("--engine-dtype", help="offline engine: vLLM dtype (auto, float32, bfloat16...)")
+    p.add_argument("--enforce-eager", action="store_true", help="offline engine: no torch.compile")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="offline engine: extra vllm.LLM argument, e.g. gpu_memory_utilization=0.5")
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_kwargs: dict[str, Any] = {}
+    if args.max_model_len:
+        engine_kwargs["max_model_len"] = args.max_model_len
+    if args.engine_dtype:
+        engine_kwargs["dtype"] = args.engine_dtype
+    if args.enforce_eager:
+        engine_kwargs["enforce_eager"] = True
+    for item in args.engine_arg:
+        key, _, value = item.partition("=")
+        try:
+            engine_kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            engine_kwargs[key] = value
+    cfg = CollectConfig(
+        dataset=args.dataset, out=args.out, model=args.model, server_url=args.server_url,
+        served_model=args.served_model, tokenizer=args.tokenizer, layers=args.layers,
+        positions=args.positions, max_tokens=args.max_tokens, max_length=args.max_length,
+        batch_size=args.batch_size, concurrency=args.concurrency, dtype=args.dtype,
+        fmt=args.fmt, rows_per_shard=args.rows_per_shard, max_pending_mb=args.max_pending_mb,
+        limit=args.limit, progress=not args.no_progress, engine_kwargs=engine_kwargs,
+    )
+    try:
+        result = collect(cfg)
+    except ValueError as e:
+        print(f"vllm-hidden-states collect: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": result.out, "docs": result.docs, "skipped": result.skipped,
+                      "empty": result.empty, "tokens": result.tokens,
+                      "seconds": round(result.seconds, 3),
+                      "tokens_per_s": round(result.tokens_per_s, 1),
+                      "engine_waited_on_writer_s": round(result.producer_wait_s, 3)}))
+    return 0
+
+
+# -- store query / prune ------------------------------------------------------------
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="store_command", required=True)
+    q = sub.add_parser("query", help="query an activation store with DuckDB")
+    q.add_argument("root", help="the store directory (--activation-store DIR)")
+    qs = q.add_subparsers(dest="query", required=True)
+    d = qs.add_parser("deltas", help="feature activations over the positions of one request")
+    d.add_argument("--request-id", required=True)
+    d.add_argument("--feature", type=int, action="append", help="only these feature ids")
+    d.add_argument("--layer", type=int, help="only this SAE layer")
+    t = qs.add_parser("threshold", help="requests where a feature reached a value")
+    t.add_argument("--feature", type=int, required=True)
+    t.add_argument("--min", dest="min_activation", type=float, required=True)
+    t.add_argument("--model-id")
+    s = qs.add_parser("sql", help="any SQL over the views sae_features and hidden_states")
+    s.add_argument("sql")
+    for sp in (d, t, s):
+        sp.add_argument("--format", dest="out_format", choices=["table", "csv", "json"],
+                        default="table")
+    pr = sub.add_parser("prune", help="delete partitions older than --days")
+    pr.add_argument("root")
+    pr.add_argument("--days", type=int, default=None,
+                    help="retention in days (default: $VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS or 14)")
+
+
+def _print_relation(cursor, out_format: str) -> None:
+    cols = [c[0] for c in cursor.description]
+    rows = cursor.fetchall()
+    if out_format == "json":
+        print(json.dumps([dict(zip(cols, r)) for r in rows], default=str))
+    elif out_format == "csv":
+        import csv
+
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    else:
+        text = [[str(v) for v in r] for r in rows]
+        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(cols)]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        for r in text:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def run_store(args: argparse.Namespace) -> int:
+    from vllm_hidden_states.store import activation_store as store
+
+    if args.store_command == "prune":
+        days = store.retention_days_from_env() if args.days is None else args.days
+        for path in store.prune(args.root, days):
+            print(f"deleted {path}")
+        return 0
+    if not Path(args.root).is_dir():
+        print(f"vllm-hidden-states store: {args.root} is not a directory", file=sys.stderr)
+        return 2
+    if args.query == "deltas":
+        cur = store.feature_deltas(args.root, args.request_id, args.feature, args.layer)
+    elif args.query == "threshold":
+        cur = store.threshold_search(args.root, args.feature, args.min_activation,
+                                     model_id=args.model_id)
+    else:
+        cur = store.connect(args.root).execute(args.sql)
+    _print_relation(cur, args.out_format)
+    return 0
