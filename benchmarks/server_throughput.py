@@ -5,9 +5,12 @@ Two ``vllm serve`` processes on loopback, the same model: one started with
 ``--enable-hidden-states``, one without. Requests go to /v1/completions with a
 fixed concurrency; throughput is generated tokens per second of wall time.
 
-1. Enabled server: plain vs "last" at layer -1 vs "last" at 4 layers vs "all"
-   at layer -1 (base64), on 100% of requests.
-2. Plain requests: server without the flag vs server with it (enabled, unused).
+1. Enabled server: plain vs "last" at layer -1 vs "last" at 4 layers, on 100%
+   of requests.
+2. Every position at layer -1 (base64), non-streamed vs streamed per token
+   (``hidden_states_stream``: rows on every SSE chunk), beside plain
+   non-streamed and plain streamed requests.
+3. Plain requests: server without the flag vs server with it (enabled, unused).
 """
 
 import asyncio
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 from benchmarks.common import Comparison, Server, alternate, bench_model
 
@@ -28,18 +32,37 @@ def _prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
 
 
+async def _streamed(client: httpx.AsyncClient, url: str, body: dict) -> int:
+    """Generated tokens of one streamed request (rows checked when asked)."""
+    tokens, rows = 0, 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in orjson.loads(line[6:]).get("choices") or ():
+                tokens += len(choice.get("token_ids") or ())
+                if choice.get("hidden_states"):
+                    rows += choice["hidden_states"]["shape"][1]
+    if body.get("return_hidden_states"):
+        assert rows == len(body["prompt"]) + tokens, (rows, tokens)
+    return tokens
+
+
 async def _load(url: str, prompts, max_tokens: int, concurrency: int, extra: dict) -> float:
     limits = httpx.Limits(max_connections=concurrency)
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
         async def one(prompt):
+            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0.0, "ignore_eos": True, **extra}
             async with sem:
-                r = await client.post(url + "/v1/completions", json={
-                    "model": "bench", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True, **extra})
+                if extra.get("stream"):
+                    return await _streamed(client, url, {**body, "return_token_ids": True})
+                r = await client.post(url + "/v1/completions", json=body)
                 r.raise_for_status()
                 body = r.json()
-                if extra:
+                if extra.get("return_hidden_states"):
                     assert all("hidden_states" in c for c in body["choices"])
                 return body["usage"]["completion_tokens"]
 
@@ -76,6 +99,20 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
                                       hidden_states_layers=[-1, -2, 2, 6]),
         }, rounds, progress)
 
+        all_rows = dict(return_hidden_states=True, hidden_states_positions="all",
+                        hidden_states_format="base64")  # fmt: skip
+        streaming = Comparison(
+            "HTTP /v1/completions: every position (layer -1), streamed per token vs not",
+            "generated tok/s", baseline="all, non-streamed", notes=cfg,
+            targets={"all, streamed per token": 0.90})
+        alternate(streaming, {
+            "all, non-streamed": measure(enabled, **all_rows),
+            "all, streamed per token": measure(enabled, stream=True,
+                                               hidden_states_stream=True, **all_rows),
+            "plain, non-streamed": measure(enabled),
+            "plain, streamed": measure(enabled, stream=True),
+        }, rounds, progress)
+
         unused = Comparison(
             "HTTP /v1/completions: server enabled but no request asks", "generated tok/s",
             baseline="server without hidden states", notes=cfg,
@@ -84,10 +121,10 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
             "server without hidden states": measure(disabled),
             "server with --enable-hidden-states": measure(enabled),
         }, rounds, progress)
-        return [per_request, unused]
+        return [per_request, streaming, unused]
     finally:
         enabled.stop()
         disabled.stop()
 
 
-STEPS_PER_ROUND = 5
+STEPS_PER_ROUND = 9

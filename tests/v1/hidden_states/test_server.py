@@ -498,7 +498,7 @@ def test_hidden_states_max_length_below_1_is_400(http):
 def test_hidden_states_unknown_encoding_format_is_400(http):
     body = {"model": MODEL, "input": "x", "encoding_format": "bf16"}
     r = http.post("/v1/hidden_states", json=body)
-    assert_error(r, 400, "invalid_request_error", "'float' or 'base64'")
+    assert_error(r, 400, "invalid_request_error", "'float', 'base64' or 'bytes'")
     assert_still_serving(http)
 
 
