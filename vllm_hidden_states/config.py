@@ -213,6 +213,11 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
     """Refuse, at start-up, set-ups where returned states would be wrong.
 
     Called once from ``EngineArgs.create_engine_config`` in the front-end.
+
+    Data parallelism is allowed: each extract goes to the engine that served
+    its request (``frontend/routing.py``) and wakes a lockstep (MoE) DP wave
+    (``engine/extracts.py:wake_dp_wave``). Tensor parallelism needs nothing:
+    every TP rank computes the full residual stream.
     """
     cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
     if cfg is None:
@@ -223,12 +228,6 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         problems.append(
             "pipeline parallelism (pipeline_parallel_size="
             f"{parallel.pipeline_parallel_size}) is not supported yet"
-        )
-    if parallel.data_parallel_size > 1:
-        problems.append(
-            "data parallelism (data_parallel_size="
-            f"{parallel.data_parallel_size}) is not supported yet: the extract "
-            "must reach the engine that served the request"
         )
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in SPECULATIVE_METHODS:

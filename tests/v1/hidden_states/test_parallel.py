@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where vLLM scales out: tensor parallel works; what is not supported yet is
-refused at start-up with a message, before any engine process starts."""
+"""Where vLLM scales out: tensor parallel works, data parallel is accepted
+(served end to end in test_scale_out.py); what is not supported yet is refused
+at start-up with a message, before any engine process starts."""
 
 import pytest
 
@@ -49,10 +50,12 @@ def test_pipeline_parallel_is_refused_at_start(qwen3_dir):
         _config(qwen3_dir, pipeline_parallel_size=2)
 
 
-def test_data_parallel_is_refused_at_start(qwen3_dir):
-    with pytest.raises(ValueError, match=r"data parallelism \(data_parallel_size=2\) is not "
-                                         r"supported yet"):
-        _config(qwen3_dir, data_parallel_size=2)
+def test_data_parallel_is_accepted_at_start(qwen3_dir):
+    """Each extract goes to the engine that served its request (served and
+    checked end to end in test_scale_out.py)."""
+    config = _config(qwen3_dir, data_parallel_size=2)
+    assert config.parallel_config.data_parallel_size == 2
+    assert "hidden_states" in config.additional_config
 
 
 def test_engine_without_the_flag_is_unchanged(qwen3_dir):

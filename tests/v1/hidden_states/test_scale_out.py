@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scale-out through vLLM's own parallelism, over real ``vllm serve`` servers:
+
+* data parallel 2 (internal load balancing, mp backend, which also starts two
+  API-server processes): concurrent mixed requests spread over both engines,
+  every state exact, nothing held afterwards on either engine;
+* one engine behind ``--api-server-count 2``: exact over HTTP.
+
+Both servers start together (one module fixture) and are shared by the tests.
+"""
+
+import concurrent.futures as cf
+
+import httpx
+import openai
+import pytest
+import torch
+
+from .conftest import HFReference, assert_close
+from .server_utils import test_server_process, wait_until
+from .test_server import decode_rows, hf_tokenize
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-qwen3"
+LAYERS = [0, 1, -2, -1]
+
+
+@pytest.fixture(scope="module")
+def scale_servers(qwen3_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("scale-out-logs")
+    common = ["--enable-hidden-states", "--max-model-len", "512",
+              "--max-num-batched-tokens", "64"]  # fmt: skip
+    dp2 = test_server_process(
+        qwen3_dir, [*common, "--data-parallel-size", "2"], logs / "dp2.log", name=MODEL
+    )
+    api2 = test_server_process(
+        qwen3_dir, [*common, "--api-server-count", "2"], logs / "api2.log", name=MODEL
+    )
+    dp2.start()
+    api2.start()
+    try:
+        yield dp2, api2
+    finally:
+        dp2.stop()
+        api2.stop()
+
+
+@pytest.fixture(scope="module")
+def dp2(scale_servers):
+    return scale_servers[0].wait_ready(timeout=900)
+
+
+@pytest.fixture(scope="module")
+def api2(scale_servers):
+    return scale_servers[1].wait_ready(timeout=900)
+
+
+def body(prompt: str, **kwargs) -> dict:
+    out = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0,
+               return_token_ids=True, return_hidden_states=True,
+               hidden_states_layers=LAYERS)  # fmt: skip
+    out.update(kwargs)
+    return out
+
+
+def check_choice(hf: HFReference, choice: dict, positions: str, layers=LAYERS):
+    """A choice's rows = HF's at ``layers``, over the positions asked for."""
+    obj = choice["hidden_states"]
+    assert obj["layers"] == layers
+    rows = decode_rows(obj)
+    prompt = choice.get("prompt_token_ids")
+    ids = list(prompt or []) + list(choice["token_ids"])
+    ref = hf.states(ids)
+    for i, layer in enumerate(layers):
+        got = rows[i] if rows.dim() == 3 else rows[i][None]
+        if positions == "last":
+            want = ref[layer][-1:]
+        elif positions == "all":
+            want = ref[layer]
+        else:  # prompt
+            want = ref[layer][: len(prompt)]
+        assert_close(got, want, f"{positions} layer {layer}")
+
+
+def served_by_engine(server) -> dict[str, float]:
+    """Requests each engine ran to their end (stop or length)."""
+    return {
+        e: sum(server.metric("vllm:request_success_total", engine=e, finished_reason=r)
+               for r in ("stop", "length"))
+        for e in ("0", "1")
+    }  # fmt: skip
+
+
+def nothing_held(server) -> bool:
+    """No request running or waiting and no KV block in use (a parked block of
+    a finished request whose extract went elsewhere would show here) on either
+    engine."""
+    for e in ("0", "1"):
+        if server.metric("vllm:num_requests_running", engine=e) or server.metric(
+            "vllm:num_requests_waiting", engine=e
+        ):
+            return False
+        if server.metric("vllm:kv_cache_usage_perc", engine=e) > 0:
+            return False
+    return True
+
+
+PROMPTS = [f"Story {i}: once upon a time there was a robot who" for i in range(8)]
+
+
+def test_data_parallel_2_mixed_concurrent_requests_are_exact_on_both_engines(
+    dp2, hf_qwen3
+):
+    before = served_by_engine(dp2)
+    # "last", "all", "prompt", n=2 (sampled) and streaming, all at once.
+    jobs = [("last", body(p)) for p in PROMPTS[:4]]
+    jobs += [("all", body(PROMPTS[4], hidden_states_positions="all")),
+             ("all", body(PROMPTS[5], hidden_states_positions="all", max_tokens=3)),
+             ("prompt", body(PROMPTS[6], hidden_states_positions="prompt")),
+             ("last", body(PROMPTS[7], n=2, temperature=1.0, seed=7))]  # fmt: skip
+
+    with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
+
+        def post(job):
+            return job[0], http.post("/v1/completions", json=job[1])
+
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(post, jobs))
+    for positions, r in results:
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            check_choice(hf_qwen3, choice, positions)
+    after = served_by_engine(dp2)
+    served = {e: after[e] - before[e] for e in after}
+    assert sum(served.values()) == 9  # n=2 is two engine requests
+    assert served["0"] > 0 and served["1"] > 0, served
+    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+
+
+def completed(server) -> float:
+    """Requests the engines ran to their end (stop or length), both engines."""
+    return sum(served_by_engine(server).values())
+
+
+def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(dp2, hf_qwen3):
+    """Streams closed by the client after their first token are aborted on the
+    engine that runs them (else they would run to 480 tokens and count as
+    completed); a request after them is exact; nothing is held afterwards."""
+    before = completed(dp2)
+    long = body(PROMPTS[0], max_tokens=480, ignore_eos=True, stream=True,
+                hidden_states_positions="all")  # fmt: skip
+    with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
+        for _ in range(2):
+            with http.stream("POST", "/v1/completions", json=long) as r:
+                assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            # leaving the block closes the connection: the server aborts
+        r = http.post("/v1/completions", json=body(PROMPTS[1]))
+        assert r.status_code == 200, r.text
+        check_choice(hf_qwen3, r.json()["choices"][0], "last")
+    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+    assert completed(dp2) == before + 1
+
+
+def test_data_parallel_2_openai_client_and_hidden_states_route(dp2, hf_qwen3, qwen3_dir):
+    client = openai.OpenAI(base_url=dp2.url("/v1"), api_key="unused")
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0.0,
+        extra_body=dict(return_token_ids=True, return_hidden_states=True,
+                        hidden_states_layers=LAYERS),
+    )  # fmt: skip
+    check_choice(hf_qwen3, completion.model_dump()["choices"][0], "last")
+    # POST /v1/hidden_states: "prompt" captures, every position, per engine.
+    with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
+        for prompt, layer in ((PROMPTS[3], 0), (PROMPTS[4], -2), (PROMPTS[5], -1)):
+            r = http.post("/v1/hidden_states",
+                          json={"model": MODEL, "input": prompt, "layer": layer})  # fmt: skip
+            assert r.status_code == 200, r.text
+            states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
+            ref = hf_qwen3.states(hf_tokenize(qwen3_dir, prompt))[layer]
+            assert_close(states, ref, f"/v1/hidden_states layer {layer}")
+    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+
+
+def test_api_server_count_2_is_exact_over_http(api2, hf_qwen3):
+    """Two API-server processes in front of one engine: each holds and
+    dispatches its own requests' extracts. Enough concurrent requests that
+    both processes serve some (the kernel spreads connections)."""
+    jobs = [("last", body(p)) for p in PROMPTS[:6]]
+    jobs += [("all", body(PROMPTS[6], hidden_states_positions="all")),
+             ("prompt", body(PROMPTS[7], hidden_states_positions="prompt"))]  # fmt: skip
+
+    def post(job):
+        with httpx.Client(base_url=api2.base_url, timeout=300.0) as http:
+            return job[0], http.post("/v1/completions", json=job[1])
+
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(post, jobs))
+    for positions, r in results:
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            check_choice(hf_qwen3, choice, positions)
+    wait_until(lambda: api2.num_unfinished() == 0, "the engine to hold nothing")

@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Data parallel: each HIDDEN_STATES_EXTRACT goes to the engine that served
+its request.
+
+Runs in the front-end, inside vLLM's load-balancing DP client
+(``DPLBAsyncMPClient``, patch 0002). That client picks an engine per request
+and records it in ``reqs_in_flight`` only until the request finishes; the
+extract is sent after that, so the engine of a request that will need one is
+kept in ``client.hidden_states_engines`` here until its extract is sent (or
+the request is aborted). The extract must reach that engine: its finished
+request's KV blocks are parked there (the one-token hand-over), and its
+prefix cache holds the sequence.
+
+Sending an extract registers it like a request of its own
+(``reqs_in_flight``, ``engine_inflight``), so that vLLM's abort routing finds
+it and the load balancer counts it until its finished output arrives.
+
+With one engine per front-end (no DP, or DP with external load balancing)
+none of this is needed: the extract goes to the client's only engine.
+"""
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm_hidden_states.config import EXTRACT_POSITIONS
+from vllm_hidden_states.wire import HiddenStatesExtractRequest, original_id_of
+
+if TYPE_CHECKING:
+    from vllm.v1.engine import EngineCoreRequest
+
+logger = init_logger(__name__)
+
+
+def remember_engine(client: Any, request: "EngineCoreRequest", engine: bytes) -> None:
+    """When the client routes a request that asked for hidden states: keep its
+    engine if the request will send an extract ("last", "all")."""
+    if request.return_hidden_states.positions in EXTRACT_POSITIONS:
+        client.hidden_states_engines[request.request_id] = engine
+
+
+def route_extracts(
+    client: Any, extracts: list[HiddenStatesExtractRequest]
+) -> list[tuple[bytes, list[HiddenStatesExtractRequest]]]:
+    """Group extracts by the engine that served their requests, and register
+    each as in flight on that engine. Returns ``[(engine, extracts)]``."""
+    by_engine: dict[bytes, list[HiddenStatesExtractRequest]] = defaultdict(list)
+    for extract in extracts:
+        extract.client_index = client.client_index
+        engine = client.hidden_states_engines.pop(
+            original_id_of(extract.request_id), None
+        )
+        if engine is None:
+            # Not routed by this client (cannot happen through AsyncLLM):
+            # any engine computes the right states, without the hand-over.
+            logger.warning(
+                "hidden states: no engine recorded for %s; sending its extract "
+                "to engine 0",
+                extract.request_id,
+            )
+            engine = client.core_engine
+        client.reqs_in_flight[extract.request_id] = engine
+        client.engine_inflight[engine] += 1
+        by_engine[engine].append(extract)
+    return list(by_engine.items())
