@@ -26,7 +26,7 @@ else
 	# with them installed, transformers' model classes fail to import.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 endif
-	$(PY) -m pip install -q -e ".[test,bench,store]"
+	$(PY) -m pip install -q -e ".[test,bench,store,ray]"
 	$(VENV)/bin/vllm-hidden-states patch apply
 	touch $(STAMP)
 

@@ -229,6 +229,20 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "pipeline parallelism (pipeline_parallel_size="
             f"{parallel.pipeline_parallel_size}) is not supported yet"
         )
+    ray = [
+        f"{name}={value!r}"
+        for name, value in (
+            ("distributed_executor_backend", parallel.distributed_executor_backend),
+            ("data_parallel_backend", parallel.data_parallel_backend),
+        )
+        if value == "ray"
+    ]
+    if ray:
+        problems.append(
+            f"the Ray backend ({', '.join(ray)}) is untested with hidden states: "
+            "vLLM's CPU platform cannot run it (\"current platform cpu does not "
+            "support ray\"); use the default mp backend"
+        )
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in SPECULATIVE_METHODS:
         problems.append(
