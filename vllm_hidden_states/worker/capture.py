@@ -50,6 +50,7 @@ class _Armed:
     offset: int  # first of its rows in the armed row list
     count: int
     done: bool  # this forward computes the capture's last position
+    inner_offset: int = -1  # first of its rows in the capture buffers, if any
 
 
 class HiddenStatesCapture:
@@ -105,7 +106,8 @@ class HiddenStatesCapture:
         query_start = runner.query_start_loc.np
         num_scheduled = self._num_scheduled
         rows: list[np.ndarray] = []
-        offset = 0
+        inner_rows: list[np.ndarray] = []
+        offset = inner_offset = 0
         self._armed = []
         for req_id, step in self.plan.items():
             # Rows by sequence position: row0 holds position step.start. Rows
@@ -125,19 +127,25 @@ class HiddenStatesCapture:
                     row0 + step.first - step.start, row0 + end - step.start,
                     dtype=np.int64,
                 )
+            armed = _Armed(req_id, step, offset, len(selected), done)
             rows.append(selected)
-            self._armed.append(_Armed(req_id, step, offset, len(selected), done))
             offset += len(selected)
+            if any(k < self.final_layer for k in step.layers):
+                # Only these pass the capture buffers (the scheduler kept them
+                # within max_rows); final-layer-only rows come from the output.
+                armed.inner_offset = inner_offset
+                inner_rows.append(selected)
+                inner_offset += len(selected)
+            self._armed.append(armed)
         if not self._armed:
             return
-        all_rows = np.concatenate(rows)
-        inner = any(k < self.final_layer for a in self._armed for k in a.step.layers)
-        if inner:
-            self.points.arm(all_rows)
-            self._rows = self.points.rows[: len(all_rows)]
-        else:
-            # Only layer L (the model output): the capture points stay idle.
-            self._rows = torch.from_numpy(all_rows).to(runner.device)
+        if inner_offset == offset:  # every row passes the buffers: reuse their index
+            self.points.arm(np.concatenate(inner_rows))
+            self._rows = self.points.rows[:offset]
+            return
+        self._rows = torch.from_numpy(np.concatenate(rows)).to(runner.device)
+        if inner_rows:
+            self.points.arm(np.concatenate(inner_rows))
 
     def collect(self, model_output: torch.Tensor) -> None:
         """After the forward: copy this step's rows out, per request."""
@@ -148,8 +156,9 @@ class HiddenStatesCapture:
         final_rows = model_output.index_select(0, self._rows)
         for armed in self._armed:
             sl = slice(armed.offset, armed.offset + armed.count)
+            inner = slice(armed.inner_offset, armed.inner_offset + armed.count)
             layers = [
-                final_rows[sl] if k == self.final_layer else self.points.read(k)[sl]
+                final_rows[sl] if k == self.final_layer else self.points.read(k)[inner]
                 for k in armed.step.layers
             ]
             # [num_layers, rows, hidden] on the host, a copy: the buffers are

@@ -58,6 +58,20 @@ def test_all_positions_of_a_prompt_longer_than_the_token_budget(llm, hf_qwen3):
     assert_every_position_matches_hf(hf_qwen3, out, [1, -1])
 
 
+def test_final_layer_captures_beside_buffered_ones_in_one_batch_stay_exact(llm, hf_qwen3):
+    """A final-layer-only capture is not held to the buffers' rows (its rows
+    come from the model output), so it schedules whole chunks beside captures
+    that do fill the buffers; the worker arms the buffers with theirs only."""
+    prompts = [LONG_PROMPT, PROMPT, LONG_PROMPT + " Again."]
+    params = [all_positions(hidden_states_layers=[-1]),
+              all_positions(hidden_states_layers=[0, -1]),
+              all_positions(hidden_states_layers=[-1], max_tokens=3)]  # fmt: skip
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        assert_every_position_matches_hf(hf_qwen3, out, p.hidden_states_layers)
+    assert_nothing_held(llm)
+
+
 def test_all_positions_request_skips_prefix_cache_reads_and_stays_exact(llm, hf_qwen3):
     params = all_positions(hidden_states_layers=[-2])
     first, second = (llm.generate([LONG_PROMPT], params, use_tqdm=False)[0] for _ in range(2))
