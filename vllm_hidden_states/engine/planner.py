@@ -70,12 +70,16 @@ class CaptureSpec:
         num_tokens: the capture ends once this many positions are computed;
             None for an inline capture (the sequence grows as it generates).
         delivered: inline captures: positions ``< delivered`` were delivered.
+        buffered: some layer is below the final one, so rows pass the capture
+            buffers and count against ``max_rows``; the final layer's rows are
+            read from the model's output, which holds every scheduled token.
     """
 
     layers: tuple[int, ...]
     positions: str
     num_tokens: int | None
     delivered: int = 0
+    buffered: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ class CapturePlanner:
         from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
         self._adopt_parked(scheduler, request, extract)
-        self.active[request.request_id] = CaptureSpec(
+        self.active[request.request_id] = self._spec(
             tuple(extract.layers), extract.positions, len(extract.token_ids)
         )
         scheduler.add_request(request)
@@ -153,11 +157,16 @@ class CapturePlanner:
             return
         layers = tuple(distinct_layers(spec))
         if spec.positions == "prompt":
-            self.active[request.request_id] = CaptureSpec(
+            self.active[request.request_id] = self._spec(
                 layers, "all", request.num_prompt_tokens
             )
         elif spec.inline:
-            self.active[request.request_id] = CaptureSpec(layers, "all", None)
+            self.active[request.request_id] = self._spec(layers, "all", None)
+
+    def _spec(self, layers: tuple[int, ...], positions: str, num_tokens: int | None):
+        final = self.config.num_layers
+        return CaptureSpec(layers, positions, num_tokens,
+                           buffered=any(k != final for k in layers))  # fmt: skip
 
     # -- each step -------------------------------------------------------------
 
@@ -169,10 +178,11 @@ class CapturePlanner:
         An "all" capture takes a row per scheduled token, so a long one is
         split over steps. A "last" capture takes one row, in the chunk that
         reaches its last position; with no row left, the chunk stops one short
-        of it. Requests without a capture are not limited.
+        of it. Requests without a capture, or whose only layer is the final
+        one (read from the model's output, not the buffers), are not limited.
         """
         spec = self.active.get(request.request_id)
-        if spec is None:
+        if spec is None or not spec.buffered:
             return num_new_tokens
         if spec.positions == "last":
             if self.rows_left > 0:
