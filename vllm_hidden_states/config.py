@@ -214,9 +214,11 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
 
     Called once from ``EngineArgs.create_engine_config`` in the front-end.
 
-    Data parallelism is allowed: each extract goes to the engine that served
-    its request (``frontend/routing.py``) and wakes a lockstep (MoE) DP wave
-    (``engine/extracts.py:wake_dp_wave``). Tensor parallelism needs nothing:
+    Data parallelism (dense models) is allowed: each extract goes to the
+    engine that served its request (``frontend/routing.py``). MoE data
+    parallelism, where engines step in lockstep waves, is refused until it
+    can be tested (an extract already wakes the wave:
+    ``engine/extracts.py:wake_dp_wave``). Tensor parallelism needs nothing:
     every TP rank computes the full residual stream.
     """
     cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
@@ -228,6 +230,13 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         problems.append(
             "pipeline parallelism (pipeline_parallel_size="
             f"{parallel.pipeline_parallel_size}) is not supported yet"
+        )
+    if parallel.data_parallel_size > 1 and vllm_config.model_config.is_moe:
+        problems.append(
+            "data parallelism with a MoE model (data_parallel_size="
+            f"{parallel.data_parallel_size}, lockstep DP waves) is untested with "
+            "hidden states: vLLM's CPU platform fails MoE data parallel at the "
+            "first forward (NotImplementedError in all_gatherv)"
         )
     ray = [
         f"{name}={value!r}"
