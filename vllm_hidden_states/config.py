@@ -56,7 +56,11 @@ CAPTURE_VERSION = 2
 
 
 def additional_config_entry(
-    layers: str | list[int] | None, max_rows: int | None = None
+    layers: str | list[int] | None,
+    max_rows: int | None = None,
+    *,
+    sae: str | None = None,
+    sae_layer: int | None = None,
 ) -> dict[str, Any]:
     """The ``additional_config["hidden_states"]`` entry EngineArgs folds in.
 
@@ -67,16 +71,61 @@ def additional_config_entry(
         layers: ``EngineArgs.hidden_states_layers`` as given (a list, or the
             ``--hidden-states-layers`` string); None = every layer ``0..L``.
         max_rows: ``EngineArgs.hidden_states_max_rows``; None = the default.
+        sae, sae_layer: ``EngineArgs.sae`` (an SAELens directory) and
+            ``sae_layer`` (None: from the SAE's config); see :func:`sae_entry`.
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
         raise ValueError(
             f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}"
         )
-    return {
+    entry = {
         "layers": parse_layers_arg(layers),
         "max_rows": None if max_rows is None else int(max_rows),
         "capture": CAPTURE_VERSION,
     }
+    if sae:
+        entry["sae"] = sae_entry(sae, sae_layer)
+    return entry
+
+
+def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
+    """``additional_config["hidden_states"]["sae"]``: what every process needs
+    to know of ``--sae DIR`` without loading weights, read once at start from
+    its ``cfg.json``: ``path`` (absolute), ``layer`` (HF convention as given
+    or from the config's hook name; None if neither says), ``d_in``,
+    ``d_sae``, ``name`` (the directory name, the store's ``sae_release``).
+
+    Raises ValueError naming the problem and what is allowed.
+    """
+    import json
+    from pathlib import Path
+
+    from vllm_hidden_states.sae import CFG_FILE, WEIGHTS_FILE, _cfg_value, layer_of_hook
+
+    root = Path(path).expanduser().resolve()
+    for name in (CFG_FILE, WEIGHTS_FILE):
+        if not (root / name).is_file():
+            raise ValueError(
+                f"--sae {path}: {root / name} not found; an SAE directory in the "
+                f"SAELens format holds {CFG_FILE} and {WEIGHTS_FILE}"
+            )
+    cfg = json.loads((root / CFG_FILE).read_text())
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+        raise ValueError(f"--sae-layer must be an integer (HF convention), got {layer!r}")
+    if layer is None:
+        layer = layer_of_hook(_cfg_value(cfg, "hook_name"))
+    if layer is None:
+        raise ValueError(
+            f"--sae {path}: its config names no residual-stream hook "
+            f"(hook_name {_cfg_value(cfg, 'hook_name')!r}; understood: "
+            "blocks.<i>.hook_resid_pre / hook_resid_post); give the layer with "
+            "--sae-layer N (sae_layer=N)"
+        )
+    for key in ("d_in", "d_sae"):
+        if isinstance(cfg.get(key), bool) or not isinstance(cfg.get(key), int):
+            raise ValueError(f"--sae {path}: {CFG_FILE} {key!r} must be an integer")
+    return {"path": str(root), "layer": int(layer), "d_in": cfg["d_in"],
+            "d_sae": cfg["d_sae"], "name": root.name}  # fmt: skip
 
 
 def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
@@ -126,6 +175,9 @@ class HiddenStatesConfig:
     layers: tuple[int, ...]
     given: tuple[int, ...] | None = None
     max_rows: int = DEFAULT_MAX_ROWS
+    # --sae: its :func:`sae_entry` and the absolute layer it reads (None: no SAE).
+    sae: dict[str, Any] | None = None
+    sae_layer: int | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiddenStatesConfig | None":
@@ -139,10 +191,15 @@ class HiddenStatesConfig:
             DEFAULT_MAX_ROWS, vllm_config.scheduler_config.max_num_batched_tokens
         )
         given = entry.get("layers")
+        sae = entry.get("sae")
+        sae_layer = None
+        if sae is not None and -(num_layers + 1) <= sae["layer"] <= num_layers:
+            sae_layer = sae["layer"] % (num_layers + 1)  # else refused at start
         if given is None:
-            return cls(num_layers, tuple(range(num_layers + 1)), None, max_rows)
+            return cls(num_layers, tuple(range(num_layers + 1)), None, max_rows,
+                       sae, sae_layer)  # fmt: skip
         layers = sorted({_absolute(k, num_layers) for k in given})
-        return cls(num_layers, tuple(layers), tuple(given), max_rows)
+        return cls(num_layers, tuple(layers), tuple(given), max_rows, sae, sae_layer)
 
     @property
     def inner_layers(self) -> tuple[int, ...]:
@@ -270,11 +327,37 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "Model Runner V2 capture is not implemented yet; unset "
             "VLLM_USE_V2_MODEL_RUNNER (the V1 runner is chosen automatically)"
         )
+    problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
     if problems:
         raise ValueError(
             "--enable-hidden-states cannot be used with this configuration: "
             + "; ".join(problems)
         )
+
+
+def sae_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
+    """Why ``--sae`` cannot serve this engine (empty: it can)."""
+    if cfg.sae is None:
+        return []
+    sae, n = cfg.sae, cfg.num_layers
+    problems = []
+    if sae["d_in"] != hidden_size:
+        problems.append(
+            f"--sae {sae['path']}: its d_in is {sae['d_in']} but the model's "
+            f"hidden size is {hidden_size}; the SAE must be trained on this model"
+        )
+    if cfg.sae_layer is None:
+        problems.append(
+            f"--sae layer {sae['layer']} is out of range for a {n}-layer model; "
+            f"valid indices are {-(n + 1)}..{n} (HF convention; set --sae-layer)"
+        )
+    elif cfg.sae_layer not in cfg.layers:
+        problems.append(
+            f"--sae reads layer {sae['layer']}, which is not capturable; "
+            f"capturable layers: {cfg.describe_capturable()} (add it to "
+            "--hidden-states-layers)"
+        )
+    return problems
 
 
 # Speculative methods tested alongside hidden states. Extracts and prompt
@@ -345,6 +428,45 @@ def add_cli_args(parser) -> None:
         f"buffers' length). Default: {DEFAULT_MAX_ROWS}, or "
         "max_num_batched_tokens if smaller. Longer captures are split over "
         "steps.",
+    )
+    group.add_argument(
+        "--sae",
+        type=str,
+        default=None,
+        help="SAE directory in the SAELens format (cfg.json + "
+        "sae_weights.safetensors): requests may ask for its top-k features "
+        '("sae_features": {"top_k": k}). Implies --enable-hidden-states.',
+    )
+    group.add_argument(
+        "--sae-layer",
+        type=int,
+        default=None,
+        help="Layer the SAE reads (HF convention, e.g. 6 or -2). Default: "
+        "from the SAE config's hook name (blocks.<i>.hook_resid_pre = i, "
+        "hook_resid_post = i + 1).",
+    )
+    # Activation store (API server only; read by server.openai_fields).
+    group.add_argument(
+        "--activation-store",
+        type=str,
+        default=None,
+        help="Directory of the activation store: every request that asked "
+        "for sae_features appends its rows to Parquet there, off the "
+        "serving path (a failing store is logged, the request served).",
+    )
+    group.add_argument(
+        "--activation-store-hidden-states",
+        action="store_true",
+        default=False,
+        help="Also store the hidden states of requests that asked for them "
+        "(large: one float32 vector per position and layer).",
+    )
+    group.add_argument(
+        "--activation-store-retention-days",
+        type=int,
+        default=None,
+        help="Delete store partitions older than this many days. Default: "
+        "VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS, else 14.",
     )
     # Server admission limits (read by vllm_hidden_states.server.admission;
     # the API server only, EngineArgs ignores them).

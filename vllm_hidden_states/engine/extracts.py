@@ -61,9 +61,17 @@ def problem_with(
         return "hidden states are not enabled on this engine"
     if extract.positions not in EXTRACT_POSITIONS:
         return f"positions must be 'last' or 'all', got {extract.positions!r}"
-    if not extract.layers:
-        return "no layers requested"
     config = planner.config
+    if extract.sae_top_k and (
+        config.sae is None or not 1 <= extract.sae_top_k <= config.sae["d_sae"]
+    ):
+        return (
+            f"sae_top_k {extract.sae_top_k}: "
+            + ("no SAE on this engine (--sae)" if config.sae is None
+               else f"must be in 1..{config.sae['d_sae']}")  # fmt: skip
+        )
+    if not extract.layers and not extract.sae_top_k:
+        return "no layers requested"
     bad = [k for k in extract.layers if k not in config.layers]
     if bad:
         return (

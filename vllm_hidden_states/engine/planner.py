@@ -73,6 +73,8 @@ class CaptureSpec:
         buffered: some layer is below the final one, so rows pass the capture
             buffers and count against ``max_rows``; the final layer's rows are
             read from the model's output, which holds every scheduled token.
+        sae_top_k: also encode the rows of the SAE's layer to their k
+            strongest features (0: no SAE features).
     """
 
     layers: tuple[int, ...]
@@ -80,6 +82,7 @@ class CaptureSpec:
     num_tokens: int | None
     delivered: int = 0
     buffered: bool = True
+    sae_top_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class CaptureStep:
             delivered in the step that computes position ``num_tokens - 1``.
         first: first position to capture ("all"; positions before it were
             delivered before a preemption).
+        sae_top_k: also encode the SAE layer's rows on the device and ship
+            only their k strongest features (0: none). ``layers`` (the full
+            states shipped) may then be empty.
     """
 
     layers: tuple[int, ...]
@@ -101,6 +107,7 @@ class CaptureStep:
     start: int
     num_tokens: int
     first: int = 0
+    sae_top_k: int = 0
 
 
 class CapturePlanner:
@@ -138,7 +145,8 @@ class CapturePlanner:
 
         self._adopt_parked(scheduler, request, extract)
         self.active[request.request_id] = self._spec(
-            tuple(extract.layers), extract.positions, len(extract.token_ids)
+            tuple(extract.layers), extract.positions, len(extract.token_ids),
+            extract.sae_top_k,
         )
         scheduler.add_request(request)
         waiting = scheduler.waiting
@@ -158,15 +166,19 @@ class CapturePlanner:
         layers = tuple(distinct_layers(spec))
         if spec.positions == "prompt":
             self.active[request.request_id] = self._spec(
-                layers, "all", request.num_prompt_tokens
+                layers, "all", request.num_prompt_tokens, spec.sae_top_k
             )
         elif spec.inline:
-            self.active[request.request_id] = self._spec(layers, "all", None)
+            self.active[request.request_id] = self._spec(
+                layers, "all", None, spec.sae_top_k
+            )
 
-    def _spec(self, layers: tuple[int, ...], positions: str, num_tokens: int | None):
+    def _spec(self, layers: tuple[int, ...], positions: str, num_tokens: int | None,
+              sae_top_k: int = 0):  # fmt: skip
         final = self.config.num_layers
-        return CaptureSpec(layers, positions, num_tokens,
-                           buffered=any(k != final for k in layers))  # fmt: skip
+        read = (*layers, self.config.sae_layer) if sae_top_k else layers
+        return CaptureSpec(layers, positions, num_tokens, sae_top_k=sae_top_k,
+                           buffered=any(k != final for k in read))  # fmt: skip
 
     # -- each step -------------------------------------------------------------
 
@@ -218,6 +230,7 @@ class CapturePlanner:
                     start=start,
                     num_tokens=num_tokens,
                     first=max(start, spec.delivered),
+                    sae_top_k=spec.sae_top_k,
                 )
         if steps:
             output.capture_plan = steps
@@ -227,19 +240,25 @@ class CapturePlanner:
         outputs: dict[int, list["EngineCoreOutput"]],
         model_runner_output: "ModelRunnerOutput",
     ) -> None:
-        """In ``update_from_output``: move captured tensors onto the outputs."""
-        captured = model_runner_output.captured_hidden_states
-        if not captured:
+        """In ``update_from_output``: move captured tensors (and SAE
+        features) onto the outputs."""
+        captured = model_runner_output.captured_hidden_states or {}
+        features = getattr(model_runner_output, "captured_sae_features", None) or {}
+        if not captured and not features:
             return
         for client_outputs in outputs.values():
             for eco in client_outputs:
                 tensor = captured.get(eco.request_id)
-                if tensor is None:
+                pair = features.get(eco.request_id) if features else None
+                if tensor is None and pair is None:
                     continue
                 eco.hidden_states = tensor
+                if pair is not None:
+                    eco.sae_feature_ids, eco.sae_feature_values = pair
                 spec = self.active.get(eco.request_id)
                 if spec is not None and spec.num_tokens is None:
-                    spec.delivered += tensor.shape[1]  # inline: more to come
+                    # inline: more to come
+                    spec.delivered += tensor.shape[1] if tensor is not None else len(pair[0])
                 else:
                     # Delivered: a "prompt" capture must not run again if the
                     # request is preempted and recomputed later.

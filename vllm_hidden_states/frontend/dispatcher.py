@@ -30,6 +30,13 @@ Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
    that arrived since the previous output (:meth:`HiddenStatesTracker.for_output`);
    concatenated, they are the final result of the same request.
 
+SAE features (``sae_top_k`` on the spec) travel beside the rows: ``(ids,
+values)`` from ``EngineCoreOutput.sae_feature_ids`` / ``sae_feature_values``,
+accumulated, cut and delta-emitted exactly like them. An output of such a
+request gets a :class:`TrackedOutput` as ``hidden_states``, which
+``CompletionOutput.__post_init__`` (patch 0001) splits into ``hidden_states``
+and ``sae_features``.
+
 Requests that did not ask never reach this module.
 """
 
@@ -58,6 +65,32 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+# (ids int32 [positions, k], values float32 [positions, k])
+Features = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrackedOutput:
+    """What a request with ``sae_top_k`` hands ``CompletionOutput``:
+    ``states`` (``{layer: rows}`` or None) and ``sae_features`` (``{"layer":
+    absolute layer, "ids": int32 [positions, k], "values": float32
+    [positions, k]}`` or None)."""
+
+    states: dict[int, torch.Tensor] | None
+    sae_features: dict[str, Any] | None
+
+
+def _cat_features(parts: list[Features]) -> Features:
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+
+
+def features_of(engine_core_output: "EngineCoreOutput") -> Features | None:
+    ids = engine_core_output.sae_feature_ids
+    return None if ids is None else (ids, engine_core_output.sae_feature_values)
+
+
 @dataclass
 class HiddenStatesTracker:
     """One request's hidden-state bookkeeping, on ``RequestState.hidden_states_tracker``.
@@ -70,6 +103,8 @@ class HiddenStatesTracker:
         complete: every row the request gets, ``[num_distinct_layers,
             positions, hidden]``, once known.
         error: why the engine returned none, if it failed.
+        feature_chunks, complete_features: the same for SAE features
+            (``sae_top_k``): ``(ids, values)`` pairs ``[rows, k]``.
     """
 
     spec: HiddenStatesSpec
@@ -80,6 +115,10 @@ class HiddenStatesTracker:
     error: str | None = None
     _emitted_chunks: int = 0  # DELTA: chunks already given to outputs
     _emitted_rows: int = 0
+    feature_chunks: list[Features] = field(default_factory=list)
+    complete_features: Features | None = None
+    _emitted_feature_chunks: int = 0
+    _emitted_feature_rows: int = 0
 
     @property
     def states(self) -> dict[int, torch.Tensor] | None:
@@ -92,19 +131,39 @@ class HiddenStatesTracker:
             key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)
         }
 
-    def receive(self, data: torch.Tensor) -> None:
-        """Rows that rode on one of the request's own outputs."""
+    def receive(self, data: torch.Tensor | None, features: Features | None = None) -> None:
+        """Rows (and SAE features) that rode on one of the request's own outputs."""
         if self.spec.inline:
-            self.chunks.append(data)
+            if data is not None:
+                self.chunks.append(data)
+            if features is not None:
+                self.feature_chunks.append(features)
         else:
             self.complete = data  # "prompt": every prompt position at once
+            self.complete_features = features
 
-    def finish(self, data: torch.Tensor, num_tokens: int) -> None:
+    def finish(self, data: torch.Tensor | None, num_tokens: int,
+               features: Features | None = None) -> None:  # fmt: skip
         """The extract's rows: everything, or (inline) the final token's row,
         appended to the inline rows cut to ``num_tokens - 1`` positions (a
         stop string may have trimmed the output after they were computed)."""
         if not self.spec.inline:
             self.complete = data
+            self.complete_features = features
+            return
+        if features is not None:
+            ids, values = (_cat_features(self.feature_chunks) if self.feature_chunks
+                           else (features[0][:0], features[1][:0]))  # fmt: skip
+            if ids.shape[0] < num_tokens - 1:
+                self.error = (f"{ids.shape[0]} inline SAE positions arrived for a "
+                              f"sequence of {num_tokens} tokens")  # fmt: skip
+                logger.error("hidden states: %s", self.error)
+                return
+            self.complete_features = (
+                torch.cat([ids[: num_tokens - 1], features[0]]),
+                torch.cat([values[: num_tokens - 1], features[1]]),
+            )
+        if data is None:
             return
         earlier = torch.cat(self.chunks, dim=1) if self.chunks else data[:, :0]
         if earlier.shape[1] < num_tokens - 1:
@@ -116,13 +175,43 @@ class HiddenStatesTracker:
             return
         self.complete = torch.cat([earlier[:, : num_tokens - 1], data], dim=1)
 
-    def for_output(self, finished: bool, delta: bool) -> dict[int, torch.Tensor] | None:
+    def for_output(self, finished: bool, delta: bool):
         """``CompletionOutput.hidden_states`` of the output being made.
 
         Cumulative and final-only outputs: everything, on the final output.
         DELTA outputs of inline "all": the rows that arrived since the previous
-        output (the final one: the rest, final token included).
+        output (the final one: the rest, final token included). With
+        ``sae_top_k``: a :class:`TrackedOutput` with the features beside.
         """
+        states = self._states_for_output(finished, delta) if self.spec.layers else None
+        if not self.spec.sae_top_k:
+            return states
+        features = self._features_for_output(finished, delta)
+        if features is None and states is None:
+            return None
+        if features is not None:
+            features = {"layer": self.spec.sae_layer, "ids": features[0],
+                        "values": features[1]}  # fmt: skip
+        return TrackedOutput(states, features)
+
+    def _features_for_output(self, finished: bool, delta: bool) -> Features | None:
+        if not delta or not self.spec.inline:
+            return self.complete_features if finished else None
+        if finished:
+            if self.complete_features is None:
+                return None
+            start = self._emitted_feature_rows
+            new = (self.complete_features[0][start:], self.complete_features[1][start:])
+        else:
+            pending = self.feature_chunks[self._emitted_feature_chunks :]
+            if not pending:
+                return None
+            new = _cat_features(pending)
+            self._emitted_feature_chunks = len(self.feature_chunks)
+        self._emitted_feature_rows += new[0].shape[0]
+        return new
+
+    def _states_for_output(self, finished: bool, delta: bool):
         if not delta or not self.spec.inline:
             return self.states if finished else None
         if finished:
@@ -187,8 +276,10 @@ class ExtractDispatcher:
     ) -> bool:
         """Per output of a request that asked; True if it is now held."""
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
-        if engine_core_output.hidden_states is not None:
-            tracker.receive(engine_core_output.hidden_states)
+        if engine_core_output.hidden_states is not None or (
+            engine_core_output.sae_feature_ids is not None
+        ):
+            tracker.receive(engine_core_output.hidden_states, features_of(engine_core_output))
         if emission.finish_reason is None or tracker.spec.positions == "prompt":
             return False
         self._hold(req_state, engine_core_output, emission)
@@ -221,6 +312,7 @@ class ExtractDispatcher:
                 lora_request=req_state.lora_request,
                 cache_salt=tracker.cache_salt,
                 priority=tracker.priority,
+                sae_top_k=tracker.spec.sae_top_k,
             )
         )
 
@@ -244,14 +336,19 @@ class ExtractDispatcher:
             return None
         tracker: HiddenStatesTracker = held.req_state.hidden_states_tracker
         data = engine_core_output.hidden_states
-        if data is None or data.shape[0] != len(distinct_layers(tracker.spec)):
+        features = features_of(engine_core_output)
+        if (
+            (tracker.spec.layers
+             and (data is None or data.shape[0] != len(distinct_layers(tracker.spec))))
+            or (tracker.spec.sae_top_k and features is None)
+        ):  # fmt: skip
             tracker.error = (
                 "hidden-state extraction failed in the engine "
                 f"(finish_reason={engine_core_output.finish_reason})"
             )
             logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
         else:
-            tracker.finish(data, held.num_tokens)
+            tracker.finish(data, held.num_tokens, features)
         return held
 
     def abort(self, req_state: Any) -> str | None:

@@ -3,7 +3,14 @@
 
 Called from ``InputProcessor.process_inputs`` (patch 0004) for every request
 whose ``SamplingParams`` set ``return_hidden_states`` or
-``hidden_states_layers``, before anything reaches the engine. A bad request
+``hidden_states_layers`` (``sae_features`` sets ``return_hidden_states``),
+before anything reaches the engine.
+
+``sae_features={"top_k": k}`` (engine with ``--sae``) asks for the SAE's k
+strongest features at the positions ``hidden_states_positions`` names; full
+hidden states then come only for the layers ``hidden_states_layers`` names
+(none by default), so a features-only request ships k ids + k values per
+position and nothing else. A bad request
 fails alone here with a ``VLLMValidationError`` (HTTP 400 on the server) that
 names what is allowed; the engine never sees it.
 """
@@ -51,6 +58,8 @@ def resolve_request(
         return None
 
     cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
+    if cfg is None and params.sae_features is not None:
+        sae_top_k_of(HiddenStatesConfig(0, ()), params.sae_features)  # raises
     if cfg is None:
         raise VLLMValidationError(
             f"hidden states are not enabled on this engine; {ENABLE_HINT}",
@@ -75,10 +84,14 @@ def resolve_request(
             f"got {positions!r}",
             parameter="hidden_states_positions",
         )
+    sae_top_k = 0
+    if params.sae_features is not None:
+        sae_top_k = sae_top_k_of(cfg, params.sae_features)
     layers = params.hidden_states_layers
     if layers is None:
-        layers = list(DEFAULT_LAYERS)
-    if not isinstance(layers, (list, tuple)) or not layers:
+        # With sae_features, full states only for the layers named.
+        layers = [] if sae_top_k else list(DEFAULT_LAYERS)
+    if not isinstance(layers, (list, tuple)) or (not layers and not sae_top_k):
         raise VLLMValidationError(
             f"hidden_states_layers must be a non-empty list of integers, "
             f"got {layers!r}",
@@ -94,6 +107,8 @@ def resolve_request(
         abs_layers=abs_layers,
         positions=positions,
         inline=inline,
+        sae_top_k=sae_top_k,
+        sae_layer=cfg.sae_layer if sae_top_k else 0,
     )
 
     if positions == "prompt" or inline:
@@ -118,3 +133,26 @@ def resolve_request(
         # max_model_len rather than return a state for the wrong token.
         params.max_tokens = room
     return spec
+
+
+def sae_top_k_of(cfg: HiddenStatesConfig, sae_features) -> int:
+    """``k`` of ``sae_features={"top_k": k}``; ``VLLMValidationError`` naming
+    what is allowed (an engine SAE, ``1 <= k <= d_sae``)."""
+    from vllm.exceptions import VLLMValidationError
+
+    if cfg.sae is None:
+        raise VLLMValidationError(
+            "sae_features needs an SAE on this engine; start it with "
+            "sae=DIR (LLM / EngineArgs) or `vllm serve MODEL --sae DIR`",
+            parameter="sae_features",
+        )
+    d_sae = cfg.sae["d_sae"]
+    k = sae_features.get("top_k") if isinstance(sae_features, dict) else None
+    extra = set(sae_features) - {"top_k"} if isinstance(sae_features, dict) else set()
+    if extra or isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d_sae:
+        raise VLLMValidationError(
+            f'sae_features must be {{"top_k": k}} with an integer k in 1..{d_sae} '
+            f"(the SAE's d_sae), got {sae_features!r}",
+            parameter="sae_features",
+        )
+    return k

@@ -19,6 +19,13 @@ Per step, only when the SchedulerOutput carries a capture plan
 4. ``sample_tokens`` puts finished captures on
    ``ModelRunnerOutput.captured_hidden_states``.
 
+With ``--sae``, the SAE is loaded once here, on the runner's device. A step
+whose :class:`CaptureStep` has ``sae_top_k`` encodes the SAE layer's rows
+right after the forward, on the device (:func:`vllm_hidden_states.sae.
+encode_topk`), and only the ``k`` ids (int32) and ``k`` values (float32) per
+row are copied to the host, onto ``ModelRunnerOutput.captured_sae_features``;
+the full rows are copied only for the layers in ``step.layers``.
+
 Steps without a plan pay one attribute check in ``execute_model`` and one in
 ``_model_forward``. The glue is four wrapped Model Runner V1 methods
 (:func:`install_mrv1_hooks`); a V2 port needs the same four points (after
@@ -33,6 +40,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import HiddenStatesConfig
+from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.worker.capture_points import CapturePoints
 
 if TYPE_CHECKING:
@@ -58,8 +66,11 @@ class HiddenStatesCapture:
 
     ``_partial`` accumulates the chunks of multi-step captures ("all" over a
     chunked prefill); ``_ready`` holds finished results until ``sample_tokens``
-    puts them on the ModelRunnerOutput. Results are ``[num_layers,
-    num_positions, hidden_size]`` CPU tensors in the model dtype.
+    puts them on the ModelRunnerOutput. A result is ``(states, features)``:
+    ``states`` a ``[num_layers, num_positions, hidden_size]`` CPU tensor in the
+    model dtype (None when no layer's full states were asked), ``features``
+    ``(ids int32, values float32)``, both ``[num_positions, k]`` on the CPU
+    (None without ``sae_top_k``).
     """
 
     def __init__(self, config: HiddenStatesConfig, runner: Any) -> None:
@@ -70,8 +81,18 @@ class HiddenStatesCapture:
         self._armed: list[_Armed] = []
         self._rows: torch.Tensor | None = None  # armed rows on the device
         self._num_scheduled: dict[str, int] = {}
-        self._partial: dict[str, list[torch.Tensor]] = {}
-        self._ready: dict[str, torch.Tensor] = {}
+        self._partial: dict[str, list[_Result]] = {}
+        self._ready: dict[str, _Result] = {}
+        self.sae = None
+        self.sae_layer = config.sae_layer
+        if config.sae is not None:
+            from vllm_hidden_states.sae import load_sae
+
+            self.sae = load_sae(config.sae["path"], layer=config.sae_layer,
+                                device=runner.device)  # fmt: skip
+            logger.info("vllm-hidden-states: SAE %s (d_sae=%d) on layer %d, %s",
+                        config.sae["name"], self.sae.d_sae, self.sae_layer,
+                        runner.device)  # fmt: skip
         self._install(runner)
 
     def _install(self, runner: Any) -> None:
@@ -130,7 +151,9 @@ class HiddenStatesCapture:
             armed = _Armed(req_id, step, offset, len(selected), done)
             rows.append(selected)
             offset += len(selected)
-            if any(k < self.final_layer for k in step.layers):
+            if any(k < self.final_layer for k in step.layers) or (
+                step.sae_top_k and self.sae_layer < self.final_layer
+            ):
                 # Only these pass the capture buffers (the scheduler kept them
                 # within max_rows); final-layer-only rows come from the output.
                 armed.inner_offset = inner_offset
@@ -157,22 +180,30 @@ class HiddenStatesCapture:
         for armed in self._armed:
             sl = slice(armed.offset, armed.offset + armed.count)
             inner = slice(armed.inner_offset, armed.inner_offset + armed.count)
-            layers = [
-                final_rows[sl] if k == self.final_layer else self.points.read(k)[inner]
-                for k in armed.step.layers
-            ]
+
+            def rows_of(k: int) -> torch.Tensor:
+                return final_rows[sl] if k == self.final_layer else self.points.read(k)[inner]
+
+            step = armed.step
             # [num_layers, rows, hidden] on the host, a copy: the buffers are
             # rewritten by the next forward.
-            chunk = torch.stack(layers).to("cpu", copy=True)
-            if armed.step.positions == "all":
-                if armed.step.start == 0:
+            states = (torch.stack([rows_of(k) for k in step.layers]).to("cpu", copy=True)
+                      if step.layers else None)  # fmt: skip
+            features = None
+            if step.sae_top_k:
+                # On the device; only k ids + k values per row leave it.
+                ids, values = encode_topk(rows_of(self.sae_layer), self.sae, step.sae_top_k)
+                features = (ids.to("cpu"), values.to("cpu"))
+            chunk: _Result = (states, features)
+            if step.positions == "all":
+                if step.start == 0:
                     self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
                 if not armed.done:
                     self._partial.setdefault(armed.req_id, []).append(chunk)
                     continue
                 chunks = self._partial.pop(armed.req_id, [])
                 if chunks:
-                    chunk = torch.cat([*chunks, chunk], dim=1)
+                    chunk = _concat_results([*chunks, chunk])
             self._ready[armed.req_id] = chunk
         self._armed = []
         self._rows = None
@@ -185,11 +216,31 @@ class HiddenStatesCapture:
             self._partial.pop(req_id, None)
             self._ready.pop(req_id, None)
 
-    def take_ready(self) -> dict[str, torch.Tensor] | None:
+    def take_ready(self) -> tuple[dict[str, torch.Tensor] | None,
+                                  dict[str, tuple[torch.Tensor, torch.Tensor]] | None]:
+        """``(captured_hidden_states, captured_sae_features)`` of the finished
+        captures, each None when empty."""
         if not self._ready:
-            return None
+            return None, None
         ready, self._ready = self._ready, {}
-        return ready
+        states = {r: s for r, (s, _) in ready.items() if s is not None}
+        features = {r: f for r, (_, f) in ready.items() if f is not None}
+        return states or None, features or None
+
+
+# (states [num_layers, rows, hidden] | None, (ids [rows, k], values [rows, k]) | None)
+_Result = tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _concat_results(chunks: list[_Result]) -> _Result:
+    """Chunks of one capture, in position order, as one result."""
+    states = [s for s, _ in chunks if s is not None]
+    features = [f for _, f in chunks if f is not None]
+    return (
+        torch.cat(states, dim=1) if states else None,
+        (torch.cat([i for i, _ in features]), torch.cat([v for _, v in features]))
+        if features else None,
+    )
 
 
 def _capture_of(runner: Any) -> HiddenStatesCapture | None:
@@ -250,7 +301,9 @@ def install_mrv1_hooks() -> None:
         capture = _capture_of(self)
         if capture is not None and capture._ready:
             target = getattr(output, "_model_runner_output", output)
-            target.captured_hidden_states = capture.take_ready()
+            target.captured_hidden_states, features = capture.take_ready()
+            if features is not None:
+                target.captured_sae_features = features
         return output
 
     cls._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs

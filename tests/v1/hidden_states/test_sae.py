@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+"""SAE top-k features (``--sae``) end to end, and the activation store.
+
+A random SAE in the SAELens on-disk format is written by the tests (d_in =
+the tiny model's hidden size, 64 features). The engine encodes the SAE
+layer's rows in the worker, right after capture; every returned (ids,
+values) pair is compared with the float64 numpy reference encoder applied to
+HF transformers' hidden states at that layer, on the token ids vLLM reports:
+same ids (up to near-ties), values within 1e-3 relative.
+
+* Python: one multiprocess engine (features cross ZMQ as int32/float32
+  tensors) with a ``standard`` SAE on an inner layer: "last", "prompt",
+  "all" (streamed per output and not), features only or with full states,
+  and the validation errors.
+* HTTP: one ``vllm serve`` with a ``jumprelu`` SAE on the final layer and an
+  activation store: completions and chat, streamed per token, rows landing in
+  the store (read with DuckDB); a second server with a read-only store
+  directory serves requests with a logged warning.
+"""
+
+import asyncio
+import os
+import subprocess
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind
+
+from vllm_hidden_states.sae import encode_topk_numpy, save_sae
+
+from .conftest import COMMON_ENGINE_ARGS, token_ids_of
+from .server_utils import sse_events, test_server_process, wait_until
+
+D_SAE = 64
+TOP_K = 8
+PROMPT = "Once upon a time there was a small robot who loved to count"
+REL_TOL = 1e-3
+
+
+def write_random_sae(path, d_in: int, hook: str, architecture: str = "standard", seed=0):
+    """A random SAE in the SAELens layout; returns (dir, numpy weights, cfg)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        "W_enc": torch.randn(d_in, D_SAE, generator=g) / d_in**0.5,
+        "b_enc": torch.randn(D_SAE, generator=g) * 0.05,
+        "W_dec": torch.randn(D_SAE, d_in, generator=g) / D_SAE**0.5,
+        "b_dec": torch.randn(d_in, generator=g) * 0.05,
+    }
+    if architecture == "jumprelu":
+        weights["threshold"] = torch.rand(D_SAE, generator=g) * 0.2
+    cfg = {"architecture": architecture, "d_in": d_in, "d_sae": D_SAE, "dtype": "float32",
+           "apply_b_dec_to_input": True, "normalize_activations": "none",
+           "metadata": {"hook_name": hook, "model_name": "tiny"}}  # fmt: skip
+    save_sae(path, weights, cfg)
+    return path, {k: v.numpy() for k, v in weights.items()}, cfg
+
+
+class Reference:
+    """The numpy reference encoder over HF states at the SAE's layer."""
+
+    def __init__(self, hf, layer: int, weights, cfg):
+        self.hf, self.layer, self.weights, self.cfg = hf, layer, weights, cfg
+
+    def dense(self, token_ids: list[int]) -> np.ndarray:
+        """Every feature's activation ``[positions, d_sae]`` (float64)."""
+        x = self.hf.states(token_ids)[self.layer].double().numpy()
+        ids, values = encode_topk_numpy(x, self.weights, self.cfg, D_SAE)
+        dense = np.zeros((x.shape[0], D_SAE))
+        rows = np.arange(x.shape[0])[:, None].repeat(D_SAE, 1)
+        dense[rows[ids >= 0], ids[ids >= 0]] = values[ids >= 0]
+        return dense
+
+    def check(self, ids, values, token_ids: list[int], positions: slice, what: str):
+        """``ids``/``values`` ``[n, k]`` are the top-k of ``positions``:
+        values equal the sorted reference within 1e-3 relative, and each id's
+        reference activation equals its value (so a swapped id is only ever a
+        near-tie)."""
+        ids = np.asarray(ids)
+        values = np.asarray(values)
+        assert ids.dtype == np.int32 and values.dtype == np.float32, what
+        dense = self.dense(token_ids)[positions]
+        k = ids.shape[1]
+        assert ids.shape == values.shape == (dense.shape[0], k), (what, ids.shape, dense.shape)
+        scale = np.abs(dense).max()
+        ref_values = -np.sort(-dense, axis=1)[:, :k]
+        np.testing.assert_allclose(values, ref_values, atol=REL_TOL * scale, rtol=0,
+                                   err_msg=what)  # fmt: skip
+        active = ids >= 0
+        assert active.mean() > 0.5, f"{what}: too few active features to compare"
+        assert np.all(values[~active] == 0), what
+        got = np.take_along_axis(dense, np.where(active, ids, 0), axis=1)
+        np.testing.assert_allclose(got[active], values[active], atol=REL_TOL * scale,
+                                   rtol=0, err_msg=f"{what}: ids")  # fmt: skip
+
+
+# --------------------------------------------------------------------------
+# Python API: one engine for the module.
+
+
+@pytest.fixture(scope="module")
+def sae_std(tmp_path_factory, hf_qwen3):
+    """Standard SAE on layer 2 (``blocks.1.hook_resid_post``)."""
+    path, weights, cfg = write_random_sae(
+        tmp_path_factory.mktemp("sae") / "std-l2", hf_qwen3.hidden_size,
+        "blocks.1.hook_resid_post",
+    )  # fmt: skip
+    return path, Reference(hf_qwen3, 2, weights, cfg)
+
+
+@pytest.fixture(scope="module")
+def sae_llm(qwen3_dir, sae_std):
+    from vllm import LLM
+
+    engine = LLM(model=str(qwen3_dir), sae=str(sae_std[0]), enforce_eager=True,
+                 hidden_states_max_rows=24, max_model_len=512,
+                 **COMMON_ENGINE_ARGS)  # fmt: skip
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def run(llm, params, prompts=(PROMPT,)):
+    return llm.generate(list(prompts), params, use_tqdm=False)
+
+
+def sae_params(positions="last", **kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 6)
+    return SamplingParams(temperature=0.0, sae_features={"top_k": TOP_K},
+                          hidden_states_positions=positions, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("positions", ["last", "prompt", "all"])
+def test_features_match_numpy_reference_on_hf_states(sae_llm, sae_std, positions):
+    (out,) = run(sae_llm, sae_params(positions))
+    completion = out.outputs[0]
+    feats = completion.sae_features
+    tokens = token_ids_of(out)
+    assert completion.hidden_states is None  # features only: no full states
+    assert feats["layer"] == 2
+    span = {"last": slice(len(tokens) - 1, None),
+            "prompt": slice(0, len(out.prompt_token_ids)),
+            "all": slice(0, None)}[positions]  # fmt: skip
+    sae_std[1].check(feats["ids"], feats["values"], tokens, span, positions)
+
+
+def test_features_with_full_states_and_long_prompt_split_over_steps(sae_llm, sae_std, hf_qwen3):
+    # 24-row buffers: the prompt's capture runs over several steps.
+    prompt = " ".join([PROMPT] * 6)
+    (out,) = run(sae_llm, sae_params("all", hidden_states_layers=[2, -1],
+                                     return_hidden_states=True))  # fmt: skip
+    (long_out,) = run(sae_llm, sae_params("all"), [prompt])
+    tokens = token_ids_of(out)
+    c = out.outputs[0]
+    assert list(c.hidden_states) == [2, -1]
+    assert c.hidden_states[2].shape == (len(tokens), hf_qwen3.hidden_size)
+    sae_std[1].check(c.sae_features["ids"], c.sae_features["values"], tokens,
+                     slice(0, None), "with states")  # fmt: skip
+    long_tokens = token_ids_of(long_out)
+    assert len(long_out.prompt_token_ids) > 24 * 2
+    f = long_out.outputs[0].sae_features
+    sae_std[1].check(f["ids"], f["values"], long_tokens, slice(0, None), "long")
+
+
+def test_streamed_deltas_concatenate_to_the_final_answer(sae_llm, sae_std):
+    """AsyncLLM-style DELTA outputs through LLMEngine: each output carries the
+    positions computed since the previous one; together, every position."""
+    engine = sae_llm.llm_engine
+    params = sae_params("all", output_kind=RequestOutputKind.DELTA)
+    request_id = f"sae-delta-{uuid.uuid4().hex[:8]}"
+    engine.add_request(request_id, PROMPT, params)
+    parts, tokens, prompt = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            prompt = out.prompt_token_ids
+            tokens += out.outputs[0].token_ids
+            if out.outputs[0].sae_features is not None:
+                parts.append(out.outputs[0].sae_features)
+    assert len(parts) > 1
+    ids = torch.cat([p["ids"] for p in parts])
+    values = torch.cat([p["values"] for p in parts])
+    sae_std[1].check(ids, values, list(prompt) + tokens, slice(0, None), "deltas")
+
+
+def test_bad_top_k_fails_alone_naming_what_is_allowed(sae_llm):
+    for bad in ({"top_k": 0}, {"top_k": D_SAE + 1}, {"k": 3}, {"top_k": 2.5}):
+        with pytest.raises(VLLMValidationError, match=rf"1\.\.{D_SAE}"):
+            run(sae_llm, SamplingParams(max_tokens=2, sae_features=bad))
+    (out,) = run(sae_llm, sae_params())  # still serving
+    assert out.outputs[0].sae_features["ids"].shape == (1, TOP_K)
+
+
+def test_engine_without_sae_refuses_sae_features(llm):
+    with pytest.raises(VLLMValidationError, match="--sae"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, sae_features={"top_k": 4}),
+                     use_tqdm=False)  # fmt: skip
+
+
+def test_sae_that_does_not_fit_the_model_is_refused_at_start(qwen3_dir, tmp_path, hf_qwen3):
+    from vllm.engine.arg_utils import EngineArgs
+
+    wrong, _, _ = write_random_sae(tmp_path / "wrong", hf_qwen3.hidden_size + 1,
+                                   "blocks.1.hook_resid_pre")  # fmt: skip
+    with pytest.raises(ValueError, match="d_in"):
+        EngineArgs(model=str(qwen3_dir), sae=str(wrong)).create_engine_config()
+    right, _, _ = write_random_sae(tmp_path / "right", hf_qwen3.hidden_size,
+                                   "blocks.1.hook_resid_pre")  # fmt: skip
+    with pytest.raises(ValueError, match="out of range"):
+        EngineArgs(model=str(qwen3_dir), sae=str(right), sae_layer=99).create_engine_config()
+    with pytest.raises(ValueError, match="not capturable"):
+        EngineArgs(model=str(qwen3_dir), sae=str(right),
+                   hidden_states_layers=[-1]).create_engine_config()  # fmt: skip
