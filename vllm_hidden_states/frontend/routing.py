@@ -6,8 +6,7 @@ Runs in the front-end, inside vLLM's load-balancing DP client
 (``DPLBAsyncMPClient``, patch 0002). That client picks an engine per request
 and records it in ``reqs_in_flight`` only until the request finishes; the
 extract is sent after that, so the engine of a request that will need one is
-kept in ``client.hidden_states_engines`` here until its extract is sent (or
-the request is aborted). The extract must reach that engine: its finished
+kept in ``client.hidden_states_engines`` here until its extract is sent. The extract must reach that engine: its finished
 request's KV blocks are parked there (the one-token hand-over), and its
 prefix cache holds the sequence.
 
@@ -32,11 +31,23 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+# Most engines kept for requests whose extract is not sent yet. Entries leave
+# when the extract is sent; an aborted request sends none, but aborts cannot
+# drop theirs: a stop string also aborts the engine request, and its extract
+# follows. So the oldest entries are dropped beyond this bound (an entry that
+# old belongs to a request that will never send an extract; were it not, the
+# extract would still be exact, on engine 0, without the KV hand-over).
+MAX_REMEMBERED = 1 << 16
+
+
 def remember_engine(client: Any, request: "EngineCoreRequest", engine: bytes) -> None:
     """When the client routes a request that asked for hidden states: keep its
     engine if the request will send an extract ("last", "all")."""
     if request.return_hidden_states.positions in EXTRACT_POSITIONS:
-        client.hidden_states_engines[request.request_id] = engine
+        engines = client.hidden_states_engines
+        engines[request.request_id] = engine
+        if len(engines) > MAX_REMEMBERED:
+            del engines[next(iter(engines))]  # the oldest (dicts keep order)
 
 
 def route_extracts(
