@@ -54,6 +54,22 @@ What is wrapped (vLLM 0.32.0):
   writes bodies carrying hidden states with orjson (numpy arrays natively), and
   every other body exactly as before.
 
+**SAE features** (server started with ``--sae DIR``): ``"sae_features":
+{"top_k": k}`` asks for the SAE's ``k`` strongest features at the positions
+``hidden_states_positions`` names (``return_hidden_states`` is then
+optional). Each choice carries ``"sae_features": {"layer", "top_k",
+"positions", "start" (not for "last"), "shape": [positions, k], "ids",
+"values"}`` (ids -1 / values 0 where fewer than k features are active), on
+the same chunks as ``hidden_states`` would be. Full ``hidden_states`` come
+with it only when ``hidden_states_layers`` is given.
+
+**Activation store** (``--activation-store DIR``): each finished choice that
+carried SAE features (and, with ``--activation-store-hidden-states``, hidden
+states) is appended to the store off the serving path
+(:class:`vllm_hidden_states.store.activation_store.ActivationStore`, one per
+API-server process, closed at exit); a failing store is logged, never an
+error for the request.
+
 Requests that do not ask pay one ``dict`` lookup per wrapper.
 """
 
@@ -86,12 +102,14 @@ REQUEST_FIELDS: tuple[str, ...] = (
     "hidden_states_format",
     "hidden_states_positions",
     "hidden_states_stream",
+    "sae_features",
 )
 # Positions a chat/completions choice can carry.
 CHOICE_POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
 # SamplingParams fields the engine validates; its errors name these params.
 ENGINE_PARAMS = frozenset(
-    ("return_hidden_states", "hidden_states_layers", "hidden_states_positions")
+    ("return_hidden_states", "hidden_states_layers", "hidden_states_positions",
+     "sae_features")
 )
 _serving_patched = False
 
@@ -104,10 +122,25 @@ class HiddenStatesAsk:
     encoding_format: str
     positions: str = "last"
     stream: bool = False  # rows on every SSE chunk ("all" only)
+    sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
+
+
+def parse_sae_features(value: Any) -> int:
+    """``k`` of ``sae_features: {"top_k": k}``; 400 naming what is allowed
+    (the engine's ``d_sae`` bound is checked by :func:`validate_ask`)."""
+    k = value.get("top_k") if isinstance(value, dict) else None
+    if (not isinstance(value, dict) or set(value) != {"top_k"}
+            or isinstance(k, bool) or not isinstance(k, int) or k < 1):  # fmt: skip
+        raise invalid_request(
+            'sae_features must be an object {"top_k": k} with an integer k >= 1 '
+            f"(at most the SAE's d_sae), got {value!r}",
+            "sae_features",
+        )
+    return k
 
 
 def _refuse_without_flag(extra: dict[str, Any]) -> None:
-    for name in REQUEST_FIELDS[1:]:
+    for name in REQUEST_FIELDS[1:-1]:
         if extra.get(name) not in (None, False):
             raise invalid_request(
                 f"{name} was given but return_hidden_states is not true; "
@@ -130,15 +163,31 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             f"return_hidden_states must be true or false, got {flag!r}",
             "return_hidden_states",
         )
-    if not flag:
+    sae_top_k = 0
+    if extra.get("sae_features") is not None:
+        sae_top_k = parse_sae_features(extra["sae_features"])
+        if flag is False:
+            raise invalid_request(
+                "sae_features needs hidden states captured; drop "
+                "return_hidden_states: false (sae_features alone is enough)",
+                "return_hidden_states",
+            )
+    elif not flag:
         _refuse_without_flag(extra)
         return None
     layers = extra.get("hidden_states_layers")
     if layers is None:
-        layers = list(DEFAULT_LAYERS)
+        # With sae_features, full states only for the layers named.
+        layers = [] if sae_top_k else list(DEFAULT_LAYERS)
+    elif sae_top_k and layers == []:
+        raise invalid_request(
+            "hidden_states_layers must be a non-empty list of integers; leave it "
+            "out to receive sae_features only",
+            "hidden_states_layers",
+        )
     if (
         not isinstance(layers, list)
-        or not layers
+        or (not layers and not sae_top_k)
         or any(isinstance(k, bool) or not isinstance(k, int) for k in layers)
     ):
         raise invalid_request(
@@ -177,7 +226,7 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             f"{positions!r})",
             "hidden_states_stream",
         )
-    return HiddenStatesAsk(tuple(layers), fmt, positions, stream)
+    return HiddenStatesAsk(tuple(layers), fmt, positions, stream, sae_top_k)
 
 
 def ask_of(request: Any) -> HiddenStatesAsk | None:
@@ -194,7 +243,24 @@ def validate_ask(
     if ask is None:
         return None
     engine_client = serving.engine_client
-    validate_layers(engine_client, ask.layers, "hidden_states_layers")
+    if ask.sae_top_k:
+        from vllm_hidden_states.server.validation import engine_config
+
+        cfg = engine_config(engine_client)
+        if cfg is None or cfg.sae is None:
+            raise invalid_request(
+                "sae_features needs an SAE on this server; start it with "
+                "`vllm serve MODEL --sae DIR`", "sae_features",
+            )  # fmt: skip
+        global _sae_name
+        _sae_name = cfg.sae["name"]
+        if ask.sae_top_k > cfg.sae["d_sae"]:
+            raise invalid_request(
+                f"sae_features top_k must be in 1..{cfg.sae['d_sae']} (the SAE's "
+                f"d_sae), got {ask.sae_top_k}", "sae_features",
+            )  # fmt: skip
+    if ask.layers or not ask.sae_top_k:
+        validate_layers(engine_client, ask.layers, "hidden_states_layers")
     if getattr(request, "use_beam_search", False):
         raise invalid_request(
             "return_hidden_states is not supported with use_beam_search",
@@ -335,6 +401,110 @@ def encode_choice_states(
     return out
 
 
+def encode_choice_features(
+    parts: list[dict[str, Any]] | None, ask: HiddenStatesAsk, start: int = 0
+) -> dict[str, Any] | None:
+    """The ``sae_features`` object of one choice (or streamed chunk).
+
+    Args:
+        parts: ``CompletionOutput.sae_features`` of the outputs since the
+            last chunk: ``{"layer", "ids" int32 [n, k], "values" float32 [n, k]}``.
+        ask: the request (positions, top_k).
+        start: "all"/"prompt": the position of the first row.
+    """
+    if not parts:
+        return None
+    import torch
+
+    ids = torch.cat([p["ids"] for p in parts]) if len(parts) > 1 else parts[0]["ids"]
+    values = (torch.cat([p["values"] for p in parts]) if len(parts) > 1
+              else parts[0]["values"])  # fmt: skip
+    if ask.positions == "last":
+        ids, values = ids[-1:], values[-1:]
+    out: dict[str, Any] = {"layer": parts[0]["layer"], "top_k": ask.sae_top_k,
+                           "positions": ask.positions}  # fmt: skip
+    if ask.positions != "last":
+        out["start"] = start
+    out["shape"] = list(ids.shape)
+    out["ids"] = ids.numpy()
+    out["values"] = values.numpy()
+    return out
+
+
+# --------------------------------------------------------------------------
+# Activation store (--activation-store): one per API-server process.
+
+_store: Any = None  # ActivationStore, or False when the server has none
+_store_hidden = False
+_sae_name = ""  # the engine's SAE (its directory name), the store's sae_release
+
+
+def store_of(raw_request: Any) -> Any:
+    """The process's activation store (built on first use from the app's
+    ``--activation-store*`` args), or None. Never raises."""
+    global _store, _store_hidden
+    if _store is None and raw_request is not None:
+        args = getattr(getattr(getattr(raw_request, "app", None), "state", None), "args", None)
+        root = getattr(args, "activation_store", None)
+        if not root:
+            _store = False
+        else:
+            try:
+                import atexit
+
+                from vllm_hidden_states.store.activation_store import ActivationStore
+
+                _store = ActivationStore(
+                    root, retention_days=getattr(args, "activation_store_retention_days", None)
+                )
+                _store_hidden = bool(getattr(args, "activation_store_hidden_states", False))
+                atexit.register(_store.close, 10.0)
+                logger.info("vllm-hidden-states: activation store at %s (hidden states: %s)",
+                            root, _store_hidden)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - serve without a store
+                logger.warning("vllm-hidden-states: activation store %s unavailable: %s",
+                               root, e)  # fmt: skip
+                _store = False
+    return _store or None
+
+
+def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: str) -> None:
+    """Append one finished choice's features (and opted-in states). Never raises."""
+    try:
+        import numpy as np
+        import torch
+
+        tokens = np.asarray(rows.prompt_ids + rows.output_ids, dtype=np.int64)
+        n_prompt = len(rows.prompt_ids)
+        if ask.positions == "last":
+            positions = np.arange(len(tokens) - 1, len(tokens))
+        elif ask.positions == "prompt":
+            positions = np.arange(n_prompt)
+        else:
+            positions = np.arange(len(tokens))
+        if rows.stored_features:
+            parts = rows.stored_features
+            ids = torch.cat([p["ids"] for p in parts])[-len(positions):]
+            values = torch.cat([p["values"] for p in parts])[-len(positions):]
+            if ids.shape[0] == len(positions):
+                store.append_sae_features(
+                    rows.request_id, model_id=model, sae_release=rows.sae_name,
+                    sae_layer=parts[0]["layer"], token_ids=tokens[positions],
+                    feature_ids=ids.numpy(), values=values.numpy(),
+                    prompt_len=n_prompt, positions=positions,
+                )  # fmt: skip
+        if _store_hidden and rows.stored_states and ask.layers:
+            states = _concat(rows.stored_states, ask)
+            n = next(iter(states.values())).shape[0]
+            store.append_hidden_states(
+                rows.request_id, model_id=model, token_ids=tokens[positions[-n:]],
+                states={k: v[-n:] for k, v in states.items()}, prompt_len=n_prompt,
+                positions=positions[-n:],
+            )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - never fail the request
+        logger.warning("activation store: request %s not stored: %s", rows.request_id, e)
+
+
 # --------------------------------------------------------------------------
 # Wrappers. Each looks at the request once and calls the original unchanged
 # when the request did not ask.
@@ -347,10 +517,14 @@ def _wrap_to_sampling_params(cls: type) -> None:
     def to_sampling_params(self, *args, **kwargs):
         params = original(self, *args, **kwargs)
         extra = self.model_extra
-        if extra and extra.get("return_hidden_states") is True:
+        if extra and (extra.get("return_hidden_states") is True
+                      or extra.get("sae_features") is not None):  # fmt: skip
             params.return_hidden_states = True
-            params.hidden_states_layers = list(
-                extra.get("hidden_states_layers") or DEFAULT_LAYERS
+            sae = extra.get("sae_features")
+            params.sae_features = sae
+            layers = extra.get("hidden_states_layers")
+            params.hidden_states_layers = (
+                list(layers) if layers else None if sae is not None else list(DEFAULT_LAYERS)
             )
             params.hidden_states_positions = (
                 extra.get("hidden_states_positions") or "last"
@@ -375,6 +549,8 @@ def _wrap_create(cls: type, name: str) -> None:
         try:
             raw_request = args[0] if args else kwargs.get("raw_request")
             ask = validate_ask(self, request, raw_request)
+            if ask is not None and _store is None:
+                store_of(raw_request)
             if ask is not None and ask.positions != "last":
                 from vllm_hidden_states.server import admission
 
@@ -414,6 +590,20 @@ class ChoiceRows:
     pending: list[dict[int, Any]] = field(default_factory=list)
     start: int = 0
     finished: bool = False
+    # SAE features, the same way (CompletionOutput.sae_features deltas).
+    features: list[dict[str, Any]] = field(default_factory=list)
+    feature_start: int = 0
+    # For the activation store (only filled when the server has one).
+    request_id: str = ""
+    sae_name: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    stored_features: list[dict[str, Any]] = field(default_factory=list)
+    stored_states: list[dict[int, Any]] = field(default_factory=list)
+
+    @property
+    def owed(self) -> bool:
+        return bool(self.pending or self.features)
 
     def take(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
         """The pending rows as a ``hidden_states`` object, emptied."""
@@ -425,30 +615,53 @@ class ChoiceRows:
         self.pending = []
         return obj
 
+    def take_features(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
+        """The pending SAE features as a ``sae_features`` object, emptied."""
+        if not self.features:
+            return None
+        obj = encode_choice_features(self.features, ask, self.feature_start)
+        self.feature_start += sum(p["ids"].shape[0] for p in self.features)
+        self.features = []
+        return obj
+
 
 def _collect(
     source: AsyncIterator[Any],
     choices: dict[int, ChoiceRows],
     index_of: Callable[[Any], tuple[Any, int]],
+    request: Any = None,
 ) -> AsyncGenerator[Any, None]:
-    """Pass ``source`` through, recording each choice's rows.
+    """Pass ``source`` through, recording each choice's rows (and SAE
+    features); with an activation store, finished choices are stored.
 
     ``index_of(item)`` returns ``(RequestOutput, choice index offset)``; the
     choice index of an output is ``offset + output.index``.
     """
+    store = _store or None
+    ask = ask_of(request) if store is not None and request is not None else None
+    if ask is None or not (ask.sae_top_k or (_store_hidden and ask.layers)):
+        store = None
 
     async def gen():
         try:
             async for item in source:
                 res, offset = index_of(item)
                 for output in res.outputs:
-                    if output.hidden_states is None and output.finish_reason is None:
+                    if store is not None:
+                        rows = choices.setdefault(offset + output.index, ChoiceRows())
+                        _track_for_store(rows, res, output)
+                    elif (output.hidden_states is None and output.sae_features is None
+                          and output.finish_reason is None):  # fmt: skip
                         continue
                     rows = choices.setdefault(offset + output.index, ChoiceRows())
                     if output.hidden_states is not None:
                         rows.pending.append(output.hidden_states)
+                    if output.sae_features is not None:
+                        rows.features.append(output.sae_features)
                     if output.finish_reason is not None:
                         rows.finished = True
+                        if store is not None:
+                            _store_choice(store, rows, ask, request.model)
                 yield item
         finally:
             aclose = getattr(source, "aclose", None)
@@ -456,6 +669,23 @@ def _collect(
                 await aclose()
 
     return gen()
+
+
+def _track_for_store(rows: ChoiceRows, res: Any, output: Any) -> None:
+    """Token ids, features and states of a choice, for the store (the result
+    iterator yields deltas when streaming, cumulative outputs otherwise)."""
+    if not rows.request_id:
+        rows.request_id = res.request_id if output.index == 0 else (
+            f"{res.request_id}/{output.index}")  # fmt: skip
+        rows.prompt_ids = list(res.prompt_token_ids or ())
+        rows.sae_name = _sae_name
+    # The server streams DELTA outputs and otherwise yields one final output
+    # (FINAL_ONLY): appending is right for both.
+    rows.output_ids += output.token_ids
+    if output.sae_features is not None:
+        rows.stored_features.append(output.sae_features)
+    if output.hidden_states is not None:
+        rows.stored_states.append(output.hidden_states)
 
 
 def _single(res: Any) -> tuple[Any, int]:
@@ -474,14 +704,17 @@ def _attach_to_chunk(
     changed = False
     for choice in event.get("choices") or ():
         rows = choices.get(choice.get("index"))
-        if rows is None or not rows.pending:
+        if rows is None or not rows.owed:
             continue
         if choice.get("finish_reason") is None:
             if not ask.stream or "role" in (choice.get("delta") or {}):
                 continue
         elif not rows.finished:
             continue
-        choice["hidden_states"] = rows.take(ask)
+        if ask.layers:
+            choice["hidden_states"] = rows.take(ask)
+        if ask.sae_top_k:
+            choice["sae_features"] = rows.take_features(ask)
         changed = True
     if not changed:
         return chunk
@@ -498,7 +731,7 @@ async def _inject(
             # Events are parsed only while some choice is owed rows: with
             # hidden_states_stream every token's event, otherwise only the
             # finish events.
-            if choices and any(r.pending and (ask.stream or r.finished)
+            if choices and any(r.owed and (ask.stream or r.finished)
                                for r in choices.values()):  # fmt: skip
                 chunk = _attach_to_chunk(chunk, choices, ask)
             yield chunk
@@ -531,7 +764,7 @@ def _wrap_stream(cls: type, name: str, index_of_factory) -> None:
         choices: dict[int, ChoiceRows] = {}
         bound = signature.bind(self, request, *args, **kwargs)
         bound.arguments[RESULTS_ARG] = _collect(
-            bound.arguments[RESULTS_ARG], choices, index_of_factory(request)
+            bound.arguments[RESULTS_ARG], choices, index_of_factory(request), request
         )
         return _inject(original(*bound.args, **bound.kwargs), choices, ask)
 
@@ -547,12 +780,13 @@ def _wrap_chat_full(cls: type) -> None:
         if ask is None:
             return await original(self, request, result_generator, *args, **kwargs)
         rows: dict[int, ChoiceRows] = {}
-        source = _collect(result_generator, rows, _single)
+        source = _collect(result_generator, rows, _single, request)
         response = await original(self, request, source, *args, **kwargs)
         choices = getattr(response, "choices", None)
         if choices is not None:
             _attach_to_choices(
-                choices, [_final_states(rows.get(c.index), ask) for c in choices], ask
+                choices, [_final_states(rows.get(c.index), ask) for c in choices], ask,
+                [rows[c.index].features if c.index in rows else None for c in choices],
             )
         return response
 
@@ -569,7 +803,16 @@ def _wrap_completion_response(cls: type) -> None:
         if ask is not None:
             # Choices are numbered in this same order (prompt, then output).
             states = [o.hidden_states for res in final_res_batch for o in res.outputs]
-            _attach_to_choices(response.choices, states, ask)
+            features = [[o.sae_features] if o.sae_features is not None else None
+                        for res in final_res_batch for o in res.outputs]  # fmt: skip
+            _attach_to_choices(response.choices, states, ask, features)
+            store = _store or None
+            if store is not None and (ask.sae_top_k or (_store_hidden and ask.layers)):
+                for res in final_res_batch:
+                    for o in res.outputs:
+                        rows = ChoiceRows()
+                        _track_for_store(rows, res, o)
+                        _store_choice(store, rows, ask, request.model)
         return response
 
     cls.request_output_to_completion_response = to_response
@@ -582,16 +825,23 @@ def _final_states(rows: ChoiceRows | None, ask: HiddenStatesAsk) -> dict[int, An
     return _concat(rows.pending, ask)
 
 
-def _attach_to_choices(choices: list, states: list, ask: HiddenStatesAsk) -> None:
-    for choice, choice_states in zip(choices, states):
-        if choice_states is None and choice.finish_reason != "abort":
+def _attach_to_choices(choices: list, states: list, ask: HiddenStatesAsk,
+                       features: list | None = None) -> None:  # fmt: skip
+    features = features or [None] * len(choices)
+    for choice, choice_states, choice_features in zip(choices, states, features):
+        missing = (ask.layers and choice_states is None) or (
+            ask.sae_top_k and not choice_features)
+        if missing and choice.finish_reason != "abort":
             raise ApiError(
                 "the engine returned no hidden states for this request "
                 "(see the server log)",
                 status=500,
                 type="internal_error",
             )
-        choice.hidden_states = encode_choice_states(choice_states, ask)
+        if ask.layers:
+            choice.hidden_states = encode_choice_states(choice_states, ask)
+        if ask.sae_top_k:
+            choice.sae_features = encode_choice_features(choice_features, ask)
 
 
 def _orjson_response_class(base: type) -> type:
@@ -601,7 +851,8 @@ def _orjson_response_class(base: type) -> type:
         def render(self, content: Any) -> bytes:
             if isinstance(content, dict):
                 choices = content.get("choices")
-                if choices and "hidden_states" in choices[0]:
+                if choices and ("hidden_states" in choices[0]
+                                or "sae_features" in choices[0]):  # fmt: skip
                     return orjson.dumps(content, option=ORJSON_OPTIONS)
             return super().render(content)
 

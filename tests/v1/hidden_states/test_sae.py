@@ -216,3 +216,152 @@ def test_sae_that_does_not_fit_the_model_is_refused_at_start(qwen3_dir, tmp_path
     with pytest.raises(ValueError, match="not capturable"):
         EngineArgs(model=str(qwen3_dir), sae=str(right),
                    hidden_states_layers=[-1]).create_engine_config()  # fmt: skip
+
+
+# --------------------------------------------------------------------------
+# HTTP: one server, a jumprelu SAE on the final layer, an activation store.
+
+MODEL = "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def sae_jump(tmp_path_factory, hf_qwen3):
+    # The hook names block 0; --sae-layer -1 wins.
+    path, weights, cfg = write_random_sae(
+        tmp_path_factory.mktemp("sae") / "jump-final", hf_qwen3.hidden_size,
+        "blocks.0.hook_resid_pre", architecture="jumprelu", seed=1,
+    )  # fmt: skip
+    return path, Reference(hf_qwen3, -1, weights, cfg)
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("activation-store")
+
+
+def sae_server(qwen3_dir, sae_dir, store, logs, wrap=None):
+    process = test_server_process(
+        qwen3_dir,
+        ["--sae", str(sae_dir), "--sae-layer=-1", "--max-model-len", "512",
+         "--activation-store", str(store)],
+        logs / "server.log", name=MODEL,
+    )  # fmt: skip
+    if wrap is not None:
+        process.argv = [*wrap, *process.argv]
+    return process
+
+
+@pytest.fixture(scope="module")
+def http(qwen3_dir, sae_jump, store_dir, tmp_path_factory):
+    process = sae_server(qwen3_dir, sae_jump[0], store_dir,
+                         tmp_path_factory.mktemp("sae-server-logs"))  # fmt: skip
+    process.start()
+    try:
+        process.wait_ready(timeout=600)
+        with httpx.Client(base_url=process.base_url, timeout=120.0) as client:
+            yield client
+    finally:
+        process.stop()
+
+
+def body(positions="last", **kwargs):
+    out = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.0,
+               return_token_ids=True, sae_features={"top_k": TOP_K},
+               hidden_states_positions=positions)  # fmt: skip
+    out.update(kwargs)
+    return out
+
+
+def tokens_of(response: dict, choice: dict) -> list[int]:
+    return list(choice["prompt_token_ids"]) + list(choice["token_ids"])
+
+
+@pytest.mark.parametrize("positions", ["last", "prompt", "all"])
+def test_http_features_match_reference(http, sae_jump, positions):
+    r = http.post("/v1/completions", json=body(positions))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert "hidden_states" not in choice  # features only
+    f = choice["sae_features"]
+    tokens = tokens_of(r.json(), choice)
+    n = {"last": 1, "prompt": len(choice["prompt_token_ids"]), "all": len(tokens)}[positions]
+    assert f["shape"] == [n, TOP_K] and f["top_k"] == TOP_K
+    assert f["layer"] == sae_jump[1].hf.num_layers  # -1, absolute
+    span = slice(len(tokens) - n, None) if positions == "last" else slice(0, n)
+    sae_jump[1].check(np.asarray(f["ids"], np.int32), np.asarray(f["values"], np.float32),
+                      tokens, span, positions)  # fmt: skip
+
+
+def test_http_streamed_per_chunk_and_chat_with_states(http, sae_jump, hf_qwen3):
+    payload = body("all", stream=True, hidden_states_stream=True)
+    with http.stream("POST", "/v1/completions", json=payload) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r)
+    parts, tokens, prompt = [], [], None
+    for event in events:
+        for choice in event.get("choices") or ():
+            prompt = choice.get("prompt_token_ids") or prompt
+            tokens += choice.get("token_ids") or []
+            if choice.get("sae_features"):
+                parts.append(choice["sae_features"])
+    assert len(parts) > 1
+    starts = [p["start"] for p in parts]
+    assert starts == sorted(starts) and starts[0] == 0
+    ids = np.concatenate([np.asarray(p["ids"], np.int32) for p in parts])
+    values = np.concatenate([np.asarray(p["values"], np.float32) for p in parts])
+    sae_jump[1].check(ids, values, list(prompt) + tokens, slice(0, None), "streamed")
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+                temperature=0.0, return_hidden_states=True, hidden_states_layers=[-1],
+                sae_features={"top_k": 3})  # fmt: skip
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["hidden_states"]["shape"] == [1, hf_qwen3.hidden_size]
+    assert choice["sae_features"]["shape"] == [1, 3]
+
+
+def test_http_bad_sae_fields_are_400s_naming_what_is_allowed(http):
+    for bad, match in (({"top_k": 0}, "top_k"), ({"top_k": D_SAE + 1}, f"1..{D_SAE}"),
+                       ([3], "top_k"), ({"top_k": 2, "x": 1}, "top_k")):  # fmt: skip
+        r = http.post("/v1/completions", json=body(sae_features=bad))
+        assert r.status_code == 400, r.text
+        assert match in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json=body(return_hidden_states=False))
+    assert r.status_code == 400
+
+
+def test_activation_store_rows_land_with_the_schema(http, store_dir):
+    import duckdb
+
+    r = http.post("/v1/completions", json=body("all"))
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    request_id = r.json()["id"]
+    expected = int((np.asarray(choice["sae_features"]["ids"]) >= 0).sum())
+    glob = str(store_dir / "sae_features" / "date=*" / "*.parquet")
+
+    source = f"read_parquet('{glob}', hive_partitioning = true)"
+    where = f"WHERE request_id LIKE '{request_id}%'"
+
+    def count():
+        try:
+            return duckdb.sql(f"SELECT count(*) FROM {source} {where}").fetchall()[0][0]
+        except duckdb.IOException:  # no file yet
+            return 0
+
+    wait_until(lambda: count() >= expected, "the request's rows in the activation store")
+    assert count() == expected
+    rel = duckdb.sql(f"SELECT * FROM {source} {where}")
+    assert {"request_id", "step", "token_position", "token_id", "created_at", "sae_release",
+            "sae_layer", "feature_id", "activation_value", "rank", "source_mode",
+            "model_id", "schema_version"} <= set(rel.columns)  # fmt: skip
+    tokens = tokens_of(r.json(), choice)
+    positions = duckdb.sql(f"SELECT DISTINCT token_position FROM {source} {where}").fetchall()
+    assert {p for (p,) in positions} == set(range(len(tokens)))
+    meta = duckdb.sql(f"SELECT DISTINCT model_id, sae_release, sae_layer, source_mode "
+                      f"FROM {source} {where}").fetchall()  # fmt: skip
+    assert meta == [(MODEL, "jump-final", choice["sae_features"]["layer"], "inline")]
+    top = duckdb.sql(f"SELECT feature_id, token_id, step FROM {source} {where} "
+                     "AND token_position = 3 AND rank = 0").fetchall()  # fmt: skip
+    assert top == [(choice["sae_features"]["ids"][3][0], tokens[3], 0)]
