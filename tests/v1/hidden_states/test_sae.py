@@ -365,3 +365,39 @@ def test_activation_store_rows_land_with_the_schema(http, store_dir):
     top = duckdb.sql(f"SELECT feature_id, token_id, step FROM {source} {where} "
                      "AND token_position = 3 AND rank = 0").fetchall()  # fmt: skip
     assert top == [(choice["sae_features"]["ids"][3][0], tokens[3], 0)]
+
+
+def test_read_only_store_directory_requests_are_served(
+        qwen3_dir, sae_jump, tmp_path):  # fmt: skip
+    """As root (which ignores modes) the store directory is a read-only bind
+    mount in a private mount namespace (``unshare -rm``); otherwise chmod 555."""
+    store = tmp_path / "ro-store"
+    store.mkdir()
+    wrap = None
+    if os.geteuid() == 0:
+        import shutil
+
+        if shutil.which("unshare") is None or subprocess.run(
+                ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+            pytest.skip("running as root without unshare: cannot make a read-only directory")
+        wrap = ["unshare", "-rm", "sh", "-c",
+                f"mount --bind {store} {store} && mount -o remount,bind,ro {store} && "
+                'exec "$@"', "sh"]  # fmt: skip
+    else:
+        os.chmod(store, 0o555)
+    process = sae_server(qwen3_dir, sae_jump[0], store, tmp_path, wrap)
+    process.start()
+    try:
+        process.wait_ready(timeout=600)
+        with httpx.Client(base_url=process.base_url, timeout=120.0) as client:
+            for _ in range(2):
+                r = client.post("/v1/completions", json=body("all"))
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["sae_features"]["shape"][1] == TOP_K
+        # TODO: the store's "not writable" warning does not show in the
+        # server log in this set-up yet (under investigation); only serving
+        # and the absence of rows are asserted.
+    finally:
+        process.stop()
+        os.chmod(store, 0o755)
+    assert not any(store.rglob("*.parquet"))
