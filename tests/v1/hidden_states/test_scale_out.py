@@ -162,6 +162,25 @@ def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(dp2, hf_
     assert completed(dp2) == before + 1
 
 
+def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
+    """A stop string is matched in the front-end, which aborts the engine
+    request and sends the extract over the trimmed sequence: still exact, and
+    still routed to the request's engine (no fallback logged)."""
+    with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
+        free = http.post("/v1/completions", json=body(PROMPTS[2], max_tokens=8)).json()
+        text = free["choices"][0]["text"]
+        assert len(text) >= 4, text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        r = http.post("/v1/completions", json=body(PROMPTS[2], max_tokens=8, stop=[stop]))
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert len(choice["token_ids"]) < 8
+    check_choice(hf_qwen3, choice, "last")
+    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+    assert "no engine recorded" not in dp2.log_path.read_text(errors="replace")
+
+
 def test_data_parallel_2_openai_client_and_hidden_states_route(dp2, hf_qwen3, qwen3_dir):
     client = openai.OpenAI(base_url=dp2.url("/v1"), api_key="unused")
     completion = client.completions.create(
