@@ -13,6 +13,10 @@ Two comparisons, each alternating its variants round by round:
 
 Throughput is generated tokens per second over a fixed batch (random token
 prompts, greedy, ``ignore_eos`` so every variant generates the same count).
+Every measurement draws **fresh prompts**: with the same prompts each round,
+plain requests would read the previous rounds' KV blocks from the prefix cache
+while "all"/"prompt" requests (which must compute every position) cannot, and
+the comparison would price the cache, not the capture.
 """
 
 import os
@@ -30,6 +34,17 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]}
             for _ in range(n)]
+
+
+class FreshPrompts:
+    """``n`` random-token prompts of ``length``, new ones on every call."""
+
+    def __init__(self, n: int, length: int) -> None:
+        self.n, self.length, self.seed = n, length, 0
+
+    def __call__(self, n: int | None = None) -> list[dict]:
+        self.seed += 1
+        return _prompts(n or self.n, self.length, seed=self.seed)
 
 
 def _throughput(llm, prompts, **hs) -> float:
@@ -62,28 +77,28 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model = model or bench_model()
     n, prompt_len, max_tokens = (8, 128, 32) if quick else (16, 256, 64)
-    prompts = _prompts(n, prompt_len)
+    prompts = FreshPrompts(n, prompt_len)
     cfg = f"{n} requests x ({prompt_len} prompt + {max_tokens} generated tokens)"
 
     enabled = LLM(model=str(model), enable_hidden_states=True, **ENGINE_ARGS)
     disabled = LLM(model=str(model), **ENGINE_ARGS)
     for llm in (enabled, disabled):  # warm-up (compilation, caches)
-        _throughput(llm, prompts[:2], max_tokens=4)
-    _throughput(enabled, prompts[:2], max_tokens=4, return_hidden_states=True)
+        _throughput(llm, prompts(2), max_tokens=4)
+    _throughput(enabled, prompts(2), max_tokens=4, return_hidden_states=True)
 
     per_request = Comparison(
         "offline LLM: hidden states on 100% of requests", "generated tok/s",
         baseline="plain", notes=cfg,
         targets={"last, layer -1": 0.97})
     alternate(per_request, {
-        "plain": lambda: _throughput(enabled, prompts, max_tokens=max_tokens),
+        "plain": lambda: _throughput(enabled, prompts(), max_tokens=max_tokens),
         "last, layer -1": lambda: _throughput(
-            enabled, prompts, max_tokens=max_tokens, return_hidden_states=True),
+            enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True),
         "last, 4 layers": lambda: _throughput(
-            enabled, prompts, max_tokens=max_tokens, return_hidden_states=True,
+            enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True,
             hidden_states_layers=[-1, -2, 2, 6]),
         "all positions, layer -1": lambda: _throughput(
-            enabled, prompts, max_tokens=max_tokens, return_hidden_states=True,
+            enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True,
             hidden_states_positions="all"),
     }, rounds, progress)
 
@@ -94,9 +109,9 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         targets={"engine with --enable-hidden-states": 0.99})
     alternate(unused, {
         "engine without hidden states": lambda: _throughput(
-            disabled, prompts, max_tokens=max_tokens),
+            disabled, prompts(), max_tokens=max_tokens),
         "engine with --enable-hidden-states": lambda: _throughput(
-            enabled, prompts, max_tokens=max_tokens),
+            enabled, prompts(), max_tokens=max_tokens),
     }, rounds, progress)
 
     for llm in (enabled, disabled):
@@ -105,3 +120,9 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
 
 
 STEPS_PER_ROUND = 6  # progress-bar units per round
+
+
+if __name__ == "__main__":
+    from benchmarks.common import section_main
+
+    section_main(run, "offline")

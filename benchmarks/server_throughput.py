@@ -74,7 +74,13 @@ async def _load(url: str, prompts, max_tokens: int, concurrency: int, extra: dic
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
     model = model or bench_model()
     n, prompt_len, max_tokens, conc = (8, 128, 32, 8) if quick else (16, 256, 64, 16)
-    prompts = _prompts(n, prompt_len)
+    # Fresh prompts per measurement (see benchmarks/offline.py): reused ones
+    # would hit the prefix cache for plain requests only.
+    seeds = iter(range(1, 1_000_000))
+
+    def prompts(count: int = n) -> list[list[int]]:
+        return _prompts(count, prompt_len, seed=next(seeds))
+
     cfg = f"{n} requests, concurrency {conc}, {prompt_len} prompt + {max_tokens} generated tokens"
     enabled = Server(model, *SERVER_ARGS, "--enable-hidden-states", name="server-enabled")
     disabled = Server(model, *SERVER_ARGS, name="server-disabled")
@@ -83,11 +89,11 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         disabled.wait()
 
         def measure(server, **extra):
-            return lambda: asyncio.run(_load(server.base_url, prompts, max_tokens, conc, extra))
+            return lambda: asyncio.run(_load(server.base_url, prompts(), max_tokens, conc, extra))
 
         for server in (enabled, disabled):  # warm-up
-            asyncio.run(_load(server.base_url, prompts[:2], 4, 2, {}))
-        asyncio.run(_load(enabled.base_url, prompts[:2], 4, 2, {"return_hidden_states": True}))
+            asyncio.run(_load(server.base_url, prompts(2), 4, 2, {}))
+        asyncio.run(_load(enabled.base_url, prompts(2), 4, 2, {"return_hidden_states": True}))
 
         per_request = Comparison(
             "HTTP /v1/completions: hidden states on 100% of requests", "generated tok/s",
@@ -128,3 +134,9 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
 
 
 STEPS_PER_ROUND = 9
+
+
+if __name__ == "__main__":
+    from benchmarks.common import section_main
+
+    section_main(run, "server_throughput")

@@ -542,7 +542,8 @@ def _binary_response(request: HiddenStatesRequest, arrays: list[np.ndarray],
     }
     if len(arrays) == 1:
         headers["X-Hidden-States-Shape"] = ",".join(map(str, arrays[0].shape))
-    body = arrays[0].tobytes() if len(arrays) == 1 else b"".join(a.data for a in arrays)
+    # One input: the array's own buffer goes out as is (no copy).
+    body = arrays[0].data if len(arrays) == 1 else b"".join(a.data for a in arrays)
     return Response(body, media_type=OCTET_STREAM, headers=headers)
 
 
