@@ -307,3 +307,32 @@ def save_sae(path: str | Path, weights: dict[str, Any], cfg: dict[str, Any]) -> 
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / WEIGHTS_FILE))
     (path / CFG_FILE).write_text(json.dumps(cfg))
     return path
+
+
+def build_random_sae(path: str | Path, d_in: int, layer: int, d_sae: int = 64,
+                     architecture: str = "standard", seed: int = 0) -> Path:  # fmt: skip
+    """A random-weight SAE in the SAELens layout reading HF layer ``layer``
+    (``blocks.<layer>.hook_resid_pre``, so ``layer >= 0``), for examples and
+    tests on the tiny models. Weights are float32."""
+    import torch
+
+    if layer < 0:
+        raise ValueError(
+            f"layer must be an absolute index >= 0 (the SAELens hook names "
+            f"blocks.<layer>.hook_resid_pre), got {layer}"
+        )
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        "W_enc": torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
+        "b_enc": torch.randn(d_sae, generator=g) * 0.05,
+        "W_dec": torch.randn(d_sae, d_in, generator=g) / d_sae**0.5,
+        "b_dec": torch.randn(d_in, generator=g) * 0.05,
+    }
+    if architecture == "jumprelu":
+        weights["threshold"] = torch.rand(d_sae, generator=g) * 0.2
+    cfg = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae,
+           "dtype": "float32", "apply_b_dec_to_input": True,
+           "normalize_activations": "none",
+           "metadata": {"hook_name": f"blocks.{layer}.hook_resid_pre",
+                        "sae_release": "random-example"}}  # fmt: skip
+    return save_sae(path, weights, cfg)

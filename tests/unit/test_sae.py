@@ -143,3 +143,25 @@ def test_errors_name_what_is_wrong(tmp_path):
         encode_topk(torch.zeros(1, D_IN), sae, 0)
     with pytest.raises(ValueError, match=r"expected \[n, 64\]"):
         encode_topk(torch.zeros(1, D_IN + 1), sae, 4)
+
+
+def test_tiny_sae_command_writes_an_sae_that_loads_at_its_layer(tmp_path):
+    import json
+
+    from vllm_hidden_states.sae import load_sae
+    from vllm_hidden_states.tools.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 16}))
+    assert main(["tiny-sae", str(tmp_path / "sae"), "--model", str(model),
+                 "--layer", "2", "--d-sae", "32"]) == 0  # fmt: skip
+    sae = load_sae(tmp_path / "sae")
+    assert (sae.layer, sae.d_in, sae.d_sae) == (2, 16, 32)
+
+
+def test_random_sae_refuses_a_negative_layer(tmp_path):
+    from vllm_hidden_states.sae import build_random_sae
+
+    with pytest.raises(ValueError, match="absolute index"):
+        build_random_sae(tmp_path / "sae", d_in=16, layer=-1)

@@ -25,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--hidden", type=int, default=128)
     t.add_argument("--vocab", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
+    sae = sub.add_parser("tiny-sae", help="write a random SAE (SAELens layout) for a model")
+    sae.add_argument("out")
+    sae.add_argument("--model", required=True, help="model directory (reads hidden_size)")
+    sae.add_argument("--layer", type=int, required=True, help="HF layer index >= 0")
+    sae.add_argument("--d-sae", type=int, default=64)
+    sae.add_argument("--architecture", choices=["standard", "jumprelu"], default="standard")
+    sae.add_argument("--seed", type=int, default=0)
     from vllm_hidden_states.tools import collect
 
     c = sub.add_parser("collect", help="harvest hidden states of a dataset to Parquet shards")
@@ -37,6 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         return collect.run(args)
     if args.command == "store":
         return collect.run_store(args)
+
+    if args.command == "tiny-sae":
+        import json
+        from pathlib import Path
+
+        from vllm_hidden_states.sae import build_random_sae
+
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        print(build_random_sae(args.out, config["hidden_size"], args.layer,
+                               args.d_sae, args.architecture, args.seed))  # fmt: skip
+        return 0
 
     if args.command == "tiny-model":
         from vllm_hidden_states.tools.tiny_models import build_tiny_model

@@ -248,8 +248,16 @@ def _collect_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
     from vllm import LLM
 
     if llm is None:
+        kwargs = dict(cfg.engine_kwargs)
+        import torch
+
+        if not torch.cuda.is_available():
+            # vLLM CPU reserves gpu_memory_utilization x the machine's RAM
+            # (0.92 by default), which fails beside any other process; take
+            # what `make serve` takes unless told otherwise.
+            kwargs.setdefault("gpu_memory_utilization", 0.3)
         llm = LLM(model=cfg.model, enable_hidden_states=True,
-                  hidden_states_layers=list(cfg.layers), **cfg.engine_kwargs)
+                  hidden_states_layers=list(cfg.layers), **kwargs)
         try:
             _run_offline(cfg, llm, result)
         finally:
