@@ -143,32 +143,29 @@ def test_engine_refuses_sae_features_without_sae():
 def test_tracker_inline_features_cut_and_delta():
     from vllm.v1.engine import HiddenStatesSpec
 
-    from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker, TrackedOutput
+    from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker
 
     spec = HiddenStatesSpec([], [], "all", inline=True, sae_top_k=2, sae_layer=3)
     t = HiddenStatesTracker(spec, None, 0)
     feats = lambda rows: (torch.arange(rows * 2, dtype=torch.int32).reshape(rows, 2),  # noqa: E731
                           torch.ones(rows, 2))
     t.receive(None, feats(4))
-    first = t.for_output(False, True)
-    assert isinstance(first, TrackedOutput) and first.states is None
-    assert first.sae_features["layer"] == 3 and first.sae_features["ids"].shape == (4, 2)
+    assert t.for_output(False, True) is None  # features only: no hidden states
+    first = t.sae_features_for_output(False, True)
+    assert first["layer"] == 3 and first["ids"].shape == (4, 2)
     t.receive(None, feats(2))
     # a stop string trimmed the sequence to 5 tokens: 4 inline rows + the final one
     t.finish(None, 5, feats(1))
     assert t.error is None and t.complete_features[0].shape == (5, 2)
-    last = t.for_output(True, True)
-    assert last.sae_features["ids"].shape == (1, 2)
-    assert HiddenStatesTracker(spec, None, 0).for_output(False, True) is None
+    last = t.sae_features_for_output(True, True)
+    assert last["ids"].shape == (1, 2)
+    assert HiddenStatesTracker(spec, None, 0).sae_features_for_output(False, True) is None
 
 
-def test_completion_output_unwraps_tracked_output():
-    from vllm.outputs import CompletionOutput
+def test_tracker_of_a_request_without_sae_features_gives_none():
+    from vllm.v1.engine import HiddenStatesSpec
 
-    from vllm_hidden_states.frontend.dispatcher import TrackedOutput
+    from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker
 
-    feats = {"layer": 1, "ids": np.zeros((1, 2), np.int32), "values": np.zeros((1, 2))}
-    out = CompletionOutput(0, "", [], None, None, hidden_states=TrackedOutput(None, feats))
-    assert out.hidden_states is None and out.sae_features is feats
-    plain = CompletionOutput(0, "", [], None, None, hidden_states={-1: torch.zeros(1, 2)})
-    assert plain.sae_features is None and list(plain.hidden_states) == [-1]
+    t = HiddenStatesTracker(HiddenStatesSpec([-1], [4], "last"), None, 0)
+    assert t.sae_features_for_output(True, False) is None

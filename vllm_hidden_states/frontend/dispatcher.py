@@ -32,10 +32,10 @@ Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
 
 SAE features (``sae_top_k`` on the spec) travel beside the rows: ``(ids,
 values)`` from ``EngineCoreOutput.sae_feature_ids`` / ``sae_feature_values``,
-accumulated, cut and delta-emitted exactly like them. An output of such a
-request gets a :class:`TrackedOutput` as ``hidden_states``, which
-``CompletionOutput.__post_init__`` (patch 0001) splits into ``hidden_states``
-and ``sae_features``.
+accumulated, cut and delta-emitted exactly like them; patch 0004 fills
+``CompletionOutput.sae_features`` from
+:meth:`HiddenStatesTracker.sae_features_for_output` as it fills
+``hidden_states`` from :meth:`HiddenStatesTracker.for_output`.
 
 Requests that did not ask never reach this module.
 """
@@ -67,17 +67,6 @@ logger = init_logger(__name__)
 
 # (ids int32 [positions, k], values float32 [positions, k])
 Features = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class TrackedOutput:
-    """What a request with ``sae_top_k`` hands ``CompletionOutput``:
-    ``states`` (``{layer: rows}`` or None) and ``sae_features`` (``{"layer":
-    absolute layer, "ids": int32 [positions, k], "values": float32
-    [positions, k]}`` or None)."""
-
-    states: dict[int, torch.Tensor] | None
-    sae_features: dict[str, Any] | None
 
 
 def _cat_features(parts: list[Features]) -> Features:
@@ -180,19 +169,22 @@ class HiddenStatesTracker:
 
         Cumulative and final-only outputs: everything, on the final output.
         DELTA outputs of inline "all": the rows that arrived since the previous
-        output (the final one: the rest, final token included). With
-        ``sae_top_k``: a :class:`TrackedOutput` with the features beside.
+        output (the final one: the rest, final token included). None for a
+        features-only request (``sae_top_k`` without layers).
         """
-        states = self._states_for_output(finished, delta) if self.spec.layers else None
+        return self._states_for_output(finished, delta) if self.spec.layers else None
+
+    def sae_features_for_output(self, finished: bool, delta: bool) -> dict[str, Any] | None:
+        """``CompletionOutput.sae_features`` of the output being made, the
+        same way: ``{"layer": absolute layer, "ids": int32 [positions, k],
+        "values": float32 [positions, k]}``, or None (also for requests
+        without ``sae_top_k``)."""
         if not self.spec.sae_top_k:
-            return states
-        features = self._features_for_output(finished, delta)
-        if features is None and states is None:
             return None
-        if features is not None:
-            features = {"layer": self.spec.sae_layer, "ids": features[0],
-                        "values": features[1]}  # fmt: skip
-        return TrackedOutput(states, features)
+        features = self._features_for_output(finished, delta)
+        if features is None:
+            return None
+        return {"layer": self.spec.sae_layer, "ids": features[0], "values": features[1]}
 
     def _features_for_output(self, finished: bool, delta: bool) -> Features | None:
         if not delta or not self.spec.inline:
