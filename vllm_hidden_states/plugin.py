@@ -10,6 +10,19 @@ capture hooks. It is idempotent.
 from vllm_hidden_states.tools.patching import VLLM_VERSION
 
 
+def _share_vllm_logging() -> None:
+    """Log through vLLM's logger: vLLM configures handlers and level for the
+    ``vllm`` logger only (when it sets logging up, possibly after this runs),
+    so ``vllm_hidden_states.*`` records (``init_logger``) would otherwise fall
+    to Python's last-resort handler, unformatted and without INFO. Making the
+    package logger a child of ``vllm`` routes them through whatever vLLM
+    configures, with its level."""
+    import logging
+
+    ours = logging.getLogger("vllm_hidden_states")
+    ours.parent = logging.getLogger("vllm")
+
+
 def register() -> None:
     import vllm
     from vllm.v1.engine import EngineCoreRequestType
@@ -26,6 +39,7 @@ def register() -> None:
             "vllm-hidden-states is installed but vLLM is not patched; run "
             "`vllm-hidden-states patch apply` (or uninstall vllm-hidden-states)"
         )
+    _share_vllm_logging()
     from vllm_hidden_states.worker.capture import install_mrv1_hooks
 
     install_mrv1_hooks()
