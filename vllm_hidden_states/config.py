@@ -272,7 +272,10 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
     Called once from ``EngineArgs.create_engine_config`` in the front-end.
 
     Data parallelism (dense models) is allowed: each extract goes to the
-    engine that served its request (``frontend/routing.py``). MoE data
+    engine that served its request (``frontend/routing.py``). Pipeline
+    parallelism is allowed without speculative decoding: each stage captures
+    its own layers and sends its rows on to the last one
+    (``worker/capture.py``). MoE data
     parallelism, where engines step in lockstep waves, is refused until it
     can be tested (an extract already wakes the wave:
     ``engine/extracts.py:wake_dp_wave``). Tensor parallelism needs nothing:
@@ -283,10 +286,13 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         return
     problems = []
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1 and vllm_config.speculative_config is not None:
+        # Each stage captures its own layers and sends its rows on with the
+        # intermediate tensors (worker/capture.py); untested with drafters.
         problems.append(
             "pipeline parallelism (pipeline_parallel_size="
-            f"{parallel.pipeline_parallel_size}) is not supported yet"
+            f"{parallel.pipeline_parallel_size}) with speculative decoding is "
+            "not supported yet"
         )
     if parallel.data_parallel_size > 1 and vllm_config.model_config.is_moe:
         problems.append(

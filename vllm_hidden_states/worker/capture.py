@@ -26,6 +26,19 @@ encode_topk`), and only the ``k`` ids (int32) and ``k`` values (float32) per
 row are copied to the host, onto ``ModelRunnerOutput.captured_sae_features``;
 the full rows are copied only for the layers in ``step.layers``.
 
+Pipeline parallelism: each stage captures the layers it owns (its capture
+points sit on its own decoder layers; layer 0, the embedding output, is on the
+first stage; layer ``L`` is the last stage's model output). A stage that is not
+the last appends its rows, ``[num_layers_so_far, rows, hidden_size]`` in the
+model dtype (the layers of :attr:`HiddenStatesCapture.sent_layers`, those of
+earlier stages first), to the ``IntermediateTensors`` it sends to the next
+stage under :data:`CARRY_KEY`; vLLM's PP send carries a dict's extra entries
+with their shapes. The next stage takes the entry off the received tensors
+before its forward (vLLM copies only the model's own keys into its persistent
+buffers), and the last stage merges it with its own rows per request. The
+entry is added and removed outside the model, so the compiled graph and CUDA
+graphs are the single-stage ones; only steps with a plan send it.
+
 Steps without a plan pay one attribute check in ``execute_model`` and one in
 ``_model_forward``. The glue is four wrapped Model Runner V1 methods
 (:func:`install_mrv1_hooks`); a V2 port needs the same four points (after
@@ -38,7 +51,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
+from vllm.sequence import IntermediateTensors
 from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.worker.capture_points import CapturePoints
@@ -47,6 +62,9 @@ if TYPE_CHECKING:
     from vllm_hidden_states.engine.planner import CaptureStep
 
 logger = init_logger(__name__)
+
+# The IntermediateTensors entry that carries earlier pipeline stages' rows.
+CARRY_KEY = "hidden_states_capture"
 
 
 @dataclass
@@ -76,6 +94,17 @@ class HiddenStatesCapture:
     def __init__(self, config: HiddenStatesConfig, runner: Any) -> None:
         self.config = config
         self.final_layer = config.num_layers
+        # Pipeline parallelism (a single stage is both first and last).
+        pp = get_pp_group()
+        self.is_last_stage = pp.is_last_rank
+        # Layers k < L captured by earlier stages, whose rows arrive with the
+        # received IntermediateTensors, and those this stage sends on (earlier
+        # stages' and its own; empty on the last stage), ascending.
+        self.carried_layers: list[int] = []
+        self.sent_layers: list[int] = []
+        # This step's rows from earlier stages: [len(carried_layers), rows, hidden].
+        self._carried: torch.Tensor | None = None
+        self._inner_count = 0  # rows armed in the capture buffers
         self.points: CapturePoints | None = None
         self.plan: dict[str, "CaptureStep"] | None = None  # this step's, if any
         self._armed: list[_Armed] = []
@@ -85,7 +114,7 @@ class HiddenStatesCapture:
         self._ready: dict[str, _Result] = {}
         self.sae = None
         self.sae_layer = config.sae_layer
-        if config.sae is not None:
+        if config.sae is not None and self.is_last_stage:  # SAE rows are encoded there
             from vllm_hidden_states.sae import load_sae
 
             self.sae = load_sae(config.sae["path"], layer=config.sae_layer,
@@ -118,6 +147,15 @@ class HiddenStatesCapture:
                 f"{type(model).__name__} ({e}); it can still serve layer -1 "
                 "(the final post-norm state): start with --hidden-states-layers -1"
             ) from None
+        start = self.points.start_layer
+        self.carried_layers = [k for k in inner if k < start]
+        if not self.is_last_stage:
+            self.sent_layers = self.carried_layers + self.points.layers
+        if get_pp_group().world_size > 1:
+            logger.info("vllm-hidden-states: pipeline stage with layers [%d, %d): "
+                        "captures %s, receives %s, sends %s", start,
+                        self.points.end_layer, self.points.layers,
+                        self.carried_layers, self.sent_layers)  # fmt: skip
 
     # -- per step ------------------------------------------------------------
 
@@ -160,6 +198,7 @@ class HiddenStatesCapture:
                 inner_rows.append(selected)
                 inner_offset += len(selected)
             self._armed.append(armed)
+        self._inner_count = inner_offset
         if not self._armed:
             return
         if inner_offset == offset:  # every row passes the buffers: reuse their index
@@ -170,19 +209,68 @@ class HiddenStatesCapture:
         if inner_rows:
             self.points.arm(np.concatenate(inner_rows))
 
-    def collect(self, model_output: torch.Tensor) -> None:
-        """After the forward: copy this step's rows out, per request."""
+    def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
+        """Before a stage's forward: take earlier stages' rows off the received
+        tensors (only a step with a plan has them; reading ``tensors`` waits
+        for the receive, which the forward would do anyway)."""
+        if intermediate_tensors is not None:
+            # Always off: vLLM would look for the key in its own buffers.
+            carried = intermediate_tensors.tensors.pop(CARRY_KEY, None)
+            self._carried = carried if self.carried_layers else None
+
+    def _check_carried(self) -> None:
+        want = (len(self.carried_layers), self._inner_count)
+        got = None if self._carried is None else tuple(self._carried.shape[:2])
+        if self.carried_layers and self._inner_count and got != want:
+            raise RuntimeError(
+                f"vllm-hidden-states: expected rows of layers {self.carried_layers} "
+                f"x {self._inner_count} from the previous pipeline stage, got "
+                f"{'none' if got is None else got}"
+            )
+
+    def _carry_on(self) -> torch.Tensor | None:
+        """A non-last stage: ``[len(sent_layers), rows, hidden]``, earlier
+        stages' rows then this stage's, to send to the next stage (a new
+        tensor: the buffers are rewritten by the next forward while the send
+        may still be in flight). None when no row passes the buffers."""
+        if not self._inner_count or not self.sent_layers:
+            return None
+        own = [self.points.read(k) for k in self.points.layers]
+        if not self.carried_layers:
+            return torch.stack(own)  # the first stage
+        if not own:
+            return self._carried.clone()  # a middle stage without capture points
+        return torch.cat([self._carried, torch.stack(own)])
+
+    def collect(self, model_output: Any) -> torch.Tensor | None:
+        """After the forward: copy this step's rows out, per request.
+
+        On a stage that is not the last, returns the rows to send on instead
+        (:meth:`_carry_on`); the last stage emits every stage's rows.
+        """
         if not self._armed:
-            return
+            return None
+        self._check_carried()
+        if not self.is_last_stage:
+            carry = self._carry_on()
+            self._armed = []
+            self._rows = None
+            self._carried = None
+            return carry
         if isinstance(model_output, tuple):  # (hidden, aux) with an EAGLE3 drafter
             model_output = model_output[0]
         final_rows = model_output.index_select(0, self._rows)
+        carried = {k: i for i, k in enumerate(self.carried_layers)}
         for armed in self._armed:
             sl = slice(armed.offset, armed.offset + armed.count)
             inner = slice(armed.inner_offset, armed.inner_offset + armed.count)
 
             def rows_of(k: int) -> torch.Tensor:
-                return final_rows[sl] if k == self.final_layer else self.points.read(k)[inner]
+                if k == self.final_layer:
+                    return final_rows[sl]
+                if k in carried:  # captured by an earlier pipeline stage
+                    return self._carried[carried[k]][inner]
+                return self.points.read(k)[inner]
 
             step = armed.step
             # [num_layers, rows, hidden] on the host, a copy: the buffers are
@@ -207,8 +295,10 @@ class HiddenStatesCapture:
             self._ready[armed.req_id] = chunk
         self._armed = []
         self._rows = None
+        self._carried = None
         if self.points is not None:
             self.points.disarm()
+        return None
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
@@ -275,10 +365,13 @@ def install_mrv1_hooks() -> None:
         if scheduler_output.capture_plan:
             capture.plan = scheduler_output.capture_plan
             capture._num_scheduled = scheduler_output.num_scheduled_tokens
+            # Pipeline parallel: earlier stages' rows, off the received tensors.
+            capture.take_carried(args[0] if args else kwargs.get("intermediate_tensors"))
         try:
             return orig_execute(self, scheduler_output, *args, **kwargs)
         finally:
             capture.plan = None
+            capture._carried = None
 
     def _model_forward(self, *args, **kwargs):
         capture = _capture_of(self)
@@ -289,7 +382,12 @@ def install_mrv1_hooks() -> None:
         try:
             output = orig_forward(self, *args, **kwargs)
             with torch.inference_mode():
-                capture.collect(output)
+                carry = capture.collect(output)
+            if carry is not None:
+                # A non-last pipeline stage: send the rows on with the model's
+                # tensors, in a new IntermediateTensors (the model's may be
+                # a graph's persistent output).
+                output = IntermediateTensors({**output.tensors, CARRY_KEY: carry})
         finally:
             capture.plan = None  # one forward per plan
             if capture.points is not None:

@@ -216,7 +216,10 @@ class CapturePoints:
     """The capture points of one model and their buffers.
 
     Attributes:
-        layers: absolute layer indices ``k < L`` with a capture point, ascending.
+        layers: absolute layer indices ``k < L`` with a capture point, ascending
+            (with pipeline parallelism: this stage's only).
+        start_layer, end_layer: the decoder layers this stage owns,
+            ``[start_layer, end_layer)``.
         buffers: ``{k: [max_rows, hidden_size]}`` in the model dtype.
         max_rows: rows one forward can capture.
         count: rows armed for the next forward (host-side mirror of the
@@ -235,6 +238,11 @@ class CapturePoints:
     ):
         register_op()
         self.layers_name, decoder_layers = find_decoder_layers(model, num_layers)
+        # The decoder layers this pipeline stage owns, [start_layer, end_layer)
+        # (all of them without pipeline parallelism); the others are
+        # placeholders and get no capture point.
+        owned = [i for i, m in enumerate(decoder_layers) if not _is_pp_placeholder(m)]
+        self.start_layer, self.end_layer = (owned[0], owned[-1] + 1) if owned else (0, 0)
         self.max_rows = max_rows
         self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.rows_host = torch.zeros(max_rows, dtype=torch.int64)

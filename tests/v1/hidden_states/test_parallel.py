@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where vLLM scales out: tensor parallel works, data parallel is accepted
-(served end to end in test_scale_out.py); what is not supported yet is refused
+"""Where vLLM scales out: tensor parallel works, data and pipeline parallel
+are accepted (served end to end in test_scale_out.py, test_scale_out_pp.py); what is not supported yet is refused
 at start-up with a message, before any engine process starts."""
 
 import pytest
@@ -44,10 +44,18 @@ def _config(qwen3_dir, **kwargs):
     return EngineArgs(**args).create_engine_config()
 
 
-def test_pipeline_parallel_is_refused_at_start(qwen3_dir):
+def test_pipeline_parallel_is_accepted_at_start(qwen3_dir):
+    """Each stage captures its own layers and sends its rows on (served and
+    checked end to end in test_scale_out_pp.py)."""
+    config = _config(qwen3_dir, pipeline_parallel_size=2)
+    assert config.parallel_config.pipeline_parallel_size == 2
+
+
+def test_pipeline_parallel_with_speculative_decoding_is_refused_at_start(qwen3_dir):
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pipeline_parallel_size=2\) "
-                                         r"is not supported yet"):
-        _config(qwen3_dir, pipeline_parallel_size=2)
+                                         r"with speculative decoding is not supported yet"):
+        _config(qwen3_dir, pipeline_parallel_size=2, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
 
 
 def test_data_parallel_is_accepted_at_start(qwen3_dir):
