@@ -309,18 +309,14 @@ def save_sae(path: str | Path, weights: dict[str, Any], cfg: dict[str, Any]) -> 
     return path
 
 
-def build_random_sae(path: str | Path, d_in: int, layer: int, d_sae: int = 64,
-                     architecture: str = "standard", seed: int = 0) -> Path:  # fmt: skip
-    """A random-weight SAE in the SAELens layout reading HF layer ``layer``
-    (``blocks.<layer>.hook_resid_pre``, so ``layer >= 0``), for examples and
-    tests on the tiny models. Weights are float32."""
+def random_sae(d_in: int, d_sae: int = 64, hook_name: str = "blocks.0.hook_resid_pre",
+               architecture: str = "standard", seed: int = 0,
+               **cfg_extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Random float32 SAE weights (torch) and their SAELens ``cfg.json``, for
+    examples and tests: ``W_enc [d_in, d_sae]``, ``b_enc [d_sae]``, ``W_dec
+    [d_sae, d_in]``, ``b_dec [d_in]`` (+ ``threshold [d_sae]`` for jumprelu)."""
     import torch
 
-    if layer < 0:
-        raise ValueError(
-            f"layer must be an absolute index >= 0 (the SAELens hook names "
-            f"blocks.<layer>.hook_resid_pre), got {layer}"
-        )
     g = torch.Generator().manual_seed(seed)
     weights = {
         "W_enc": torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
@@ -333,6 +329,20 @@ def build_random_sae(path: str | Path, d_in: int, layer: int, d_sae: int = 64,
     cfg = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae,
            "dtype": "float32", "apply_b_dec_to_input": True,
            "normalize_activations": "none",
-           "metadata": {"hook_name": f"blocks.{layer}.hook_resid_pre",
-                        "sae_release": "random-example"}}  # fmt: skip
+           "metadata": {"hook_name": hook_name, "sae_release": "random-example"},
+           **cfg_extra}  # fmt: skip
+    return weights, cfg
+
+
+def build_random_sae(path: str | Path, d_in: int, layer: int, d_sae: int = 64,
+                     architecture: str = "standard", seed: int = 0) -> Path:  # fmt: skip
+    """:func:`random_sae` reading HF layer ``layer`` (``blocks.<layer>.
+    hook_resid_pre``, so ``layer >= 0``), saved under ``path``."""
+    if layer < 0:
+        raise ValueError(
+            f"layer must be an absolute index >= 0 (the SAELens hook names "
+            f"blocks.<layer>.hook_resid_pre), got {layer}"
+        )
+    weights, cfg = random_sae(d_in, d_sae, f"blocks.{layer}.hook_resid_pre",
+                              architecture, seed)  # fmt: skip
     return save_sae(path, weights, cfg)

@@ -25,20 +25,10 @@ D_IN, D_SAE, N = 64, 512, 40
 
 
 def random_sae(tmp_path, architecture="standard", seed=0, **cfg_extra):
-    g = torch.Generator().manual_seed(seed)
-    weights = {
-        "W_enc": torch.randn(D_IN, D_SAE, generator=g) / D_IN ** 0.5,
-        "b_enc": torch.randn(D_SAE, generator=g) * 0.1,
-        "W_dec": torch.randn(D_SAE, D_IN, generator=g) / D_SAE ** 0.5,
-        "b_dec": torch.randn(D_IN, generator=g) * 0.1,
-    }
-    if architecture == "jumprelu":
-        weights["threshold"] = torch.rand(D_SAE, generator=g) * 0.5
-    cfg = {"architecture": architecture, "d_in": D_IN, "d_sae": D_SAE,
-           "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": True,
-           "normalize_activations": "none",
-           "metadata": {"hook_name": "blocks.2.hook_resid_post", "model_name": "tiny"},
-           **cfg_extra}
+    from vllm_hidden_states.sae import random_sae as make
+
+    weights, cfg = make(D_IN, D_SAE, "blocks.2.hook_resid_post", architecture, seed,
+                        device="cpu", **cfg_extra)  # fmt: skip
     path = save_sae(tmp_path / f"sae-{architecture}-{seed}", weights, cfg)
     return path, {k: v.numpy() for k, v in weights.items()}, cfg
 

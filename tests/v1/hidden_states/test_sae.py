@@ -32,7 +32,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
-from vllm_hidden_states.sae import encode_topk_numpy, save_sae
+from vllm_hidden_states.sae import encode_topk_numpy, random_sae, save_sae
 
 from .conftest import COMMON_ENGINE_ARGS, token_ids_of
 from .server_utils import sse_events, test_server_process, wait_until
@@ -45,18 +45,7 @@ REL_TOL = 1e-3
 
 def write_random_sae(path, d_in: int, hook: str, architecture: str = "standard", seed=0):
     """A random SAE in the SAELens layout; returns (dir, numpy weights, cfg)."""
-    g = torch.Generator().manual_seed(seed)
-    weights = {
-        "W_enc": torch.randn(d_in, D_SAE, generator=g) / d_in**0.5,
-        "b_enc": torch.randn(D_SAE, generator=g) * 0.05,
-        "W_dec": torch.randn(D_SAE, d_in, generator=g) / D_SAE**0.5,
-        "b_dec": torch.randn(d_in, generator=g) * 0.05,
-    }
-    if architecture == "jumprelu":
-        weights["threshold"] = torch.rand(D_SAE, generator=g) * 0.2
-    cfg = {"architecture": architecture, "d_in": d_in, "d_sae": D_SAE, "dtype": "float32",
-           "apply_b_dec_to_input": True, "normalize_activations": "none",
-           "metadata": {"hook_name": hook, "model_name": "tiny"}}  # fmt: skip
+    weights, cfg = random_sae(d_in, D_SAE, hook, architecture, seed)
     save_sae(path, weights, cfg)
     return path, {k: v.numpy() for k, v in weights.items()}, cfg
 
