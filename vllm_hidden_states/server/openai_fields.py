@@ -149,6 +149,18 @@ def _refuse_without_flag(extra: dict[str, Any]) -> None:
             )
 
 
+def _one_of(extra: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
+    """``extra[name]``, one of ``allowed`` (the first when absent or null)."""
+    value = extra.get(name)
+    if value is None:
+        return allowed[0]
+    if value not in allowed:
+        raise invalid_request(
+            f"{name} must be one of {list(allowed)}, got {value!r}", name
+        )
+    return value
+
+
 def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
     """The request's hidden-state fields; None when it did not ask.
 
@@ -196,22 +208,8 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             f"{layers!r}",
             "hidden_states_layers",
         )
-    fmt = extra.get("hidden_states_format")
-    fmt = "float" if fmt is None else fmt
-    if fmt not in ENCODING_FORMATS:
-        raise invalid_request(
-            f"hidden_states_format must be one of {list(ENCODING_FORMATS)}, "
-            f"got {fmt!r}",
-            "hidden_states_format",
-        )
-    positions = extra.get("hidden_states_positions")
-    positions = "last" if positions is None else positions
-    if positions not in CHOICE_POSITIONS:
-        raise invalid_request(
-            f"hidden_states_positions must be one of {list(CHOICE_POSITIONS)}, "
-            f"got {positions!r}",
-            "hidden_states_positions",
-        )
+    fmt = _one_of(extra, "hidden_states_format", ENCODING_FORMATS)
+    positions = _one_of(extra, "hidden_states_positions", CHOICE_POSITIONS)
     stream = extra.get("hidden_states_stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
