@@ -9,7 +9,10 @@ table with each target. Sections: offline (LLM throughput), server (HTTP
 throughput), prompt (POST /v1/hidden_states vs the pooling runner vs HF),
 payload (float JSON vs base64), load (256 concurrent mixed requests, RSS),
 peers (ours vs HF transformers and nnsight on equal cores, and the vLLM-based
-peers, n/a with their exact error where they cannot start).
+peers, n/a with their exact error where they cannot start), harvest (collect
+-> Parquet vs the bare route vs an HF transformers loop), sae_payload (SAE
+top-k features vs full hidden states over HTTP: bytes per position and
+throughput).
 """
 
 import argparse
@@ -21,7 +24,8 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, Comparison, machine, write_results
 
-SECTIONS = ("payload", "offline", "server", "prompt", "load", "peers")
+SECTIONS = ("payload", "offline", "server", "prompt", "load", "peers", "harvest",
+            "sae_payload")
 
 
 def _plot(results: dict, out_dir: Path) -> list[Path]:
@@ -33,6 +37,8 @@ def _plot(results: dict, out_dir: Path) -> list[Path]:
     paths = []
     labels, ratios, targets = [], [], []
     for comp in results.get("comparisons", []):
+        if comp["unit"].startswith("bytes"):  # sizes, not throughput (sae_payload)
+            continue
         for name, v in comp["variants"].items():
             if "ratio" in v:
                 labels.append(f"{comp['name'].split(':')[0]}: {name}")
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
                 module = importlib.import_module(
                     {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
                      "prompt": "benchmarks.prompt_states",
-                     "peers": "benchmarks.peers"}[section])
+                     "peers": "benchmarks.peers", "harvest": "benchmarks.harvest",
+                     "sae_payload": "benchmarks.sae_payload"}[section])
                 kwargs = {"model": args.model} if args.model else {}
                 comps: list[Comparison] = module.run(args.rounds, args.quick, **kwargs)
                 for comp in comps:
