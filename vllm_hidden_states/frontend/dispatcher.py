@@ -220,6 +220,33 @@ class HiddenStatesTracker:
         return self._keyed(new)
 
 
+def merge_delta(completion: Any, following: Any) -> None:
+    """``RequestOutput.add`` (patch 0001), DELTA outputs merged because the
+    consumer had not taken the first yet (vLLM's ``RequestOutputCollector``):
+    append ``following``'s rows and SAE features to ``completion``'s, so a
+    merged output still carries every position since the previous one."""
+    states = following.hidden_states
+    if states is not None:
+        if completion.hidden_states is None:
+            completion.hidden_states = states
+        else:
+            completion.hidden_states = {
+                key: torch.cat([rows, states[key]])
+                for key, rows in completion.hidden_states.items()
+            }
+    features = following.sae_features
+    if features is not None:
+        if completion.sae_features is None:
+            completion.sae_features = features
+        else:
+            ours = completion.sae_features
+            completion.sae_features = {
+                "layer": ours["layer"],
+                "ids": torch.cat([ours["ids"], features["ids"]]),
+                "values": torch.cat([ours["values"], features["values"]]),
+            }
+
+
 @dataclass
 class HeldOutput:
     """A finished request's final output, held until its hidden states arrive."""
