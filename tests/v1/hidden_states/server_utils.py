@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Real OpenAI server processes on loopback for the server tests."""
 
+import concurrent.futures as cf
 import os
 import time
 from pathlib import Path
@@ -10,7 +11,8 @@ import orjson
 
 from vllm_hidden_states.tools.server_process import ServerProcess
 
-__all__ = ["ServerProcess", "sse_events", "test_server_process", "wait_until"]
+__all__ = ["ServerProcess", "num_generated", "num_completed", "post_concurrently", "sse_events",
+           "test_server_process", "wait_until"]
 
 # Every test server: float32 like the HF reference, eager (fast start), seeded.
 TEST_SERVER_ARGS = [
@@ -57,3 +59,28 @@ def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
     return value
+
+
+def post_concurrently(base_url: str, path: str, jobs: list[tuple], timeout: float = 600.0):
+    """POST every ``(tag, body)`` of ``jobs`` at once, each on its own
+    connection; ``[(tag, response)]`` in job order."""
+
+    def post(job):
+        with httpx.Client(base_url=base_url, timeout=timeout) as http:
+            return job[0], http.post(path, json=job[1])
+
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(post, jobs))
+
+
+def num_generated(server: ServerProcess) -> float:
+    """Tokens the server generated, over all engines."""
+    return server.metric("vllm:generation_tokens_total")
+
+
+def num_completed(server: ServerProcess) -> float:
+    """Requests the server ran to their end (stop or length), over all engines."""
+    return sum(
+        server.metric("vllm:request_success_total", finished_reason=reason)
+        for reason in ("stop", "length")
+    )

@@ -9,7 +9,6 @@
 Both servers start together (one module fixture) and are shared by the tests.
 """
 
-import concurrent.futures as cf
 
 import httpx
 import openai
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from .conftest import HFReference, assert_close
-from .server_utils import test_server_process, wait_until
+from .server_utils import post_concurrently, test_server_process, wait_until
 from .test_server import decode_rows, hf_tokenize
 
 pytestmark = pytest.mark.slow
@@ -120,13 +119,7 @@ def test_data_parallel_2_mixed_concurrent_requests_are_exact_on_both_engines(
              ("prompt", body(PROMPTS[6], hidden_states_positions="prompt")),
              ("last", body(PROMPTS[7], n=2, temperature=1.0, seed=7))]  # fmt: skip
 
-    with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
-
-        def post(job):
-            return job[0], http.post("/v1/completions", json=job[1])
-
-        with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(post, jobs))
+    results = post_concurrently(dp2.base_url, "/v1/completions", jobs)
     for positions, r in results:
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
@@ -209,12 +202,7 @@ def test_api_server_count_2_is_exact_over_http(api2, hf_qwen3):
     jobs += [("all", body(PROMPTS[6], hidden_states_positions="all")),
              ("prompt", body(PROMPTS[7], hidden_states_positions="prompt"))]  # fmt: skip
 
-    def post(job):
-        with httpx.Client(base_url=api2.base_url, timeout=300.0) as http:
-            return job[0], http.post("/v1/completions", json=job[1])
-
-    with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(post, jobs))
+    results = post_concurrently(api2.base_url, "/v1/completions", jobs)
     for positions, r in results:
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:

@@ -10,7 +10,6 @@ with PP (``assert self.intermediate_tensors is not None``). Two CPU workers
 need explicit core binding (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 """
 
-import concurrent.futures as cf
 import os
 
 import httpx
@@ -20,7 +19,7 @@ import torch
 from vllm_hidden_states.tools.server_process import ServerProcess
 
 from .conftest import assert_close
-from .server_utils import wait_until
+from .server_utils import post_concurrently, wait_until
 from .test_scale_out import MODEL, body, check_choice
 from .test_server import hf_tokenize
 
@@ -79,13 +78,7 @@ def test_pipeline_parallel_2_every_layer_exact(pp2, hf_qwen3):
         ("prompt", body(LONG, hidden_states_layers=LAYERS,
                         hidden_states_positions="prompt")),
     ]  # fmt: skip
-    with httpx.Client(base_url=pp2.base_url, timeout=600.0) as http:
-
-        def post(job):
-            return job[0], http.post("/v1/completions", json=job[1])
-
-        with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(post, jobs))
+    results = post_concurrently(pp2.base_url, "/v1/completions", jobs)
     for positions, r in results:
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
