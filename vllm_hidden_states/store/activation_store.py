@@ -79,15 +79,22 @@ SOURCE_MODES = ("inline", "nearline")
 _LOG_EVERY_S = 60.0
 
 
-def sae_schema():
-    import pyarrow as pa
-
-    return pa.schema([
+def _token_columns(pa) -> list:
+    """The per-token columns both tables start with."""
+    return [
         ("request_id", pa.string()),
         ("step", pa.int32()),
         ("token_position", pa.int32()),
         ("token_id", pa.int32()),
         ("created_at", pa.timestamp("us")),
+    ]
+
+
+def sae_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        *_token_columns(pa),
         ("sae_release", pa.string()),
         ("sae_layer", pa.int16()),
         ("feature_id", pa.int32()),
@@ -103,11 +110,7 @@ def hidden_schema():
     import pyarrow as pa
 
     return pa.schema([
-        ("request_id", pa.string()),
-        ("step", pa.int32()),
-        ("token_position", pa.int32()),
-        ("token_id", pa.int32()),
-        ("created_at", pa.timestamp("us")),
+        *_token_columns(pa),
         ("layer", pa.int16()),
         ("vector", pa.list_(pa.float32())),
         ("model_id", pa.string()),
