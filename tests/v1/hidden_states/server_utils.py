@@ -9,9 +9,10 @@ from pathlib import Path
 import httpx
 import orjson
 
+from vllm_hidden_states.tools.request_gate import GATE_ARG
 from vllm_hidden_states.tools.server_process import ServerProcess
 
-__all__ = ["ServerProcess", "num_generated", "num_completed", "post_concurrently", "sse_events",
+__all__ = ["GATE_ARGS", "Gate", "ServerProcess", "num_generated", "num_completed", "post_concurrently", "sse_events",
            "test_server_process", "wait_until"]
 
 # Every test server: float32 like the HF reference, eager (fast start), seeded.
@@ -48,6 +49,34 @@ def sse_events(response: httpx.Response) -> list[dict]:
             break
         events.append(orjson.loads(data))
     return events
+
+
+# Servers whose tests hold a request mid-generation (see :class:`Gate`).
+GATE_ARGS = ["--logits-processors",
+             "vllm_hidden_states.tools.request_gate:HoldWhileFileExists"]  # fmt: skip
+
+
+class Gate:
+    """While open, a request sent with :attr:`xargs` is held after its first
+    token (the engine waits inside that step), whatever the machine's speed;
+    closing it lets the engine go on. Needs a server started with
+    :data:`GATE_ARGS`. Use as a context manager: the file is removed on exit,
+    an error included."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @property
+    def xargs(self) -> dict:
+        """The request's ``vllm_xargs``."""
+        return {GATE_ARG: str(self.path)}
+
+    def __enter__(self) -> "Gate":
+        self.path.touch()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0.2):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from .conftest import HFReference, assert_close
-from .server_utils import post_concurrently, test_server_process, wait_until
+from .server_utils import GATE_ARGS, Gate, post_concurrently, test_server_process, wait_until
 from .test_server import decode_rows, hf_tokenize
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,9 @@ LAYERS = [0, 1, -2, -1]
 def scale_servers(qwen3_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("scale-out-logs")
     common = ["--enable-hidden-states", "--max-model-len", "512",
-              "--max-num-batched-tokens", "64"]  # fmt: skip
+              "--max-num-batched-tokens", "64",
+              # /load and the gate, for the abort test
+              "--enable-server-load-tracking", *GATE_ARGS]  # fmt: skip
     dp2 = test_server_process(
         qwen3_dir, [*common, "--data-parallel-size", "2"], logs / "dp2.log", name=MODEL
     )
@@ -136,18 +138,23 @@ def completed(server) -> float:
     return sum(served_by_engine(server).values())
 
 
-def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(dp2, hf_qwen3):
-    """Streams closed by the client after their first token are aborted on the
-    engine that runs them (else they would run to 480 tokens and count as
-    completed); a request after them is exact; nothing is held afterwards."""
+def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(
+    dp2, hf_qwen3, tmp_path
+):
+    """Streams closed by the client after their first token, while held there
+    by construction (a :class:`Gate`), are aborted on the engine that runs them
+    (else they would run to 480 tokens and count as completed); a request after
+    them is exact; nothing is held afterwards."""
     before = completed(dp2)
-    long = body(PROMPTS[0], max_tokens=480, ignore_eos=True, stream=True,
-                hidden_states_positions="all")  # fmt: skip
     with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
-        for _ in range(2):
-            with http.stream("POST", "/v1/completions", json=long) as r:
-                assert next(line for line in r.iter_lines() if line.startswith("data: {"))
-            # leaving the block closes the connection: the server aborts
+        for i in range(2):
+            with Gate(tmp_path / f"hold-{i}") as gate:
+                long = body(PROMPTS[0], max_tokens=480, ignore_eos=True, stream=True,
+                            hidden_states_positions="all", vllm_xargs=gate.xargs)  # fmt: skip
+                with http.stream("POST", "/v1/completions", json=long) as r:
+                    assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+                # leaving the block closes the connection: the server aborts
+                wait_until(lambda: dp2.load() == 0, "the server to close the stream")
         r = http.post("/v1/completions", json=body(PROMPTS[1]))
         assert r.status_code == 200, r.text
         check_choice(hf_qwen3, r.json()["choices"][0], "last")

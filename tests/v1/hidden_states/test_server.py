@@ -26,6 +26,8 @@ from vllm_hidden_states.client import to_numpy, to_torch
 
 from .conftest import assert_close
 from .server_utils import (
+    GATE_ARGS,
+    Gate,
     ServerProcess,
     num_generated,
     sse_events,
@@ -54,12 +56,12 @@ def servers(qwen3_dir, llama_dir, tmp_path_factory):
             "--enable-hidden-states",
             "--hidden-states-layers", CAPTURABLE,
             "--max-model-len", str(MAX_MODEL_LEN),
-            # /load: in-flight HTTP requests, for the disconnect test
+            # /load (in-flight HTTP requests) and the gate, for the disconnect test
             "--enable-server-load-tracking",
+            *GATE_ARGS,
         ],
         logs / "main.log",
-        # VLLM_SERVER_DEV_MODE: vLLM's /pause and /resume, for the disconnect test
-        env={"VLLM_HIDDEN_STATES_MAX_RESPONSE_MB": CAP_MB, "VLLM_SERVER_DEV_MODE": "1"},
+        env={"VLLM_HIDDEN_STATES_MAX_RESPONSE_MB": CAP_MB},
         name=MODEL,
     )  # fmt: skip
     plain = test_server_process(
@@ -600,26 +602,23 @@ def test_server_without_the_flag_says_how_to_enable(plain_server):
 
 
 
-def test_client_disconnecting_mid_stream_leaves_nothing_held(server, http, hf_qwen3):
+def test_client_disconnecting_mid_stream_leaves_nothing_held(
+    server, http, hf_qwen3, tmp_path
+):
     """The client leaves while its request is still generating, by construction:
-    the engine is frozen in place (vLLM's ``/pause?mode=keep``) after the first
-    token, the client disconnects, and the engine resumes only once the server
-    has closed the stream. The request must then be aborted, not run to its
-    end, and nothing may stay held."""
+    both children are held after their first token (a :class:`Gate`), the client
+    disconnects, and the engine goes on only once the server has closed the
+    stream. The request must then be aborted, not run to its end, and nothing
+    may stay held."""
     generated_before = num_generated(server)
-    body = completion_body(
-        max_tokens=900, ignore_eos=True, stream=True, n=2, temperature=1.0
-    )
-    with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
-            paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
-            assert paused.status_code == 200, paused.text
-        # leaving both blocks closes the connection while the engine is frozen
-    try:
+    with Gate(tmp_path / "hold") as gate:
+        body = completion_body(max_tokens=900, ignore_eos=True, stream=True, n=2,
+                               temperature=1.0, vllm_xargs=gate.xargs)  # fmt: skip
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            # leaving both blocks closes the connection while the engine is held
         wait_until(lambda: server.load() == 0, "the server to close the stream")
-    finally:
-        assert http.post("/resume").status_code == 200
     r = http.post("/v1/completions", json=completion_body(hidden_states_layers=[2]))
     (choice,) = r.json()["choices"]
     ids = choice["prompt_token_ids"] + choice["token_ids"]

@@ -22,6 +22,8 @@ from vllm_hidden_states.client import from_bytes, to_numpy
 
 from .conftest import assert_close
 from .server_utils import (
+    GATE_ARGS,
+    Gate,
     ServerProcess,
     num_generated,
     sse_events,
@@ -46,12 +48,11 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
             "--enable-hidden-states",
             "--max-model-len", "512",
             "--hidden-states-max-response-mb", str(CAP_MB),
-            # /load (in-flight HTTP requests), for the disconnect test
+            # /load (in-flight HTTP requests) and the gate, for the disconnect test
             "--enable-server-load-tracking",
+            *GATE_ARGS,
         ],
         logs / "server.log",
-        # VLLM_SERVER_DEV_MODE: vLLM's /pause and /resume, for the disconnect test
-        env={"VLLM_SERVER_DEV_MODE": "1"},
         name=MODEL,
     )  # fmt: skip
     process.start()
@@ -312,23 +313,22 @@ def test_all_positions_over_the_response_cap_are_refused_before_generation(
 
 
 
-def test_client_disconnecting_mid_stream_of_rows_leaves_nothing_held(server, http):
-    """The client leaves while rows are streaming, by construction: the engine
-    is frozen (``/pause?mode=keep``) after the first chunk with rows, the client
-    disconnects, and the engine resumes once the server closed the stream."""
+def test_client_disconnecting_mid_stream_of_rows_leaves_nothing_held(
+    server, http, tmp_path
+):
+    """The client leaves while rows are streaming, by construction: the request
+    is held after its first chunk of rows (a :class:`Gate`), the client
+    disconnects, and the engine goes on only once the server closed the stream."""
     generated_before = num_generated(server)
-    payload = body(stream=True, hidden_states_stream=True, max_tokens=400,
-                   ignore_eos=True, hidden_states_format="base64")  # fmt: skip
-    with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
-        with client.stream("POST", C, json=payload) as r:
-            first = next(line for line in r.iter_lines() if "hidden_states" in line)
-            assert orjson.loads(first[6:])["choices"][0]["hidden_states"]["shape"][1] > 0
-            paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
-            assert paused.status_code == 200, paused.text
-    try:
+    with Gate(tmp_path / "hold") as gate:
+        payload = body(stream=True, hidden_states_stream=True, max_tokens=400,
+                       ignore_eos=True, hidden_states_format="base64",
+                       vllm_xargs=gate.xargs)  # fmt: skip
+        with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
+            with client.stream("POST", C, json=payload) as r:
+                first = next(line for line in r.iter_lines() if "hidden_states" in line)
+                assert orjson.loads(first[6:])["choices"][0]["hidden_states"]["shape"][1] > 0
         wait_until(lambda: server.load() == 0, "the server to close the stream")
-    finally:
-        assert http.post("/resume").status_code == 200
     # Aborted, not run to its end: once the engine holds nothing, far fewer
     # than its 400 tokens were generated (a request left running would have
     # generated them all before the engine emptied).
