@@ -13,9 +13,11 @@ Per step, only when the SchedulerOutput carries a capture plan
 2. the forward writes those rows of every captured layer ``k < L`` into the
    persistent buffers, inside the compiled graph;
 3. right after it, :meth:`HiddenStatesCapture.collect` reads the buffers (and
-   layer ``L``, the model's post-norm output, at the same rows), copies them to
-   the host as ``[num_layers, rows, hidden_size]`` per request, and disarms:
-   the next forward overwrites the buffers;
+   layer ``L``, the model's post-norm output, at the same rows) and copies
+   them to the host as ``[num_layers, rows, hidden_size]`` per request
+   (:mod:`.host_rows`: on CUDA into pinned memory, not waited on in the step),
+   and disarms: the next forward overwrites the buffers, after the copies in
+   stream order;
 4. ``sample_tokens`` puts finished captures on
    ``ModelRunnerOutput.captured_hidden_states``.
 
@@ -57,6 +59,7 @@ from vllm.sequence import IntermediateTensors
 from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.worker.capture_points import CapturePoints
+from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 
 if TYPE_CHECKING:
     from vllm_hidden_states.engine.planner import CaptureStep
@@ -82,13 +85,10 @@ class _Armed:
 class HiddenStatesCapture:
     """Per-runner capture state (``runner._hidden_states_capture``).
 
-    ``_partial`` accumulates the chunks of multi-step captures ("all" over a
-    chunked prefill); ``_ready`` holds finished results until ``sample_tokens``
-    puts them on the ModelRunnerOutput. A result is ``(states, features)``:
-    ``states`` a ``[num_layers, num_positions, hidden_size]`` CPU tensor in the
-    model dtype (None when no layer's full states were asked), ``features``
-    ``(ids int32, values float32)``, both ``[num_positions, k]`` on the CPU
-    (None without ``sae_top_k``).
+    ``_partial`` holds the host rows of captures that span several steps
+    ("all" over a chunked prefill), filled chunk by chunk; ``_ready`` holds
+    finished captures (:class:`HostRows`) until ``sample_tokens`` puts them on
+    the ModelRunnerOutput.
     """
 
     def __init__(self, config: HiddenStatesConfig, runner: Any) -> None:
@@ -110,8 +110,9 @@ class HiddenStatesCapture:
         self._armed: list[_Armed] = []
         self._rows: torch.Tensor | None = None  # armed rows on the device
         self._num_scheduled: dict[str, int] = {}
-        self._partial: dict[str, list[_Result]] = {}
-        self._ready: dict[str, _Result] = {}
+        self._partial: dict[str, HostRows] = {}
+        self._ready: dict[str, HostRows] = {}
+        self.copies = HostCopies(runner.device)
         self.sae = None
         self.sae_layer = config.sae_layer
         if config.sae is not None and self.is_last_stage:  # SAE rows are encoded there
@@ -273,26 +274,30 @@ class HiddenStatesCapture:
                 return self.points.read(k)[inner]
 
             step = armed.step
-            # [num_layers, rows, hidden] on the host, a copy: the buffers are
-            # rewritten by the next forward.
-            states = (torch.stack([rows_of(k) for k in step.layers]).to("cpu", copy=True)
-                      if step.layers else None)  # fmt: skip
+            # Device rows, one [rows, hidden] per layer; the host copies are
+            # not waited on (see host_rows), and the next forward rewrites the
+            # buffers only after them, in stream order.
+            layers = [rows_of(k) for k in step.layers]
             features = None
             if step.sae_top_k:
                 # On the device; only k ids + k values per row leave it.
-                ids, values = encode_topk(rows_of(self.sae_layer), self.sae, step.sae_top_k)
-                features = (ids.to("cpu"), values.to("cpu"))
-            chunk: _Result = (states, features)
-            if step.positions == "all":
-                if step.start == 0:
-                    self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
-                if not armed.done:
-                    self._partial.setdefault(armed.req_id, []).append(chunk)
-                    continue
-                chunks = self._partial.pop(armed.req_id, [])
-                if chunks:
-                    chunk = _concat_results([*chunks, chunk])
-            self._ready[armed.req_id] = chunk
+                features = encode_topk(rows_of(self.sae_layer), self.sae, step.sae_top_k)
+            if step.positions == "all" and step.start == 0:
+                self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
+            rows = self._partial.get(armed.req_id)
+            if rows is None:
+                # "all" over several steps (a chunked prefill) gets room for
+                # every position up front; else this chunk is the capture.
+                spans = step.positions == "all" and not armed.done
+                num_rows = step.num_tokens - step.first if spans else armed.count
+                rows = HostRows.allocate(self.copies, step.first, num_rows, layers, features)
+                if spans:
+                    self._partial[armed.req_id] = rows
+            rows.write(self.copies, step.first, layers, features)
+            if armed.done:
+                self._partial.pop(armed.req_id, None)
+                self._ready[armed.req_id] = rows
+        self.copies.record()
         self._armed = []
         self._rows = None
         self._carried = None
@@ -313,24 +318,24 @@ class HiddenStatesCapture:
         if not self._ready:
             return None, None
         ready, self._ready = self._ready, {}
-        states = {r: s for r, (s, _) in ready.items() if s is not None}
-        features = {r: f for r, (_, f) in ready.items() if f is not None}
+        states = {r: rows.states for r, rows in ready.items() if rows.states is not None}
+        features = {r: rows.features for r, rows in ready.items()
+                    if rows.features is not None}  # fmt: skip
         return states or None, features or None
 
 
-# (states [num_layers, rows, hidden] | None, (ids [rows, k], values [rows, k]) | None)
-_Result = tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
+def _wait_before_get_output(output: Any, copies: HostCopies) -> None:
+    """Async scheduling: the rows' copies are complete before the output is
+    read (``get_output`` runs off the step, in the output thread)."""
+    get_output = output.get_output
+    copies_event = copies.take_event()
 
+    def get_output_after_copies():
+        if copies_event is not None:
+            copies_event.synchronize()
+        return get_output()
 
-def _concat_results(chunks: list[_Result]) -> _Result:
-    """Chunks of one capture, in position order, as one result."""
-    states = [s for s, _ in chunks if s is not None]
-    features = [f for _, f in chunks if f is not None]
-    return (
-        torch.cat(states, dim=1) if states else None,
-        (torch.cat([i for i, _ in features]), torch.cat([v for _, v in features]))
-        if features else None,
-    )
+    output.get_output = get_output_after_copies
 
 
 def _capture_of(runner: Any) -> HiddenStatesCapture | None:
@@ -402,6 +407,10 @@ def install_mrv1_hooks() -> None:
             target.captured_hidden_states, features = capture.take_ready()
             if features is not None:
                 target.captured_sae_features = features
+            if target is output:
+                capture.copies.wait()  # sync scheduling: vLLM already waited
+            else:
+                _wait_before_get_output(output, capture.copies)
         return output
 
     cls._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Captured rows on their way from the device to the host, without a wait.
+
+:class:`HostCopies` issues the copies; :class:`HostRows` is one capture's
+destination, filled chunk by chunk when a capture spans several steps (a
+chunked prefill), so rows are never concatenated on the CPU, which would have
+to wait for copies still in flight.
+
+On CUDA each copy lands in pinned host memory (PyTorch's caching host
+allocator, so no ``cudaHostAlloc`` per step) and is issued ``non_blocking`` on
+the current stream right after the forward. Nothing in the step waits on it:
+vLLM itself synchronizes that stream before the step's output leaves the
+worker (sync scheduling: the event behind ``_to_list`` of the sampled ids;
+async scheduling: ``AsyncGPUModelRunnerOutput``'s copy stream waits on the
+default stream before its ready event). :meth:`HostCopies.wait` sits on that
+hand-over all the same (an event recorded after the step's last copy), so the
+rows are complete even on a path where vLLM would not sync; by then it returns
+at once. On the CPU the copies are plain and the events are no-ops.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+class HostCopies:
+    """Device-to-host copies of one model runner's captured rows."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.asynchronous = device.type == "cuda"
+        self._event: torch.cuda.Event | None = None
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor to copy into (pinned on CUDA)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.asynchronous)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (host, contiguous) <- ``src`` (device), not waited on."""
+        dst.copy_(src, non_blocking=self.asynchronous)
+
+    def record(self) -> None:
+        """After a step's last copy: mark where its rows are complete."""
+        if self.asynchronous:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def take_event(self) -> "torch.cuda.Event | None":
+        """The event after the last recorded step's copies, for a reader off
+        the step (None on the CPU, or when taken already)."""
+        event, self._event = self._event, None
+        return event
+
+    def wait(self) -> None:
+        """Before rows leave the worker: their copies are complete."""
+        if (event := self.take_event()) is not None:
+            event.synchronize()
+
+
+@dataclass
+class HostRows:
+    """One capture's rows on the host.
+
+    Attributes:
+        first: sequence position of row 0.
+        states: ``[num_layers, rows, hidden_size]`` in the model dtype, or
+            None when no layer's full states were asked.
+        features: SAE top-k ``(ids int32, values float32)``, each
+            ``[rows, k]``, or None without ``sae_top_k``.
+    """
+
+    first: int
+    states: torch.Tensor | None
+    features: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def allocate(
+        cls,
+        copies: HostCopies,
+        first: int,
+        num_rows: int,
+        layers: list[torch.Tensor],
+        features: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> "HostRows":
+        """Room for ``num_rows`` rows shaped like the first chunk's
+        (``layers``: one ``[rows, hidden]`` device tensor per layer)."""
+        states = None
+        if layers:
+            hidden = layers[0].shape[-1]
+            states = copies.empty((len(layers), num_rows, hidden), layers[0].dtype)
+        host_features = None
+        if features is not None:
+            ids, values = features
+            host_features = (copies.empty((num_rows, ids.shape[-1]), ids.dtype),
+                             copies.empty((num_rows, values.shape[-1]), values.dtype))  # fmt: skip
+        return cls(first, states, host_features)
+
+    @property
+    def num_rows(self) -> int:
+        if self.states is not None:
+            return self.states.shape[1]
+        return self.features[0].shape[0] if self.features is not None else 0
+
+    def write(
+        self,
+        copies: HostCopies,
+        first: int,
+        layers: list[torch.Tensor],
+        features: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Copy one chunk whose row 0 is position ``first``: one contiguous
+        copy per layer (a row range of one layer is contiguous on both sides)."""
+        count = layers[0].shape[0] if layers else features[0].shape[0]
+        lo = first - self.first
+        if lo < 0 or lo + count > self.num_rows:
+            raise RuntimeError(
+                f"vllm-hidden-states: rows {first}..{first + count - 1} fall outside "
+                f"the capture's positions {self.first}..{self.first + self.num_rows - 1}"
+            )
+        for i, rows in enumerate(layers):
+            copies.copy(self.states[i, lo:lo + count], rows)
+        if features is not None:
+            copies.copy(self.features[0][lo:lo + count], features[0])
+            copies.copy(self.features[1][lo:lo + count], features[1])
