@@ -307,3 +307,23 @@ def test_price_positions_counts_only_the_prompt_for_prompt_positions():
                               hidden_size=8)  # fmt: skip
     price_positions(pricing, prompt_len=10, max_tokens=500)
     assert pricing.spent_positions == 10
+
+
+# --------------------------------------------------------------------------
+# The response cap prices SAE features too.
+
+
+def test_sae_features_count_toward_the_response_cap_and_are_named():
+    from vllm_hidden_states.server.admission import SAE_FEATURE_BYTES, Limits, check_response
+
+    positions, top_k = 1000, 64
+    cap = positions * top_k * SAE_FEATURE_BYTES - 1  # one byte short
+    limits = Limits(max_response_bytes=cap, max_batch=8, max_input_chars=1000)
+    check_response(limits, 1, positions, 0, 128, "float", "max_tokens", "advice")  # no features
+    with pytest.raises(ApiError) as e:
+        check_response(limits, 1, positions, 0, 128, "float", "max_tokens", "advice",
+                       sae_top_k=top_k)  # fmt: skip
+    assert e.value.status == HTTPStatus.BAD_REQUEST
+    assert "top-64 SAE features per position" in str(e.value)
+    check_response(limits, 1, positions - 1, 0, 128, "float", "max_tokens", "advice",
+                   sae_top_k=top_k)  # fmt: skip

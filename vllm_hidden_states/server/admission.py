@@ -150,6 +150,11 @@ def check_batch(limits: Limits, results: int, param: str, what: str) -> None:
         )
 
 
+# Wire bytes of one SAE feature, at most: an int32 id in JSON (11 characters)
+# and a float32 value (15), each with a separator.
+SAE_FEATURE_BYTES = 28
+
+
 def check_response(
     limits: Limits,
     results: int,
@@ -160,16 +165,22 @@ def check_response(
     param: str,
     advice: str,
     embed_dtype: str = "float32",
+    sae_top_k: int = 0,
 ) -> None:
-    """400 when ``results x positions x layers x hidden`` values would make a
-    response over the cap (``positions`` may be an upper bound)."""
+    """400 when ``results x positions x layers x hidden`` values, plus
+    ``sae_top_k`` SAE features per position, would make a response over the
+    cap (``positions`` may be an upper bound)."""
     values = results * positions * layers * hidden_size
     size = values * value_bytes(encoding_format, embed_dtype)
+    features = ""
+    if sae_top_k:
+        size += results * positions * sae_top_k * SAE_FEATURE_BYTES
+        features = f", plus top-{sae_top_k} SAE features per position"
     if size > limits.max_response_bytes:
         raise invalid_request(
             f"the response would be about {size / 2**20:.1f} MB ({results} results x "
             f"{positions} positions x {layers} layers x {hidden_size} values, "
-            f"encoding_format={encoding_format!r}), over this server's "
+            f"encoding_format={encoding_format!r}{features}), over this server's "
             f"{limits.max_response_mb:g} MB cap ({RESPONSE_FLAG}, or the environment "
             f"variable {MAX_RESPONSE_ENV}); {advice}",
             param,

@@ -297,7 +297,8 @@ def validate_ask(
         limits, results, 1, len(ask.layers),
         engine_client.model_config.get_hidden_size(), ask.encoding_format,
         "hidden_states_layers",
-        "ask for fewer layers or choices, or use hidden_states_format 'base64'",
+        "ask for fewer layers or choices or a smaller top_k, or use "
+        "hidden_states_format 'base64'", sae_top_k=ask.sae_top_k,
     )  # fmt: skip
     return ask
 
@@ -332,7 +333,8 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         pricing.hidden_size, pricing.ask.encoding_format, "max_tokens",
         f"positions are priced at prompt tokens + max_tokens ({prompt_len} + "
         f"{max_tokens} here) per choice; lower max_tokens, ask for fewer layers "
-        "or choices, use hidden_states_format 'base64', or raise the cap",
+        "or choices or a smaller top_k, use hidden_states_format 'base64', or "
+        "raise the cap", sae_top_k=pricing.ask.sae_top_k,
     )  # fmt: skip
 
 
