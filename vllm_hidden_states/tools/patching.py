@@ -13,10 +13,13 @@ version is refused before a file is touched.
 This module must not import vLLM: it runs before vLLM is patched.
 """
 
+import fcntl
 import importlib.metadata
 import importlib.util
+import os
 import shutil
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,9 +125,25 @@ def is_applied() -> bool:
     return all(s.state == "applied" for s in status())
 
 
+@contextmanager
+def _exclusive():
+    """One ``apply``/``revert`` at a time per vLLM install: two running at once
+    (test processes side by side, two shells) could read each other's
+    half-written record and take the whole set off."""
+    lock_path = site_root() / "vllm" / ".hidden_states_patches.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def apply() -> list[str]:
     """Apply every patch not yet applied; the names applied now."""
     check_version()
+    with _exclusive():
+        return _apply()
+
+
+def _apply() -> list[str]:
     if _recorded() and not _same_as_recorded():
         # An older patch set is applied: take it off with its own files.
         for p in reversed(_recorded()):
@@ -145,9 +164,13 @@ def apply() -> list[str]:
             if not _patch(patches_dir() / s.name):
                 raise PatchError(f"failed to apply {s.name}")
             done.append(s.name)
-    record_dir().mkdir(exist_ok=True)
-    for p in patch_files():
-        shutil.copyfile(p, record_dir() / p.name)
+    if not _same_as_recorded():
+        record_dir().mkdir(exist_ok=True)
+        for p in patch_files():
+            # Atomically: a reader never sees a half-written record.
+            tmp = record_dir() / f".{p.name}.tmp"
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, record_dir() / p.name)
     return done
 
 
@@ -155,11 +178,12 @@ def revert() -> list[str]:
     """Revert every applied patch, last first; the names reverted."""
     check_version()
     done = []
-    for s in reversed(status()):
-        if s.state == "applied":
-            if not _patch(patches_dir() / s.name, "--reverse"):
-                raise PatchError(f"failed to revert {s.name}")
-            done.append(s.name)
-    if record_dir().is_dir():
-        shutil.rmtree(record_dir())
+    with _exclusive():
+        for s in reversed(status()):
+            if s.state == "applied":
+                if not _patch(patches_dir() / s.name, "--reverse"):
+                    raise PatchError(f"failed to revert {s.name}")
+                done.append(s.name)
+        if record_dir().is_dir():
+            shutil.rmtree(record_dir())
     return done

@@ -26,6 +26,19 @@ def test_apply_twice_changes_nothing():
     assert "already patched" in result.stdout
 
 
+def test_applies_running_at_once_leave_every_patch_applied():
+    """Test processes run side by side: an apply must never read another's
+    half-written record of the applied set and take the patches off."""
+    cmd = [sys.executable, "-m", "vllm_hidden_states.tools.cli", "patch", "apply"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert "already patched" in out, out
+    assert all(s.state == "applied" for s in patching.status())
+
+
 def test_check_exits_zero_and_lists_each_patch():
     result = _cli("patch", "check")
     assert result.returncode == 0, result.stderr
