@@ -33,11 +33,13 @@ endif
 serve: setup
 	$(PY) -m vllm_hidden_states.tools.serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
-# The unit tier first (no engine, seconds), then real engines and servers, then
-# the wheel install.
+# The unit tier first (no engine, seconds), then real engines and servers and
+# the wheel install, in TEST_WORKERS processes, a test file's tests in one
+# (its module-scoped servers start once).
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q tests/unit
-	$(PY) -m pytest -x -q tests/v1 tests/install
+	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -28,7 +28,9 @@ attention multipliers (Granite). Their weights are perturbed after HF's
 initialisation, so norms and biases are not the trivial ones and zeros.
 """
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 _CORPUS = """\
@@ -201,8 +203,6 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    import torch
-
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
@@ -211,10 +211,29 @@ def build_tiny_model(
                   max_position_embeddings=max_position_embeddings, seed=seed,
                   version=1)
     stamp = out / "tiny_model.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+    if _built(stamp, recipe):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Test processes running side by side may ask for the same model: one
+    # builds it, the others wait and then find its stamp.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _built(stamp, recipe):
+            _write_tiny_model(out, arch, recipe, hidden_size, intermediate_size,
+                              num_layers, vocab_size, max_position_embeddings, seed)  # fmt: skip
+    return out
 
+
+def _built(stamp: Path, recipe: dict) -> bool:
+    return stamp.exists() and json.loads(stamp.read_text()) == recipe
+
+
+def _write_tiny_model(out: Path, arch: str, recipe: dict, hidden_size: int,
+                      intermediate_size: int | None, num_layers: int, vocab_size: int,
+                      max_position_embeddings: int, seed: int) -> None:  # fmt: skip
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
     head_dim = 64
     num_heads = max(1, hidden_size // head_dim)
     kv_heads = 1 if num_heads == 1 else num_heads // 2
@@ -245,5 +264,7 @@ def build_tiny_model(
                 p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(out, safe_serialization=True)
     hf_tok.save_pretrained(out)
-    stamp.write_text(json.dumps(recipe))
-    return out
+    # Last, and atomically: the stamp marks the model built.
+    tmp = out / "tiny_model.json.tmp"
+    tmp.write_text(json.dumps(recipe))
+    os.replace(tmp, out / "tiny_model.json")
