@@ -12,7 +12,8 @@ peers (ours vs HF transformers and nnsight on equal cores, and the vLLM-based
 peers, n/a with their exact error where they cannot start), harvest (collect
 -> Parquet vs the bare route vs an HF transformers loop), sae_payload (SAE
 top-k features vs full hidden states over HTTP: bytes per position and
-throughput).
+throughput), scale_out (DP=2 vs DP=1 with "last" on every request, beside
+plain vLLM's own DP=2 vs DP=1).
 """
 
 import argparse
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from benchmarks.common import RESULTS, Comparison, machine, write_results
 
 SECTIONS = ("payload", "offline", "server", "prompt", "load", "peers", "harvest",
-            "sae_payload")
+            "sae_payload", "scale_out")
 
 
 def _plot(results: dict, out_dir: Path) -> list[Path]:
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
                     {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
                      "prompt": "benchmarks.prompt_states",
                      "peers": "benchmarks.peers", "harvest": "benchmarks.harvest",
-                     "sae_payload": "benchmarks.sae_payload"}[section])
+                     "sae_payload": "benchmarks.sae_payload",
+                     "scale_out": "benchmarks.scale_out"}[section])
                 kwargs = {"model": args.model} if args.model else {}
                 comps: list[Comparison] = module.run(args.rounds, args.quick, **kwargs)
                 for comp in comps:
