@@ -32,7 +32,9 @@ count and returns (one call per capture point); on other devices, where the
 count cannot be read without a host sync (and not at all inside CUDA-graph
 capture), the op gathers all ``max_rows`` rows of the persistent index, whose
 unused entries point at row 0: ``max_rows x hidden_size`` elements copied per
-capture point per forward.
+capture point per forward. Invariant: entries of ``rows`` past ``count``
+are 0 (:meth:`CapturePoints.arm` writes them so, :meth:`CapturePoints.disarm`
+resets the whole index), so that gather never reads past a smaller batch.
 """
 
 import inspect
@@ -55,6 +57,30 @@ _STREAM_ARG_NAMES = ("hidden_states", "hidden_state", "hidden", "x")
 _NOT_STREAM_ARGS = ("positions", "position_ids", "position_embeddings")
 
 
+def count_readable_on_host(device: torch.device) -> bool:
+    """Whether the op may read ``count`` on the host: on CPU it is a plain
+    memory read; elsewhere it would be a host sync (and is impossible inside
+    CUDA-graph capture), so the op gathers every entry of ``rows`` instead."""
+    return device.type == "cpu"
+
+
+def gather_rows(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    target: torch.Tensor,
+) -> None:
+    """``target = (hidden + residual)[index]``: ``hidden``/``residual``
+    ``[tokens, hidden_size]``, ``index`` int64 ``[n]`` (every entry
+    ``< tokens``), ``target`` ``[n, hidden_size]`` in the model dtype."""
+    if residual is None:
+        torch.index_select(hidden, 0, index, out=target)
+    else:
+        residual = residual.reshape(-1, residual.shape[-1])
+        torch.add(hidden.index_select(0, index), residual.index_select(0, index),
+                  out=target)  # fmt: skip
+
+
 def _capture_rows(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -64,21 +90,15 @@ def _capture_rows(
 ) -> None:
     """``out[:n] = (hidden + residual)[rows[:n]]`` with ``n = count`` (see module doc)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    if hidden.device.type == "cpu":
+    if count_readable_on_host(hidden.device):
         n = int(count.item())  # free on CPU; the op is opaque to Dynamo
-        if n == 0:
-            return
-        index, target = rows[:n], out[:n]
-    else:
-        # No host sync (nor one inside CUDA-graph capture): gather every row
-        # of the persistent index; the runner reads out[:count].
-        index, target = rows, out
-    if residual is None:
-        torch.index_select(hidden, 0, index, out=target)
-    else:
-        residual = residual.reshape(-1, residual.shape[-1])
-        torch.add(hidden.index_select(0, index), residual.index_select(0, index),
-                  out=target)
+        if n:
+            gather_rows(hidden, residual, rows[:n], out[:n])
+        return
+    # No host sync: gather every entry of the persistent index; the runner
+    # reads out[:count]. Entries past the count are 0 (CapturePoints keeps
+    # them so), which every forward has, whatever its batch size.
+    gather_rows(hidden, residual, rows, out)
 
 
 def _capture_rows_fake(
@@ -281,8 +301,14 @@ class CapturePoints:
         self.count = n
 
     def disarm(self) -> None:
-        """No capture in later forwards (profile, dummy and warm-up runs included)."""
+        """No capture in later forwards (profile, dummy and warm-up runs included).
+
+        The index goes back to all zeros too: where the op cannot read the
+        count (off CPU) it gathers every entry, and an index left over from a
+        larger batch would read past a smaller one's rows (a device-side
+        assert that kills the engine)."""
         if self.count:
+            self.rows.zero_()
             self.count_tensor.fill_(0)
             self.count = 0
 

@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Capture points on a small torch stack, in the op's two modes.
+
+The op reads the armed row count on the host only on CPU; on CUDA it gathers
+every entry of the persistent row index without a sync. These tests run that
+sync-free path on CPU (``count_readable_on_host`` answering False), where an
+out-of-range index raises instead of asserting on the device.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from vllm_hidden_states.worker import capture_points
+from vllm_hidden_states.worker.capture_points import CapturePoints
+
+HIDDEN = 8
+NUM_LAYERS = 3
+
+
+class Layer(nn.Module):
+    """A decoder layer with vLLM's fused-residual signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, positions, hidden_states, residual):
+        stream = hidden_states if residual is None else hidden_states + residual
+        return self.proj(stream), stream
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(NUM_LAYERS))
+
+    def forward(self, hidden):
+        """``hidden`` [tokens, HIDDEN]; returns the stream entering each layer."""
+        positions = torch.arange(hidden.shape[0])
+        residual = None
+        entering = []
+        for layer in self.layers:
+            entering.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(positions, hidden, residual)
+        return entering
+
+
+@pytest.fixture(params=["host count", "sync-free"])
+def mode(request, monkeypatch):
+    if request.param == "sync-free":
+        monkeypatch.setattr(capture_points, "count_readable_on_host", lambda device: False)
+    return request.param
+
+
+def make_points(max_rows: int = 16) -> tuple[Stack, CapturePoints]:
+    torch.manual_seed(0)
+    model = Stack()
+    points = CapturePoints(
+        model, [0, 2], num_layers=NUM_LAYERS, hidden_size=HIDDEN,
+        max_rows=max_rows, dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    return model, points
+
+
+@torch.inference_mode()
+def test_armed_rows_are_the_stream_entering_each_captured_layer(mode):
+    model, points = make_points()
+    rows = np.array([7, 0, 3, 9], dtype=np.int64)
+    points.arm(rows)
+    entering = model(torch.randn(10, HIDDEN))
+    for k in points.layers:
+        torch.testing.assert_close(points.read(k), entering[k][torch.from_numpy(rows)])
+
+
+@torch.inference_mode()
+def test_forward_nobody_armed_never_reads_rows_armed_for_a_larger_batch(mode):
+    """Defect seen on an H100: disarm left the index of a 10-token capture in
+    place, and the next 4-token forward gathered rows 4..9 (index out of
+    bounds, a device-side assert that killed the engine)."""
+    model, points = make_points()
+    points.arm(np.arange(10, dtype=np.int64))
+    model(torch.randn(10, HIDDEN))
+    points.disarm()
+    model(torch.randn(4, HIDDEN))  # raises IndexError if a stale index is gathered
+    assert points.count == 0
+    assert int(points.count_tensor) == 0
+    assert not points.rows.any()
+
+
+@torch.inference_mode()
+def test_smaller_capture_after_larger_one_reads_only_its_own_rows(mode):
+    model, points = make_points()
+    points.arm(np.arange(10, dtype=np.int64))
+    model(torch.randn(10, HIDDEN))
+    points.disarm()
+    points.arm(np.array([1, 2], dtype=np.int64))
+    entering = model(torch.randn(3, HIDDEN))
+    assert points.read(2).shape == (2, HIDDEN)
+    torch.testing.assert_close(points.read(2), entering[2][1:3])
+
+
+def test_arming_more_rows_than_the_buffers_hold_is_refused():
+    _, points = make_points(max_rows=4)
+    with pytest.raises(ValueError, match="5 rows asked in one step; the buffers hold 4"):
+        points.arm(np.arange(5, dtype=np.int64))
