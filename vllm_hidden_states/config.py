@@ -266,6 +266,48 @@ def num_hidden_layers(vllm_config: "VllmConfig") -> int:
     return int(text_config.num_hidden_layers)
 
 
+# Set to 1 to keep vLLM's async scheduling with hidden states (experimental:
+# for the GPU test tier, until it has been shown exact on a GPU).
+ASYNC_SCHEDULING_ENV = "VLLM_HIDDEN_STATES_ASYNC_SCHEDULING"
+
+
+def async_scheduling_for(requested: bool | None) -> bool | None:
+    """``SchedulerConfig.async_scheduling`` for an engine with hidden states,
+    given what was asked (None: vLLM's default, on for CUDA).
+
+    Called from ``EngineArgs.create_engine_config`` (patch 0005) before vLLM
+    resolves its default. Async scheduling plans step N+1 before step N's
+    output is processed; the capture path follows it (output placeholders
+    count as positions) but has not yet been shown exact on a GPU, so it is
+    switched off, with one log line, unless ``VLLM_HIDDEN_STATES_ASYNC_SCHEDULING=1``.
+    Asking for it explicitly (``--async-scheduling``) without that is refused.
+    """
+    import os
+
+    from vllm.logger import init_logger
+
+    logger = init_logger(__name__)
+    if os.environ.get(ASYNC_SCHEDULING_ENV) == "1":
+        logger.warning(
+            "vllm-hidden-states: %s=1: async scheduling left to vLLM (%s); "
+            "experimental with hidden states", ASYNC_SCHEDULING_ENV,
+            "on" if requested else "its default" if requested is None else "off",
+        )  # fmt: skip
+        return requested
+    if requested:
+        raise ValueError(
+            "--async-scheduling cannot be used with --enable-hidden-states yet "
+            "(not yet shown exact on a GPU): drop --async-scheduling (hidden "
+            f"states switch it off), or set {ASYNC_SCHEDULING_ENV}=1 to try it"
+        )
+    if requested is None:
+        logger.info(
+            "vllm-hidden-states: async scheduling off (not yet shown exact with "
+            "hidden states on a GPU; %s=1 keeps it)", ASYNC_SCHEDULING_ENV,
+        )  # fmt: skip
+    return False
+
+
 def validate_engine_config(vllm_config: "VllmConfig") -> None:
     """Refuse, at start-up, set-ups where returned states would be wrong.
 

@@ -338,3 +338,37 @@ def test_additional_config_entry_keys_the_compile_cache_with_layers_rows_and_ver
 def test_additional_config_entry_refuses_a_non_positive_max_rows(bad):
     with pytest.raises(ValueError, match="--hidden-states-max-rows must be a positive"):
         additional_config_entry(None, bad)
+
+
+# -- async scheduling ---------------------------------------------------------
+
+
+def test_async_scheduling_left_to_vllms_default_is_switched_off(monkeypatch):
+    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert async_scheduling_for(None) is False
+
+
+def test_async_scheduling_turned_off_by_the_user_stays_off(monkeypatch):
+    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert async_scheduling_for(False) is False
+
+
+def test_async_scheduling_asked_for_explicitly_is_refused_naming_the_way_out(monkeypatch):
+    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    with pytest.raises(ValueError, match="drop --async-scheduling") as e:
+        async_scheduling_for(True)
+    assert ASYNC_SCHEDULING_ENV in str(e.value)
+
+
+@pytest.mark.parametrize("requested", [None, True, False])
+def test_async_scheduling_env_opt_in_leaves_vllms_choice_alone(monkeypatch, requested):
+    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
+    assert async_scheduling_for(requested) is requested

@@ -221,7 +221,10 @@ class CapturePlanner:
                 start = request.num_computed_tokens
                 num_tokens = spec.num_tokens
                 if num_tokens is None:  # inline: up to the sequence so far
-                    num_tokens = request.num_tokens
+                    # With async scheduling the tokens of steps still in
+                    # flight are placeholders, not yet in num_tokens; the
+                    # positions this step computes exist all the same.
+                    num_tokens = request.num_tokens + request.num_output_placeholders
                     if start + scheduled[req_id] <= spec.delivered:
                         continue  # recomputing delivered positions
                 steps[req_id] = CaptureStep(

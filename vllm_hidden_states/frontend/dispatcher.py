@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.logger import init_logger
+from vllm.v1.engine import FinishReason
 from vllm_hidden_states.wire import (
     HiddenStatesExtractRequest,
     HiddenStatesSpec,
@@ -91,7 +92,9 @@ class HiddenStatesTracker:
             in position order, as they arrived.
         complete: every row the request gets, ``[num_distinct_layers,
             positions, hidden]``, once known.
-        error: why the engine returned none, if it failed.
+        error: why the capture failed, if it did; the request then finishes
+            with ``finish_reason`` "error" and this message in its
+            ``stop_reason`` (HTTP: a 500).
         feature_chunks, complete_features: the same for SAE features
             (``sae_top_k``): ``(ids, values)`` pairs ``[rows, k]``.
     """
@@ -108,6 +111,19 @@ class HiddenStatesTracker:
     complete_features: Features | None = None
     _emitted_feature_chunks: int = 0
     _emitted_feature_rows: int = 0
+
+    def fail(self, reason: str) -> None:
+        """The capture failed: the request finishes with an error that says
+        ``reason`` (``finish_reason`` "error", ``RequestOutput.error``)."""
+        if self.error is None:
+            self.error = reason
+
+    @property
+    def has_everything(self) -> bool:
+        """Every kind of data the request asked for is complete."""
+        return (not self.spec.layers or self.complete is not None) and (
+            not self.spec.sae_top_k or self.complete_features is not None
+        )
 
     @property
     def states(self) -> dict[int, torch.Tensor] | None:
@@ -144,9 +160,8 @@ class HiddenStatesTracker:
             ids, values = (_cat_features(self.feature_chunks) if self.feature_chunks
                            else (features[0][:0], features[1][:0]))  # fmt: skip
             if ids.shape[0] < num_tokens - 1:
-                self.error = (f"{ids.shape[0]} inline SAE positions arrived for a "
-                              f"sequence of {num_tokens} tokens")  # fmt: skip
-                logger.error("hidden states: %s", self.error)
+                self.fail(f"{ids.shape[0]} inline SAE positions arrived for a "
+                          f"sequence of {num_tokens} tokens")  # fmt: skip
                 return
             self.complete_features = (
                 torch.cat([ids[: num_tokens - 1], features[0]]),
@@ -156,11 +171,10 @@ class HiddenStatesTracker:
             return
         earlier = torch.cat(self.chunks, dim=1) if self.chunks else data[:, :0]
         if earlier.shape[1] < num_tokens - 1:
-            self.error = (
+            self.fail(
                 f"{earlier.shape[1]} inline positions arrived for a sequence of "
                 f"{num_tokens} tokens"
             )
-            logger.error("hidden states: %s", self.error)
             return
         self.complete = torch.cat([earlier[:, : num_tokens - 1], data], dim=1)
 
@@ -247,6 +261,25 @@ def merge_delta(completion: Any, following: Any) -> None:
             }
 
 
+# RequestOutput.error.code of a request whose hidden states could not be captured.
+CAPTURE_FAILED = "hidden_states_capture_failed"
+
+
+def failed_emission(emission: "OutputEmission", reason: str) -> "OutputEmission":
+    """``emission`` turned into a failure the caller sees instead of
+    ``hidden_states=None``: ``finish_reason`` "error" (vLLM's request-level
+    error, which its OpenAI server answers with a 500) and ``stop_reason``
+    saying why (``"hidden_states_capture_failed: <reason>"``; vLLM's
+    ``RequestOutput`` has no error field, only its pooling output does)."""
+    from vllm.outputs import RequestError
+
+    return emission._replace(
+        finish_reason=FinishReason.ERROR,
+        stop_reason=f"{CAPTURE_FAILED}: {reason}",
+        request_error=RequestError(code=CAPTURE_FAILED, message=reason),
+    )
+
+
 @dataclass
 class HeldOutput:
     """A finished request's final output, held until its hidden states arrive."""
@@ -292,17 +325,28 @@ class ExtractDispatcher:
         req_state: "RequestState",
         engine_core_output: "EngineCoreOutput",
         emission: "OutputEmission",
-    ) -> bool:
-        """Per output of a request that asked; True if it is now held."""
+    ) -> "OutputEmission | None":
+        """Per output of a request that asked: the emission to emit now, or
+        None when it is held until the request's extract returns.
+
+        A finished "prompt" request whose prefill delivered no rows is emitted
+        as a failure (:func:`failed_emission`), never with a silent None.
+        """
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
         if engine_core_output.hidden_states is not None or (
             engine_core_output.sae_feature_ids is not None
         ):
             tracker.receive(engine_core_output.hidden_states, features_of(engine_core_output))
-        if emission.finish_reason is None or tracker.spec.positions == "prompt":
-            return False
+        if emission.finish_reason is None:
+            return emission
+        if tracker.spec.positions == "prompt":
+            if emission.finish_reason != FinishReason.ABORT and not tracker.has_everything:
+                tracker.fail("the engine delivered no prompt rows for this request")
+                logger.error("Request %s: %s", req_state.request_id, tracker.error)
+                return failed_emission(emission, tracker.error)
+            return emission
         self._hold(req_state, engine_core_output, emission)
-        return True
+        return None
 
     def _hold(
         self,
@@ -361,13 +405,17 @@ class ExtractDispatcher:
              and (data is None or data.shape[0] != len(distinct_layers(tracker.spec))))
             or (tracker.spec.sae_top_k and features is None)
         ):  # fmt: skip
-            tracker.error = (
+            reason = engine_core_output.stop_reason
+            tracker.fail(
                 "hidden-state extraction failed in the engine "
-                f"(finish_reason={engine_core_output.finish_reason})"
+                f"(finish_reason={engine_core_output.finish_reason}"
+                + (f": {reason}" if isinstance(reason, str) else "") + ")"
             )
-            logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
         else:
             tracker.finish(data, held.num_tokens, features)
+        if tracker.error is not None:
+            logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
+            held.emission = failed_emission(held.emission, tracker.error)
         return held
 
     def abort(self, req_state: Any) -> str | None:

@@ -187,6 +187,8 @@ class HiddenStatesCapture:
                     row0 + step.first - step.start, row0 + end - step.start,
                     dtype=np.int64,
                 )
+            if not len(selected):
+                continue  # nothing of this capture in this step's tokens
             armed = _Armed(req_id, step, offset, len(selected), done)
             rows.append(selected)
             offset += len(selected)
