@@ -12,7 +12,7 @@ STAMP := $(VENV)/.setup-done
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup serve test unit bench patch-check clean-venv
+.PHONY: setup serve test test-gpu unit bench patch-check clean-venv
 
 setup: $(STAMP)
 
@@ -35,11 +35,16 @@ serve: setup
 
 # The unit tier first (no engine, seconds), then real engines and servers and
 # the wheel install, in TEST_WORKERS processes, a test file's tests in one
-# (its module-scoped servers start once).
+# (its module-scoped servers start once). tests/gpu is collected and skipped
+# without CUDA.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q tests/unit
-	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install
+	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install tests/gpu
+
+# The GPU tier alone, on a machine with CUDA (a lent GPU: see README "GPU").
+test-gpu:
+	bash tests/gpu/run.sh
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
