@@ -105,3 +105,18 @@ def test_arming_more_rows_than_the_buffers_hold_is_refused():
     _, points = make_points(max_rows=4)
     with pytest.raises(ValueError, match="5 rows asked in one step; the buffers hold 4"):
         points.arm(np.arange(5, dtype=np.int64))
+
+
+@torch.inference_mode()
+def test_sync_free_forward_gathers_at_most_one_row_per_token(monkeypatch):
+    """Off CPU the op cannot read the count; it gathers min(max_rows, tokens)
+    entries of the index, so a small decode step copies a few rows, not the
+    whole buffer."""
+    monkeypatch.setattr(capture_points, "count_readable_on_host", lambda device: False)
+    model, points = make_points(max_rows=16)
+    for buffer in points.buffers.values():
+        buffer.fill_(float("nan"))
+    model(torch.randn(3, HIDDEN))
+    for buffer in points.buffers.values():
+        assert not buffer[:3].isnan().any()
+        assert buffer[3:].isnan().all()

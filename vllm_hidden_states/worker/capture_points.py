@@ -30,9 +30,10 @@ after it (:meth:`CapturePoints.arm` / :meth:`CapturePoints.disarm`).
 Cost of a forward where nobody asked (``count == 0``): on CPU the op reads the
 count and returns (one call per capture point); on other devices, where the
 count cannot be read without a host sync (and not at all inside CUDA-graph
-capture), the op gathers all ``max_rows`` rows of the persistent index, whose
-unused entries point at row 0: ``max_rows x hidden_size`` elements copied per
-capture point per forward. Invariant: entries of ``rows`` past ``count``
+capture), the op gathers the first ``min(max_rows, tokens)`` entries of the
+persistent index, whose unused entries point at row 0: ``min(max_rows,
+tokens) x hidden_size`` elements copied per capture point per forward (a
+batch-b decode step: b rows). Invariant: entries of ``rows`` past ``count``
 are 0 (:meth:`CapturePoints.arm` writes them so, :meth:`CapturePoints.disarm`
 resets the whole index), so that gather never reads past a smaller batch.
 """
@@ -95,10 +96,14 @@ def _capture_rows(
         if n:
             gather_rows(hidden, residual, rows[:n], out[:n])
         return
-    # No host sync: gather every entry of the persistent index; the runner
-    # reads out[:count]. Entries past the count are 0 (CapturePoints keeps
-    # them so), which every forward has, whatever its batch size.
-    gather_rows(hidden, residual, rows, out)
+    # No host sync: gather the first min(max_rows, tokens) entries of the
+    # persistent index (the rows armed for this forward are among them: at
+    # most one per token); the runner reads out[:count]. Entries past the
+    # count are 0 (CapturePoints keeps them so), a row every forward has.
+    # ``tokens`` is static per CUDA graph, so a decode step of batch b
+    # gathers b rows, not max_rows.
+    n = min(rows.shape[0], hidden.shape[0])
+    gather_rows(hidden, residual, rows[:n], out[:n])
 
 
 def _capture_rows_fake(
