@@ -13,7 +13,9 @@ peers, n/a with their exact error where they cannot start), harvest (collect
 -> Parquet vs the bare route vs an HF transformers loop), sae_payload (SAE
 top-k features vs full hidden states over HTTP: bytes per position and
 throughput), scale_out (DP=2 vs DP=1 with "last" on every request, beside
-plain vLLM's own DP=2 vs DP=1).
+plain vLLM's own DP=2 vs DP=1), capture_op (the capture op alone on a layer
+stack, 0/1/64/1024 rows, with and without the host copy: the GPU
+micro-benchmark, a smoke test on CPU).
 """
 
 import argparse
@@ -25,8 +27,8 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, Comparison, machine, write_results
 
-SECTIONS = ("payload", "offline", "server", "prompt", "load", "peers", "harvest",
-            "sae_payload", "scale_out")
+SECTIONS = ("payload", "capture_op", "offline", "server", "prompt", "load", "peers",
+            "harvest", "sae_payload", "scale_out")
 
 
 def _plot(results: dict, out_dir: Path) -> list[Path]:
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> dict:
 
                 results["payload"] = payload.run(args.rounds, args.quick)
                 report += payload.lines(results["payload"])
+            elif section == "capture_op":
+                from benchmarks.gpu import capture_op
+
+                results["capture_op"] = capture_op.run(args.quick)
+                report += capture_op.lines(results["capture_op"])
             elif section == "load":
                 from benchmarks import load
 

@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The capture op alone: what capture points cost one forward of a layer stack.
+
+    python -m benchmarks.gpu.capture_op [--quick] [--out DIR]
+
+A stack of ``L`` decoder-shaped blocks (RMSNorm + a gated MLP, the residual
+carried like vLLM's fused-residual layers) gets the package's capture points
+(:class:`vllm_hidden_states.worker.capture_points.CapturePoints`) before every
+block. One step of ``tokens`` tokens is timed without capture points (the
+baseline) and with them, armed with 0, 1, 64 and 1024 rows (capped by the
+tokens and ``max_rows``), and the same armed forward followed by the rows'
+copy to the host (pinned memory, one copy per layer, as
+:mod:`vllm_hidden_states.worker.host_rows` does). On CUDA each variant is
+captured as a CUDA graph and replayed (timed with CUDA events), as vLLM runs a
+decode step; on CPU it runs eagerly, as a smoke test of the harness.
+
+Shapes: 8B-like (32 x 4096, bf16) on CUDA; 4 x 256 fp32 on CPU. Batches:
+decode 1, 16, 64 and a 2048-token prefill. Output: the overhead of each
+variant over the baseline in percent (median of paired rounds), JSON and a PNG.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm_hidden_states.worker.capture_points import CapturePoints
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = (0, 1, 64, 1024)
+
+
+class Block(nn.Module):
+    """RMSNorm + gated MLP with vLLM's ``forward(positions, hidden_states,
+    residual) -> (hidden_states, residual)`` signature."""
+
+    def __init__(self, hidden: int, inner: int, dtype: torch.dtype):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, dtype=dtype)
+        self.up = nn.Linear(hidden, 2 * inner, bias=False, dtype=dtype)
+        self.down = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states if residual is None else hidden_states + residual
+        gate, up = self.up(self.norm(residual)).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up), residual
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, hidden: int, inner: int, dtype: torch.dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(hidden, inner, dtype) for _ in range(layers))
+
+    def forward(self, hidden):
+        positions, residual = None, None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden + residual
+
+
+def _timer(device: torch.device, fn, iters: int) -> float:
+    """Seconds per call of ``fn``."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def _runnable(model, x, device):
+    """A callable running one forward: a replayed CUDA graph on CUDA."""
+    if device.type != "cuda":
+        return lambda: model(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            model(x)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(x)
+    return graph.replay
+
+
+@torch.inference_mode()
+def run(quick: bool = False) -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        layers, hidden, inner, dtype = 32, 4096, 14336, torch.bfloat16
+        batches, max_rows, iters, rounds = (1, 16, 64, 2048), 512, 20, 5
+    else:
+        layers, hidden, inner, dtype = 4, 256, 512, torch.float32
+        batches, max_rows, iters, rounds = (1, 16, 64), 512, 5, 3
+    if quick:
+        rounds, iters = 2, max(2, iters // 4)
+    torch.manual_seed(0)
+    plain = Stack(layers, hidden, inner, dtype).to(device)
+    captured = Stack(layers, hidden, inner, dtype).to(device)
+    captured.load_state_dict(plain.state_dict())
+    points = CapturePoints(captured, list(range(layers)), num_layers=layers,
+                           hidden_size=hidden, max_rows=max_rows, dtype=dtype,
+                           device=device)  # fmt: skip
+    pin = cuda
+    results = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
+               "shape": {"layers": layers, "hidden": hidden, "inner": inner,
+                         "dtype": str(dtype).removeprefix("torch.")},
+               "max_rows": max_rows, "rounds": rounds, "iters": iters, "cases": []}
+    for tokens in batches:
+        x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+        base = _runnable(plain, x, device)
+        for n in sorted({min(rows, tokens, max_rows) for rows in ROWS}):
+            points.disarm()
+            if n:
+                points.arm(np.arange(n, dtype=np.int64))
+            step = _runnable(captured, x, device)
+            host = [torch.empty(n, hidden, dtype=dtype, pin_memory=pin) for _ in points.layers]
+
+            def step_and_copy():
+                step()
+                for k, dst in zip(points.layers, host):
+                    dst.copy_(points.buffers[k][:n], non_blocking=pin)
+
+            times = {"base": [], "op": [], "op+host": []}
+            for _ in range(rounds):  # paired: A B C A B C ...
+                times["base"].append(_timer(device, base, iters))
+                times["op"].append(_timer(device, step, iters))
+                times["op+host"].append(_timer(device, step_and_copy, iters))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            over = {k: statistics.median((a / b - 1) * 100 for a, b in
+                                         zip(times[k], times["base"]))
+                    for k in ("op", "op+host")}  # fmt: skip
+            results["cases"].append({
+                "tokens": tokens, "rows_armed": n,
+                "base_ms": med["base"] * 1e3, "op_ms": med["op"] * 1e3,
+                "op_host_ms": med["op+host"] * 1e3,
+                "overhead_pct": over["op"], "overhead_with_host_copy_pct": over["op+host"],
+            })  # fmt: skip
+    points.disarm()
+    return results
+
+
+def lines(results: dict) -> list[str]:
+    out = [f"capture op ({results['device']}, {results['shape']}, max_rows "
+           f"{results['max_rows']}): overhead vs no capture points, median of paired rounds"]
+    for c in results["cases"]:
+        out.append(f"  tokens {c['tokens']:>5}  rows {c['rows_armed']:>4}  "
+                   f"base {c['base_ms']:8.3f} ms  op {c['overhead_pct']:+6.2f}%  "
+                   f"op+host copy {c['overhead_with_host_copy_pct']:+6.2f}%")
+    return out
+
+
+def plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for tokens in sorted({c["tokens"] for c in results["cases"]}):
+        cases = [c for c in results["cases"] if c["tokens"] == tokens]
+        ax.plot([c["rows_armed"] for c in cases], [c["overhead_pct"] for c in cases],
+                marker="o", label=f"{tokens} tokens")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("symlog")
+    ax.set_xlabel("rows armed")
+    ax.set_ylabel("overhead vs no capture points (%)")
+    ax.set_title(f"capture op, {results['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    results = run(args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "capture_op-" + ("cuda" if results["device"] != "cpu" else "cpu")
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out / f"{stem}.png")
+    print("\n".join(lines(results)))
+    return results
+
+
+if __name__ == "__main__":
+    main()
