@@ -3,8 +3,8 @@
 
 vLLM runs it once in every process it starts (CLI, API server, EngineCore,
 workers) before engines, schedulers and model runners are built. It refuses to
-start on a vLLM that is not 0.32.0 or not patched, and installs the model-runner
-capture hooks. It is idempotent.
+start on a vLLM that is not 0.32.0 or not patched (the model runner reaches the
+capture code through the patch set's call-outs). It is idempotent.
 """
 
 from vllm_hidden_states.tools.patching import VLLM_VERSION
@@ -40,10 +40,6 @@ def register() -> None:
             "`vllm-hidden-states patch apply` (or uninstall vllm-hidden-states)"
         )
     _share_vllm_logging()
-    from vllm_hidden_states.worker.capture import install_mrv1_hooks
-
-    install_mrv1_hooks()
-
     from vllm_hidden_states.server import install_server_hooks
 
     install_server_hooks()

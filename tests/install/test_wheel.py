@@ -350,8 +350,8 @@ def test_vllm_loads_the_plugin_from_the_installed_wheel(install):
         "load_general_plugins()\n"
         "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
         "print(sys.modules['vllm_hidden_states.plugin'].__file__)\n"
-        "print(getattr(GPUModelRunner, '_hidden_states_hooked', False))\n")
+        "print(hasattr(GPUModelRunner, '_setup_hidden_states_capture'))\n")
     assert result.returncode == 0, _show(result)
-    plugin_file, hooked = result.stdout.strip().splitlines()[-2:]
-    assert (Path(plugin_file).is_relative_to(install.venv) and hooked == "True"), \
+    plugin_file, called_out = result.stdout.strip().splitlines()[-2:]
+    assert (Path(plugin_file).is_relative_to(install.venv) and called_out == "True"), \
         _show(result)

@@ -2,15 +2,20 @@
 """The model-runner side of capture: fill the row index before the forward,
 read the buffers after it, hand the rows to the scheduler.
 
-Per step, only when the SchedulerOutput carries a capture plan
-(``scheduler_output.capture_plan``, written by
-:class:`vllm_hidden_states.engine.planner.CapturePlanner`):
+The model runner calls it at four named points (patch 0008, one line each in
+``GPUModelRunner``; the CPU runner inherits them):
 
-1. before the forward (``_model_forward``), :meth:`HiddenStatesCapture.arm`
-   turns each request's :class:`CaptureStep` into batch rows (this step's
-   ``query_start_loc`` offsets) and arms the model's capture points
-   (:mod:`.capture_points`) with them;
-2. the forward writes those rows of every captured layer ``k < L`` into the
+0. once the model is loaded, before compilation and warm-up,
+   ``_setup_hidden_states_capture`` makes it (:meth:`HiddenStatesCapture.
+   for_runner`; None when hidden states are disabled) and places the capture
+   points (:mod:`.capture_points`);
+1. at the start of ``execute_model``, :meth:`HiddenStatesCapture.begin_step`
+   takes the step's plan (``scheduler_output.capture_plan``, written by
+   :class:`vllm_hidden_states.engine.planner.CapturePlanner`);
+2. right before the forward, :meth:`HiddenStatesCapture.arm` turns each
+   request's :class:`CaptureStep` into batch rows (this step's
+   ``query_start_loc`` offsets) and arms the capture points with them; the
+   forward writes those rows of every captured layer ``k < L`` into the
    persistent buffers, inside the compiled graph;
 3. right after it, :meth:`HiddenStatesCapture.collect` reads the buffers (and
    layer ``L``, the model's post-norm output, at the same rows) and copies
@@ -18,8 +23,9 @@ Per step, only when the SchedulerOutput carries a capture plan
    (:mod:`.host_rows`: on CUDA into pinned memory, not waited on in the step),
    and disarms: the next forward overwrites the buffers, after the copies in
    stream order;
-4. ``sample_tokens`` puts finished captures on
-   ``ModelRunnerOutput.captured_hidden_states``.
+4. once ``sample_tokens`` has built the ``ModelRunnerOutput``,
+   :meth:`HiddenStatesCapture.attach` puts finished captures on
+   ``captured_hidden_states``.
 
 With ``--sae``, the SAE is loaded once here, on the runner's device. A step
 whose :class:`CaptureStep` has ``sae_top_k`` encodes the SAE layer's rows
@@ -41,10 +47,9 @@ buffers), and the last stage merges it with its own rows per request. The
 entry is added and removed outside the model, so the compiled graph and CUDA
 graphs are the single-stage ones; only steps with a plan send it.
 
-Steps without a plan pay one attribute check in ``execute_model`` and one in
-``_model_forward``. The glue is four wrapped Model Runner V1 methods
-(:func:`install_mrv1_hooks`); a V2 port needs the same four points (after
-load, before and after the forward, the output) and none of the capture code.
+Steps without a plan pay a few attribute checks. A Model Runner V2 port
+needs the same points (after load, step start, around the forward, the
+output) and none of the capture code.
 """
 
 from dataclasses import dataclass
@@ -83,7 +88,7 @@ class _Armed:
 
 
 class HiddenStatesCapture:
-    """Per-runner capture state (``runner._hidden_states_capture``).
+    """Per-runner capture state (``runner.hidden_states_capture``).
 
     ``_partial`` holds the host rows of captures that span several steps
     ("all" over a chunked prefill), filled chunk by chunk; ``_ready`` holds
@@ -125,6 +130,12 @@ class HiddenStatesCapture:
                         runner.device)  # fmt: skip
         self._install(runner)
 
+    @classmethod
+    def for_runner(cls, runner: Any) -> "HiddenStatesCapture | None":
+        """The runner's capture state, or None when hidden states are off."""
+        config = HiddenStatesConfig.from_vllm_config(runner.vllm_config)
+        return None if config is None else cls(config, runner)
+
     def _install(self, runner: Any) -> None:
         """Capture points before each capturable decoder layer ``k < L``."""
         model = runner.get_model()
@@ -160,8 +171,29 @@ class HiddenStatesCapture:
 
     # -- per step ------------------------------------------------------------
 
+    def begin_step(self, scheduler_output: Any,
+                   intermediate_tensors: IntermediateTensors | None) -> None:  # fmt: skip
+        """At the start of ``execute_model``: this step's plan, if any, and
+        (pipeline parallel) earlier stages' rows off the received tensors,
+        before vLLM copies the model's own entries into its buffers."""
+        if scheduler_output.finished_req_ids and (self._partial or self._ready):
+            self.forget(scheduler_output.finished_req_ids)
+        self.plan = scheduler_output.capture_plan or None
+        self._carried = None
+        if self.plan is not None:
+            self._num_scheduled = scheduler_output.num_scheduled_tokens
+            self.take_carried(intermediate_tensors)
+
     def arm(self, runner: Any) -> None:
-        """Before the forward: arm the rows of this step's plan."""
+        """Right before the forward: arm the rows of this step's plan (one
+        forward per plan: the plan is used up here)."""
+        if self.plan is None:
+            return
+        with torch.inference_mode():
+            self._arm(runner)
+        self.plan = None
+
+    def _arm(self, runner: Any) -> None:
         index_of = runner.input_batch.req_id_to_index
         query_start = runner.query_start_loc.np
         num_scheduled = self._num_scheduled
@@ -245,14 +277,27 @@ class HiddenStatesCapture:
             return self._carried.clone()  # a middle stage without capture points
         return torch.cat([self._carried, torch.stack(own)])
 
-    def collect(self, model_output: Any) -> torch.Tensor | None:
-        """After the forward: copy this step's rows out, per request.
-
-        On a stage that is not the last, returns the rows to send on instead
-        (:meth:`_carry_on`); the last stage emits every stage's rows.
-        """
+    def collect(self, model_output: Any) -> Any:
+        """Right after the forward: copy this step's rows out, per request;
+        returns the model output to go on with (a non-last pipeline stage:
+        new IntermediateTensors that also carry the rows to the next stage;
+        the model's own may be a graph's persistent output)."""
         if not self._armed:
-            return None
+            return model_output
+        try:
+            with torch.inference_mode():
+                carry = self._collect(model_output)
+        finally:
+            if self.points is not None:
+                self.points.disarm()
+        if carry is None:
+            return model_output
+        return IntermediateTensors({**model_output.tensors, CARRY_KEY: carry})
+
+    def _collect(self, model_output: Any) -> torch.Tensor | None:
+        """Copy this step's rows out, per request. On a stage that is not the
+        last, returns the rows to send on instead (:meth:`_carry_on`); the
+        last stage emits every stage's rows."""
         self._check_carried()
         if not self.is_last_stage:
             carry = self._carry_on()
@@ -303,8 +348,6 @@ class HiddenStatesCapture:
         self._armed = []
         self._rows = None
         self._carried = None
-        if self.points is not None:
-            self.points.disarm()
         return None
 
     def forget(self, req_ids: set[str]) -> None:
@@ -313,110 +356,28 @@ class HiddenStatesCapture:
             self._partial.pop(req_id, None)
             self._ready.pop(req_id, None)
 
-    def take_ready(self) -> tuple[dict[str, torch.Tensor] | None,
-                                  dict[str, tuple[torch.Tensor, torch.Tensor]] | None]:
-        """``(captured_hidden_states, captured_sae_features)`` of the finished
-        captures, each None when empty."""
+    def attach(self, output: Any, async_scheduling: bool) -> None:
+        """Once ``sample_tokens`` built the ``ModelRunnerOutput``: put the
+        finished captures (and SAE features) on it.
+
+        Sync scheduling: vLLM has synchronized the stream before the output
+        leaves the worker; the copies' event is waited on anyway (free by
+        then). Async scheduling: vLLM wraps the output in an
+        ``AsyncGPUModelRunnerOutput`` whose copy stream waits on the current
+        stream, where the rows' copies were issued before it, and its
+        ``get_output`` waits for that stream: the rows are complete when the
+        output is read, without a wait in the step.
+        """
         if not self._ready:
-            return None, None
+            return
         ready, self._ready = self._ready, {}
         states = {r: rows.states for r, rows in ready.items() if rows.states is not None}
         features = {r: rows.features for r, rows in ready.items()
                     if rows.features is not None}  # fmt: skip
-        return states or None, features or None
-
-
-def _wait_before_get_output(output: Any, copies: HostCopies) -> None:
-    """Async scheduling: the rows' copies are complete before the output is
-    read (``get_output`` runs off the step, in the output thread)."""
-    get_output = output.get_output
-    copies_event = copies.take_event()
-
-    def get_output_after_copies():
-        if copies_event is not None:
-            copies_event.synchronize()
-        return get_output()
-
-    output.get_output = get_output_after_copies
-
-
-def _capture_of(runner: Any) -> HiddenStatesCapture | None:
-    return runner.__dict__.get("_hidden_states_capture")
-
-
-def install_mrv1_hooks() -> None:
-    """Wrap four Model Runner V1 methods (idempotent; every worker process)."""
-    from vllm.v1.worker import gpu_model_runner as mrv1
-
-    cls = mrv1.GPUModelRunner
-    if getattr(cls, "_hidden_states_hooked", False):
-        return
-    orig_setup = cls._setup_eagle3_aux_hidden_state_outputs
-    orig_execute = cls.execute_model
-    orig_forward = cls._model_forward
-    orig_sample = cls.sample_tokens
-
-    def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
-        # Runs once the model is loaded, before compilation and warm-up.
-        orig_setup(self)
-        config = HiddenStatesConfig.from_vllm_config(self.vllm_config)
-        if config is not None:
-            self.__dict__["_hidden_states_capture"] = HiddenStatesCapture(config, self)
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        capture = _capture_of(self)
-        if capture is None:
-            return orig_execute(self, scheduler_output, *args, **kwargs)
-        if scheduler_output.finished_req_ids and (capture._partial or capture._ready):
-            capture.forget(scheduler_output.finished_req_ids)
-        if scheduler_output.capture_plan:
-            capture.plan = scheduler_output.capture_plan
-            capture._num_scheduled = scheduler_output.num_scheduled_tokens
-            # Pipeline parallel: earlier stages' rows, off the received tensors.
-            capture.take_carried(args[0] if args else kwargs.get("intermediate_tensors"))
-        try:
-            return orig_execute(self, scheduler_output, *args, **kwargs)
-        finally:
-            capture.plan = None
-            capture._carried = None
-
-    def _model_forward(self, *args, **kwargs):
-        capture = _capture_of(self)
-        if capture is None or capture.plan is None:
-            return orig_forward(self, *args, **kwargs)
-        with torch.inference_mode():
-            capture.arm(self)
-        try:
-            output = orig_forward(self, *args, **kwargs)
-            with torch.inference_mode():
-                carry = capture.collect(output)
-            if carry is not None:
-                # A non-last pipeline stage: send the rows on with the model's
-                # tensors, in a new IntermediateTensors (the model's may be
-                # a graph's persistent output).
-                output = IntermediateTensors({**output.tensors, CARRY_KEY: carry})
-        finally:
-            capture.plan = None  # one forward per plan
-            if capture.points is not None:
-                capture.points.disarm()
-        return output
-
-    def sample_tokens(self, *args, **kwargs):
-        output = orig_sample(self, *args, **kwargs)
-        capture = _capture_of(self)
-        if capture is not None and capture._ready:
-            target = getattr(output, "_model_runner_output", output)
-            target.captured_hidden_states, features = capture.take_ready()
-            if features is not None:
-                target.captured_sae_features = features
-            if target is output:
-                capture.copies.wait()  # sync scheduling: vLLM already waited
-            else:
-                _wait_before_get_output(output, capture.copies)
-        return output
-
-    cls._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
-    cls.execute_model = execute_model
-    cls._model_forward = _model_forward
-    cls.sample_tokens = sample_tokens
-    cls._hidden_states_hooked = True
+        output.captured_hidden_states = states or None
+        if features:
+            output.captured_sae_features = features
+        if async_scheduling:
+            self.copies.take_event()  # ordered by vLLM's copy stream instead
+        else:
+            self.copies.wait()

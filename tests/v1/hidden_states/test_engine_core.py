@@ -120,7 +120,7 @@ def test_aborted_extract_leaves_no_state(engine_core):
     assert "abort-1" not in scheduler.requests
     assert not scheduler.capture_planner.active
     runner = engine_core.model_executor.driver_worker.worker.model_runner
-    capture = runner.__dict__["_hidden_states_capture"]
+    capture = runner.hidden_states_capture
     assert not capture._partial and not capture._ready
 
 

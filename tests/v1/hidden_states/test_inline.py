@@ -128,7 +128,7 @@ def test_abort_mid_generation_leaves_nothing_held(llm, hf_qwen3):
     for _ in range(10):
         engine.step()
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    capture = runner.__dict__["_hidden_states_capture"]
+    capture = runner.hidden_states_capture
     assert not capture._partial and not capture._ready
     assert_nothing_held(llm)
     (out,) = llm.generate([PROMPT], all_positions(hidden_states_layers=[-1]), use_tqdm=False)
