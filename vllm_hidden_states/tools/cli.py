@@ -38,7 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     collect.add_arguments(c)
     st = sub.add_parser("store", help="query or prune an activation store")
     collect.add_store_arguments(st)
-    args = parser.parse_args(argv)
+    seam = sub.add_parser("seam", add_help=False,
+                          help="the vLLM symbols the package and patches touch (--check)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "seam":
+        from vllm_hidden_states.tools import seam as seam_tool
+
+        return seam_tool.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "collect":
         return collect.run(args)

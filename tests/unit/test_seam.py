@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The seam inventory: every vLLM symbol the package names, checked against
+the vLLM sources, so an upgrade that moves one fails here, naming it."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vllm_hidden_states.tools import seam
+
+
+@pytest.fixture(scope="module")
+def references():
+    return seam.package_references()
+
+
+@pytest.fixture(scope="module")
+def scratch_vllm(tmp_path_factory) -> Path:
+    """A copy of the installed vLLM's Python sources."""
+    root = tmp_path_factory.mktemp("scratch") / "vllm"
+    shutil.copytree(seam.vllm_root(), root,
+                    ignore=lambda d, names: [n for n in names if not n.endswith(".py")
+                                             and not (Path(d) / n).is_dir()])  # fmt: skip
+    return root
+
+
+def test_every_vllm_symbol_the_package_names_exists_in_the_installed_vllm(references):
+    assert seam.missing(references) == []
+
+
+def test_inventory_lists_imported_symbols_and_private_attributes(references):
+    names = {str(r) for r in references}
+    assert "vllm.v1.engine:FinishReason" in names
+    assert "vllm.logger:init_logger" in names
+    assert "vllm:*._hand_over_blocks" in names  # a private method named on a vLLM object
+
+
+def test_inventory_leaves_out_the_packages_own_private_names(references):
+    assert not any(r.name in ("*._hs_rows", "*._arm", "*._collect") for r in references)
+
+
+def test_a_renamed_vllm_class_is_reported_with_where_the_package_names_it(
+    references, scratch_vllm
+):
+    module = scratch_vllm / "v1" / "engine" / "__init__.py"
+    module.write_text(module.read_text().replace("FinishReason", "FinishCause"))
+    problems = seam.missing(references, scratch_vllm)
+    assert any(p.startswith("vllm.v1.engine:FinishReason (named at vllm_hidden_states/")
+               and p.endswith("not defined in vllm.v1.engine") for p in problems), problems
+
+
+def test_a_renamed_private_vllm_method_is_reported(references, scratch_vllm):
+    for path in scratch_vllm.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        if "_free_blocks" in text:
+            path.write_text(text.replace("_free_blocks", "_release_blocks"))
+    problems = seam.missing(references, scratch_vllm)
+    assert any(p.startswith("vllm:*._free_blocks") for p in problems), problems
+
+
+def test_patch_sites_name_the_function_each_hunk_lands_in():
+    sites = {(s.patch, s.symbol) for s in seam.patch_sites()}
+    assert ("0008-model-runner-capture.patch", "GPUModelRunner.execute_model") in sites
+    assert ("0008-model-runner-capture.patch", "CPUModelRunner.load_model") in sites
+
+
+def test_architecture_doc_prints_the_current_inventory():
+    doc = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    text = doc.read_text()
+    assert text == seam.docs_with_inventory(text), (
+        "docs/architecture.md's inventory is stale: run "
+        "`vllm-hidden-states seam --docs docs/architecture.md`")
