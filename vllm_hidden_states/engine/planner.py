@@ -27,7 +27,7 @@ which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into rows.
 
 KV hand-over: a finished "last" request's blocks are kept (:meth:`park`,
 called from ``_free_request``) until its extract arrives, which takes them over
-through ``Scheduler._hand_over_blocks`` (patch 0003) and so computes one token
+through ``Scheduler.hand_over_parked_blocks`` (patch 0003) and so computes one token
 instead of re-prefilling everything after the last full prefix-cached block.
 """
 
@@ -328,11 +328,11 @@ class CapturePlanner:
         ):
             # Holding blocks with computed tokens, the extract waits in the
             # scheduler's KV-holding queue (drained first) and schedules 1 token.
-            scheduler._hand_over_blocks(original, request)
+            scheduler.hand_over_parked_blocks(original, request)
         else:
             # E.g. a stop string trimmed the output in the front-end: the
             # sequences differ, fall back to the prefix cache.
-            scheduler._free_blocks(original)
+            scheduler.free_parked_blocks(original)
 
     def _expire_parked(self, scheduler: "Scheduler") -> None:
         deadline = time.monotonic() - PARK_SECONDS
@@ -341,4 +341,4 @@ class CapturePlanner:
             if parked_at > deadline:
                 break
             del self.parked[request_id]
-            scheduler._free_blocks(request)
+            scheduler.free_parked_blocks(request)
