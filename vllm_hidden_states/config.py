@@ -239,6 +239,21 @@ class HiddenStatesConfig:
             )
         return absolute
 
+    def resolve_all(self, layers, param: str = "hidden_states_layers") -> list[int]:
+        """Absolute indices of a request's layers, each named once (``-1`` and
+        ``L`` are one layer): the rule both the Python API and HTTP apply.
+        ValueError naming what is allowed."""
+        seen: dict[int, int] = {}
+        for layer in layers:
+            absolute = self.resolve(layer)
+            if absolute in seen:
+                raise ValueError(
+                    f"{param} names layer {absolute} twice ({seen[absolute]} and "
+                    f"{layer}); name each layer once"
+                )
+            seen[absolute] = layer
+        return list(seen)
+
 
 def _absolute(layer: int, num_layers: int) -> int:
     if not -(num_layers + 1) <= int(layer) <= num_layers:
@@ -319,8 +334,9 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
     its own layers and sends its rows on to the last one
     (``worker/capture.py``). MoE data
     parallelism, where engines step in lockstep waves, is refused until it
-    can be tested (an extract already wakes the wave:
-    ``engine/extracts.py:wake_dp_wave``). Tensor parallelism needs nothing:
+    can be tested (vLLM's CPU platform cannot run it; an extract arriving
+    after a wave ended would have to restart the wave, as
+    ``DPEngineCoreProc.add_request`` does). Tensor parallelism needs nothing:
     every TP rank computes the full residual stream.
     """
     cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
@@ -421,7 +437,8 @@ def join_layers_value(args: list[str]) -> list[str]:
     """``["--hidden-states-layers", "-1,-2,16"]`` -> ``["--hidden-states-layers=-1,-2,16"]``.
 
     argparse reads a value that starts with ``-`` and is not a plain negative
-    number as an option, so the natural spelling would fail to parse.
+    number as an option, so the natural spelling would fail to parse. Called
+    from ``FlexibleArgumentParser.parse_args`` (patch 0005).
     """
     out: list[str] = []
     i = 0
@@ -436,18 +453,10 @@ def join_layers_value(args: list[str]) -> list[str]:
 
 
 def add_cli_args(parser) -> None:
-    """``--enable-hidden-states`` and ``--hidden-states-layers`` for EngineArgs."""
-    import sys
-
-    if not getattr(parser, "_hidden_states_join", False):
-        parse_known_args = parser.parse_known_args
-
-        def parse_known_args_joined(args=None, namespace=None):
-            args = sys.argv[1:] if args is None else list(args)
-            return parse_known_args(join_layers_value(args), namespace)
-
-        parser.parse_known_args = parse_known_args_joined
-        parser._hidden_states_join = True
+    """The package's flags on vLLM's EngineArgs parser (patch 0005). The
+    natural ``--hidden-states-layers -1,-2,16`` is joined into one value by
+    :func:`join_layers_value`, called from ``FlexibleArgumentParser.parse_args``
+    (patch 0005) before argparse sees it."""
     group = parser.add_argument_group(
         title="Hidden states (vllm-hidden-states)",
         description="Per-request hidden states on chat/completions and "

@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """vllm_hidden_states.config: layer convention, resolve(), the CLI flags."""
 
-import argparse
 from types import SimpleNamespace
 
 import pytest
@@ -254,11 +253,13 @@ def test_join_layers_value_does_not_modify_its_input():
 
 
 # --------------------------------------------------------------------------
-# add_cli_args on a plain argparse parser
+# add_cli_args on vLLM's own parser (patch 0005 joins the layers value)
 
 
-def parser_with_flags() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
+def parser_with_flags():
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
     parser.add_argument("--port", type=int, default=8000)
     add_cli_args(parser)
     return parser
@@ -286,17 +287,17 @@ def test_add_cli_args_keeps_the_parsers_other_options_working():
     assert ns.port == 9000
 
 
-def test_add_cli_args_parse_known_args_joins_too_and_passes_unknown_args_back():
-    ns, rest = parser_with_flags().parse_known_args(
-        ["--hidden-states-layers", "-1,-2", "--unknown", "x"]
-    )
-    assert ns.hidden_states_layers == "-1,-2"
-    assert rest == ["--unknown", "x"]
-
-
 def test_add_cli_args_joins_sys_argv_when_no_args_are_given(monkeypatch):
     monkeypatch.setattr("sys.argv", ["prog", "--hidden-states-layers", "-1,-2,16"])
     assert parser_with_flags().parse_args().hidden_states_layers == "-1,-2,16"
+
+
+def test_add_cli_args_leaves_the_parsers_methods_alone():
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = parser_with_flags()
+    assert "parse_known_args" not in vars(parser)
+    assert type(parser).parse_args is FlexibleArgumentParser.parse_args
 
 
 def test_add_cli_args_value_feeds_parse_layers_arg():
@@ -372,3 +373,13 @@ def test_async_scheduling_env_opt_in_leaves_vllms_choice_alone(monkeypatch, requ
 
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
     assert async_scheduling_for(requested) is requested
+
+
+def test_resolve_all_returns_absolute_indices_in_request_order():
+    assert every_layer(4).resolve_all([-1, 0, 2]) == [4, 0, 2]
+
+
+def test_resolve_all_refuses_a_layer_named_twice_in_either_spelling():
+    with pytest.raises(ValueError, match=r"hidden_states_layers names layer 4 twice "
+                                         r"\(-1 and 4\); name each layer once"):
+        every_layer(4).resolve_all([-1, 4])

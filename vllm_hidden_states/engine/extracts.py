@@ -127,31 +127,3 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
                 ),
             )
         )
-
-
-def wake_dp_wave(engine_core: Any) -> None:
-    """``DPEngineCoreProc.add_hidden_states_extracts`` (MoE data parallel,
-    where the engines step in lockstep waves): an extract is work.
-
-    An extract may arrive after every engine went idle and the wave ended
-    (its request finished, then the front-end sent it). As
-    ``DPEngineCoreProc.add_request`` does for a request of an ended wave, the
-    engine starts stepping and asks the coordinator to start the next wave on
-    the other engines, so that none waits in the DP all-reduce for an idle
-    peer. While the engines run, the extract is one of this engine's
-    unfinished requests, which the wave's all-reduce counts: no engine goes
-    idle while it holds one.
-    """
-    from vllm.v1.core.sched.interface import PauseState
-    from vllm.v1.engine import EngineCoreOutputs
-
-    if (
-        engine_core.has_coordinator
-        and not engine_core.engines_running
-        and engine_core.scheduler.pause_state == PauseState.UNPAUSED
-        and engine_core.scheduler.has_unfinished_requests()
-    ):
-        engine_core.engines_running = True
-        engine_core.output_queue.put_nowait(
-            (-1, EngineCoreOutputs(start_wave=engine_core.current_wave))
-        )

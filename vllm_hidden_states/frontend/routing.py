@@ -10,16 +10,17 @@ kept in ``client.hidden_states_engines`` here until its extract is sent. The ext
 request's KV blocks are parked there (the one-token hand-over), and its
 prefix cache holds the sequence.
 
-Sending an extract registers it like a request of its own
-(``reqs_in_flight``, ``engine_inflight``), so that vLLM's abort routing finds
-it and the load balancer counts it until its finished output arrives.
+The client registers a sent extract like a request of its own
+(``reqs_in_flight``, ``engine_inflight``, in patch 0002), so that vLLM's abort
+routing finds it and the load balancer counts it until its finished output
+arrives; this module only decides the engine.
 
 With one engine per front-end (no DP, or DP with external load balancing)
 none of this is needed: the extract goes to the client's only engine.
 """
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import EXTRACT_POSITIONS
@@ -40,27 +41,30 @@ logger = init_logger(__name__)
 MAX_REMEMBERED = 1 << 16
 
 
-def remember_engine(client: Any, request: "EngineCoreRequest", engine: bytes) -> None:
+def remember_engine(
+    engines: dict[str, bytes], request: "EngineCoreRequest", engine: bytes
+) -> None:
     """When the client routes a request that asked for hidden states: keep its
-    engine if the request will send an extract ("last", "all")."""
+    engine in ``engines`` (the client's ``hidden_states_engines``) if the
+    request will send an extract ("last", "all")."""
     if request.return_hidden_states.positions in EXTRACT_POSITIONS:
-        engines = client.hidden_states_engines
         engines[request.request_id] = engine
         if len(engines) > MAX_REMEMBERED:
             del engines[next(iter(engines))]  # the oldest (dicts keep order)
 
 
 def route_extracts(
-    client: Any, extracts: list[HiddenStatesExtractRequest]
+    engines: dict[str, bytes],
+    extracts: list[HiddenStatesExtractRequest],
+    default_engine: bytes,
 ) -> list[tuple[bytes, list[HiddenStatesExtractRequest]]]:
-    """Group extracts by the engine that served their requests, and register
-    each as in flight on that engine. Returns ``[(engine, extracts)]``."""
+    """Group extracts by the engine that served their requests (taken off
+    ``engines``, the client's ``hidden_states_engines``). Returns
+    ``[(engine, extracts)]``; the client registers each extract as in flight
+    on its engine (patch 0002)."""
     by_engine: dict[bytes, list[HiddenStatesExtractRequest]] = defaultdict(list)
     for extract in extracts:
-        extract.client_index = client.client_index
-        engine = client.hidden_states_engines.pop(
-            original_id_of(extract.request_id), None
-        )
+        engine = engines.pop(original_id_of(extract.request_id), None)
         if engine is None:
             # Not routed by this client (cannot happen through AsyncLLM):
             # any engine computes the right states, without the hand-over.
@@ -69,8 +73,6 @@ def route_extracts(
                 "to engine 0",
                 extract.request_id,
             )
-            engine = client.core_engine
-        client.reqs_in_flight[extract.request_id] = engine
-        client.engine_inflight[engine] += 1
+            engine = default_engine
         by_engine[engine].append(extract)
     return list(by_engine.items())

@@ -2,8 +2,9 @@
 """Resolve a request's hidden-state fields into a :class:`HiddenStatesSpec`.
 
 Called from ``InputProcessor.process_inputs`` (patch 0004) for every request
-whose ``SamplingParams`` set ``return_hidden_states`` or
-``hidden_states_layers`` (``sae_features`` sets ``return_hidden_states``),
+whose ``SamplingParams`` set any of the package's fields
+(``SamplingParams.asks_hidden_states``: ``return_hidden_states``,
+``hidden_states_layers``, ``sae_features``; the last implies the first),
 before anything reaches the engine.
 
 ``sae_features={"top_k": k}`` (engine with ``--sae``) asks for the SAE's k
@@ -48,7 +49,7 @@ def resolve_request(
     """
     from vllm.exceptions import VLLMValidationError
 
-    if not params.return_hidden_states:
+    if not params.return_hidden_states and params.sae_features is None:
         if params.hidden_states_layers is not None:
             raise VLLMValidationError(
                 "hidden_states_layers was given but return_hidden_states is not "
@@ -98,7 +99,7 @@ def resolve_request(
             parameter="hidden_states_layers",
         )
     try:
-        abs_layers = [cfg.resolve(k) for k in layers]
+        abs_layers = cfg.resolve_all(layers)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
     inline = positions == "all" and captures_all_inline(vllm_config)

@@ -289,7 +289,8 @@ def inventory_markdown() -> str:
     lines = ["### Package references to vLLM", "",
              f"{len(refs)} symbols; `vllm:*._x` is a private attribute of a vLLM object.", "",
              "| symbol | first named at |", "| --- | --- |"]
-    lines += [f"| `{r}` | {r.where} |" for r in refs]
+    # Files only: line numbers would make the printed list stale at every edit.
+    lines += [f"| `{r}` | {r.where.rpartition(':')[0]} |" for r in refs]
     lines += ["", "### Patch sites", "", "| patch | file | lands in |", "| --- | --- | --- |"]
     lines += [f"| {s.patch} | `{s.file}` | `{s.symbol}` |" for s in patch_sites()]
     return "\n".join(lines) + "\n"

@@ -53,7 +53,7 @@ def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
 
 @pytest.mark.parametrize("positions", ["last", "all"])
 def test_prompt_longer_than_batch_budget_is_chunked_and_exact(llm, hf_qwen3, positions):
-    params = greedy(hidden_states_layers=[-2, 3], hidden_states_positions=positions)
+    params = greedy(hidden_states_layers=[-2, 1], hidden_states_positions=positions)
     (out,) = generate(llm, [LONG_PROMPT], params)
     ids = token_ids_of(out)
     assert len(out.prompt_token_ids) > 64  # max_num_batched_tokens
@@ -173,6 +173,13 @@ def test_out_of_range_layer_is_rejected_naming_valid_range(llm, hf_qwen3):
                f"valid indices are {-(n + 1)}..{n}")
     with pytest.raises(VLLMValidationError, match=re.escape(message)):
         generate(llm, [PROMPT], greedy(hidden_states_layers=[10 * n]))
+
+
+def test_a_layer_named_twice_is_rejected_as_over_http(llm, hf_qwen3):
+    n = hf_qwen3.num_layers
+    message = f"hidden_states_layers names layer {n} twice (-1 and {n}); name each layer once"
+    with pytest.raises(VLLMValidationError, match=re.escape(message)):
+        generate(llm, [PROMPT], greedy(hidden_states_layers=[-1, n]))
 
 
 def test_bad_positions_value_is_rejected(llm):
