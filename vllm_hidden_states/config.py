@@ -550,3 +550,7 @@ def add_cli_args(parser) -> None:
         help="Most characters of input text (prompt, messages, input) one "
         "hidden-states request may send. Default: 2000000.",
     )
+    # Request bounds on every route (read by vllm_hidden_states.server.bounds).
+    from vllm_hidden_states.server.bounds import add_cli_args as add_bounds_args
+
+    add_bounds_args(group)

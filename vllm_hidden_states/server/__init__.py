@@ -5,7 +5,9 @@
   /v1/chat/completions and /v1/completions (streamed or not);
 * :mod:`.hidden_states_route`: POST /v1/hidden_states (every prompt position);
 * :mod:`.validation`: field checks against the engine behind the server;
-* :mod:`.encoding`: the wire format (float / base64) and OpenAI error bodies.
+* :mod:`.encoding`: the wire format (float / base64) and OpenAI error bodies;
+* :mod:`.bounds`: request bodies measured before anything parses them (size,
+  JSON values, depth, list and object sizes), on every route of the app.
 
 :func:`install_server_hooks` runs from the general plugin in every process vLLM
 starts; it only acts where the OpenAI app module is already imported (the API
@@ -35,6 +37,9 @@ def _wrap_register_api_routers(app_module: Any) -> None:
 
             patch_serving()
         original(args, app, supported_tasks, *rest, **kwargs)
+        from vllm_hidden_states.server.bounds import install as install_bounds
+
+        install_bounds(app, args, rest[0] if rest else kwargs.get("model_config"))
         if "generate" in supported_tasks:
             from vllm_hidden_states.server.hidden_states_route import router
 
