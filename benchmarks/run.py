@@ -15,7 +15,8 @@ top-k features vs full hidden states over HTTP: bytes per position and
 throughput), scale_out (DP=2 vs DP=1 with "last" on every request, beside
 plain vLLM's own DP=2 vs DP=1), capture_op (the capture op alone on a layer
 stack, 0/1/64/1024 rows, with and without the host copy: the GPU
-micro-benchmark, a smoke test on CPU).
+micro-benchmark, a smoke test on CPU), small_model (a 5 x 256 Llama where the
+per-step host work shows: nobody asks, "last", "all" vs plain vLLM).
 """
 
 import argparse
@@ -27,8 +28,8 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, Comparison, machine, write_results
 
-SECTIONS = ("payload", "capture_op", "offline", "server", "prompt", "load", "peers",
-            "harvest", "sae_payload", "scale_out")
+SECTIONS = ("payload", "capture_op", "small_model", "offline", "server", "prompt", "load",
+            "peers", "harvest", "sae_payload", "scale_out")
 
 
 def _plot(results: dict, out_dir: Path) -> list[Path]:
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 module = importlib.import_module(
                     {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
+                     "small_model": "benchmarks.small_model",
                      "prompt": "benchmarks.prompt_states",
                      "peers": "benchmarks.peers", "harvest": "benchmarks.harvest",
                      "sae_payload": "benchmarks.sae_payload",

@@ -120,3 +120,10 @@ def test_sync_free_forward_gathers_at_most_one_row_per_token(monkeypatch):
     for buffer in points.buffers.values():
         assert not buffer[:3].isnan().any()
         assert buffer[3:].isnan().all()
+
+
+def test_row_ranges_of_several_requests_concatenate_in_order():
+    from vllm_hidden_states.worker.capture import _ranges
+
+    assert _ranges([5], [3]).tolist() == [5, 6, 7]
+    assert _ranges([10, 0, 7], [2, 3, 1]).tolist() == [10, 11, 0, 1, 2, 7]

@@ -87,6 +87,18 @@ class _Armed:
     inner_offset: int = -1  # first of its rows in the capture buffers, if any
 
 
+def _ranges(starts: list[int], counts: list[int]) -> np.ndarray:
+    """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
+    ``counts[i]`` values each, concatenated."""
+    counts_np = np.asarray(counts, dtype=np.int64)
+    if len(counts) == 1:
+        return np.arange(starts[0], starts[0] + counts[0], dtype=np.int64)
+    offsets = np.cumsum(counts_np) - counts_np
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts_np) + np.arange(
+        int(counts_np.sum()), dtype=np.int64
+    )
+
+
 class HiddenStatesCapture:
     """Per-runner capture state (``runner.hidden_states_capture``).
 
@@ -197,8 +209,12 @@ class HiddenStatesCapture:
         index_of = runner.input_batch.req_id_to_index
         query_start = runner.query_start_loc.np
         num_scheduled = self._num_scheduled
-        rows: list[np.ndarray] = []
-        inner_rows: list[np.ndarray] = []
+        final = self.final_layer
+        # Per request: its first batch row and row count (numpy builds the
+        # row index in one go below; no array per request).
+        starts: list[int] = []
+        counts: list[int] = []
+        buffered: list[bool] = []
         offset = inner_offset = 0
         self._armed = []
         for req_id, step in self.plan.items():
@@ -211,38 +227,39 @@ class HiddenStatesCapture:
             if step.positions == "last":
                 if not done:
                     continue  # an earlier chunk; the last position comes later
-                selected = np.array([row0 + end - 1 - step.start], dtype=np.int64)
+                first_row, count = row0 + end - 1 - step.start, 1
             else:
                 # From ``first``: earlier positions were delivered before a
                 # preemption made the request recompute them.
-                selected = np.arange(
-                    row0 + step.first - step.start, row0 + end - step.start,
-                    dtype=np.int64,
-                )
-            if not len(selected):
+                first_row, count = row0 + step.first - step.start, end - step.first
+            if count <= 0:
                 continue  # nothing of this capture in this step's tokens
-            armed = _Armed(req_id, step, offset, len(selected), done)
-            rows.append(selected)
-            offset += len(selected)
-            if any(k < self.final_layer for k in step.layers) or (
-                step.sae_top_k and self.sae_layer < self.final_layer
-            ):
-                # Only these pass the capture buffers (the scheduler kept them
-                # within max_rows); final-layer-only rows come from the output.
+            armed = _Armed(req_id, step, offset, count, done)
+            # Only rows of a layer below the final one pass the capture
+            # buffers (the scheduler kept them within max_rows); final-layer
+            # rows come from the model output.
+            in_buffers = any(k < final for k in step.layers) or bool(
+                step.sae_top_k and self.sae_layer < final
+            )
+            if in_buffers:
                 armed.inner_offset = inner_offset
-                inner_rows.append(selected)
-                inner_offset += len(selected)
+                inner_offset += count
+            starts.append(first_row)
+            counts.append(count)
+            buffered.append(in_buffers)
+            offset += count
             self._armed.append(armed)
         self._inner_count = inner_offset
         if not self._armed:
             return
+        rows = _ranges(starts, counts)
         if inner_offset == offset:  # every row passes the buffers: reuse their index
-            self.points.arm(np.concatenate(inner_rows))
+            self.points.arm(rows)
             self._rows = self.points.rows[:offset]
             return
-        self._rows = torch.from_numpy(np.concatenate(rows)).to(runner.device)
-        if inner_rows:
-            self.points.arm(np.concatenate(inner_rows))
+        self._rows = torch.from_numpy(rows).to(runner.device)
+        if inner_offset:
+            self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)])
 
     def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
         """Before a stage's forward: take earlier stages' rows off the received
@@ -309,6 +326,8 @@ class HiddenStatesCapture:
             model_output = model_output[0]
         final_rows = model_output.index_select(0, self._rows)
         carried = {k: i for i, k in enumerate(self.carried_layers)}
+        if self._collect_as_one(final_rows, carried):
+            return None
         for armed in self._armed:
             sl = slice(armed.offset, armed.offset + armed.count)
             inner = slice(armed.inner_offset, armed.inner_offset + armed.count)
@@ -349,6 +368,40 @@ class HiddenStatesCapture:
         self._rows = None
         self._carried = None
         return None
+
+    def _collect_as_one(self, final_rows: torch.Tensor, carried: dict[int, int]) -> bool:
+        """The common decode step, in one copy per layer: when every armed
+        capture ends in this step, asks the same layers and no SAE features,
+        the step's rows go to one host tensor ``[layers, rows, hidden]`` and
+        each request gets a view of its rows (no copy, no tensor per request).
+        False (nothing done) otherwise."""
+        armed = self._armed
+        layers = armed[0].step.layers
+        if not layers or self._partial or any(
+            not a.done or a.step.sae_top_k or a.step.layers != layers for a in armed
+        ):
+            return False
+        count = final_rows.shape[0]
+        # All rows pass the buffers, or none does (same layers for all).
+        inner = slice(0, self._inner_count)
+        host = self.copies.empty((len(layers), count, final_rows.shape[-1]),
+                                 final_rows.dtype)  # fmt: skip
+        for i, k in enumerate(layers):
+            if k == self.final_layer:
+                rows = final_rows
+            elif k in carried:  # captured by an earlier pipeline stage
+                rows = self._carried[carried[k]][inner]
+            else:
+                rows = self.points.read(k)[inner]
+            self.copies.copy(host[i], rows)
+        for a in armed:
+            self._ready[a.req_id] = HostRows(a.step.first,
+                                             host[:, a.offset:a.offset + a.count], None)  # fmt: skip
+        self.copies.record()
+        self._armed = []
+        self._rows = None
+        self._carried = None
+        return True
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CPU proxy for per-step host work: a small model, where the model's
+own compute is short and the package's Python per step shows, as it does on
+a GPU.
+
+Model: a random 5-layer, 256-wide Llama (float32, torch.compile'd). Workload:
+24 requests x (48 prompt + 64 generated tokens), fresh random prompts per
+measurement, greedy, ``ignore_eos``. Baseline: plain requests on an engine
+started without hidden states. Variants, on an engine with
+``--enable-hidden-states`` (every layer capturable): nobody asks, "last" at
+layer -1 on every request, "all" at layer -2 on every request. Both engines
+live in this process and the variants alternate round by round.
+
+Targets (the CUDA speed issue's CPU proxy): nobody asks >= 0.99, "last" >=
+0.98, "all" >= 0.95.
+"""
+
+import os
+from pathlib import Path
+
+from benchmarks.common import MODELS, Comparison, alternate
+from benchmarks.offline import ENGINE_ARGS, FreshPrompts, _throughput
+
+NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 24, 48, 64
+
+
+def small_model() -> Path:
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
+
+    return build_tiny_model(MODELS / "small-llama", arch="llama", num_layers=5,
+                            hidden_size=256, vocab_size=512)
+
+
+def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    model = model or small_model()
+    n = NUM_REQUESTS // 2 if quick else NUM_REQUESTS
+    prompts = FreshPrompts(n, PROMPT_LEN)
+    args = dict(ENGINE_ARGS, max_model_len=512)
+    plain = LLM(model=str(model), **args)
+    enabled = LLM(model=str(model), enable_hidden_states=True, **args)
+    for llm in (plain, enabled):  # warm-up (compilation, caches)
+        _throughput(llm, prompts(2), max_tokens=4)
+    _throughput(enabled, prompts(2), max_tokens=4, return_hidden_states=True,
+                hidden_states_positions="all")
+
+    comparison = Comparison(
+        "small model: per-step host work", "generated tok/s",
+        baseline="plain vLLM (no hidden states)",
+        notes=(f"5 x 256 Llama, {n} requests x ({PROMPT_LEN} prompt + {MAX_TOKENS} "
+               "generated tokens), fresh prompts"),
+        targets={"enabled, nobody asks": 0.99, "last, layer -1": 0.98,
+                 "all, layer -2": 0.95})
+    alternate(comparison, {
+        "plain vLLM (no hidden states)": lambda: _throughput(
+            plain, prompts(), max_tokens=MAX_TOKENS),
+        "enabled, nobody asks": lambda: _throughput(
+            enabled, prompts(), max_tokens=MAX_TOKENS),
+        "last, layer -1": lambda: _throughput(
+            enabled, prompts(), max_tokens=MAX_TOKENS, return_hidden_states=True),
+        "all, layer -2": lambda: _throughput(
+            enabled, prompts(), max_tokens=MAX_TOKENS, return_hidden_states=True,
+            hidden_states_layers=[-2], hidden_states_positions="all"),
+    }, rounds, progress)
+    for llm in (plain, enabled):
+        llm.llm_engine.engine_core.shutdown()
+    return [comparison]
+
+
+STEPS_PER_ROUND = 4
+
+
+if __name__ == "__main__":
+    from benchmarks.common import section_main
+
+    section_main(run, "small_model")
