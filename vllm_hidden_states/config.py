@@ -47,9 +47,14 @@ ENABLE_HINT = (
 )
 
 
-# Default of --hidden-states-max-rows, capped by max_num_batched_tokens (a step
-# never computes more rows than that).
+# Default of --hidden-states-max-rows: as many rows as a step computes
+# (max_num_batched_tokens), so that an "all"/"prompt" capture never splits a
+# prefill the scheduler would run in one step, as long as the capture buffers
+# fit DEFAULT_BUFFER_MIB; never fewer than DEFAULT_MAX_ROWS (nor more than
+# max_num_batched_tokens). E.g. a 32 x 4096 bf16 model, every layer
+# capturable: 1024 rows (256 MiB); a 16 x 2048 one: 4096.
 DEFAULT_MAX_ROWS = 512
+DEFAULT_BUFFER_MIB = 256
 # Bumped when what the compiled graph contains changes (2: capture points),
 # so a graph cached by an older version is never reused.
 CAPTURE_VERSION = 2
@@ -187,10 +192,10 @@ class HiddenStatesConfig:
         if entry is None:
             return None
         num_layers = num_hidden_layers(vllm_config)
-        max_rows = entry.get("max_rows") or min(
-            DEFAULT_MAX_ROWS, vllm_config.scheduler_config.max_num_batched_tokens
-        )
         given = entry.get("layers")
+        max_rows = entry.get("max_rows") or default_max_rows(
+            vllm_config, num_layers, given
+        )
         sae = entry.get("sae")
         sae_layer = None
         if sae is not None and -(num_layers + 1) <= sae["layer"] <= num_layers:
@@ -263,6 +268,18 @@ def _absolute(layer: int, num_layers: int) -> int:
             f"{-(num_layers + 1)}..{num_layers}"
         )
     return int(layer) % (num_layers + 1)
+
+
+def default_max_rows(vllm_config: "VllmConfig", num_layers: int,
+                     given: list[int] | None) -> int:  # fmt: skip
+    """``--hidden-states-max-rows`` left unset: see :data:`DEFAULT_BUFFER_MIB`."""
+    step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    model_config = vllm_config.model_config
+    layers = range(num_layers + 1) if given is None else given
+    num_buffers = len({_absolute(k, num_layers) for k in layers} - {num_layers})
+    row_bytes = num_buffers * model_config.get_hidden_size() * model_config.dtype.itemsize
+    fits = DEFAULT_BUFFER_MIB * 2**20 // row_bytes if row_bytes else step_tokens
+    return min(step_tokens, max(DEFAULT_MAX_ROWS, fits))
 
 
 def captures_all_inline(vllm_config: "VllmConfig") -> bool:
@@ -482,9 +499,10 @@ def add_cli_args(parser) -> None:
         type=int,
         default=None,
         help="Rows of hidden states one forward can capture (the capture "
-        f"buffers' length). Default: {DEFAULT_MAX_ROWS}, or "
-        "max_num_batched_tokens if smaller. Longer captures are split over "
-        "steps.",
+        "buffers' length). Default: max_num_batched_tokens, as long as the "
+        f"buffers fit {DEFAULT_BUFFER_MIB} MiB, but at least {DEFAULT_MAX_ROWS} "
+        "(never more than max_num_batched_tokens). Longer captures are split "
+        "over steps.",
     )
     group.add_argument(
         "--sae",

@@ -8,6 +8,7 @@ import pytest
 from vllm_hidden_states.config import (
     ADDITIONAL_CONFIG_KEY,
     CAPTURE_VERSION,
+    DEFAULT_BUFFER_MIB,
     DEFAULT_MAX_ROWS,
     HiddenStatesConfig,
     add_cli_args,
@@ -30,13 +31,19 @@ def restricted() -> HiddenStatesConfig:
     return HiddenStatesConfig(num_layers=L, layers=(0, 2, L - 1, L), given=(0, 2, -2, -1))
 
 
-def fake_vllm_config(entry, num_layers: int = L, max_num_batched_tokens: int = 8192):
-    """Just the attributes ``HiddenStatesConfig.from_vllm_config`` reads."""
+def fake_vllm_config(entry, num_layers: int = L, max_num_batched_tokens: int = 8192,
+                     hidden_size: int = 2560, dtype=None):  # fmt: skip
+    """Just the attributes ``HiddenStatesConfig.from_vllm_config`` reads
+    (default: Qwen3-4B's shape in bf16)."""
+    import torch
+
     extra = None if entry is None else {ADDITIONAL_CONFIG_KEY: entry}
     text_config = SimpleNamespace(num_hidden_layers=num_layers)
     return SimpleNamespace(
         additional_config=extra,
-        model_config=SimpleNamespace(hf_text_config=text_config),
+        model_config=SimpleNamespace(hf_text_config=text_config,
+                                     get_hidden_size=lambda: hidden_size,
+                                     dtype=dtype or torch.bfloat16),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
     )
 
@@ -155,7 +162,7 @@ def test_from_vllm_config_is_none_when_hidden_states_are_not_enabled():
 
 def test_from_vllm_config_without_layers_makes_every_layer_capturable():
     cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config({"layers": None}))
-    assert cfg == every_layer()
+    assert cfg.layers == every_layer().layers and cfg.given is None
 
 
 def test_from_vllm_config_stores_sorted_distinct_absolute_layers_and_the_given_spelling():
@@ -309,9 +316,25 @@ def test_add_cli_args_value_feeds_parse_layers_arg():
 # capture buffers: max_rows and memory
 
 
-def test_max_rows_defaults_to_512_rows():
+def test_max_rows_default_is_the_rows_that_fit_the_buffer_budget():
+    # Qwen3-4B bf16, every layer capturable: 36 buffers x 2560 x 2 bytes a row.
     cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config({"layers": None}))
-    assert cfg.max_rows == DEFAULT_MAX_ROWS == 512
+    assert cfg.max_rows == DEFAULT_BUFFER_MIB * 2**20 // (36 * 2560 * 2) == 1456
+
+
+def test_max_rows_default_covers_a_whole_step_when_few_layers_are_capturable():
+    cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config({"layers": [-2, -1]}))
+    assert cfg.max_rows == 8192  # max_num_batched_tokens: a prefill is never split
+
+
+def test_max_rows_default_is_never_below_512_rows():
+    vllm_config = fake_vllm_config({"layers": None}, num_layers=80, hidden_size=8192)
+    assert HiddenStatesConfig.from_vllm_config(vllm_config).max_rows == DEFAULT_MAX_ROWS == 512
+
+
+def test_max_rows_default_with_only_the_final_layer_is_the_step_budget():
+    cfg = HiddenStatesConfig.from_vllm_config(fake_vllm_config({"layers": [-1]}))
+    assert cfg.max_rows == 8192
 
 
 def test_max_rows_default_never_exceeds_the_step_token_budget():
