@@ -55,9 +55,10 @@ ENABLE_HINT = (
 # capturable: 1024 rows (256 MiB); a 16 x 2048 one: 4096.
 DEFAULT_MAX_ROWS = 512
 DEFAULT_BUFFER_MIB = 256
-# Bumped when what the compiled graph contains changes (2: capture points),
-# so a graph cached by an older version is never reused.
-CAPTURE_VERSION = 2
+# Bumped when what the compiled graph contains changes (2: capture points;
+# 3: a count per capture point), so a graph cached by an older version is
+# never reused.
+CAPTURE_VERSION = 3
 
 
 def additional_config_entry(

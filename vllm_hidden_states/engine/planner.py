@@ -100,6 +100,8 @@ class CaptureStep:
         sae_top_k: also encode the SAE layer's rows on the device and ship
             only their k strongest features (0: none). ``layers`` (the full
             states shipped) may then be empty.
+        buffered: the rows pass the capture buffers (a layer below the final
+            one is read); else they come from the model output alone.
     """
 
     layers: tuple[int, ...]
@@ -108,6 +110,7 @@ class CaptureStep:
     num_tokens: int
     first: int = 0
     sae_top_k: int = 0
+    buffered: bool = True
 
 
 class CapturePlanner:
@@ -234,6 +237,7 @@ class CapturePlanner:
                     num_tokens=num_tokens,
                     first=max(start, spec.delivered),
                     sae_top_k=spec.sae_top_k,
+                    buffered=spec.buffered,
                 )
         if steps:
             output.capture_plan = steps

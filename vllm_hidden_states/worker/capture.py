@@ -75,7 +75,7 @@ logger = init_logger(__name__)
 CARRY_KEY = "hidden_states_capture"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Armed:
     """One request's share of the rows armed for this forward."""
 
@@ -209,7 +209,6 @@ class HiddenStatesCapture:
         index_of = runner.input_batch.req_id_to_index
         query_start = runner.query_start_loc.np
         num_scheduled = self._num_scheduled
-        final = self.final_layer
         # Per request: its first batch row and row count (numpy builds the
         # row index in one go below; no array per request).
         starts: list[int] = []
@@ -238,28 +237,28 @@ class HiddenStatesCapture:
             # Only rows of a layer below the final one pass the capture
             # buffers (the scheduler kept them within max_rows); final-layer
             # rows come from the model output.
-            in_buffers = any(k < final for k in step.layers) or bool(
-                step.sae_top_k and self.sae_layer < final
-            )
-            if in_buffers:
+            if step.buffered:
                 armed.inner_offset = inner_offset
                 inner_offset += count
             starts.append(first_row)
             counts.append(count)
-            buffered.append(in_buffers)
+            buffered.append(step.buffered)
             offset += count
             self._armed.append(armed)
         self._inner_count = inner_offset
         if not self._armed:
             return
         rows = _ranges(starts, counts)
+        # Only the capture points of layers some request asked write rows.
+        asked = {k for a in self._armed if a.step.buffered for k in a.step.layers}
+        asked.update(self.sae_layer for a in self._armed if a.step.sae_top_k)
         if inner_offset == offset:  # every row passes the buffers: reuse their index
-            self.points.arm(rows)
+            self.points.arm(rows, asked)
             self._rows = self.points.rows[:offset]
             return
         self._rows = torch.from_numpy(rows).to(runner.device)
         if inner_offset:
-            self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)])
+            self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
 
     def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
         """Before a stage's forward: take earlier stages' rows off the received
@@ -394,9 +393,9 @@ class HiddenStatesCapture:
             else:
                 rows = self.points.read(k)[inner]
             self.copies.copy(host[i], rows)
-        for a in armed:
-            self._ready[a.req_id] = HostRows(a.step.first,
-                                             host[:, a.offset:a.offset + a.count], None)  # fmt: skip
+        views = host.split([a.count for a in armed], dim=1)  # in armed order
+        for a, rows in zip(armed, views):
+            self._ready[a.req_id] = HostRows(a.step.first, rows, None)
         self.copies.record()
         self._armed = []
         self._rows = None

@@ -7,34 +7,37 @@ At model load (:meth:`CapturePoints.install`), the decoder-layer list is found
 generically (:func:`find_decoder_layers`: no per-architecture code) and each
 decoder layer ``k`` whose layer index is capturable gets a capture point: its
 class is swapped for a subclass whose ``forward`` first calls
-``torch.ops.vllm.hidden_states_capture(hidden, residual, rows, count, out)``
-and then the original forward. Swapping the class (rather than wrapping the
+``torch.ops.vllm.hidden_states_capture(hidden, residual, rows, counts, index,
+out)`` and then the original forward. Swapping the class (rather than wrapping the
 module) keeps parameter names, ``isinstance`` checks and attribute access
 intact, so weight loading, LoRA and reloads see the same model.
 
-The op writes ``(hidden + residual)[rows[:count]]`` into ``out[:count]``: the
+The op writes ``(hidden + residual)[rows[:n]]`` into ``out[:n]``, ``n =
+counts[index]`` (``index``: the point's position among the capture points): the
 residual stream *entering* layer ``k``, which is HF's
 ``output_hidden_states[k]`` (``k = 0``: the embedding output, Gemma's
 embedding scaling included; layers with vLLM's fused residual pass
 ``residual`` separately, others fold it into ``hidden``). Layer ``L``, the
 final post-norm state, is the model's own output: the runner gathers it.
 
-``rows`` (int64 ``[max_rows]``) and ``count`` (int64 ``[1]``) are shared by all
-capture points; ``out`` is one ``[max_rows, hidden_size]`` buffer per captured
-layer, in the model dtype. All are registered as non-persistent module buffers,
-so Dynamo lifts them as graph inputs rather than constants; their storage never
-changes, so compiled graphs and captured CUDA graphs stay valid. The runner
-fills ``rows``/``count`` before a forward that captures and sets ``count`` to 0
+``rows`` (int64 ``[max_rows]``) and ``counts`` (int64 ``[num_points]``, one
+count per capture point, so that a step captures only the layers some request
+asked) are shared by all capture points; ``out`` is one ``[max_rows,
+hidden_size]`` buffer per captured layer, in the model dtype. All are
+registered as non-persistent module buffers, so Dynamo lifts them as graph
+inputs rather than constants; their storage never changes, so compiled graphs
+and captured CUDA graphs stay valid (``index`` is a constant of the graph). The
+runner fills ``rows``/``counts`` before a forward that captures and zeroes them
 after it (:meth:`CapturePoints.arm` / :meth:`CapturePoints.disarm`).
 
-Cost of a forward where nobody asked (``count == 0``): on CPU the op reads the
+Cost of a forward where nobody asked (count 0): on CPU the op reads the
 count and returns (one call per capture point); on other devices, where the
 count cannot be read without a host sync (and not at all inside CUDA-graph
 capture), the op gathers the first ``min(max_rows, tokens)`` entries of the
 persistent index, whose unused entries point at row 0: ``min(max_rows,
 tokens) x hidden_size`` elements copied per capture point per forward (a
-batch-b decode step: b rows). Invariant: entries of ``rows`` past ``count``
-are 0 (:meth:`CapturePoints.arm` writes them so, :meth:`CapturePoints.disarm`
+batch-b decode step: b rows). Invariant: entries of ``rows`` past the armed
+count are 0 (:meth:`CapturePoints.arm` writes them so, :meth:`CapturePoints.disarm`
 resets the whole index), so that gather never reads past a smaller batch.
 """
 
@@ -86,13 +89,15 @@ def _capture_rows(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     rows: torch.Tensor,
-    count: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
     out: torch.Tensor,
 ) -> None:
-    """``out[:n] = (hidden + residual)[rows[:n]]`` with ``n = count`` (see module doc)."""
+    """``out[:n] = (hidden + residual)[rows[:n]]`` with ``n = counts[index]``
+    (see module doc)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if count_readable_on_host(hidden.device):
-        n = int(count.item())  # free on CPU; the op is opaque to Dynamo
+        n = int(counts[index])  # free on CPU; the op is opaque to Dynamo
         if n:
             gather_rows(hidden, residual, rows[:n], out[:n])
         return
@@ -110,7 +115,8 @@ def _capture_rows_fake(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     rows: torch.Tensor,
-    count: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
     out: torch.Tensor,
 ) -> None:
     return None
@@ -214,7 +220,7 @@ def _capturing_class(cls: type) -> type:
     def forward(self, *args, **kwargs):
         hidden, residual = stream.read(args, kwargs)
         torch.ops.vllm.hidden_states_capture(
-            hidden, residual, self._hs_rows, self._hs_count, self._hs_out
+            hidden, residual, self._hs_rows, self._hs_counts, self._hs_index, self._hs_out
         )
         return original(self, *args, **kwargs)
 
@@ -247,8 +253,8 @@ class CapturePoints:
             ``[start_layer, end_layer)``.
         buffers: ``{k: [max_rows, hidden_size]}`` in the model dtype.
         max_rows: rows one forward can capture.
-        count: rows armed for the next forward (host-side mirror of the
-            device ``count`` tensor).
+        count: rows armed for the next forward (the points of the layers
+            asked get it in the device ``counts`` tensor, the others 0).
     """
 
     def __init__(
@@ -271,19 +277,23 @@ class CapturePoints:
         self.max_rows = max_rows
         self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.rows_host = torch.zeros(max_rows, dtype=torch.int64)
-        self.count_tensor = torch.zeros(1, dtype=torch.int64, device=device)
         self.count = 0
+        self._index: dict[int, int] = {}  # layer -> its position in counts
         self.buffers: dict[int, torch.Tensor] = {}
-        for k in layers:
+        # Another pipeline stage owns the placeholders' layers.
+        owned_points = [k for k in layers if not _is_pp_placeholder(decoder_layers[k])]
+        self.counts = torch.zeros(max(len(owned_points), 1), dtype=torch.int64, device=device)
+        self.counts_host = torch.zeros_like(self.counts, device="cpu")
+        for index, k in enumerate(owned_points):
             layer = decoder_layers[k]
-            if _is_pp_placeholder(layer):
-                continue  # another pipeline stage owns this layer
             out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
             layer.__class__ = _capturing_class(type(layer))
+            layer._hs_index = index
             layer.register_buffer("_hs_rows", self.rows, persistent=False)
-            layer.register_buffer("_hs_count", self.count_tensor, persistent=False)
+            layer.register_buffer("_hs_counts", self.counts, persistent=False)
             layer.register_buffer("_hs_out", out, persistent=False)
             self.buffers[k] = out
+            self._index[k] = index
         self.layers = sorted(self.buffers)
         if self.layers:
             logger.info(
@@ -294,15 +304,24 @@ class CapturePoints:
                 max_rows,
             )  # fmt: skip
 
-    def arm(self, rows: np.ndarray) -> None:
-        """Capture batch rows ``rows`` (int64, at most ``max_rows``) in the next forward."""
+    def arm(self, rows: np.ndarray, layers: "list[int] | None" = None) -> None:
+        """Capture batch rows ``rows`` (int64, at most ``max_rows``) in the
+        next forward, at the capture points of ``layers`` (absolute indices;
+        None: all of them)."""
         n = len(rows)
         if n > self.max_rows:
             raise ValueError(f"{n} rows asked in one step; the buffers hold {self.max_rows}")
         self.rows_host[:n] = torch.from_numpy(rows)
         self.rows_host[n:] = 0
         self.rows.copy_(self.rows_host, non_blocking=True)
-        self.count_tensor.fill_(n)
+        if layers is None:
+            self.counts_host.fill_(n)
+        else:
+            self.counts_host.zero_()
+            for k in layers:
+                if k in self._index:
+                    self.counts_host[self._index[k]] = n
+        self.counts.copy_(self.counts_host, non_blocking=True)
         self.count = n
 
     def disarm(self) -> None:
@@ -314,7 +333,7 @@ class CapturePoints:
         assert that kills the engine)."""
         if self.count:
             self.rows.zero_()
-            self.count_tensor.fill_(0)
+            self.counts.zero_()
             self.count = 0
 
     def read(self, k: int) -> torch.Tensor:
