@@ -122,6 +122,8 @@ class HiddenStatesCapture:
         # This step's rows from earlier stages: [len(carried_layers), rows, hidden].
         self._carried: torch.Tensor | None = None
         self._inner_count = 0  # rows armed in the capture buffers
+        self._wants_final = False  # this step reads layer L (the model output)
+        self._uniform = False  # this step can go to the host in one copy per layer
         self.points: CapturePoints | None = None
         self.plan: dict[str, "CaptureStep"] | None = None  # this step's, if any
         self._armed: list[_Armed] = []
@@ -214,8 +216,10 @@ class HiddenStatesCapture:
         starts: list[int] = []
         counts: list[int] = []
         buffered: list[bool] = []
+        layer_sets: set[tuple[int, ...]] = set()
         offset = inner_offset = 0
-        self._armed = []
+        all_done, any_sae = True, False
+        self._armed = armed_list = []
         for req_id, step in self.plan.items():
             # Rows by sequence position: row0 holds position step.start. Rows
             # past the sequence (draft tokens of speculative decoding) are
@@ -243,20 +247,29 @@ class HiddenStatesCapture:
             starts.append(first_row)
             counts.append(count)
             buffered.append(step.buffered)
+            layer_sets.add(step.layers)
+            all_done &= done
+            any_sae |= bool(step.sae_top_k)
             offset += count
-            self._armed.append(armed)
+            armed_list.append(armed)
         self._inner_count = inner_offset
-        if not self._armed:
+        if not armed_list:
             return
+        # Which layers this step reads: only their capture points write rows,
+        # and the model output is gathered only if the final layer is asked.
+        asked = set().union(*layer_sets)
+        if any_sae:
+            asked.add(self.sae_layer)
+        self._wants_final = self.final_layer in asked
+        # One layer set, every capture ending now, no SAE: the common decode
+        # step, copied to the host in one go (:meth:`_collect_as_one`).
+        self._uniform = len(layer_sets) == 1 and all_done and not any_sae
         rows = _ranges(starts, counts)
-        # Only the capture points of layers some request asked write rows.
-        asked = {k for a in self._armed if a.step.buffered for k in a.step.layers}
-        asked.update(self.sae_layer for a in self._armed if a.step.sae_top_k)
         if inner_offset == offset:  # every row passes the buffers: reuse their index
             self.points.arm(rows, asked)
             self._rows = self.points.rows[:offset]
             return
-        self._rows = torch.from_numpy(rows).to(runner.device)
+        self._rows = torch.from_numpy(rows).to(runner.device) if self._wants_final else None
         if inner_offset:
             self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
 
@@ -323,9 +336,10 @@ class HiddenStatesCapture:
             return carry
         if isinstance(model_output, tuple):  # (hidden, aux) with an EAGLE3 drafter
             model_output = model_output[0]
-        final_rows = model_output.index_select(0, self._rows)
+        final_rows = model_output.index_select(0, self._rows) if self._wants_final else None
         carried = {k: i for i, k in enumerate(self.carried_layers)}
-        if self._collect_as_one(final_rows, carried):
+        if self._uniform and not self._partial:
+            self._collect_as_one(model_output, final_rows, carried)
             return None
         for armed in self._armed:
             sl = slice(armed.offset, armed.offset + armed.count)
@@ -368,23 +382,19 @@ class HiddenStatesCapture:
         self._carried = None
         return None
 
-    def _collect_as_one(self, final_rows: torch.Tensor, carried: dict[int, int]) -> bool:
-        """The common decode step, in one copy per layer: when every armed
-        capture ends in this step, asks the same layers and no SAE features,
-        the step's rows go to one host tensor ``[layers, rows, hidden]`` and
-        each request gets a view of its rows (no copy, no tensor per request).
-        False (nothing done) otherwise."""
+    def _collect_as_one(self, model_output: torch.Tensor, final_rows: torch.Tensor | None,
+                        carried: dict[int, int]) -> None:  # fmt: skip
+        """The common decode step, in one copy per layer: every armed capture
+        ends in this step and asks the same layers, without SAE features. The
+        step's rows go to one host tensor ``[layers, rows, hidden]`` and each
+        request gets a view of its rows (no tensor or copy per request)."""
         armed = self._armed
         layers = armed[0].step.layers
-        if not layers or self._partial or any(
-            not a.done or a.step.sae_top_k or a.step.layers != layers for a in armed
-        ):
-            return False
-        count = final_rows.shape[0]
+        count = sum(a.count for a in armed)
         # All rows pass the buffers, or none does (same layers for all).
         inner = slice(0, self._inner_count)
-        host = self.copies.empty((len(layers), count, final_rows.shape[-1]),
-                                 final_rows.dtype)  # fmt: skip
+        host = self.copies.empty((len(layers), count, model_output.shape[-1]),
+                                 model_output.dtype)  # fmt: skip
         for i, k in enumerate(layers):
             if k == self.final_layer:
                 rows = final_rows
@@ -400,7 +410,6 @@ class HiddenStatesCapture:
         self._armed = []
         self._rows = None
         self._carried = None
-        return True
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
