@@ -85,7 +85,7 @@ class CaptureSpec:
     sae_top_k: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made per request per step: no frozen-dataclass setattr cost
 class CaptureStep:
     """What the model runner captures for one request in one step.
 
@@ -231,13 +231,8 @@ class CapturePlanner:
                     if start + scheduled[req_id] <= spec.delivered:
                         continue  # recomputing delivered positions
                 steps[req_id] = CaptureStep(
-                    layers=spec.layers,
-                    positions=spec.positions,
-                    start=start,
-                    num_tokens=num_tokens,
-                    first=max(start, spec.delivered),
-                    sae_top_k=spec.sae_top_k,
-                    buffered=spec.buffered,
+                    spec.layers, spec.positions, start, num_tokens,
+                    max(start, spec.delivered), spec.sae_top_k, spec.buffered,
                 )
         if steps:
             output.capture_plan = steps
