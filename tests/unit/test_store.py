@@ -234,7 +234,7 @@ def test_read_dataset_formats(tmp_path):
     from vllm_hidden_states.tools.collect import read_dataset
 
     jl = tmp_path / "d.jsonl"
-    jl.write_text('{"id": 7, "text": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    jl.write_text('{"id": "7", "text": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n')
     docs = list(read_dataset(jl))
     assert [(d.doc_id, d.text) for d in docs] == [("7", "a"), ("2", None)]
     assert docs[1].messages[0]["content"] == "b"
@@ -245,7 +245,7 @@ def test_read_dataset_formats(tmp_path):
     pq.write_table(pa.table({"id": ["x", "y"], "text": ["one", "two"]}), pqf)
     assert [(d.doc_id, d.text) for d in read_dataset(pqf)] == [("x", "one"), ("y", "two")]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": 1}\n')
+    bad.write_text('{"id": "1"}\n')
     with pytest.raises(ValueError, match="exactly one of 'text'"):
         list(read_dataset(bad))
 
@@ -279,7 +279,8 @@ def test_sae_rows_land_with_schema_and_partition(tmp_path):
     files = list((tmp_path / "sae_features" / "date=2030-05-17").glob("*.parquet"))
     assert len(files) == 1
     t = pq.read_table(files[0])
-    assert t.schema.names == ["request_id", "step", "token_position", "token_id", "created_at",
+    assert t.schema.names == ["request_id", "choice_index", "step", "token_position",
+                              "token_id", "created_at",
                               "sae_release", "sae_layer", "feature_id", "activation_value",
                               "rank", "source_mode", "model_id", "schema_version"]
     assert t.schema.equals(store.sae_schema(), check_metadata=False)
@@ -456,9 +457,9 @@ def test_feature_deltas_and_threshold_search_match_python(tmp_path):
         if len(hits):
             expected[rid] = (len(hits), float(hits.max()))
     got = store.threshold_search(tmp_path, feature, threshold).fetchall()
-    assert {r[0]: r[4] for r in got} == {k: v[0] for k, v in expected.items()}
-    assert {r[0]: r[5] for r in got} == pytest.approx({k: v[1] for k, v in expected.items()})
-    assert [r[5] for r in got] == sorted((r[5] for r in got), reverse=True)
+    assert {r[0]: r[5] for r in got} == {k: v[0] for k, v in expected.items()}
+    assert {r[0]: r[6] for r in got} == pytest.approx({k: v[1] for k, v in expected.items()})
+    assert [r[6] for r in got] == sorted((r[6] for r in got), reverse=True)
     s.close()
 
 

@@ -492,6 +492,7 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
                     sae_layer=parts[0]["layer"], token_ids=tokens[positions],
                     feature_ids=ids.numpy(), values=values.numpy(),
                     prompt_len=n_prompt, positions=positions,
+                    choice_index=rows.choice_index,
                 )  # fmt: skip
         if _store_hidden and rows.stored_states and ask.layers:
             states = _concat(rows.stored_states, ask)
@@ -499,7 +500,7 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
             store.append_hidden_states(
                 rows.request_id, model_id=model, token_ids=tokens[positions[-n:]],
                 states={k: v[-n:] for k, v in states.items()}, prompt_len=n_prompt,
-                positions=positions[-n:],
+                positions=positions[-n:], choice_index=rows.choice_index,
             )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - never fail the request
         logger.warning("activation store: request %s not stored: %s", rows.request_id, e)
@@ -594,7 +595,8 @@ class ChoiceRows:
     features: list[dict[str, Any]] = field(default_factory=list)
     feature_start: int = 0
     # For the activation store (only filled when the server has one).
-    request_id: str = ""
+    request_id: str = ""  # the response's id
+    choice_index: int = 0  # the choice's index in the response
     sae_name: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -649,7 +651,7 @@ def _collect(
                 for output in res.outputs:
                     if store is not None:
                         rows = choices.setdefault(offset + output.index, ChoiceRows())
-                        _track_for_store(rows, res, output)
+                        _track_for_store(rows, res, output, offset + output.index)
                     elif (output.hidden_states is None and output.sae_features is None
                           and output.finish_reason is None):  # fmt: skip
                         continue
@@ -671,12 +673,23 @@ def _collect(
     return gen()
 
 
-def _track_for_store(rows: ChoiceRows, res: Any, output: Any) -> None:
+def _response_id(engine_request_id: str) -> str:
+    """The response's ``id`` from the engine request id of one of its
+    prompts: vLLM 0.32's completions serving runs prompt ``i`` of response
+    ``cmpl-<id>`` as ``cmpl-<id>-<i>``; chat runs its one prompt under the
+    response's own ``chatcmpl-<id>``."""
+    if engine_request_id.startswith("cmpl-"):
+        return engine_request_id.rsplit("-", 1)[0]
+    return engine_request_id
+
+
+def _track_for_store(rows: ChoiceRows, res: Any, output: Any, choice_index: int) -> None:
     """Token ids, features and states of a choice, for the store (the result
-    iterator yields deltas when streaming, cumulative outputs otherwise)."""
+    iterator yields deltas when streaming, cumulative outputs otherwise).
+    Stored under the response's id and the choice's index in it."""
     if not rows.request_id:
-        rows.request_id = res.request_id if output.index == 0 else (
-            f"{res.request_id}/{output.index}")  # fmt: skip
+        rows.request_id = _response_id(res.request_id)
+        rows.choice_index = choice_index
         rows.prompt_ids = list(res.prompt_token_ids or ())
         rows.sae_name = _sae_name
     # The server streams DELTA outputs and otherwise yields one final output
@@ -808,11 +821,12 @@ def _wrap_completion_response(cls: type) -> None:
             _attach_to_choices(response.choices, states, ask, features)
             store = _store or None
             if store is not None and (ask.sae_top_k or (_store_hidden and ask.layers)):
-                for res in final_res_batch:
-                    for o in res.outputs:
-                        rows = ChoiceRows()
-                        _track_for_store(rows, res, o)
-                        _store_choice(store, rows, ask, request.model)
+                # Numbered as vLLM numbers the choices (in this order).
+                outputs = [(res, o) for res in final_res_batch for o in res.outputs]
+                for index, (res, o) in enumerate(outputs):
+                    rows = ChoiceRows()
+                    _track_for_store(rows, res, o, index)
+                    _store_choice(store, rows, ask, request.model)
         return response
 
     cls.request_output_to_completion_response = to_response

@@ -8,9 +8,13 @@ Layout under the store root::
     hidden_states/date=2025-01-31/part-....parquet      # opt-in only
 
 **``sae_features`` rows** (one per token position per top-k feature; the
-schema of seed 001 module 6 plus ``schema_version``)::
+schema of seed 001 module 6 plus ``choice_index`` and ``schema_version``)::
 
-    request_id        string
+    request_id        string    the response's ``id`` (``cmpl-...``,
+                                ``chatcmpl-...``): what ``store query
+                                --request-id`` takes
+    choice_index      int32     the choice's ``index`` in the response (n > 1,
+                                several prompts); 0 for a single choice
     step              int32     0 for prompt positions (the prefill); for a
                                 generated position p, p - prompt_len + 1
     token_position    int32     index in prompt + output token ids
@@ -28,10 +32,16 @@ schema of seed 001 module 6 plus ``schema_version``)::
 Slots the encoder left empty (feature id ``-1``: fewer than k features
 active) are not written.
 
-**``hidden_states`` rows** (opt-in): ``request_id, step, token_position,
-token_id, created_at, layer (int16), vector (list<float32>), model_id,
-schema_version``. Adding it did not change ``sae_features`` (the "full vector
-migration path" of the seed: additive, versioned).
+**``hidden_states`` rows** (opt-in): ``request_id, choice_index, step,
+token_position, token_id, created_at, layer (int16), vector (list<float32>),
+model_id, schema_version``. Adding it did not change ``sae_features`` (the
+"full vector migration path" of the seed: additive, versioned).
+
+**Schema versions.** 1: ``request_id`` was vLLM's engine request id
+(``cmpl-<id>-<prompt>``, ``/<index>`` added for later choices), no
+``choice_index``. 2 (now): ``request_id`` is the response's id and
+``choice_index`` its own column. The query views read both (``union_by_name``;
+a version-1 row's ``choice_index`` reads as 0).
 
 **Off the serving path.** :meth:`ActivationStore.append_sae_features` and
 :meth:`~ActivationStore.append_hidden_states` copy nothing big and never
@@ -70,7 +80,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SAE_TABLE = "sae_features"
 HIDDEN_TABLE = "hidden_states"
 DEFAULT_RETENTION_DAYS = 14
@@ -83,6 +93,7 @@ def _token_columns(pa) -> list:
     """The per-token columns both tables start with."""
     return [
         ("request_id", pa.string()),
+        ("choice_index", pa.int32()),
         ("step", pa.int32()),
         ("token_position", pa.int32()),
         ("token_id", pa.int32()),
@@ -134,6 +145,7 @@ class StoreStats:
 @dataclass
 class _SaeItem:
     request_id: str
+    choice_index: int
     model_id: str
     sae_release: str
     sae_layer: int
@@ -149,6 +161,7 @@ class _SaeItem:
 @dataclass
 class _HiddenItem:
     request_id: str
+    choice_index: int
     model_id: str
     token_ids: np.ndarray
     positions: np.ndarray
@@ -175,6 +188,7 @@ def sae_table(items: Sequence[_SaeItem]):
         pos = np.repeat(np.asarray(it.positions, dtype=np.int32), k).reshape(n, k)[keep]
         tok = np.repeat(np.asarray(it.token_ids, dtype=np.int32), k).reshape(n, k)[keep]
         cols["request_id"].append(np.full(rows, it.request_id, dtype=object))
+        cols["choice_index"].append(np.full(rows, it.choice_index, dtype=np.int32))
         cols["step"].append(_steps(pos, it.prompt_len))
         cols["token_position"].append(pos)
         cols["token_id"].append(tok)
@@ -206,6 +220,7 @@ def hidden_table(items: Sequence[_HiddenItem]):
             rows = np.asarray(rows, dtype=np.float32)
             n = rows.shape[0]
             cols["request_id"].append(np.full(n, it.request_id, dtype=object))
+            cols["choice_index"].append(np.full(n, it.choice_index, dtype=np.int32))
             cols["step"].append(_steps(pos, it.prompt_len))
             cols["token_position"].append(pos)
             cols["token_id"].append(tok)
@@ -337,15 +352,18 @@ class ActivationStore:
         prompt_len: int,
         positions: Sequence[int] | np.ndarray | None = None,
         source_mode: str = "inline",
+        choice_index: int = 0,
     ) -> bool:
         """Queue one request's top-k features; ``feature_ids``/``values`` are
         ``[n, k]`` (int, float) for the positions ``positions`` (default
-        ``0..n-1``) whose tokens are ``token_ids`` ``[n]``. Returns whether it
-        was queued (False: dropped and counted). Never raises."""
+        ``0..n-1``) whose tokens are ``token_ids`` ``[n]``. ``request_id``:
+        the response's id; ``choice_index``: the choice's index in it.
+        Returns whether it was queued (False: dropped and counted). Never
+        raises."""
         try:
             n = len(token_ids)
             item = _SaeItem(
-                request_id, model_id, sae_release, int(sae_layer),
+                request_id, int(choice_index), model_id, sae_release, int(sae_layer),
                 np.asarray(token_ids), np.arange(n) if positions is None else np.asarray(positions),
                 int(prompt_len), np.asarray(feature_ids), np.asarray(values),
                 source_mode, self._clock(),
@@ -371,14 +389,16 @@ class ActivationStore:
         states: dict[int, Any],
         prompt_len: int,
         positions: Sequence[int] | np.ndarray | None = None,
+        choice_index: int = 0,
     ) -> bool:
         """Queue one request's hidden states ``{layer: [n, hidden]}`` (numpy or
-        CPU torch tensors of any float dtype). Never raises."""
+        CPU torch tensors of any float dtype); ``request_id`` and
+        ``choice_index`` as in :meth:`append_sae_features`. Never raises."""
         try:
             n = len(token_ids)
             conv = {int(k): np.asarray(v.float() if hasattr(v, "float") else v, dtype=np.float32)
                     for k, v in states.items()}
-            item = _HiddenItem(request_id, model_id, np.asarray(token_ids),
+            item = _HiddenItem(request_id, int(choice_index), model_id, np.asarray(token_ids),
                                np.arange(n) if positions is None else np.asarray(positions),
                                int(prompt_len), conv, self._clock())
             return self._put(item)
@@ -535,22 +555,31 @@ def _glob(root: str | Path, table: str) -> str:
 
 def connect(root: str | Path):
     """A DuckDB connection with views ``sae_features`` and ``hidden_states``
-    over the store's Parquet files (hive partitioning: a ``date`` column)."""
+    over the store's Parquet files (hive partitioning: a ``date`` column;
+    files of every schema version by column name, ``choice_index`` 0 where a
+    version-1 file has none)."""
     import duckdb
 
     con = duckdb.connect()
     for table in (SAE_TABLE, HIDDEN_TABLE):
         if any((Path(root) / table).glob("date=*/*.parquet")):
             path = _glob(root, table).replace("'", "''")
-            con.execute(f"CREATE VIEW {table} AS SELECT * FROM "
-                        f"read_parquet('{path}', hive_partitioning=true)")
+            rel = f"read_parquet('{path}', hive_partitioning=true, union_by_name=true)"
+            cols = [d[0] for d in con.execute(f"SELECT * FROM {rel} LIMIT 0").description]
+            if "choice_index" in cols:
+                view = (f"SELECT * REPLACE (coalesce(choice_index, 0)::INTEGER AS "
+                        f"choice_index) FROM {rel}")
+            else:  # version-1 files only
+                view = f"SELECT *, 0::INTEGER AS choice_index FROM {rel}"
+            con.execute(f"CREATE VIEW {table} AS {view}")
     return con
 
 
 FEATURE_DELTAS_SQL = """
 WITH r AS (
     SELECT token_position, step, token_id, feature_id, activation_value
-    FROM sae_features WHERE request_id = $request_id AND sae_layer = coalesce($layer, sae_layer)
+    FROM sae_features WHERE request_id = $request_id AND choice_index = $choice_index
+        AND sae_layer = coalesce($layer, sae_layer)
 ),
 pos AS (SELECT DISTINCT token_position, step, token_id FROM r),
 feat AS (SELECT DISTINCT feature_id FROM r
@@ -568,7 +597,7 @@ FROM grid ORDER BY feature_id, token_position
 """
 
 THRESHOLD_SQL = """
-SELECT request_id, model_id, sae_release, sae_layer,
+SELECT request_id, choice_index, model_id, sae_release, sae_layer,
        count(*) AS positions, max(activation_value) AS max_activation,
        min(token_position) AS first_position, min(created_at) AS created_at
 FROM sae_features
@@ -576,13 +605,15 @@ WHERE feature_id = $feature_id AND activation_value >= $min_activation
   AND ($since IS NULL OR created_at >= $since)
   AND ($model_id IS NULL OR model_id = $model_id)
 GROUP BY ALL
-ORDER BY max_activation DESC, request_id
+ORDER BY max_activation DESC, request_id, choice_index
 """
 
 
 def feature_deltas(root: str | Path, request_id: str, features: Sequence[int] | None = None,
-                   layer: int | None = None):
-    """Feature activations over the positions of one request.
+                   layer: int | None = None, choice_index: int = 0):
+    """Feature activations over the positions of one request's choice
+    (``request_id``: the response's id; ``choice_index``: the choice's index,
+    0 unless the request asked for several).
 
     One row per (feature, position) for every feature that appears in the
     request's top-k anywhere (or the given ``features``), on every position of
@@ -593,7 +624,7 @@ def feature_deltas(root: str | Path, request_id: str, features: Sequence[int] | 
     ``.arrow()``)."""
     con = connect(root)
     return con.execute(FEATURE_DELTAS_SQL, {
-        "request_id": request_id, "layer": layer,
+        "request_id": request_id, "layer": layer, "choice_index": int(choice_index),
         "features": None if features is None else [int(f) for f in features],
     })
 
@@ -601,8 +632,8 @@ def feature_deltas(root: str | Path, request_id: str, features: Sequence[int] | 
 def threshold_search(root: str | Path, feature_id: int, min_activation: float,
                      since: dt.datetime | None = None, model_id: str | None = None):
     """Requests (across runs and days) where ``feature_id`` reached
-    ``min_activation``: ``request_id, model_id, sae_release, sae_layer,
-    positions`` (how many positions), ``max_activation, first_position,
+    ``min_activation``, one row per choice: ``request_id, choice_index,
+    model_id, sae_release, sae_layer, positions`` (how many positions), ``max_activation, first_position,
     created_at``, strongest first."""
     con = connect(root)
     return con.execute(THRESHOLD_SQL, {

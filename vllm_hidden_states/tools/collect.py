@@ -8,12 +8,32 @@
 
 * ``*.jsonl`` / ``*.json`` (JSON lines): ``{"id": ..., "text": "..."}`` or
   ``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}`` (the
-  model's chat template is applied with ``add_generation_prompt=True``). A
-  line without ``id`` gets its line number.
-* ``*.parquet``: columns ``id`` (optional; else the row number) and ``text``
-  (or ``messages``), read in record batches.
+  model's chat template is applied with ``add_generation_prompt=True``).
+  ``id`` is a string; a line without ``id`` gets its 0-based line number
+  (blank lines counted). Any other ``id`` (null, a number, a list...) is
+  refused, naming the line.
+* ``*.parquet``: columns ``id`` (optional; else the 0-based row number; a
+  string column, nulls refused) and ``text`` (or ``messages``), read in
+  record batches.
 * anything else: plain text, one prompt per line; the id is the line number
   (0-based); blank lines are skipped.
+
+**Long and refused documents.** Each document keeps its first
+``--max-length`` tokens, cut on this side: the offline engine gets the token
+ids; in server mode, with a local tokenizer (``--tokenizer``, default the
+server's model root), a longer text is sent as a prefix that encodes to the
+same first ``--max-length`` tokens (checked here; likewise a long chat
+conversation), so a 3 MB document costs a small request. A document the
+server still refuses (HTTP 400, 413 or 422: over its input-size limits
+without a local tokenizer to cut it with, too long for its context...) is
+skipped and recorded in ``OUT/refused.json`` (``{id: {"status", "error"}}``;
+a rerun tries it again and drops it from there once stored); the run goes
+on. The final report counts ``truncated`` and ``refused`` documents.
+
+**One run per directory.** A run holds an exclusive lock (``fcntl.flock``
+on ``OUT/.collect.lock``) from its start to its end; a second run into the
+same directory is refused at once (:class:`OutputLocked`, exit status 2)
+instead of deleting the first one's temporary shards.
 
 **Engines.** ``--model``: the offline engine in this process (``vllm.LLM``
 with ``enable_hidden_states``, the capturable set = ``--layers``); each batch
@@ -34,12 +54,15 @@ resume). Rerunning the same command after a kill skips finished documents.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,11 +75,21 @@ from vllm_hidden_states.store.parquet_shards import (
     DocStates,
     HarvestMeta,
     ShardWriter,
+    write_json_atomic,
 )
 
+# Not vllm.logger.init_logger: the console script imports this module for
+# every command, ``patch apply`` included, which must not import vLLM. The
+# logger is the same object (loggers are per name); the plugin routes
+# ``vllm_hidden_states.*`` records through vLLM's handlers once vLLM loads.
 logger = logging.getLogger(__name__)
 
 POSITIONS = ("prompt", "all")
+LOCK_FILE = ".collect.lock"
+REFUSED_FILE = "refused.json"
+# Answers that refuse one document (its size, its length, its content), not
+# the run: the document is skipped and recorded.
+REFUSAL_STATUSES = (400, 413, 422)
 
 
 @dataclass
@@ -68,8 +101,22 @@ class Doc:
     messages: list[dict[str, Any]] | None = None
 
 
-def _record_to_doc(rec: dict[str, Any], default_id: int, where: str) -> Doc:
-    doc_id = rec.get("id", default_id)
+def _record_to_doc(rec: dict[str, Any], default_id: int, where: str, unit: str) -> Doc:
+    if "id" in rec:
+        doc_id = rec["id"]
+        if not isinstance(doc_id, str):
+            try:
+                shown = json.dumps(doc_id)[:80]
+            except (TypeError, ValueError):
+                shown = repr(doc_id)[:80]
+            if doc_id is not None:
+                shown += f" ({type(doc_id).__name__})"
+            raise ValueError(
+                f"{where}: 'id' is {shown}; an id must be a string (e.g. \"doc-17\"), or "
+                f"leave 'id' out and the record gets its 0-based {unit} ({default_id})"
+            )
+    else:
+        doc_id = str(default_id)
     text, messages = rec.get("text"), rec.get("messages")
     if (text is None) == (messages is None):
         raise ValueError(
@@ -80,7 +127,7 @@ def _record_to_doc(rec: dict[str, Any], default_id: int, where: str) -> Doc:
         raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
     if messages is not None and not isinstance(messages, list):
         raise ValueError(f"{where}: 'messages' must be a list, got {type(messages).__name__}")
-    return Doc(str(doc_id), text, messages)
+    return Doc(doc_id, text, messages)
 
 
 def read_dataset(path: str | Path) -> Iterator[Doc]:
@@ -99,14 +146,14 @@ def read_dataset(path: str | Path) -> Iterator[Doc]:
                                      "JSON object per line") from None
                 if not isinstance(rec, dict):
                     raise ValueError(f"{path}:{i + 1}: expected a JSON object per line")
-                yield _record_to_doc(rec, i, f"{path}:{i + 1}")
+                yield _record_to_doc(rec, i, f"{path}:{i + 1}", "line number")
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
         row = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             for rec in batch.to_pylist():
-                yield _record_to_doc(rec, row, f"{path} row {row}")
+                yield _record_to_doc(rec, row, f"{path} row {row}", "row number")
                 row += 1
     else:
         with open(path) as f:
@@ -181,8 +228,11 @@ class CollectResult:
     out: str
     docs: int = 0
     tokens: int = 0
-    skipped: int = 0
-    empty: int = 0
+    skipped: int = 0  # finished by an earlier run (resume)
+    empty: int = 0  # encode to no tokens
+    truncated: int = 0  # stored as their first max_length tokens
+    refused: int = 0  # refused by the server: skipped, in OUT/refused.json
+    refused_docs: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     producer_wait_s: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
@@ -231,14 +281,93 @@ def _progress(cfg: CollectConfig):
     return tqdm(unit="tok", unit_scale=True, desc="collect", dynamic_ncols=True)
 
 
-def _tokenize_text(tokenizer, text: str, max_length: int) -> list[int]:
-    return list(tokenizer.encode(text))[:max_length]
-
-
-def _tokenize_messages(tokenizer, messages, max_length: int) -> list[int]:
+def _render_ids(tokenizer, messages) -> list[int]:
+    """A conversation's token ids: the chat template with the generation
+    prompt, encoded without adding special tokens (the template has them)."""
     rendered = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=True)
-    return list(tokenizer.encode(rendered, add_special_tokens=False))[:max_length]
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def _doc_ids(tokenizer, doc: Doc) -> list[int]:
+    """Every token id of a document (not cut)."""
+    if doc.text is not None:
+        return list(tokenizer.encode(doc.text))
+    return _render_ids(tokenizer, doc.messages)
+
+
+# A first guess of characters per token for a prefix; doubled until it holds.
+_CHARS_PER_TOKEN = 8
+
+
+def _text_prefix(tokenizer, text: str, full_ids: list[int], max_length: int) -> str | None:
+    """A prefix of ``text`` whose encoding starts with the same ``max_length``
+    tokens as the whole text's (``full_ids``), so a server that encodes it and
+    keeps the first ``max_length`` tokens computes exactly those: starts near
+    ``max_length`` tokens' worth of characters and doubles until that holds.
+    None if only the whole text does."""
+    want = full_ids[:max_length]
+    chars = _CHARS_PER_TOKEN * max_length + 64
+    while chars < len(text):
+        prefix = text[:chars]
+        if list(tokenizer.encode(prefix))[:max_length] == want:
+            return prefix
+        chars *= 2
+    return None
+
+
+def _messages_prefix(tokenizer, messages: list[dict[str, Any]], full_ids: list[int],
+                     max_length: int) -> list[dict[str, Any]] | None:
+    """Like :func:`_text_prefix` for a conversation: the messages cut to a
+    budget of content characters (later ones dropped) whose rendering starts
+    with the same ``max_length`` tokens as the whole conversation's. None if
+    none does short of the whole (or a content is not a string)."""
+    want = full_ids[:max_length]
+    contents = [m.get("content") for m in messages]
+    if not all(isinstance(c, str) for c in contents):
+        return None
+    total = sum(map(len, contents))
+    budget = _CHARS_PER_TOKEN * max_length + 64
+    while budget < total:
+        cut, left = [], budget
+        for message, content in zip(messages, contents):
+            if left <= 0:
+                break
+            cut.append({**message, "content": content[:left]})
+            left -= len(content)
+        try:
+            if _render_ids(tokenizer, cut)[:max_length] == want:
+                return cut
+        except Exception:  # noqa: BLE001 - a template that wants the whole conversation
+            return None
+        budget *= 2
+    return None
+
+
+class _RefusalLog:
+    """``OUT/refused.json``: the documents the server refused, ``{id:
+    {"status": int, "error": str}}``; an entry goes once its document is
+    stored by a later run."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / REFUSED_FILE
+        self.docs: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            self.docs = json.loads(self.path.read_text())
+
+    def add(self, doc_id: str, status: int, error: str) -> None:
+        self.docs[doc_id] = {"status": status, "error": error}
+        write_json_atomic(self.path, self.docs)
+
+    def drop_finished(self, finished: set[str]) -> None:
+        done = [d for d in self.docs if d in finished]
+        for d in done:
+            del self.docs[d]
+        if done:
+            if self.docs:
+                write_json_atomic(self.path, self.docs)
+            else:
+                self.path.unlink()
 
 
 # -- offline engine ----------------------------------------------------------------
@@ -292,12 +421,14 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
                               cfg.batch_size, cfg.limit, result):
             prompts, kept = [], []
             for doc in batch:
-                ids = (_tokenize_text(tokenizer, doc.text, max_prompt) if doc.text is not None
-                       else _tokenize_messages(tokenizer, doc.messages, max_prompt))
+                ids = _doc_ids(tokenizer, doc)
                 if not ids:
                     result.empty += 1
                     logger.warning("document %r encodes to no tokens; skipped", doc.doc_id)
                     continue
+                if len(ids) > max_prompt:
+                    result.truncated += 1
+                    ids = ids[:max_prompt]
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
                 kept.append(doc)
             outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
@@ -319,7 +450,8 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
             result.tokens += tokens
             if bar is not None:
                 bar.update(tokens)
-                bar.set_postfix(docs=result.docs, skipped=result.skipped, refresh=False)
+                bar.set_postfix(docs=result.docs, skipped=result.skipped,
+                                truncated=result.truncated, refresh=False)
         writer.close()
         result.seconds = time.monotonic() - t0
         result.producer_wait_s = writer.stats.producer_wait_s
@@ -329,6 +461,29 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
 
 
 # -- server ---------------------------------------------------------------------------
+
+
+class _Refused(RuntimeError):
+    """The server refused a request with a 4xx status naming the input."""
+
+    def __init__(self, method: str, path: str, status: int, error: str):
+        super().__init__(f"{method} {path} answered {status}: {error}")
+        self.status = status
+        self.error = error
+
+
+@dataclass
+class _Prepared:
+    """A document as it is sent: ``text`` or ``messages`` (cut to about
+    ``max_length`` tokens when a local tokenizer could check the cut),
+    ``ids`` its token ids when known here (already cut), ``truncated`` whether
+    it is longer than ``max_length`` (None: not known yet)."""
+
+    doc: Doc
+    text: str | None
+    messages: list[dict[str, Any]] | None
+    ids: list[int] | None
+    truncated: bool | None
 
 
 class _ServerClient:
@@ -354,58 +509,110 @@ class _ServerClient:
 
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as e:  # noqa: BLE001 - fall back to the server's /tokenize
-            logger.info("no local tokenizer from %s (%s); using the server's /tokenize",
-                        source, e)
+            logger.warning("no local tokenizer from %s (%s); using the server's /tokenize, "
+                           "and documents go whole (the server cuts them to --max-length; "
+                           "one over its input limits is skipped and recorded)", source, e)
 
     def _json(self, method: str, path: str, body: dict | None = None) -> Any:
         r = self.http.request(method, self.base + path, json=body)
         if r.status_code != 200:
-            raise RuntimeError(f"{method} {path} answered {r.status_code}: {r.text[:500]}")
+            try:
+                error = r.json()["error"]["message"]
+            except Exception:  # noqa: BLE001 - not vLLM's error object
+                error = r.text
+            error = error[:500]
+            if r.status_code in REFUSAL_STATUSES:
+                raise _Refused(method, path, r.status_code, error)
+            raise RuntimeError(f"{method} {path} answered {r.status_code}: {error}")
         return r.json()
 
-    def token_ids(self, doc: Doc, max_length: int) -> list[int]:
-        if doc.text is not None and self.tokenizer is not None:
-            return _tokenize_text(self.tokenizer, doc.text, max_length)
-        body: dict[str, Any] = {"model": self.model}
+    def prepare(self, doc: Doc, max_length: int) -> _Prepared:
+        """Cut a long document here when the local tokenizer can check the cut."""
+        if self.tokenizer is None:
+            return _Prepared(doc, doc.text, doc.messages, None, None)
         if doc.text is not None:
-            body["prompt"] = doc.text
-        else:
-            body.update(messages=doc.messages, add_generation_prompt=True)
-        return list(self._json("POST", "/tokenize", body)["tokens"])[:max_length]
+            full = list(self.tokenizer.encode(doc.text))
+            if len(full) <= max_length:
+                return _Prepared(doc, doc.text, None, full, False)
+            prefix = _text_prefix(self.tokenizer, doc.text, full, max_length)
+            return _Prepared(doc, doc.text if prefix is None else prefix, None,
+                             full[:max_length], True)
+        try:
+            full = _render_ids(self.tokenizer, doc.messages)
+        except Exception:  # noqa: BLE001 - no chat template here: the server's decides
+            return _Prepared(doc, None, doc.messages, None, None)
+        if len(full) <= max_length:
+            return _Prepared(doc, None, doc.messages, None, False)
+        cut = _messages_prefix(self.tokenizer, doc.messages, full, max_length)
+        return _Prepared(doc, None, doc.messages if cut is None else cut, None, True)
 
-    def states(self, docs: list[Doc], layer: int, max_length: int) -> list[np.ndarray]:
+    def token_ids(self, p: _Prepared, max_length: int) -> list[int]:
+        """The document's token ids, cut to ``max_length`` (sets ``p.truncated``
+        when only the server could tell)."""
+        if p.ids is not None:
+            return p.ids
+        # Messages are always tokenized by the server (its chat template).
+        body: dict[str, Any] = {"model": self.model}
+        if p.text is not None:
+            body["prompt"] = p.text
+        else:
+            body.update(messages=p.messages, add_generation_prompt=True)
+        ids = list(self._json("POST", "/tokenize", body)["tokens"])
+        if p.truncated is None:
+            p.truncated = len(ids) > max_length
+        return ids[:max_length]
+
+    def states(self, docs: list[_Prepared], layer: int, max_length: int) -> list[np.ndarray]:
         """``[n_i, hidden]`` float32 per document at ``layer``."""
         from vllm_hidden_states.client import to_numpy
 
-        texts = [d for d in docs if d.text is not None]
-        out: dict[str, np.ndarray] = {}
+        texts = [p for p in docs if p.text is not None]
+        out: dict[int, np.ndarray] = {}
         if texts:
-            body = {"model": self.model, "input": [d.text for d in texts], "layer": layer,
+            body = {"model": self.model, "input": [p.text for p in texts], "layer": layer,
                     "max_length": max_length, "encoding_format": "base64"}
             arrays = to_numpy(self._json("POST", "/v1/hidden_states", body))
-            out.update({d.doc_id: a for d, a in zip(texts, arrays)})
-        for d in docs:
-            if d.messages is not None:
-                body = {"model": self.model, "messages": d.messages, "layer": layer,
+            out.update({id(p): a for p, a in zip(texts, arrays)})
+        for p in docs:
+            if p.messages is not None:
+                body = {"model": self.model, "messages": p.messages, "layer": layer,
                         "max_length": max_length, "encoding_format": "base64"}
-                out[d.doc_id] = to_numpy(self._json("POST", "/v1/hidden_states", body))
-        return [out[d.doc_id] for d in docs]
+                out[id(p)] = to_numpy(self._json("POST", "/v1/hidden_states", body))
+        return [out[id(p)] for p in docs]
 
-    def batch(self, docs: list[Doc], layers: list[int], max_length: int):
-        """``(token_ids [n], vectors [layers, n, hidden])`` per document."""
+    def _run(self, docs: list[_Prepared], layers: list[int], max_length: int):
         per_layer = [self.states(docs, layer, max_length) for layer in layers]
         results = []
-        for i, doc in enumerate(docs):
+        for i, p in enumerate(docs):
             n = per_layer[0][i].shape[0]
-            ids = self.token_ids(doc, max_length)
+            ids = self.token_ids(p, max_length)
             if len(ids) < n:
                 raise RuntimeError(
-                    f"document {doc.doc_id!r}: the server returned {n} positions but the "
+                    f"document {p.doc.doc_id!r}: the server returned {n} positions but the "
                     f"tokenizer gives {len(ids)} tokens; pass --tokenizer matching the "
                     "server's model"
                 )
-            results.append((np.asarray(ids[:n], dtype=np.int32),
-                            np.stack([layer_rows[i] for layer_rows in per_layer])))
+            results.append((p.doc, (np.asarray(ids[:n], dtype=np.int32),
+                                    np.stack([layer_rows[i] for layer_rows in per_layer]),
+                                    bool(p.truncated))))
+        return results
+
+    def batch(self, docs: list[Doc], layers: list[int], max_length: int):
+        """``(doc, (token_ids [n], vectors [layers, n, hidden], truncated))``
+        per document, or ``(doc, _Refused)`` for one the server refused (a
+        refused batch is retried one document at a time to find which)."""
+        prepared = [self.prepare(doc, max_length) for doc in docs]
+        try:
+            return self._run(prepared, layers, max_length)
+        except _Refused as e:
+            if len(prepared) == 1:
+                return [(docs[0], e)]
+        results = []
+        for p in prepared:
+            try:
+                results += self._run([p], layers, max_length)
+            except _Refused as e:
+                results.append((p.doc, e))
         return results
 
     def close(self) -> None:
@@ -416,38 +623,54 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
     client = _ServerClient(cfg)
     layers = list(cfg.layers)
     try:
-        first = client.states([Doc("probe", text="a")], layers[0], 8)[0]
+        # One small request per layer: a layer or setting the server refuses
+        # ends the run here, not as one refusal per document.
+        probe = [_Prepared(Doc("probe", text="a"), "a", None, None, None)]
+        hidden = [int(client.states(probe, layer, 8)[0].shape[1]) for layer in layers]
         meta = HarvestMeta(model=f"{client.base}#{client.model}", layers=tuple(layers),
-                           positions="prompt", hidden_size=int(first.shape[1]),
+                           positions="prompt", hidden_size=hidden[0],
                            dtype=cfg.dtype, fmt=cfg.fmt, model_dtype="float32 (HTTP)")
+        refusals = _RefusalLog(cfg.out)
         with ShardWriter(cfg.out, meta, rows_per_shard=cfg.rows_per_shard,
                          max_pending_bytes=cfg.max_pending_mb << 20) as writer, \
                 ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
             bar = _progress(cfg)
             t0 = time.monotonic()
-            inflight: list[tuple[list[Doc], Future]] = []
+            inflight: list[Future] = []
 
             def drain_one() -> None:
-                docs, fut = inflight.pop(0)
                 tokens = 0
-                for doc, (ids, vectors) in zip(docs, fut.result()):
+                for doc, got in inflight.pop(0).result():
+                    if isinstance(got, _Refused):
+                        result.refused += 1
+                        result.refused_docs[doc.doc_id] = {"status": got.status,
+                                                           "error": got.error}
+                        refusals.add(doc.doc_id, got.status, got.error)
+                        logger.warning("document %r skipped: the server refused it (%d: %s); "
+                                       "recorded in %s", doc.doc_id, got.status, got.error,
+                                       refusals.path)
+                        continue
+                    ids, vectors, truncated = got
                     writer.submit(DocStates(doc.doc_id, ids, vectors))
                     tokens += len(ids)
                     result.docs += 1
+                    result.truncated += truncated
                 result.tokens += tokens
                 if bar is not None:
                     bar.update(tokens)
-                    bar.set_postfix(docs=result.docs, skipped=result.skipped, refresh=False)
+                    bar.set_postfix(docs=result.docs, skipped=result.skipped,
+                                    truncated=result.truncated, refused=result.refused,
+                                    refresh=False)
 
             for batch in _batches(read_dataset(cfg.dataset), writer.finished_doc_ids(),
                                   cfg.batch_size, cfg.limit, result):
-                inflight.append((batch, pool.submit(client.batch, batch, layers,
-                                                    cfg.max_length)))
+                inflight.append(pool.submit(client.batch, batch, layers, cfg.max_length))
                 while len(inflight) >= cfg.concurrency:
                     drain_one()
             while inflight:
                 drain_one()
             writer.close()
+            refusals.drop_finished(writer.finished_doc_ids())
             result.seconds = time.monotonic() - t0
             result.producer_wait_s = writer.stats.producer_wait_s
             result.stats = vars(writer.stats).copy()
@@ -457,20 +680,54 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
         client.close()
 
 
+class OutputLocked(RuntimeError):
+    """Another ``collect`` run holds the output directory."""
+
+
+@contextmanager
+def lock_output(out: str | Path):
+    """Hold ``OUT/.collect.lock`` (``fcntl.flock``, exclusive) while the block
+    runs; :class:`OutputLocked` at once if another process (or another open of
+    it here) holds it. The file stays (removing it would race a waiting run);
+    the lock goes with the process."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputLocked(
+                f"{out} is in use: another `vllm-hidden-states collect` (pid {holder}) "
+                f"holds it ({path}); two runs into one directory would delete each "
+                "other's shards. Wait for that run to end, or give another output "
+                "directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def collect(cfg: CollectConfig, llm=None) -> CollectResult:
     """Harvest ``cfg.dataset`` into ``cfg.out``; ``llm``: an already built
     ``vllm.LLM`` (with ``enable_hidden_states`` and the layers capturable) to
-    use instead of building one from ``cfg.model``."""
+    use instead of building one from ``cfg.model``. Holds ``cfg.out`` for the
+    whole run (:func:`lock_output`)."""
     cfg.check()
     if cfg.dtype not in STORAGE_DTYPES:
         raise ValueError(f"--dtype {cfg.dtype!r}: use one of {', '.join(STORAGE_DTYPES)}")
     if cfg.fmt not in FORMATS:
         raise ValueError(f"--format {cfg.fmt!r}: use one of {', '.join(FORMATS)}")
     result = CollectResult(out=str(cfg.out))
-    if cfg.server_url is not None:
-        _collect_server(cfg, result)
-    else:
-        _collect_offline(cfg, llm, result)
+    with lock_output(cfg.out):
+        if cfg.server_url is not None:
+            _collect_server(cfg, result)
+        else:
+            _collect_offline(cfg, llm, result)
     return result
 
 
@@ -538,11 +795,16 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         result = collect(cfg)
-    except ValueError as e:
+    except (ValueError, OutputLocked) as e:
         print(f"vllm-hidden-states collect: {e}", file=sys.stderr)
         return 2
+    if result.refused:
+        print(f"vllm-hidden-states collect: {result.refused} document(s) refused by the "
+              f"server and skipped, listed in {Path(result.out) / REFUSED_FILE}",
+              file=sys.stderr)
     print(json.dumps({"out": result.out, "docs": result.docs, "skipped": result.skipped,
-                      "empty": result.empty, "tokens": result.tokens,
+                      "empty": result.empty, "truncated": result.truncated,
+                      "refused": result.refused, "tokens": result.tokens,
                       "seconds": round(result.seconds, 3),
                       "tokens_per_s": round(result.tokens_per_s, 1),
                       "engine_waited_on_writer_s": round(result.producer_wait_s, 3)}))
@@ -558,7 +820,11 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("root", help="the store directory (--activation-store DIR)")
     qs = q.add_subparsers(dest="query", required=True)
     d = qs.add_parser("deltas", help="feature activations over the positions of one request")
-    d.add_argument("--request-id", required=True)
+    d.add_argument("--request-id", required=True,
+                   help="the response's id (the `id` field: cmpl-..., chatcmpl-...)")
+    d.add_argument("--choice-index", type=int, default=0,
+                   help="the choice's index in the response (default 0; n > 1 or several "
+                   "prompts have more)")
     d.add_argument("--feature", type=int, action="append", help="only these feature ids")
     d.add_argument("--layer", type=int, help="only this SAE layer")
     t = qs.add_parser("threshold", help="requests where a feature reached a value")
@@ -607,7 +873,8 @@ def run_store(args: argparse.Namespace) -> int:
         print(f"vllm-hidden-states store: {args.root} is not a directory", file=sys.stderr)
         return 2
     if args.query == "deltas":
-        cur = store.feature_deltas(args.root, args.request_id, args.feature, args.layer)
+        cur = store.feature_deltas(args.root, args.request_id, args.feature, args.layer,
+                                   choice_index=args.choice_index)
     elif args.query == "threshold":
         cur = store.threshold_search(args.root, args.feature, args.min_activation,
                                      model_id=args.model_id)

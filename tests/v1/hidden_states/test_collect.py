@@ -10,12 +10,20 @@
   sees the manifest record a finished document and SIGKILLs it; a rerun of the
   whole dataset then skips what the manifest holds, and every document is
   stored exactly once;
-* against a real ``vllm serve`` process (POST /v1/hidden_states).
+* against a real ``vllm serve`` process (POST /v1/hidden_states);
+* long and refused documents: a 3 MB document is cut to ``--max-length``
+  tokens on the client (server mode; the offline engine counts its cuts too),
+  and a document the server refuses (413: no local tokenizer to cut it with)
+  is skipped and recorded while the rest of the run goes on;
+* one output directory, two runs: the CLI in a child process holds the
+  directory (it reads a FIFO that stays open); a second CLI run into the same
+  directory is refused at once, and the first then finishes undisturbed.
 """
 
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -229,3 +237,136 @@ def test_collect_against_a_server_matches_hf(collect_server, hf_qwen3, tmp_path)
     # a rerun skips everything
     again = collect(cfg)
     assert again.docs == 0 and again.skipped == len(records)
+
+
+# -- long documents, refused documents, one directory per run --------------------------
+
+
+def big_document(chars: int = 3_000_000) -> str:
+    """About 3 MB of ordinary text (over the server's 2,000,000-character
+    default --hidden-states-max-input-chars)."""
+    unit = " ".join(TEXTS) + " "
+    return (unit * (chars // len(unit) + 1))[:chars]
+
+
+def cli_argv(dataset: Path, out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "vllm_hidden_states.tools.cli", "collect", str(dataset),
+            str(out), "--no-progress", *args]
+
+
+def test_server_harvest_cuts_a_3mb_document_to_max_length_tokens_before_sending(
+        collect_server, hf_qwen3, qwen3_dir, tmp_path):
+    big = big_document()
+    records = [{"id": "a", "text": TEXTS[0]}, {"id": "big", "text": big},
+               {"id": "b", "text": TEXTS[1]}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "out"
+    run = subprocess.run(cli_argv(dataset, out, "--server-url", collect_server.base_url,
+                                  "--layers=-2,1", "--max-length", "64", "--batch-size", "2"),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (report["docs"], report["truncated"], report["refused"]) == (3, 1, 0), report
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    rows = shard_rows(out)
+    assert rows[("big", -2)][0] == tokenizer.encode(big)[:64]
+    assert_matches_hf(rows, hf_qwen3, [-2, 1], ["a", "big", "b"])
+    assert not (out / "refused.json").exists()
+
+
+def test_server_harvest_skips_and_records_a_document_the_server_refuses(
+        collect_server, hf_qwen3, tmp_path):
+    no_tokenizer = tmp_path / "no-tokenizer"  # no local tokenizer: the text goes as it is
+    no_tokenizer.mkdir()
+    records = [{"id": "a", "text": TEXTS[0]}, {"id": "big", "text": big_document()},
+               {"id": "b", "text": TEXTS[1]}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "out"
+    cfg = CollectConfig(dataset=str(dataset), out=str(out), server_url=collect_server.base_url,
+                        tokenizer=str(no_tokenizer), layers=[-2], max_length=64,
+                        batch_size=2, progress=False)
+    result = collect(cfg)
+    assert (result.docs, result.refused, result.truncated) == (2, 1, 0)
+    recorded = json.loads((out / "refused.json").read_text())
+    assert list(recorded) == ["big"]
+    assert recorded["big"]["status"] == 413
+    assert "characters" in recorded["big"]["error"]  # the server's own reason
+    assert read_manifest(out)["finished_docs"] == 2
+    assert_matches_hf(shard_rows(out), hf_qwen3, [-2], ["a", "b"])
+
+
+def test_offline_harvest_counts_documents_cut_to_max_length(llm, hf_qwen3, qwen3_dir, tmp_path):
+    long_text = " ".join(TEXTS)
+    tokenizer = llm.get_tokenizer()
+    assert len(tokenizer.encode(TEXTS[4])) <= 16 < len(tokenizer.encode(long_text))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"id": "short", "text": TEXTS[4]},
+                                                 {"id": "long", "text": long_text}])
+    cfg = CollectConfig(dataset=str(dataset), out=str(tmp_path / "out"), model=str(qwen3_dir),
+                        layers=[-2], max_length=16, progress=False)
+    result = collect(cfg, llm=llm)
+    assert (result.docs, result.truncated, result.refused) == (2, 1, 0)
+    rows = shard_rows(tmp_path / "out")
+    assert rows[("long", -2)][0] == tokenizer.encode(long_text)[:16]
+    assert_matches_hf(rows, hf_qwen3, [-2], ["short", "long"])
+
+
+def test_second_collect_into_a_directory_in_use_is_refused_and_the_first_finishes(
+        collect_server, hf_qwen3, tmp_path):
+    lines = [f"Line {i}: " + TEXTS[i % len(TEXTS)] for i in range(5)]
+    fifo = tmp_path / "feed.txt"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    server = ["--server-url", collect_server.base_url, "--layers=-2", "--batch-size", "1"]
+    log_path = tmp_path / "first.log"
+    log = open(log_path, "wb")
+    first = subprocess.Popen(cli_argv(fifo, out, *server), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    feed: dict = {}
+    opened = threading.Event()
+
+    def open_feed():
+        # Returns once the first run opened its dataset, which it does after
+        # it took the directory (and while it stays open, the run goes on).
+        feed["f"] = open(fifo, "w")
+        opened.set()
+
+    feeder = threading.Thread(target=open_feed, daemon=True)
+    feeder.start()
+    try:
+        wait_until(lambda: opened.is_set() or first.poll() is not None,
+                   "the first collect to open its dataset", timeout=600)
+        assert first.poll() is None, log_path.read_text()[-3000:]
+
+        full = tmp_path / "full.txt"
+        full.write_text("".join(line + "\n" for line in lines))
+        second = subprocess.run(cli_argv(full, out, *server), capture_output=True, text=True,
+                                timeout=600)
+        assert second.returncode == 2, (second.stdout, second.stderr[-3000:])
+        assert str(out) in second.stderr
+        assert "another `vllm-hidden-states collect`" in second.stderr
+        assert first.poll() is None  # undisturbed: still waiting for its dataset
+
+        feed["f"].write("".join(line + "\n" for line in lines))
+        feed["f"].close()
+        assert first.wait(timeout=600) == 0, log_path.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        log.close()
+        if not opened.is_set() and stat.S_ISFIFO(os.stat(fifo).st_mode):
+            # unblock the feeder's open() if the first run never opened it
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        feeder.join(60)
+        if "f" in feed and not feed["f"].closed:
+            try:
+                feed["f"].close()
+            except BrokenPipeError:
+                pass
+    manifest = read_manifest(out)
+    recorded = sorted(d for s in manifest["shards"] for d in s["docs"])
+    assert recorded == [str(i) for i in range(len(lines))]  # each once
+    assert_matches_hf(shard_rows(out), hf_qwen3, [-2], [str(i) for i in range(len(lines))])

@@ -19,6 +19,7 @@ same ids (up to near-ties), values within 1e-3 relative.
 """
 
 import asyncio
+import json
 import os
 import subprocess
 import uuid
@@ -354,6 +355,59 @@ def test_activation_store_rows_land_with_the_schema(http, store_dir):
     top = duckdb.sql(f"SELECT feature_id, token_id, step FROM {source} {where} "
                      "AND token_position = 3 AND rank = 0").fetchall()  # fmt: skip
     assert top == [(choice["sae_features"]["ids"][3][0], tokens[3], 0)]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_store_query_by_the_response_id_finds_every_choice(http, store_dir, route, capsys):
+    """The ``id`` of the response, given to ``store query --request-id``,
+    finds the rows of each of its n=2 choices (``--choice-index``)."""
+    import duckdb
+
+    from vllm_hidden_states.tools.cli import main
+
+    common = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=7, n=2,
+                  return_token_ids=True, sae_features={"top_k": TOP_K},
+                  hidden_states_positions="all")  # fmt: skip
+    if route == "completions":
+        r = http.post("/v1/completions", json={**common, "prompt": PROMPT})
+    else:
+        r = http.post("/v1/chat/completions",
+                      json={**common, "messages": [{"role": "user", "content": PROMPT}]})
+    assert r.status_code == 200, r.text
+    response = r.json()
+    request_id = response["id"]
+    glob = str(store_dir / "sae_features" / "date=*" / "*.parquet")
+
+    expected = sum(int((np.asarray(c["sae_features"]["ids"]) >= 0).sum())
+                   for c in response["choices"])
+
+    def landed():  # both choices' rows, under whatever id they were written
+        try:
+            return duckdb.sql(f"SELECT count(*) FROM read_parquet('{glob}', union_by_name = true) "
+                              f"WHERE starts_with(request_id, '{request_id}')"
+                              ).fetchall()[0][0] >= expected  # fmt: skip
+        except duckdb.IOException:  # no file yet
+            return False
+
+    wait_until(landed, "the request's rows in the activation store")
+    for choice in response["choices"]:
+        prompt = choice.get("prompt_token_ids") or response["prompt_token_ids"]
+        tokens = list(prompt) + list(choice["token_ids"])
+        argv = ["store", "query", str(store_dir), "deltas", "--request-id", request_id,
+                "--format", "json"]
+        if choice["index"]:
+            argv += ["--choice-index", str(choice["index"])]
+        assert main(argv) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert rows, f"no rows for --request-id {request_id} choice {choice['index']}"
+        assert {(row["token_position"], row["token_id"]) for row in rows} == set(
+            enumerate(tokens))  # fmt: skip
+    assert main(["store", "query", str(store_dir), "sql",
+                 f"SELECT DISTINCT request_id, choice_index FROM sae_features "
+                 f"WHERE request_id = '{request_id}' ORDER BY 2", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"request_id": request_id, "choice_index": 0},
+        {"request_id": request_id, "choice_index": 1}]
 
 
 def test_read_only_store_directory_is_logged_and_requests_are_served(
