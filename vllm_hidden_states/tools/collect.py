@@ -281,6 +281,12 @@ def _progress(cfg: CollectConfig):
     return tqdm(unit="tok", unit_scale=True, desc="collect", dynamic_ncols=True)
 
 
+def _tokenize_text(tokenizer, text: str, max_length: int) -> list[int]:
+    """The first ``max_length`` token ids of a text, as the route encodes it
+    (benchmarks/harvest.py uses it)."""
+    return list(tokenizer.encode(text))[:max_length]
+
+
 def _render_ids(tokenizer, messages) -> list[int]:
     """A conversation's token ids: the chat template with the generation
     prompt, encoded without adding special tokens (the template has them)."""
