@@ -58,10 +58,10 @@ def accepts(body, route=CHAT, bounds=SMALL) -> None:
 @pytest.mark.parametrize(
     "value", [[], {}, [1, 2, 3], {"a": [1, {"b": None}], "c": "x"}, [[[]]], "s", 7],
 )  # fmt: skip
-def test_count_values_counts_every_value_of_plain_json(value):
+def test_count_values_counts_every_value_and_key_of_plain_json(value):
     def values(v):
         if isinstance(v, dict):
-            return 1 + sum(values(x) for x in v.values())
+            return 1 + len(v) + sum(values(x) for x in v.values())
         if isinstance(v, list):
             return 1 + sum(values(x) for x in v)
         return 1
@@ -74,24 +74,24 @@ def test_count_values_counts_every_value_of_plain_json(value):
 
 def test_count_values_leaves_out_commas_and_brackets_inside_strings():
     body = orjson.dumps({"p": "a, [b], {c}, " * 1000, "q": [1, 2]})
-    assert count_values(body, cap=10) == 5  # the root, "p", "q", 1 and 2
+    assert count_values(body, cap=10) == 7  # the root, "p", "q", their values, 1, 2
 
 
 def test_count_values_handles_escaped_quotes_and_backslashes():
     body = json.dumps({"a": 'x,"[y', "b": "\\", "c": ["\\\"", 1]}).encode()
-    assert count_values(body, cap=0) == 6  # the root, "a", "b", "c", c[0], c[1]
+    assert count_values(body, cap=0) == 9  # the root, 3 keys, 3 values, c[0], c[1]
 
 
 def test_count_values_reads_utf16_bodies_like_json_loads():
     body = json.dumps({"a": "x,y,z", "b": [1, 2]}).encode("utf-16")
     assert json.loads(body) == {"a": "x,y,z", "b": [1, 2]}
-    assert count_values(body, cap=0) == 5
+    assert count_values(body, cap=0) == 7
 
 
 def test_count_values_is_fast_path_when_under_the_cap():
     body = orjson.dumps({"p": "a,b,c"})
     # Under the cap: the cheap upper bound (commas in strings included).
-    assert count_values(body, cap=100) == 4
+    assert count_values(body, cap=100) == 5
 
 
 # --------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_count_values_is_fast_path_when_under_the_cap():
 def test_too_many_json_values_are_refused_before_parsing():
     e = refusal(b"[" + b"1," * 1500 + b"1]")
     assert e.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE
-    assert "1502 values" in e.message and "limit of 1000" in e.message
+    assert "1502 values and keys" in e.message and "limit of 1000" in e.message
     assert VALUES_FLAG in e.message
 
 
@@ -123,6 +123,11 @@ def test_an_object_over_the_key_cap_is_refused():
     assert e.status == 413 and e.param == "logit_bias"
     assert "51 keys" in e.message and "limit of 50 keys per object" in e.message
     assert KEYS_FLAG in e.message
+
+
+def test_object_keys_count_as_json_values():
+    e = refusal(b"{" + b"".join(b'"k%d":1,' % i for i in range(600)) + b'"z":1}')
+    assert "1203 values and keys" in e.message
 
 
 def test_unknown_top_level_keys_count_against_the_key_cap():

@@ -7,11 +7,11 @@ own and ours). For each POST/PUT/PATCH body it:
 1. **caps the size**: a ``Content-Length`` over ``--request-max-body-mb`` is
    refused at once (413, the body never read); a body without one is counted
    as it arrives and refused as soon as it passes the cap;
-2. **counts the JSON values** before parsing (``--request-max-json-values``):
-   parsing builds one Python object per value (~100 bytes each, and seconds
-   of GIL time for tens of millions), so a body that would build more is
-   refused unparsed. The count is exact: commas and brackets inside strings
-   do not count;
+2. **counts the JSON values and keys** before parsing
+   (``--request-max-json-values``): parsing builds one Python object per
+   value and per key (~100 bytes each, and seconds of GIL time for tens of
+   millions), so a body that would build more is refused unparsed. The count
+   is exact: what is inside strings does not count;
 3. **parses it once** (orjson; the standard library's ``json`` for what
    orjson refuses but it accepts, as starlette would), in a worker thread when
    the body is 256 KiB or more, so the event loop keeps answering /health;
@@ -149,7 +149,7 @@ class Bounds:
     def describe(self) -> str:
         return (
             f"body <= {self.max_body_bytes / MB:g} MB, <= {self.max_json_values} "
-            f"JSON values, depth <= {self.max_json_depth}, <= {self.max_list_items} "
+            f"JSON values and keys, depth <= {self.max_json_depth}, <= {self.max_list_items} "
             f"items per list, <= {self.max_object_keys} keys per object, <= "
             f"{self.max_messages} messages, <= {self.max_input_items} /v1/responses "
             "input items"
@@ -187,14 +187,16 @@ class BoundsError(Exception):
 
 
 def count_values(body: bytes, cap: int) -> int:
-    """The number of JSON values in ``body`` (containers and scalars; object
-    keys are not values), exact when it matters: an upper bound from three
-    byte counts, at C speed, when that is within ``cap``; otherwise the exact
-    count with brackets and commas inside strings left out.
+    """The number of JSON values (containers and scalars) and object keys in
+    ``body``: each becomes a Python object when it is parsed. Exact when it
+    matters: an upper bound from four byte counts (``,`` ``:`` ``[`` ``{``),
+    at C speed, when that is within ``cap``; otherwise the exact count, with
+    what is inside strings left out.
 
     Both assume the body is JSON; for other bodies the number is meaningless
     but finite (the parse that follows fails)."""
-    upper = body.count(b",") + body.count(b"[") + body.count(b"{") + 1
+    upper = (body.count(b",") + body.count(b":") + body.count(b"[")
+             + body.count(b"{") + 1)  # fmt: skip
     if upper <= cap:
         return upper
     return _count_outside_strings(_as_utf8(body)) + 1
@@ -215,7 +217,7 @@ _CHUNK = 4 * MB
 
 
 def _count_outside_strings(body: bytes) -> int:
-    """Commas and opening brackets outside JSON strings.
+    """Commas, colons and opening brackets outside JSON strings.
 
     Escapes are dropped first (``\\\\`` pairs, then any escaped character,
     which leaves ``\\"`` out), so every remaining quote opens or closes a
@@ -232,7 +234,7 @@ def _count_outside_strings(body: bytes) -> int:
         # uint8 wraps at 256, which keeps the parity.
         quotes = np.cumsum(chunk == 34, dtype=np.uint8)
         outside = ((quotes + np.uint8(parity)) & 1) == 0
-        structural = (chunk == 44) | (chunk == 91) | (chunk == 123)
+        structural = (chunk == 44) | (chunk == 58) | (chunk == 91) | (chunk == 123)
         total += int(np.count_nonzero(structural & outside))
         parity = (parity + int(quotes[-1])) & 1
     return total
@@ -405,8 +407,9 @@ def inspect_body(body: bytes, bounds: Bounds, route: str) -> None:
     values = count_values(body, bounds.max_json_values)
     if values > bounds.max_json_values:
         raise BoundsError(
-            f"the JSON body holds {values} values (objects, arrays, strings, "
-            f"numbers), over this server's limit of {bounds.max_json_values} "
+            f"the JSON body holds {values} values and keys (objects, arrays, "
+            "strings, numbers, object keys), over this server's limit of "
+            f"{bounds.max_json_values} "
             f"({VALUES_FLAG}); send a smaller request"
         )
     try:
@@ -558,8 +561,8 @@ def add_cli_args(group) -> None:
     )
     group.add_argument(
         VALUES_FLAG, type=int, default=None,
-        help="Most JSON values (objects, arrays, strings, numbers) one request "
-        "body may hold, counted before it is parsed. Default: "
+        help="Most JSON values and object keys (each a Python object once "
+        "parsed) one request body may hold, counted before it is parsed. Default: "
         f"{DEFAULT_MAX_JSON_VALUES}.",
     )
     group.add_argument(
