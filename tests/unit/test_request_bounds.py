@@ -401,3 +401,9 @@ def test_large_bodies_are_inspected_off_the_event_loop(monkeypatch):
     drive([body_message(orjson.dumps({"a": "x" * 200}))], bounds=small)
     assert threads[0] == threading.get_ident()  # under 100 bytes: on the loop
     assert threads[1] != threading.get_ident()  # a worker thread
+
+
+def test_the_hidden_states_input_cap_follows_the_admission_batch_flag():
+    assert Bounds.from_args(SimpleNamespace(hidden_states_max_batch=8)).hidden_states_batch == 8
+    # A bad value is the admission check's to refuse, on each request.
+    assert Bounds.from_args(SimpleNamespace(hidden_states_max_batch=0)).hidden_states_batch is None

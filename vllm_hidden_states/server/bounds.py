@@ -121,13 +121,20 @@ class Bounds:
             num_layers = int(model_config.hf_text_config.num_hidden_layers)
         except (AttributeError, TypeError, ValueError):
             pass
-        from vllm_hidden_states.server.admission import limits_from
+        from vllm_hidden_states.server.admission import DEFAULT_MAX_BATCH
 
         def flag(name: str, option: str, default, cast=int):
             value = getattr(args, name, None)
             return default if value is None else _positive(value, option, cast)
 
         body_mb = flag("request_max_body_mb", BODY_FLAG, DEFAULT_MAX_BODY_MB, float)
+        # The admission batch (validated by admission on each request; a bad
+        # value is left to it, not checked here).
+        batch = getattr(args, "hidden_states_max_batch", None)
+        if batch is None:
+            batch = DEFAULT_MAX_BATCH
+        elif isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            batch = None
         return cls(
             max_body_bytes=int(body_mb * MB),
             max_json_values=flag("request_max_json_values", VALUES_FLAG,
@@ -143,7 +150,7 @@ class Bounds:
             max_input_items=flag("request_max_input_items", INPUT_ITEMS_FLAG,
                                  DEFAULT_MAX_INPUT_ITEMS),
             num_layers=num_layers,
-            hidden_states_batch=limits_from(args).max_batch,
+            hidden_states_batch=batch,
         )  # fmt: skip
 
     def describe(self) -> str:
