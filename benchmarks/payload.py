@@ -21,7 +21,12 @@ import orjson
 import torch
 
 from vllm_hidden_states.client import from_bytes, to_numpy
-from vllm_hidden_states.server.encoding import ORJSON_OPTIONS, binary_array, encode_array
+from vllm_hidden_states.server.encoding import (
+    ORJSON_OPTIONS,
+    binary_array,
+    binary_body,
+    encode_array,
+)
 
 FORMATS = ("float", "base64", "bytes", "bytes bf16")
 TARGETS_MS = {((512, 2560), "base64"): 10.0, ((512, 2560), "bytes"): 3.0}
@@ -54,18 +59,24 @@ def _transfer_ms(body: bytes) -> float:
     return elapsed * 1e3
 
 
-def _binary_once(tensor: torch.Tensor, embed_dtype: str) -> tuple[float, float, float, int]:
+def _binary_once(
+    tensor: torch.Tensor, embed_dtype: str
+) -> tuple[float, float, float, int]:
     start = time.perf_counter()
     array = binary_array(tensor, embed_dtype, "little")
-    body = array.data.cast("B")  # what the response sends (no copy)
-    metadata = orjson.dumps({"data": [{"index": 0, "embed_dtype": embed_dtype,
-                                       "endianness": "little", "start": 0,
-                                       "end": body.nbytes, "shape": list(tensor.shape)}]})  # fmt: skip
+    items = [{"index": 0, "embed_dtype": embed_dtype, "endianness": "little"}]
+    body = binary_body([array], items, {"model": "m", "layer": -2})  # what is sent
     encoded = time.perf_counter()
-    out = from_bytes(body, metadata)
+    out = from_bytes(body)
     decoded = time.perf_counter()
     assert out.shape == tuple(tensor.shape)
-    return (encoded - start) * 1e3, (decoded - encoded) * 1e3, _transfer_ms(body), body.nbytes
+    return (
+        (encoded - start) * 1e3,
+        (decoded - encoded) * 1e3,
+        _transfer_ms(body),
+        len(body),
+    )
+
 
 SHAPES = ((512, 2560), (4096, 4096))
 
@@ -76,21 +87,33 @@ def _codec(tensor: torch.Tensor, fmt: str) -> float:
     data = encode_array(tensor, fmt)
     if fmt == "float":
         data = orjson.loads(orjson.dumps(data, option=ORJSON_OPTIONS))
-    to_numpy({"hidden_states": data, "shape": list(tensor.shape), "encoding_format": fmt})
+    to_numpy(
+        {"hidden_states": data, "shape": list(tensor.shape), "encoding_format": fmt}
+    )
     return (time.perf_counter() - start) * 1e3
 
 
 def _once(tensor: torch.Tensor, fmt: str) -> tuple[float, float, float, int]:
     start = time.perf_counter()
     body = orjson.dumps(
-        {"hidden_states": encode_array(tensor, fmt), "shape": list(tensor.shape),
-         "dtype": "bfloat16", "encoding_format": fmt},
-        option=ORJSON_OPTIONS)
+        {
+            "hidden_states": encode_array(tensor, fmt),
+            "shape": list(tensor.shape),
+            "dtype": "bfloat16",
+            "encoding_format": fmt,
+        },
+        option=ORJSON_OPTIONS,
+    )
     encoded = time.perf_counter()
     array = to_numpy(orjson.loads(body))
     decoded = time.perf_counter()
     assert array.shape == tuple(tensor.shape)
-    return (encoded - start) * 1e3, (decoded - encoded) * 1e3, _transfer_ms(body), len(body)
+    return (
+        (encoded - start) * 1e3,
+        (decoded - encoded) * 1e3,
+        _transfer_ms(body),
+        len(body),
+    )
 
 
 def run(rounds: int, quick: bool) -> list[dict]:
@@ -110,24 +133,34 @@ def run(rounds: int, quick: bool) -> list[dict]:
             enc = statistics.median(s[0] for s in samples)
             dec = statistics.median(s[1] for s in samples)
             xfer = statistics.median(s[2] for s in samples)
-            results.append({
-                "shape": list(shape), "encoding_format": fmt,
-                "encode_ms": enc, "decode_ms": dec, "transfer_ms": xfer,
-                "round_trip_ms": enc + xfer + dec,
-                "bytes": samples[0][3], "codec_round_trip_ms": codec,
-                "target_round_trip_ms": TARGETS_MS.get((shape, fmt)),
-            })
+            results.append(
+                {
+                    "shape": list(shape),
+                    "encoding_format": fmt,
+                    "encode_ms": enc,
+                    "decode_ms": dec,
+                    "transfer_ms": xfer,
+                    "round_trip_ms": enc + xfer + dec,
+                    "bytes": samples[0][3],
+                    "codec_round_trip_ms": codec,
+                    "target_round_trip_ms": TARGETS_MS.get((shape, fmt)),
+                }
+            )
     return results
 
 
 def lines(results: list[dict]) -> list[str]:
-    rows = ["payload: float JSON vs base64 vs binary (ms, median; transfer = loopback TCP)",
-            f"  {'shape':<13s} {'format':<10s} {'encode':>8s} {'transfer':>9s} {'decode':>8s} "
-            f"{'round trip':>11s} {'MB on wire':>11s} {'codec only':>11s}"]
+    rows = [
+        "payload: float JSON vs base64 vs binary (ms, median; transfer = loopback TCP)",
+        f"  {'shape':<13s} {'format':<10s} {'encode':>8s} {'transfer':>9s} {'decode':>8s} "
+        f"{'round trip':>11s} {'MB on wire':>11s} {'codec only':>11s}",
+    ]
     for r in results:
-        row = (f"  {str(r['shape']):<13s} {r['encoding_format']:<10s} {r['encode_ms']:>8.2f} "
-               f"{r['transfer_ms']:>9.2f} {r['decode_ms']:>8.2f} {r['round_trip_ms']:>11.2f} "
-               f"{r['bytes'] / 2**20:>11.1f} {r['codec_round_trip_ms']:>11.2f}")
+        row = (
+            f"  {str(r['shape']):<13s} {r['encoding_format']:<10s} {r['encode_ms']:>8.2f} "
+            f"{r['transfer_ms']:>9.2f} {r['decode_ms']:>8.2f} {r['round_trip_ms']:>11.2f} "
+            f"{r['bytes'] / 2**20:>11.1f} {r['codec_round_trip_ms']:>11.2f}"
+        )
         if r["target_round_trip_ms"] is not None:
             ok = r["round_trip_ms"] <= r["target_round_trip_ms"]
             row += f"   target <= {r['target_round_trip_ms']:.0f} ms: {'MET' if ok else 'MISSED'}"

@@ -10,9 +10,11 @@ Accepts, for both encodings (``"float"`` and ``"base64"``):
 * a batch response (``{"object": "list", "data": [...]}``), giving a list;
 * a binary POST /v1/hidden_states answer (``encoding_format: "bytes"``): pass
   the HTTP response itself (``httpx``/``requests``: anything with ``headers``
-  and ``content``), or :func:`from_bytes` with the body and its ``metadata``
-  header. float32 little-endian arrays come back as read-only views over the
-  body (no copy); float16/bfloat16 are widened to float32 (exact).
+  and ``content``), or its body to :func:`from_bytes`. The body describes
+  itself: an 8-byte little-endian length N, N bytes of JSON header locating
+  each array, then the arrays. float32 little-endian arrays come back as
+  read-only views over the body (no copy); float16/bfloat16 are widened to
+  float32 (exact).
 
 For "all"/"prompt" choices the shape is ``[len(layers), num_positions,
 hidden_size]``, and streamed chunks carry ``start`` (the first row's
@@ -70,16 +72,23 @@ _BINARY_DTYPES = {"float32": "f4", "float16": "f2", "bfloat16": "u2"}
 _ORDER = {"little": "<", "big": ">", "native": "="}
 
 
-def _binary_item(body: bytes, item: dict[str, Any]) -> np.ndarray:
+_HEADER_LENGTH_BYTES = 8
+
+
+def _binary_item(arrays: memoryview, item: dict[str, Any]) -> np.ndarray:
     kind = item.get("embed_dtype", "float32")
     if kind not in _BINARY_DTYPES:
         raise ValueError(
             f"unknown embed_dtype {kind!r}; expected one of {list(_BINARY_DTYPES)}"
         )
     dtype = np.dtype(_ORDER[item.get("endianness", "little")] + _BINARY_DTYPES[kind])
-    array = np.frombuffer(body, dtype=dtype, count=-1, offset=0)[
-        item["start"] // dtype.itemsize : item["end"] // dtype.itemsize
-    ].reshape(item["shape"])
+    start, end = item["start"], item["end"]
+    if not 0 <= start <= end <= len(arrays):
+        raise ValueError(
+            f"array {item.get('index')} spans bytes {start}..{end}, outside the "
+            f"{len(arrays)} bytes of arrays in this body (truncated?)"
+        )
+    array = np.frombuffer(arrays[start:end], dtype=dtype).reshape(item["shape"])
     if kind == "bfloat16":  # bf16 is float32's upper half: exact widening
         return (array.astype(np.uint32) << 16).view(np.float32)
     if dtype != np.dtype("<f4") and dtype != np.dtype("=f4"):
@@ -87,30 +96,47 @@ def _binary_item(body: bytes, item: dict[str, Any]) -> np.ndarray:
     return array
 
 
-def from_bytes(body: bytes, metadata: str | dict[str, Any]) -> np.ndarray | list[np.ndarray]:
-    """Float32 array(s) from a binary POST /v1/hidden_states answer.
+def read_binary_header(body: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The JSON header of a binary answer, and a view of its arrays.
 
-    Args:
-        body: the response body.
-        metadata: its ``metadata`` header (JSON text or parsed): ``data`` holds
-            one ``{"start", "end", "shape", "embed_dtype", "endianness"}`` per
-            input.
-
-    Returns a list in input order when the request's ``input`` was a list
-    (``"object": "list"`` in the metadata), else one array.
+    Layout: bytes 0..8 hold N (unsigned little-endian), the next N bytes the
+    UTF-8 JSON header (space-padded), the rest the arrays; each ``data`` item's
+    ``start``/``end`` are byte offsets into that rest.
     """
     import orjson
 
-    meta = orjson.loads(metadata) if isinstance(metadata, (str, bytes)) else metadata
-    arrays = [_binary_item(body, item) for item in meta["data"]]
-    return arrays if meta.get("object") == "list" else arrays[0]
+    view = memoryview(body).cast("B")
+    if len(view) < _HEADER_LENGTH_BYTES:
+        raise ValueError(
+            f"a binary answer starts with 8 bytes of header length; got {len(view)} bytes"
+        )
+    length = int.from_bytes(view[:_HEADER_LENGTH_BYTES], "little")
+    end = _HEADER_LENGTH_BYTES + length
+    if end > len(view):
+        raise ValueError(
+            f"the binary answer's header claims {length} bytes but the body has "
+            f"{len(view) - _HEADER_LENGTH_BYTES} after the length (truncated, or "
+            "not a /v1/hidden_states binary answer)"
+        )
+    return orjson.loads(view[_HEADER_LENGTH_BYTES:end]), view[end:]
+
+
+def from_bytes(body: bytes | memoryview) -> np.ndarray | list[np.ndarray]:
+    """Float32 array(s) from the body of a binary POST /v1/hidden_states answer.
+
+    Returns a list in input order when the request's ``input`` was a list
+    (``"object": "list"`` in the header), else one ``[seq_len, hidden]`` array.
+    """
+    header, arrays = read_binary_header(body)
+    out = [_binary_item(arrays, item) for item in header["data"]]
+    return out if header.get("object") == "list" else out[0]
 
 
 def _from_response(response: Any) -> np.ndarray | list[np.ndarray]:
     headers = response.headers
     content_type = (headers.get("content-type") or "").split(";")[0].strip()
     if content_type == "application/octet-stream":
-        return from_bytes(response.content, headers["metadata"])
+        return from_bytes(response.content)
     import orjson
 
     return to_numpy(orjson.loads(response.content))

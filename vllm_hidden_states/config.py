@@ -41,6 +41,18 @@ POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
 # captured during the request's own prefill instead: no extract, one pass.
 EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
 
+# Body fields that ask for captured data on the OpenAI routes. The one list:
+# chat/completions read them, and the routes that cannot carry captured data
+# (/v1/responses, /v1/messages, /v1/chat/completions/batch) refuse them.
+REQUEST_FIELDS: tuple[str, ...] = (
+    "return_hidden_states",
+    "hidden_states_layers",
+    "hidden_states_format",
+    "hidden_states_positions",
+    "hidden_states_stream",
+    "sae_features",
+)
+
 ENABLE_HINT = (
     "start the engine with enable_hidden_states=True (LLM / EngineArgs) "
     "or `vllm serve MODEL --enable-hidden-states`"

@@ -75,8 +75,12 @@ def test_to_numpy_decodes_a_choices_hidden_states_object(fmt, wire):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_to_numpy_unwraps_a_whole_choice_dict(fmt, wire):
     tensor = random_tensor()
-    choice = {"index": 0, "finish_reason": "stop", "text": "hi",
-              "hidden_states": choice_states(tensor, fmt)}
+    choice = {
+        "index": 0,
+        "finish_reason": "stop",
+        "text": "hi",
+        "hidden_states": choice_states(tensor, fmt),
+    }
     np.testing.assert_array_equal(to_numpy(wire(choice)), tensor.numpy())
 
 
@@ -117,8 +121,11 @@ def test_to_numpy_decodes_a_base64_hidden_states_response(wire):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_to_numpy_decodes_a_batch_to_a_list_in_order(fmt, wire):
     tensors = [random_tensor(shape=(n, 16), seed=n) for n in (3, 5, 1)]
-    batch = {"object": "list", "model": "m",
-             "data": [endpoint_response(t, fmt) for t in tensors]}
+    batch = {
+        "object": "list",
+        "model": "m",
+        "data": [endpoint_response(t, fmt) for t in tensors],
+    }
     arrays = to_numpy(wire(batch))
     assert isinstance(arrays, list) and len(arrays) == 3
     for array, tensor in zip(arrays, tensors):
@@ -162,7 +169,10 @@ def test_to_torch_gives_a_float32_tensor_equal_to_the_original(fmt, wire):
 
 def test_to_torch_gives_a_list_for_a_batch(wire):
     tensors = [random_tensor(shape=(n, 8), seed=n) for n in (2, 4)]
-    batch = {"object": "list", "data": [endpoint_response(t, "base64") for t in tensors]}
+    batch = {
+        "object": "list",
+        "data": [endpoint_response(t, "base64") for t in tensors],
+    }
     out = to_torch(wire(batch))
     assert isinstance(out, list)
     assert [o.shape for o in out] == [torch.Size([2, 8]), torch.Size([4, 8])]
@@ -212,16 +222,26 @@ def test_an_object_that_is_neither_dict_nor_pydantic_is_a_type_error(obj):
 
 @pytest.mark.parametrize("data", ["not base64!!", "AAA", "AAAA$AAA"])
 def test_invalid_base64_is_a_value_error(data):
-    payload = {"layers": [-1], "shape": [1, 1], "dtype": "float32",
-               "encoding_format": "base64", "data": data}
+    payload = {
+        "layers": [-1],
+        "shape": [1, 1],
+        "dtype": "float32",
+        "encoding_format": "base64",
+        "data": data,
+    }
     with pytest.raises(ValueError):
         to_numpy(payload)
 
 
 def test_base64_of_the_wrong_size_for_the_shape_is_a_value_error():
     data = base64.b64encode(np.zeros(3, "<f4").tobytes()).decode()
-    payload = {"layers": [-1], "shape": [1, 4], "dtype": "float32",
-               "encoding_format": "base64", "data": data}
+    payload = {
+        "layers": [-1],
+        "shape": [1, 4],
+        "dtype": "float32",
+        "encoding_format": "base64",
+        "data": data,
+    }
     with pytest.raises(ValueError):
         to_numpy(payload)
 
@@ -238,21 +258,16 @@ def test_client_import_needs_neither_torch_nor_vllm(modules_loaded_by):
 
 
 def binary_answer(tensors, embed_dtype="float32", endianness="little", listed=False):
-    """Body and metadata header of a binary answer, as the server builds them."""
-    import orjson
-
-    from vllm_hidden_states.server.encoding import binary_array
+    """The body of a binary answer, built by the server's own code."""
+    from vllm_hidden_states.server.encoding import binary_array, binary_body
 
     arrays = [binary_array(t, embed_dtype, endianness) for t in tensors]
-    items, start = [], 0
-    for i, a in enumerate(arrays):
-        items.append({"index": i, "embed_dtype": embed_dtype, "endianness": endianness,
-                      "start": start, "end": start + a.nbytes, "shape": list(a.shape)})  # fmt: skip
-        start += a.nbytes
-    meta = {"model": "m", "layer": -2, "dtype": "float32", "data": items}
+    items = [{"index": i, "embed_dtype": embed_dtype, "endianness": endianness}
+             for i in range(len(arrays))]  # fmt: skip
+    header = {"model": "m", "layer": -2, "dtype": "float32"}
     if listed:
-        meta["object"] = "list"
-    return b"".join(a.tobytes() for a in arrays), orjson.dumps(meta).decode()
+        header["object"] = "list"
+    return binary_body(arrays, items, header)
 
 
 @pytest.mark.parametrize("endianness", ["little", "big", "native"])
@@ -260,8 +275,8 @@ def test_from_bytes_float32_is_exact_in_every_byte_order(endianness):
     from vllm_hidden_states.client import from_bytes
 
     t = random_tensor((5, 16))
-    body, meta = binary_answer([t], endianness=endianness)
-    assert np.array_equal(from_bytes(body, meta), t.numpy())
+    body = binary_answer([t], endianness=endianness)
+    assert np.array_equal(from_bytes(body), t.numpy())
 
 
 @pytest.mark.parametrize("embed_dtype", ["float16", "bfloat16"])
@@ -269,31 +284,32 @@ def test_from_bytes_half_precision_widens_exactly(embed_dtype):
     from vllm_hidden_states.client import from_bytes
 
     t = random_tensor((3, 16)).to(getattr(torch, embed_dtype))
-    body, meta = binary_answer([t], embed_dtype=embed_dtype)
-    assert len(body) == t.numel() * 2
-    assert np.array_equal(from_bytes(body, meta), t.float().numpy())
+    body = binary_answer([t], embed_dtype=embed_dtype)
+    assert body.endswith(t.view(torch.int16).numpy().tobytes())
+    assert np.array_equal(from_bytes(body), t.float().numpy())
 
 
 def test_from_bytes_of_a_list_input_is_a_list_even_of_one():
     from vllm_hidden_states.client import from_bytes
 
     tensors = [random_tensor((n, 16), seed=n) for n in (1, 4, 2)]
-    body, meta = binary_answer(tensors, listed=True)
-    out = from_bytes(body, meta)
+    body = binary_answer(tensors, listed=True)
+    out = from_bytes(body)
     assert [a.shape for a in out] == [(1, 16), (4, 16), (2, 16)]
     for a, t in zip(out, tensors):
         assert np.array_equal(a, t.numpy())
-    body1, meta1 = binary_answer(tensors[:1], listed=True)
-    assert isinstance(from_bytes(body1, meta1), list)
+    body1 = binary_answer(tensors[:1], listed=True)
+    assert isinstance(from_bytes(body1), list)
 
 
 def test_to_numpy_decodes_a_binary_http_response():
     import httpx
 
     t = random_tensor((3, 16))
-    body, meta = binary_answer([t])
-    response = httpx.Response(200, content=body, headers={
-        "content-type": "application/octet-stream", "metadata": meta})  # fmt: skip
+    body = binary_answer([t])
+    response = httpx.Response(
+        200, content=body, headers={"content-type": "application/octet-stream"}
+    )
     assert np.array_equal(to_numpy(response), t.numpy())
     assert torch.equal(to_torch(response), t)
 
@@ -309,3 +325,25 @@ def test_to_numpy_decodes_a_json_http_response():
     response = httpx.Response(200, content=content,
                               headers={"content-type": "application/json"})  # fmt: skip
     assert np.array_equal(to_numpy(response), t.numpy())
+
+
+def test_binary_arrays_start_8_byte_aligned_after_the_length_prefixed_header():
+    from vllm_hidden_states.client import read_binary_header
+
+    tensors = [random_tensor((n, 16), seed=n) for n in (3, 5)]
+    body = binary_answer(tensors, listed=True)
+    length = int.from_bytes(body[:8], "little")
+    assert (8 + length) % 8 == 0
+    header, arrays = read_binary_header(body)
+    assert [item["shape"] for item in header["data"]] == [[3, 16], [5, 16]]
+    assert len(arrays) == sum(t.numel() * 4 for t in tensors)
+
+
+def test_a_truncated_binary_body_is_a_clear_error():
+    from vllm_hidden_states.client import from_bytes
+
+    body = binary_answer([random_tensor((4, 16))])
+    with pytest.raises(ValueError, match="truncated"):
+        from_bytes(body[:-4])
+    with pytest.raises(ValueError, match="truncated"):
+        from_bytes(body[:12])

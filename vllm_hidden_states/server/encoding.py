@@ -16,13 +16,23 @@ Whatever the model dtype (bf16, fp16, fp32), values are sent as float32 and the
 model dtype is reported separately as ``dtype``.
 
 POST /v1/hidden_states also answers in binary (``"encoding_format": "bytes"``
-or ``Accept: application/octet-stream``), as vLLM's pooling endpoints do: the
-body is the raw arrays, one after another, in ``embed_dtype`` (float32 by
-default; float16 or bfloat16 on request, bfloat16 as its raw 16 bits) and
-``endianness`` (little by default), and a ``metadata`` header holds the JSON
-``{"model", "layer", "dtype", "data": [{"index", "embed_dtype", "endianness",
-"start", "end", "shape"}, ...]}`` that locates each input's bytes
-(:func:`binary_array`).
+or ``Accept: application/octet-stream``): one self-describing body, so no
+client has to read more than a few bytes of headers (httpx, requests and curl
+refuse header blocks past 64 KiB, which the metadata of a large batch with
+attention masks passes)::
+
+    offset 0       8 bytes   N, unsigned little-endian: the JSON header's length
+    offset 8       N bytes   UTF-8 JSON header, padded with spaces so that
+                             8 + N is a multiple of 8 (arrays start aligned)
+    offset 8 + N   ...       the arrays, back to back in input order
+
+The JSON header is ``{"model", "layer", "dtype", "data": [{"index",
+"embed_dtype", "endianness", "start", "end", "shape"}, ...]}`` (plus
+``"object": "list"`` for a list ``input`` and ``"attention_mask"`` per item on
+request); ``start``/``end`` are byte offsets from the first array. Arrays are in
+``embed_dtype`` (float32 by default; float16 or bfloat16 on request, bfloat16
+as its raw 16 bits) and ``endianness`` (little by default) (:func:`binary_array`,
+:func:`binary_body`; ``client.from_bytes`` is the inverse).
 
 Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}`` with ``code`` the HTTP status, and the OpenAI ``type`` names
@@ -33,6 +43,7 @@ Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
 import pybase64
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 import numpy as np
 import orjson
@@ -104,6 +115,33 @@ def binary_array(tensor: torch.Tensor, embed_dtype: str, endianness: str) -> np.
         array = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
     order = {"little": "<", "big": ">", "native": "="}[endianness]
     return array.astype(array.dtype.newbyteorder(order), copy=False)
+
+
+BINARY_HEADER_LENGTH_BYTES = 8
+BINARY_ALIGN_BYTES = 8
+
+
+def binary_body(arrays: list[np.ndarray], items: list[dict[str, Any]],
+                header: dict[str, Any]) -> bytes:  # fmt: skip
+    """The octet-stream body of a binary answer (layout in the module docstring).
+
+    Args:
+        arrays: each input's wire array (:func:`binary_array`), in input order.
+        items: one dict per array (``index``, ``embed_dtype``, ``endianness``,
+            optionally ``attention_mask``); ``start``, ``end`` (bytes from the
+            first array) and ``shape`` are added here.
+        header: the header's other keys (``model``, ``layer``, ``dtype``, ...);
+            ``data`` is set to ``items``.
+    """
+    start = 0
+    for item, array in zip(items, arrays, strict=True):
+        item.update(start=start, end=start + array.nbytes, shape=list(array.shape))
+        start += array.nbytes
+    text = orjson.dumps({**header, "data": items})
+    pad = -(BINARY_HEADER_LENGTH_BYTES + len(text)) % BINARY_ALIGN_BYTES
+    text += b" " * pad
+    prefix = len(text).to_bytes(BINARY_HEADER_LENGTH_BYTES, "little")
+    return b"".join([prefix, text, *(array.data for array in arrays)])
 
 
 def value_bytes(encoding_format: str, embed_dtype: str = "float32") -> float:

@@ -23,10 +23,10 @@ Z-Image backend), plus a batch form and a ``messages`` form::
 * Binary: ``"encoding_format": "bytes"`` (or ``Accept: application/octet-stream``
   and no ``encoding_format``) answers ``application/octet-stream``: the raw
   arrays in input order, ``embed_dtype`` "float32" (default), "float16" or
-  "bfloat16", ``endianness`` "little" (default), "big" or "native"; the
-  ``metadata`` header says where each input's ``[seq_len, hidden]`` array
-  lies (vLLM's pooling ``bytes`` layout, see :mod:`.encoding`), and a single
-  input also gets ``X-Hidden-States-Shape: seq_len,hidden`` and
+  "bfloat16", ``endianness`` "little" (default), "big" or "native"; a
+  length-prefixed JSON header at the start of the body says where each
+  input's ``[seq_len, hidden]`` array lies (layout in :mod:`.encoding`), and
+  a single input also gets ``X-Hidden-States-Shape: seq_len,hidden`` and
   ``X-Hidden-States-Dtype``. An ``Accept`` that allows neither JSON nor
   octet-stream, or that contradicts ``encoding_format``, is a 406.
 
@@ -56,6 +56,7 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
+from vllm_hidden_states.config import REQUEST_FIELDS
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.validation import validate_layers
 from vllm_hidden_states.server.encoding import (
@@ -63,6 +64,7 @@ from vllm_hidden_states.server.encoding import (
     ORJSON_OPTIONS,
     ApiError,
     binary_array,
+    binary_body,
     dtype_name,
     encode_array,
     invalid_request,
@@ -149,36 +151,50 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     )
 
 
-def _accepts(accept: str) -> set[str]:
-    """The media types an ``Accept`` header allows (q=0 excluded)."""
-    types = set()
+def _quality(accept: str, media: str) -> float:
+    """The q-value ``accept`` gives ``media`` (0 when no range matches).
+
+    The most specific matching range decides (RFC 9110, 12.5.1), so in
+    ``application/json;q=0, */*`` the explicit ``q=0`` rules JSON out although
+    ``*/*`` would allow it. A q-value that is not a number counts as 1.
+    """
+    family = media.split("/", 1)[0]
+    specificity, quality = -1, 0.0
     for part in accept.split(","):
-        media, *params = (p.strip() for p in part.split(";"))
-        if any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params):
+        name, *params = (p.strip() for p in part.split(";"))
+        name = name.lower()
+        rank = {media: 2, f"{family}/*": 1, "*/*": 0}.get(name)
+        if rank is None or rank <= specificity:
             continue
-        if media:
-            types.add(media.lower())
-    return types
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 1.0
+        specificity, quality = rank, q
+    return quality
 
 
 def negotiate(request: HiddenStatesRequest, accept: str | None) -> HiddenStatesRequest:
     """The request with its answer format settled against ``Accept``.
 
-    ``Accept: application/octet-stream`` without ``encoding_format`` picks
-    binary. 406 when the header allows neither JSON nor octet-stream, or
-    excludes the format the body names.
+    Without ``encoding_format``, binary is picked when ``Accept`` prefers
+    octet-stream to JSON (``Accept: application/octet-stream``, or
+    ``application/json;q=0, */*``). 406 when the header allows neither JSON
+    nor octet-stream, or excludes the format the body names.
     """
     if not accept or not accept.strip():
         return request
-    types = _accepts(accept)
-    anything = bool(types & {"*/*", "application/*"})
-    json_ok = anything or "application/json" in types
-    binary_ok = anything or OCTET_STREAM in types
+    json_q = _quality(accept, "application/json")
+    binary_q = _quality(accept, OCTET_STREAM)
     given = "encoding_format" in request.model_fields_set
-    if not given and binary_ok and not json_ok:
+    if not given and binary_q > json_q:
         return request.model_copy(update={"encoding_format": "bytes"})
     binary = request.encoding_format == "bytes"
-    if (binary and binary_ok) or (not binary and json_ok):
+    if (binary_q if binary else json_q) > 0:
         return request
     wanted = OCTET_STREAM if binary else "application/json"
     raise ApiError(
@@ -230,7 +246,7 @@ def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRe
     """Price the request before anything is tokenized: input characters, batch
     size, and the smallest response it can produce (one position per input)."""
     if request.messages is not None:
-        _check_text_only(request.messages)
+        _check_messages(request.messages)
         chars = admission.text_chars(request.messages, limits.max_input_chars)
         admission.check_input_chars(limits, chars, "messages")
         results = 1
@@ -247,11 +263,28 @@ def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRe
     )  # fmt: skip
 
 
-def _check_text_only(messages: list[dict[str, Any]]) -> None:
-    """400 for content this route cannot encode (images, audio, ...): it
-    returns the states of text positions only."""
+def _check_messages(messages: list[dict[str, Any]]) -> None:
+    """400 for a message without text to encode: no ``role``, no ``content``
+    (vLLM's chat request accepts ``{"role": "user"}`` and renders it as an
+    empty turn), or content this route cannot encode (images, audio, ...): it
+    returns the states of text positions only. An assistant message may carry
+    ``tool_calls`` instead of content."""
     for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid_request(
+                f"messages[{i}] has no 'role'; each message is {{'role': ..., "
+                "'content': ...}",
+                "messages",
+            )
+        content = message.get("content")
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise invalid_request(
+                f"messages[{i}] ({role!r}) has no 'content'; give a string or a "
+                "list of {'type': 'text', 'text': ...} parts (only an assistant "
+                "message with 'tool_calls' may omit it)",
+                "messages",
+            )
         if not isinstance(content, list):
             continue
         for part in content:
@@ -290,7 +323,9 @@ async def _token_ids(state: Any, request: HiddenStatesRequest) -> list[list[int]
     out: list[list[int]] = []
     step = admission.ADMISSION_SLICE
     for start in range(0, len(texts), step):
-        out.extend(await _run_in_tokenizer_pool(state, encode, texts[start : start + step]))
+        out.extend(
+            await _run_in_tokenizer_pool(state, encode, texts[start : start + step])
+        )
     for i, ids in enumerate(out):
         if not ids:
             raise invalid_request(
@@ -441,7 +476,9 @@ async def _run_inputs(
     base_id = f"hiddenstates-{random_uuid()}"
     window = asyncio.Semaphore(admission.ADMISSION_SLICE)
     out: list[Any] = [None] * len(inputs)
-    encode = _input_binary if request.encoding_format == "bytes" else _input_object_bytes
+    encode = (
+        _input_binary if request.encoding_format == "bytes" else _input_object_bytes
+    )
 
     async def one(i: int, ids: list[int]) -> None:
         async with window:
@@ -516,34 +553,25 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
 
 def _binary_response(request: HiddenStatesRequest, arrays: list[np.ndarray],
                      model_dtype) -> Response:  # fmt: skip
-    """The octet-stream answer: the arrays back to back, located by the
-    ``metadata`` header (vLLM's pooling layout)."""
-    items, start = [], 0
+    """The octet-stream answer: a JSON header locating each input's array,
+    then the arrays (layout in :mod:`.encoding`)."""
+    items: list[dict[str, Any]] = []
     for i, array in enumerate(arrays):
-        items.append({
-            "index": i, "embed_dtype": request.embed_dtype,
-            "endianness": request.endianness, "start": start,
-            "end": start + array.nbytes, "shape": list(array.shape),
-        })  # fmt: skip
+        items.append({"index": i, "embed_dtype": request.embed_dtype,
+                      "endianness": request.endianness})  # fmt: skip
         if request.return_attention_mask:
             items[-1]["attention_mask"] = [1] * array.shape[0]
-        start += array.nbytes
-    metadata = {
+    header: dict[str, Any] = {
         "model": request.model,
         "layer": request.layer,
         "dtype": dtype_name(model_dtype),
-        "data": items,
     }
     if isinstance(request.input, list):
-        metadata["object"] = "list"
-    headers = {
-        "metadata": orjson.dumps(metadata).decode(),
-        "X-Hidden-States-Dtype": request.embed_dtype,
-    }
+        header["object"] = "list"
+    headers = {"X-Hidden-States-Dtype": request.embed_dtype}
     if len(arrays) == 1:
         headers["X-Hidden-States-Shape"] = ",".join(map(str, arrays[0].shape))
-    # One input: the array's own buffer goes out as is (no copy).
-    body = arrays[0].data if len(arrays) == 1 else b"".join(a.data for a in arrays)
+    body = binary_body(arrays, items, header)
     return Response(body, media_type=OCTET_STREAM, headers=headers)
 
 
@@ -588,32 +616,29 @@ async def create_hidden_states(raw_request: Request):
 # --------------------------------------------------------------------------
 # Routes that cannot return hidden states refuse the fields.
 
-HIDDEN_STATES_FIELDS = (
-    "return_hidden_states",
-    "hidden_states_layers",
-    "hidden_states_format",
-    "hidden_states_positions",
-    "hidden_states_stream",
-)
 _refusals_installed = False
 
 
-def _asks_for_hidden_states(request: Any, raw_request: Any) -> bool:
+def _field_asked(data: Any) -> str | None:
+    """The first of :data:`REQUEST_FIELDS` set (not null, not false) in ``data``."""
+    if not isinstance(data, dict):
+        return None
+    return next((f for f in REQUEST_FIELDS if data.get(f) not in (None, False)), None)
+
+
+def _captured_field_asked(request: Any, raw_request: Any) -> str | None:
     extra = getattr(request, "model_extra", None)
     if extra is not None:
-        return any(extra.get(f) not in (None, False) for f in HIDDEN_STATES_FIELDS)
+        return _field_asked(extra)
     # Models that drop unknown fields (Anthropic's): look at the body read
     # for them (starlette caches it on the request).
     body = getattr(raw_request, "_body", None)
     if not body:
-        return False
+        return None
     try:
-        data = orjson.loads(body)
+        return _field_asked(orjson.loads(body))
     except orjson.JSONDecodeError:
-        return False
-    return isinstance(data, dict) and any(
-        data.get(f) not in (None, False) for f in HIDDEN_STATES_FIELDS
-    )
+        return None
 
 
 def _refuse_on(cls: type, name: str, route: str) -> None:
@@ -624,12 +649,14 @@ def _refuse_on(cls: type, name: str, route: str) -> None:
     @functools.wraps(original)
     async def handler(self, request, *args, **kwargs):
         raw_request = args[0] if args else kwargs.get("raw_request")
-        if _asks_for_hidden_states(request, raw_request):
+        field = _captured_field_asked(request, raw_request)
+        if field is not None:
             return invalid_request(
-                f"hidden states are not supported on this route ({route}); "
-                "return_hidden_states and hidden_states_* work on "
-                "/v1/chat/completions, /v1/completions and POST /v1/hidden_states",
-                "return_hidden_states",
+                f"'{field}' is not supported on this route ({route}): hidden "
+                "states are not supported here; return_hidden_states, "
+                "hidden_states_* and sae_features work on /v1/chat/completions "
+                "and /v1/completions (and POST /v1/hidden_states)",
+                field,
             ).to_error_response()
         return await original(self, request, *args, **kwargs)
 

@@ -83,7 +83,7 @@ from typing import Any
 import orjson
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import DEFAULT_LAYERS
+from vllm_hidden_states.config import DEFAULT_LAYERS, REQUEST_FIELDS
 from vllm_hidden_states.server.encoding import (
     ENCODING_FORMATS,
     ORJSON_OPTIONS,
@@ -96,14 +96,6 @@ from vllm_hidden_states.server.validation import validate_layers
 
 logger = init_logger(__name__)
 
-REQUEST_FIELDS: tuple[str, ...] = (
-    "return_hidden_states",
-    "hidden_states_layers",
-    "hidden_states_format",
-    "hidden_states_positions",
-    "hidden_states_stream",
-    "sae_features",
-)
 # Positions a chat/completions choice can carry.
 CHOICE_POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
 # SamplingParams fields the engine validates; its errors name these params.

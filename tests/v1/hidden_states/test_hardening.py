@@ -287,28 +287,55 @@ def test_issue5_messages_are_truncated_to_max_length(http, hf_qwen3, tokenizer):
 
 
 @pytest.mark.parametrize(
-    "path, body",
+    "path, body, field",
     [
         ("/v1/chat/completions/batch",
-         {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "return_hidden_states": True}),
+         {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "return_hidden_states": True},
+         "return_hidden_states"),
         ("/v1/responses",
-         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "return_hidden_states": True}),
+         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "return_hidden_states": True},
+         "return_hidden_states"),
         ("/v1/responses",
-         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "hidden_states_layers": [-1]}),
+         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "hidden_states_layers": [-1]},
+         "hidden_states_layers"),
+        # Issue 18 item 6: sae_features was accepted and ignored on these.
+        ("/v1/responses",
+         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "sae_features": {"top_k": 4}},
+         "sae_features"),
+        ("/v1/chat/completions/batch",
+         {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "sae_features": {"top_k": 4}},
+         "sae_features"),
     ],
+    ids=["batch", "responses", "responses-layers", "responses-sae", "batch-sae"],
 )  # fmt: skip
-def test_routes_without_hidden_states_refuse_the_fields(http, path, body):
+def test_routes_without_hidden_states_refuse_the_fields(http, path, body, field):
     r = http.post(path, json=body)
-    assert_openai_error(r, 400, "return_hidden_states", "not supported on this route", path)
+    assert_openai_error(r, 400, field, "not supported on this route", path)
     assert_cheap_ok(http)
 
 
-def test_anthropic_messages_refuses_the_fields_in_its_error_shape(http):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
-            "return_hidden_states": True}  # fmt: skip
+@pytest.mark.parametrize("field, value", [("return_hidden_states", True),
+                                          ("sae_features", {"top_k": 4})])  # fmt: skip
+def test_anthropic_messages_refuses_the_fields_in_its_error_shape(http, field, value):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value}
     r = http.post("/v1/messages", json=body)
     assert r.status_code == 400, r.text
-    assert "not supported on this route" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "not supported on this route" in message and field in message
+    assert_cheap_ok(http)
+
+
+@pytest.mark.parametrize(
+    "message, needle",
+    [({"role": "user"}, "has no 'content'"),
+     ({"role": "user", "content": None}, "has no 'content'"),
+     ({"content": "hi"}, "has no 'role'")],
+    ids=["no-content", "null-content", "no-role"],
+)  # fmt: skip
+def test_hidden_states_message_without_text_is_a_400(http, message, needle):
+    # Issue 18 item 6: {"role": "user"} was accepted and rendered as an empty turn.
+    r = http.post(S, json={"model": MODEL, "messages": [MESSAGES[0], message]})
+    assert_openai_error(r, 400, "messages", "messages[1]", needle)
     assert_cheap_ok(http)
 
 

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Request bounds before parsing (issue 18, items 1 and 3) on a real server.
+"""Request bounds before parsing (issue 18, items 1 and 3), and binary
+answers any client reads (item 2), on a real server.
 
 Reproductions, scaled down from the issue (which used a million empty
 messages, 10 MB, and a 14 MB body of a million unknown keys): on the code
@@ -29,8 +30,11 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import orjson
 import pytest
+
+from vllm_hidden_states.client import from_bytes, read_binary_header, to_numpy
 
 from vllm_hidden_states.server.bounds import (
     BODY_FLAG,
@@ -90,7 +94,9 @@ def tokenizer(qwen3_dir):
 
 
 def _unknown_keys(n: int) -> bytes:
-    return orjson.dumps({"model": MODEL, "input": "hi", **{f"k{i}": 1 for i in range(n)}})
+    return orjson.dumps(
+        {"model": MODEL, "input": "hi", **{f"k{i}": 1 for i in range(n)}}
+    )
 
 
 REPRODUCTIONS = {
@@ -136,7 +142,9 @@ REPRODUCTIONS = {
 }  # fmt: skip
 
 
-def assert_openai_error(status: int, body: dict, want_status: int, param, needles) -> None:
+def assert_openai_error(
+    status: int, body: dict, want_status: int, param, needles
+) -> None:
     assert status == want_status, body
     assert set(body) == {"error"}, body
     error = body["error"]
@@ -158,7 +166,9 @@ def raw_request(port: int, path: str, body: bytes, headers: dict | None = None,
     head = {"Host": "127.0.0.1", "Content-Type": "application/json",
             "Content-Length": str(len(body)), **(headers or {})}  # fmt: skip
     head = {k: v for k, v in head.items() if v is not None}
-    request = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    request = f"POST {path} HTTP/1.1\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in head.items()
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(request.encode() + b"\r\n")
         payload = body if sent is None else body[:sent]
@@ -295,7 +305,12 @@ def test_api_server_peak_memory_stays_bounded_during_reproduction(server, case):
 
 
 def test_api_server_rss_stays_bounded_across_all_reproductions(server, http):
-    assert http.post("/v1/hidden_states", json={"model": MODEL, "input": "warm"}).status_code == 200
+    assert (
+        http.post(
+            "/v1/hidden_states", json={"model": MODEL, "input": "warm"}
+        ).status_code
+        == 200
+    )
     before = api_status(server)
     statuses = [raw_request(server.port, path, make_body())[0]
                 for path, make_body, _, _, _ in REPRODUCTIONS.values()]  # fmt: skip
@@ -317,10 +332,14 @@ def test_health_keeps_answering_during_reproduction(server, case):
 
         def two_more_answers():
             seen = poller.answered()
-            wait_until(lambda: poller.answered() >= seen + 2, "/health during the upload")
+            wait_until(
+                lambda: poller.answered() >= seen + 2, "/health during the upload"
+            )
 
         start = time.monotonic()
-        got_status, answer = raw_request(server.port, path, body, pause=two_more_answers)
+        got_status, answer = raw_request(
+            server.port, path, body, pause=two_more_answers
+        )
         end = time.monotonic()
         # One more answer after the big one: a /health sent during it has returned.
         seen = poller.answered()
@@ -329,7 +348,9 @@ def test_health_keeps_answering_during_reproduction(server, case):
     assert len([1 for s, e, _ in during if e < end]) >= 1
     assert all(code == 200 for _, _, code in poller.results)
     slowest = max(e - s for s, e, _ in during)
-    assert slowest < HEALTH_MAX_S, f"{case}: /health took {slowest:.2f} s during the request"
+    assert slowest < HEALTH_MAX_S, (
+        f"{case}: /health took {slowest:.2f} s during the request"
+    )
     assert got_status == status, answer
 
 
@@ -348,11 +369,15 @@ def test_a_streamed_body_is_refused_once_past_the_cap(server, http):
     chunks = [b" " * 2**20] * MAX_BODY_MB + [b" "]
     status, answer = chunked_request(server.port, "/v1/hidden_states", chunks, last=False,
                                      timeout=120)  # fmt: skip
-    assert_openai_error(status, answer, 413, None, ("more than", str(MAX_BODY), BODY_FLAG))
+    assert_openai_error(
+        status, answer, 413, None, ("more than", str(MAX_BODY), BODY_FLAG)
+    )
     assert http.get("/health").status_code == 200
 
 
-def test_a_body_of_1mb_is_inspected_off_the_loop_and_served_exactly(http, hf_qwen3, tokenizer):
+def test_a_body_of_1mb_is_inspected_off_the_loop_and_served_exactly(
+    http, hf_qwen3, tokenizer
+):
     text = "the quick brown fox jumps over the lazy dog " * 24_000  # 1 MB
     body = {"model": MODEL, "input": text, "max_length": 32, "layer": -1}
     r = http.post("/v1/hidden_states", json=body)
@@ -374,6 +399,111 @@ def test_a_chunked_body_without_length_is_served_exactly(server, hf_qwen3, token
 
     ids = tokenizer(prompt)["input_ids"]
     assert_close(torch.tensor(data["hidden_states"]), hf_qwen3.states(ids)[2])
+
+
+# --------------------------------------------------------------------------
+# Issue 18 item 2: binary answers every standard client reads. Before, the
+# metadata (with one mask entry per position) went in one HTTP header: past
+# 16 KiB httpx failed ("Receive buffer too long"), past 64 KiB requests
+# (LineTooLong), past 100 KiB curl (exit 27). 56 inputs of 1000 positions
+# with masks made a ~112 KB header; now it is the start of the body.
+
+BINARY_INPUTS = 56
+BINARY_LENGTH = 1000
+
+
+@pytest.fixture(scope="module")
+def big_binary_body() -> dict:
+    text = " ".join(f"w{i}" for i in range(2 * BINARY_LENGTH))
+    return {"model": MODEL, "input": [f"{i}: {text}" for i in range(BINARY_INPUTS)],
+            "max_length": BINARY_LENGTH, "encoding_format": "bytes",
+            "embed_dtype": "float16", "return_attention_mask": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def first_input_fp16(http, big_binary_body) -> np.ndarray:
+    """The first input's states from a JSON (base64) answer, rounded to fp16."""
+    body = {"model": MODEL, "input": big_binary_body["input"][0],
+            "max_length": BINARY_LENGTH, "encoding_format": "base64"}  # fmt: skip
+    r = http.post("/v1/hidden_states", json=body)
+    assert r.status_code == 200, r.text
+    return to_numpy(r.json()).astype(np.float16).astype(np.float32)
+
+
+def check_big_binary_answer(body: bytes, headers, hidden_size: int, first: np.ndarray):
+    assert headers["content-type"] == "application/octet-stream"
+    assert "metadata" not in headers
+    assert sum(len(k) + len(v) for k, v in headers.items()) < 1024
+    header, _ = read_binary_header(body)
+    assert [item["attention_mask"] for item in header["data"]] == [
+        [1] * BINARY_LENGTH
+    ] * BINARY_INPUTS
+    arrays = from_bytes(body)
+    assert [a.shape for a in arrays] == [(BINARY_LENGTH, hidden_size)] * BINARY_INPUTS
+    assert np.array_equal(arrays[0], first)
+
+
+def test_big_binary_answer_is_read_by_httpx(
+    server, big_binary_body, first_input_fp16, hf_qwen3
+):
+    with httpx.Client(base_url=server.base_url, timeout=600.0) as client:
+        r = client.post("/v1/hidden_states", json=big_binary_body)
+    assert r.status_code == 200, r.text[:500]
+    check_big_binary_answer(
+        r.content, r.headers, hf_qwen3.hidden_size, first_input_fp16
+    )
+
+
+def test_big_binary_answer_is_read_by_requests(
+    server, big_binary_body, first_input_fp16, hf_qwen3
+):
+    import requests
+
+    r = requests.post(
+        f"{server.base_url}/v1/hidden_states", json=big_binary_body, timeout=600
+    )
+    assert r.status_code == 200, r.text[:500]
+    headers = {k.lower(): v for k, v in r.headers.items()}
+    check_big_binary_answer(r.content, headers, hf_qwen3.hidden_size, first_input_fp16)
+
+
+def test_big_binary_answer_is_read_by_the_openai_client(server, big_binary_body,
+                                                        first_input_fp16, hf_qwen3):  # fmt: skip
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="-", timeout=600.0)
+    # The openai client sends Accept: application/json unless told otherwise.
+    r = client.post("/hidden_states", body=big_binary_body, cast_to=httpx.Response,
+                    options={"headers": {"Accept": "application/octet-stream"}})  # fmt: skip
+    check_big_binary_answer(
+        r.content, r.headers, hf_qwen3.hidden_size, first_input_fp16
+    )
+
+
+def test_big_binary_answer_is_read_by_curl(server, big_binary_body, first_input_fp16,
+                                           hf_qwen3, tmp_path):  # fmt: skip
+    import shutil
+    import subprocess
+
+    curl = shutil.which("curl")
+    assert curl, "curl is needed for this test (apt-get install curl)"
+    (tmp_path / "request.json").write_bytes(orjson.dumps(big_binary_body))
+    done = subprocess.run(
+        [curl, "-sS", "--fail-with-body", "-o", str(tmp_path / "states.bin"),
+         "-D", str(tmp_path / "headers.txt"), "-H", "Content-Type: application/json",
+         "--data-binary", f"@{tmp_path / 'request.json'}",
+         f"{server.base_url}/v1/hidden_states"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    lines = (tmp_path / "headers.txt").read_text().splitlines()[1:]
+    headers = {
+        k.strip().lower(): v.strip()
+        for k, _, v in (l.partition(":") for l in lines)
+        if k
+    }
+    check_big_binary_answer((tmp_path / "states.bin").read_bytes(), headers,
+                            hf_qwen3.hidden_size, first_input_fp16)  # fmt: skip
 
 
 def test_states_are_exact_after_everything(http, hf_qwen3, tokenizer):

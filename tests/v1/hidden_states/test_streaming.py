@@ -18,7 +18,7 @@ import orjson
 import pytest
 import torch
 
-from vllm_hidden_states.client import from_bytes, to_numpy
+from vllm_hidden_states.client import from_bytes, read_binary_header, to_numpy
 
 from .conftest import assert_close
 from .server_utils import (
@@ -354,8 +354,10 @@ def test_binary_answer_equals_the_float_answer(http, hf_qwen3):
     assert r.headers["content-type"] == "application/octet-stream"
     assert r.headers["x-hidden-states-shape"] == f"{floats.shape[0]},{hf_qwen3.hidden_size}"
     assert r.headers["x-hidden-states-dtype"] == "float32"
-    raw = np.frombuffer(r.content, "<f4").reshape(floats.shape)
-    assert np.array_equal(raw, floats)
+    header, arrays = read_binary_header(r.content)
+    assert header["data"] == [{"index": 0, "embed_dtype": "float32", "endianness": "little",
+                               "start": 0, "end": floats.nbytes, "shape": list(floats.shape)}]  # fmt: skip
+    assert np.array_equal(np.frombuffer(arrays, "<f4").reshape(floats.shape), floats)
     assert np.array_equal(to_numpy(r), floats)
 
 
@@ -366,11 +368,12 @@ def test_accept_octet_stream_selects_the_binary_answer(http):
     assert np.array_equal(to_numpy(r), floats)
 
 
-def test_binary_batch_locates_each_input_in_the_metadata_header(http):
+def test_binary_batch_locates_each_input_in_the_body_header(http):
     inputs = [PROMPT, "A second, shorter input", "Third"]
     listed = http.post(H, json=hs_body(input=inputs)).json()["data"]
     r = http.post(H, json=hs_body(input=inputs, encoding_format="bytes"))
-    arrays = from_bytes(r.content, r.headers["metadata"])
+    arrays = from_bytes(r.content)
+    assert "metadata" not in r.headers
     assert len(arrays) == len(inputs)
     for array, obj in zip(arrays, listed):
         assert np.array_equal(array, np.asarray(obj["hidden_states"], np.float32))
@@ -380,7 +383,7 @@ def test_binary_batch_locates_each_input_in_the_metadata_header(http):
 def test_binary_half_precision_is_the_float_answer_rounded(http, embed_dtype):
     floats = torch.tensor(http.post(H, json=hs_body()).json()["hidden_states"])
     r = http.post(H, json=hs_body(encoding_format="bytes", embed_dtype=embed_dtype))
-    assert len(r.content) == floats.numel() * 2
+    assert len(read_binary_header(r.content)[1]) == floats.numel() * 2
     expected = floats.to(getattr(torch, embed_dtype)).float().numpy()
     assert np.array_equal(to_numpy(r), expected)
 
@@ -388,7 +391,7 @@ def test_binary_half_precision_is_the_float_answer_rounded(http, embed_dtype):
 def test_binary_big_endian_decodes_to_the_same_values(http):
     little = to_numpy(http.post(H, json=hs_body(encoding_format="bytes")))
     big = http.post(H, json=hs_body(encoding_format="bytes", endianness="big"))
-    assert big.content != little.tobytes()
+    assert read_binary_header(big.content)[1] != little.tobytes()
     assert np.array_equal(to_numpy(big), little)
 
 
