@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vllm_hidden_states.tools.server_process import ServerProcess, rss_by_process  # noqa: F401 (load.py)
+from tests.support.server_process import ServerProcess, rss_by_process  # noqa: F401 (load.py)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

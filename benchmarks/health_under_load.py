@@ -15,7 +15,7 @@ The machine's load average is recorded at the start and end: on a shared
 2-core box the numbers move with it; the tests assert only speed-independent
 conditions (every /health answered, none slower than 3 s).
 
-Run: ``python -m benchmarks.health_under_load [--rounds 5] [--out PATH]``;
+Run: ``python -m benchmarks.health_under_load [--rounds 5] [--only NAME] [--out PATH]``;
 writes ``benchmarks/results/health_under_load.json`` (and ``--out``).
 """
 
@@ -42,6 +42,13 @@ def _keys(n: int) -> bytes:
     return orjson.dumps({"model": SERVED, "input": "hi", **{f"k{i}": 1 for i in range(n)}})
 
 
+def _binary_batch(inputs: int, positions: int) -> bytes:
+    text = " ".join(f"w{i}" for i in range(2 * positions))
+    return orjson.dumps({"model": SERVED, "input": [f"{i}: {text}" for i in range(inputs)],
+                         "max_length": positions, "encoding_format": "bytes",
+                         "embed_dtype": "float16", "return_attention_mask": True})  # fmt: skip
+
+
 REPRODUCTIONS = {
     # The issue's sizes.
     "hidden_states 1M empty messages": (
@@ -62,6 +69,9 @@ REPRODUCTIONS = {
         lambda: orjson.dumps({"model": SERVED, "prompt": [-1] * 100_000, "max_tokens": 1})),
     "responses 2000 empty items": (
         "/v1/responses", lambda: orjson.dumps({"model": SERVED, "input": [{}] * 2000})),
+    # Item 2: a binary answer whose metadata (one mask entry per position) was
+    # a ~112 KB header; now served whole (200), its header in the body.
+    "hidden_states binary 56x1000 masks": ("/v1/hidden_states", lambda: _binary_batch(56, 1000)),
 }  # fmt: skip
 
 
@@ -114,10 +124,12 @@ def one_round(server: common.Server, path: str, body: bytes) -> dict:
     return {"status": r.status_code, "request_s": end - start, "health": during,
             "rss_growth_mb": after["VmRSS"] - before["VmRSS"],
             "peak_growth_mb": after["VmHWM"] - before["VmRSS"],
-            "message": r.json().get("error", {}).get("message", "")[:200]}  # fmt: skip
+            "message": (r.json().get("error", {}).get("message", "")[:200]
+                        if r.headers.get("content-type") == "application/json" else
+                        f"{r.headers.get('content-type')}, {len(r.content)} bytes")}  # fmt: skip
 
 
-def run(rounds: int) -> dict:
+def run(rounds: int, only: str | None = None) -> dict:
     model = bench_model("tiny")
     load_start = os.getloadavg()
     server = common.Server(model, "--enable-hidden-states", "--max-model-len", "1024",
@@ -134,6 +146,8 @@ def run(rounds: int) -> dict:
                 time.sleep(POLL_INTERVAL_S)
         results = {}
         for name, (path, make_body) in REPRODUCTIONS.items():
+            if only and only not in name:
+                continue
             body = make_body()
             runs = [one_round(server, path, body) for _ in range(rounds)]
             latencies = [ms for r in runs for ms in r["health"]]
@@ -186,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--only", default=None, help="run the reproductions whose name holds this")
     args = p.parse_args(argv)
-    out = run(args.rounds)
+    out = run(args.rounds, args.only)
     print("\n".join(lines(out)))
     path = common.write_results(out, stem="health_under_load")
     if args.out is not None:

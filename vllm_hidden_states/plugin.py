@@ -40,6 +40,3 @@ def register() -> None:
             "`vllm-hidden-states patch apply` (or uninstall vllm-hidden-states)"
         )
     _share_vllm_logging()
-    from vllm_hidden_states.server import install_server_hooks
-
-    install_server_hooks()

@@ -16,7 +16,7 @@ PROMPT = "Once upon a time there was a small robot who loved to count the stars"
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    from vllm_hidden_states.tools.server_process import ServerProcess
+    from tests.support.server_process import ServerProcess
 
     proc = ServerProcess(
         qwen3_dir,

@@ -13,7 +13,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from vllm_hidden_states.tools.request_gate import GATE_ARG, HoldWhileFileExists
+from tests.support.request_gate import GATE_ARG, HoldWhileFileExists
 
 
 def added(index: int, output_ids: list[int], gate=None) -> BatchUpdate:

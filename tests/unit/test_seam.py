@@ -2,6 +2,7 @@
 """The seam inventory: every vLLM symbol the package names, checked against
 the vLLM sources, so an upgrade that moves one fails here, naming it."""
 
+import ast
 import shutil
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def test_inventory_lists_imported_symbols_and_module_attributes(references):
     names = {str(r) for r in references}
     assert "vllm.v1.engine:FinishReason" in names
     assert "vllm.logger:init_logger" in names
-    assert "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" in names  # import vllm.envs as envs; envs.X
+    assert (
+        "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" in names
+    )  # import vllm.envs as envs; envs.X
     assert "vllm.v1.core.sched.request_queue:FCFSRequestQueue" in names
 
 
@@ -47,8 +50,11 @@ def test_a_renamed_vllm_class_is_reported_with_where_the_package_names_it(
     module = scratch_vllm / "v1" / "engine" / "__init__.py"
     module.write_text(module.read_text().replace("FinishReason", "FinishCause"))
     problems = seam.missing(references, scratch_vllm)
-    assert any(p.startswith("vllm.v1.engine:FinishReason (named at vllm_hidden_states/")
-               and p.endswith("not defined in vllm.v1.engine") for p in problems), problems
+    assert any(
+        p.startswith("vllm.v1.engine:FinishReason (named at vllm_hidden_states/")
+        and p.endswith("not defined in vllm.v1.engine")
+        for p in problems
+    ), problems
 
 
 def test_a_renamed_private_vllm_attribute_is_reported(scratch_vllm):
@@ -61,8 +67,10 @@ def test_a_renamed_private_vllm_attribute_is_reported(scratch_vllm):
         if "_free_blocks" in text:
             path.write_text(text.replace("_free_blocks", "_release_blocks"))
     problems = seam.missing(used, scratch_vllm)
-    assert problems == ["vllm:*._free_blocks (named at vllm_hidden_states/x.py:1): "
-                        "no vLLM class defines it"]
+    assert problems == [
+        "vllm:*._free_blocks (named at vllm_hidden_states/x.py:1): "
+        "no vLLM class defines it"
+    ]
 
 
 def test_patch_sites_name_the_function_each_hunk_lands_in():
@@ -76,4 +84,67 @@ def test_architecture_doc_prints_the_current_inventory():
     text = doc.read_text()
     assert text == seam.docs_with_inventory(text), (
         "docs/architecture.md's inventory is stale: run "
-        "`vllm-hidden-states seam --docs docs/architecture.md`")
+        "`vllm-hidden-states seam --docs docs/architecture.md`"
+    )
+
+
+def _vllm_bound_names(tree: ast.Module) -> set[str]:
+    """Names a module binds to vLLM modules or objects by importing them."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "vllm":
+                    names.add((alias.asname or alias.name).split(".")[0])
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] == "vllm"
+        ):
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def test_the_package_replaces_nothing_of_vllm_at_run_time():
+    # Issue 17: every join with vLLM is a patch call-out. An assignment to an
+    # attribute of something imported from vLLM (module.f = ..., Class.m = ...,
+    # setattr(Class, ...)) would be a run-time replacement that a vLLM upgrade
+    # breaks silently.
+    import vllm_hidden_states
+
+    root = Path(vllm_hidden_states.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        bound = _vllm_bound_names(tree)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = (
+                    node.targets if isinstance(node, ast.Assign) else [node.target]
+                )
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr":
+                if not (
+                    isinstance(node.args[0], ast.Name) and node.args[0].id == "self"
+                ):
+                    found.append(
+                        f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}"
+                    )
+            elif (
+                isinstance(node, ast.Attribute)
+                and ast.unparse(node) == "functools.wraps"
+            ):
+                # A wrapper stands in for the function it wraps.
+                found.append(f"{path.relative_to(root)}:{node.lineno} functools.wraps")
+            for target in targets:
+                base = target
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if (
+                    target is not base
+                    and isinstance(base, ast.Name)
+                    and base.id in bound
+                ):
+                    found.append(
+                        f"{path.relative_to(root)}:{node.lineno} {ast.unparse(target)}"
+                    )
+    assert found == []

@@ -56,7 +56,6 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import REQUEST_FIELDS
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.validation import validate_layers
 from vllm_hidden_states.server.encoding import (
@@ -611,81 +610,3 @@ async def create_hidden_states(raw_request: Request):
     # with_cancellation cancels _serve (and so aborts the engine requests) when
     # the client disconnects; it needs the body read first, as done above.
     return await with_cancellation(_serve)(body, raw_request)
-
-
-# --------------------------------------------------------------------------
-# Routes that cannot return hidden states refuse the fields.
-
-_refusals_installed = False
-
-
-def _field_asked(data: Any) -> str | None:
-    """The first of :data:`REQUEST_FIELDS` set (not null, not false) in ``data``."""
-    if not isinstance(data, dict):
-        return None
-    return next((f for f in REQUEST_FIELDS if data.get(f) not in (None, False)), None)
-
-
-def _captured_field_asked(request: Any, raw_request: Any) -> str | None:
-    extra = getattr(request, "model_extra", None)
-    if extra is not None:
-        return _field_asked(extra)
-    # Models that drop unknown fields (Anthropic's): look at the body read
-    # for them (starlette caches it on the request).
-    body = getattr(raw_request, "_body", None)
-    if not body:
-        return None
-    try:
-        return _field_asked(orjson.loads(body))
-    except orjson.JSONDecodeError:
-        return None
-
-
-def _refuse_on(cls: type, name: str, route: str) -> None:
-    import functools
-
-    original = getattr(cls, name)
-
-    @functools.wraps(original)
-    async def handler(self, request, *args, **kwargs):
-        raw_request = args[0] if args else kwargs.get("raw_request")
-        field = _captured_field_asked(request, raw_request)
-        if field is not None:
-            return invalid_request(
-                f"'{field}' is not supported on this route ({route}): hidden "
-                "states are not supported here; return_hidden_states, "
-                "hidden_states_* and sae_features work on /v1/chat/completions "
-                "and /v1/completions (and POST /v1/hidden_states)",
-                field,
-            ).to_error_response()
-        return await original(self, request, *args, **kwargs)
-
-    setattr(cls, name, handler)
-
-
-def refuse_hidden_states_on() -> None:
-    """Wrap the serving classes of the generate routes that cannot carry
-    hidden states (once): a request naming the fields gets a 400."""
-    global _refusals_installed
-    if _refusals_installed:
-        return
-    targets = [
-        ("vllm.entrypoints.openai.chat_completion.batch_serving",
-         "OpenAIServingChatBatch", "create_batch_chat_completion",
-         "/v1/chat/completions/batch"),
-        ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses",
-         "create_responses", "/v1/responses"),
-        ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages",
-         "create_messages", "/v1/messages"),
-    ]  # fmt: skip
-    import importlib
-
-    for module_name, cls_name, method, route in targets:
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError):
-            logger.warning("vllm-hidden-states: %s not found; %s left as is",
-                           cls_name, route)  # fmt: skip
-            continue
-        _refuse_on(cls, method, route)
-    _refusals_installed = True

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hidden states on /v1/chat/completions and /v1/completions.
 
-:func:`patch_serving` wraps vLLM's OpenAI serving classes once, when the app is
-built (see :func:`vllm_hidden_states.server.install_server_hooks`).
+vLLM's serving code calls this module at named sites (patch
+``0009-openai-serving``, one line each); nothing of vLLM's is replaced.
 
 Request fields (OpenAI extras; ``OpenAIBaseModel`` keeps unknown fields in
 ``model_extra``)::
@@ -34,25 +34,25 @@ chunk's last token; the chunk with ``finish_reason`` adds the rest, the final
 token's row included. Concatenated over ``start``, the rows equal the
 non-streamed "all" result bit for bit.
 
-What is wrapped (vLLM 0.32.0):
+The call-outs, in the order a request meets them (vLLM 0.32.0):
 
-* ``ChatCompletionRequest.to_sampling_params``,
-  ``CompletionRequest.to_sampling_params``: copy the fields onto SamplingParams;
-* ``OpenAIServingChat.create_chat_completion``,
-  ``OpenAIServingCompletion.create_completion``: validate the fields before
-  anything is generated, so a bad request is a 400 even when streaming;
-* ``OpenAIServingChat.chat_completion_full_generator``,
-  ``OpenAIServingCompletion.request_output_to_completion_response``: attach to
-  the non-streaming response;
-* ``OpenAIServingChat.chat_completion_stream_generator``,
-  ``OpenAIServingCompletion.completion_stream_generator``: attach to the
-  finish chunk of each choice (or to every chunk, ``hidden_states_stream``);
-* ``get_max_tokens`` as looked up by the two serving modules: called right
-  after tokenization with the prompt length, it prices "all"/"prompt"
-  responses exactly (:mod:`.admission`) before anything is generated;
-* ``JSONResponse`` as looked up by the two api_router modules: a subclass that
-  writes bodies carrying hidden states with orjson (numpy arrays natively), and
-  every other body exactly as before.
+* :func:`admit`, first in ``OpenAIServingChat.create_chat_completion`` and
+  ``OpenAIServingCompletion.create_completion``: parse the fields once, check
+  them against the engine and price the response (:mod:`.admission`) before
+  anything is tokenized, so a bad request is a 400 even when streaming;
+* :func:`price`, right after ``get_max_tokens`` sizes each prompt: prices
+  "all"/"prompt" responses exactly, before anything is generated;
+* :func:`ask_engine`, right after ``to_sampling_params``: the fields onto
+  ``SamplingParams``;
+* :func:`observe`, on the result iterator: records each choice's rows;
+* :func:`stream` around the stream generator (rows on the finish chunk of
+  each choice, or on every chunk with ``hidden_states_stream``), and
+  :func:`finish` on the non-streamed response;
+* :func:`json_response_class` in the two api_routers: orjson for bodies
+  carrying hidden states (numpy arrays natively), vLLM's ``JSONResponse``
+  for every other;
+* :func:`refuse`, first in the handlers of /v1/responses, /v1/messages and
+  /v1/chat/completions/batch: a 400 naming the field.
 
 **SAE features** (server started with ``--sae DIR``): ``"sae_features":
 {"top_k": k}`` asks for the SAE's ``k`` strongest features at the positions
@@ -70,17 +70,17 @@ states) is appended to the store off the serving path
 API-server process, closed at exit); a failing store is logged, never an
 error for the request.
 
-Requests that do not ask pay one ``dict`` lookup per wrapper.
+Requests that do not ask pay one ``dict`` lookup in :func:`admit` and a
+context-variable read at each other call-out.
 """
 
 import contextvars
-import functools
-import inspect
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from fastapi.responses import JSONResponse
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import DEFAULT_LAYERS, REQUEST_FIELDS
@@ -98,12 +98,6 @@ logger = init_logger(__name__)
 
 # Positions a chat/completions choice can carry.
 CHOICE_POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
-# SamplingParams fields the engine validates; its errors name these params.
-ENGINE_PARAMS = frozenset(
-    ("return_hidden_states", "hidden_states_layers", "hidden_states_positions",
-     "sae_features")
-)
-_serving_patched = False
 
 
 @dataclass(frozen=True)
@@ -307,18 +301,14 @@ class PositionPricing:
     spent_positions: int = 0
 
 
-# Set by the create wrapper for the duration of one "all"/"prompt" request.
-_pricing: contextvars.ContextVar[PositionPricing | None] = contextvars.ContextVar(
-    "hidden_states_pricing", default=None
-)
-
-
 def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) -> None:
     """Add one prompt's positions (x n choices) to the request's price; 400 when
     the whole response would pass the cap."""
     from vllm_hidden_states.server import admission
 
-    per_choice = prompt_len if pricing.ask.positions == "prompt" else prompt_len + max_tokens
+    per_choice = (
+        prompt_len if pricing.ask.positions == "prompt" else prompt_len + max_tokens
+    )
     pricing.spent_positions += pricing.n * per_choice
     admission.check_response(
         pricing.limits, 1, pricing.spent_positions, len(pricing.ask.layers),
@@ -328,33 +318,6 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         "or choices or a smaller top_k, use hidden_states_format 'base64', or "
         "raise the cap", sae_top_k=pricing.ask.sae_top_k,
     )  # fmt: skip
-
-
-def _wrap_get_max_tokens(module: Any) -> None:
-    """Price "all"/"prompt" requests where vLLM learns the prompt length."""
-    original = getattr(module, "get_max_tokens", None)
-    if original is None:
-        raise RuntimeError(
-            f"{module.__name__} has no get_max_tokens; vllm-hidden-states "
-            "supports vLLM 0.32.0's serving modules only"
-        )
-    signature = inspect.signature(original)
-    if "input_length" not in signature.parameters:
-        raise RuntimeError(
-            f"{module.__name__}.get_max_tokens has no 'input_length' parameter; "
-            "vllm-hidden-states supports vLLM 0.32.0's signature only"
-        )
-
-    @functools.wraps(original)
-    def get_max_tokens(*args, **kwargs):
-        max_tokens = original(*args, **kwargs)
-        pricing = _pricing.get()
-        if pricing is not None:
-            prompt_len = signature.bind(*args, **kwargs).arguments["input_length"]
-            price_positions(pricing, prompt_len, max_tokens)
-        return max_tokens
-
-    module.get_max_tokens = get_max_tokens
 
 
 def _concat(chunks: list[dict[int, Any]], ask: HiddenStatesAsk) -> dict[int, Any]:
@@ -436,7 +399,9 @@ def store_of(raw_request: Any) -> Any:
     ``--activation-store*`` args), or None. Never raises."""
     global _store, _store_hidden
     if _store is None and raw_request is not None:
-        args = getattr(getattr(getattr(raw_request, "app", None), "state", None), "args", None)
+        args = getattr(
+            getattr(getattr(raw_request, "app", None), "state", None), "args", None
+        )
         root = getattr(args, "activation_store", None)
         if not root:
             _store = False
@@ -447,9 +412,14 @@ def store_of(raw_request: Any) -> Any:
                 from vllm_hidden_states.store.activation_store import ActivationStore
 
                 _store = ActivationStore(
-                    root, retention_days=getattr(args, "activation_store_retention_days", None)
+                    root,
+                    retention_days=getattr(
+                        args, "activation_store_retention_days", None
+                    ),
                 )
-                _store_hidden = bool(getattr(args, "activation_store_hidden_states", False))
+                _store_hidden = bool(
+                    getattr(args, "activation_store_hidden_states", False)
+                )
                 atexit.register(_store.close, 10.0)
                 logger.info("vllm-hidden-states: activation store at %s (hidden states: %s)",
                             root, _store_hidden)  # fmt: skip
@@ -460,7 +430,9 @@ def store_of(raw_request: Any) -> Any:
     return _store or None
 
 
-def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: str) -> None:
+def _store_choice(
+    store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: str
+) -> None:
     """Append one finished choice's features (and opted-in states). Never raises."""
     try:
         import numpy as np
@@ -476,8 +448,8 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
             positions = np.arange(len(tokens))
         if rows.stored_features:
             parts = rows.stored_features
-            ids = torch.cat([p["ids"] for p in parts])[-len(positions):]
-            values = torch.cat([p["values"] for p in parts])[-len(positions):]
+            ids = torch.cat([p["ids"] for p in parts])[-len(positions) :]
+            values = torch.cat([p["values"] for p in parts])[-len(positions) :]
             if ids.shape[0] == len(positions):
                 store.append_sae_features(
                     rows.request_id, model_id=model, sae_release=rows.sae_name,
@@ -495,80 +467,9 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
                 positions=positions[-n:], choice_index=rows.choice_index,
             )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - never fail the request
-        logger.warning("activation store: request %s not stored: %s", rows.request_id, e)
-
-
-# --------------------------------------------------------------------------
-# Wrappers. Each looks at the request once and calls the original unchanged
-# when the request did not ask.
-
-
-def _wrap_to_sampling_params(cls: type) -> None:
-    original = cls.to_sampling_params
-
-    @functools.wraps(original)
-    def to_sampling_params(self, *args, **kwargs):
-        params = original(self, *args, **kwargs)
-        extra = self.model_extra
-        if extra and (extra.get("return_hidden_states") is True
-                      or extra.get("sae_features") is not None):  # fmt: skip
-            params.return_hidden_states = True
-            sae = extra.get("sae_features")
-            params.sae_features = sae
-            layers = extra.get("hidden_states_layers")
-            params.hidden_states_layers = (
-                list(layers) if layers else None if sae is not None else list(DEFAULT_LAYERS)
-            )
-            params.hidden_states_positions = (
-                extra.get("hidden_states_positions") or "last"
-            )
-        return params
-
-    cls.to_sampling_params = to_sampling_params
-
-
-def _wrap_create(cls: type, name: str) -> None:
-    """Validate before generating; engine-side 400s get our error type too."""
-    original = getattr(cls, name)
-
-    @functools.wraps(original)
-    async def create(self, request, *args, **kwargs):
-        extra = request.model_extra
-        if not extra or not any(f in extra for f in REQUEST_FIELDS):
-            return await original(self, request, *args, **kwargs)
-        from vllm.exceptions import VLLMValidationError
-
-        token = None
-        try:
-            raw_request = args[0] if args else kwargs.get("raw_request")
-            ask = validate_ask(self, request, raw_request)
-            if ask is not None and _store is None:
-                store_of(raw_request)
-            if ask is not None and ask.positions != "last":
-                from vllm_hidden_states.server import admission
-
-                token = _pricing.set(
-                    PositionPricing(
-                        admission.limits_of(raw_request),
-                        ask,
-                        getattr(request, "n", None) or 1,
-                        self.engine_client.model_config.get_hidden_size(),
-                    )
-                )
-            return await original(self, request, *args, **kwargs)
-        except ApiError as e:
-            return e.to_error_response()
-        except VLLMValidationError as e:
-            # The engine's own checks (InputProcessor) on our fields, e.g. a
-            # prompt that leaves no room for the final token's state.
-            if e.parameter not in ENGINE_PARAMS:
-                raise
-            return invalid_request(str(e), e.parameter).to_error_response()
-        finally:
-            if token is not None:
-                _pricing.reset(token)
-
-    setattr(cls, name, create)
+        logger.warning(
+            "activation store: request %s not stored: %s", rows.request_id, e
+        )
 
 
 @dataclass
@@ -621,19 +522,19 @@ class ChoiceRows:
 
 def _collect(
     source: AsyncIterator[Any],
-    choices: dict[int, ChoiceRows],
     index_of: Callable[[Any], tuple[Any, int]],
-    request: Any = None,
+    reply: "HiddenStatesReply",
 ) -> AsyncGenerator[Any, None]:
     """Pass ``source`` through, recording each choice's rows (and SAE
-    features); with an activation store, finished choices are stored.
+    features) in ``reply.choices``; with an activation store, finished
+    choices are stored.
 
     ``index_of(item)`` returns ``(RequestOutput, choice index offset)``; the
     choice index of an output is ``offset + output.index``.
     """
+    choices, ask = reply.choices, reply.ask
     store = _store or None
-    ask = ask_of(request) if store is not None and request is not None else None
-    if ask is None or not (ask.sae_top_k or (_store_hidden and ask.layers)):
+    if not (ask.sae_top_k or (_store_hidden and ask.layers)):
         store = None
 
     async def gen():
@@ -655,7 +556,7 @@ def _collect(
                     if output.finish_reason is not None:
                         rows.finished = True
                         if store is not None:
-                            _store_choice(store, rows, ask, request.model)
+                            _store_choice(store, rows, ask, reply.request.model)
                 yield item
         finally:
             aclose = getattr(source, "aclose", None)
@@ -675,7 +576,9 @@ def _response_id(engine_request_id: str) -> str:
     return engine_request_id
 
 
-def _track_for_store(rows: ChoiceRows, res: Any, output: Any, choice_index: int) -> None:
+def _track_for_store(
+    rows: ChoiceRows, res: Any, output: Any, choice_index: int
+) -> None:
     """Token ids, features and states of a choice, for the store (the result
     iterator yields deltas when streaming, cumulative outputs otherwise).
     Stored under the response's id and the choice's index in it."""
@@ -746,85 +649,9 @@ async def _inject(
         await inner.aclose()
 
 
-RESULTS_ARG = "result_generator"
-
-
-def _wrap_stream(cls: type, name: str, index_of_factory) -> None:
-    """Wrap a stream generator whose result iterator is its ``result_generator``
-    argument (bound by name: a vLLM upgrade that renames it fails here, at
-    server start, not per request)."""
-    original = getattr(cls, name)
-    signature = inspect.signature(original)
-    if RESULTS_ARG not in signature.parameters:
-        raise RuntimeError(
-            f"{cls.__name__}.{name} has no {RESULTS_ARG!r} parameter; "
-            "vllm-hidden-states supports vLLM 0.32.0's signature only"
-        )
-
-    @functools.wraps(original)
-    def stream(self, request, *args, **kwargs):
-        ask = ask_of(request)
-        if ask is None:
-            return original(self, request, *args, **kwargs)
-        choices: dict[int, ChoiceRows] = {}
-        bound = signature.bind(self, request, *args, **kwargs)
-        bound.arguments[RESULTS_ARG] = _collect(
-            bound.arguments[RESULTS_ARG], choices, index_of_factory(request), request
-        )
-        return _inject(original(*bound.args, **bound.kwargs), choices, ask)
-
-    setattr(cls, name, stream)
-
-
-def _wrap_chat_full(cls: type) -> None:
-    original = cls.chat_completion_full_generator
-
-    @functools.wraps(original)
-    async def full(self, request, result_generator, *args, **kwargs):
-        ask = ask_of(request)
-        if ask is None:
-            return await original(self, request, result_generator, *args, **kwargs)
-        rows: dict[int, ChoiceRows] = {}
-        source = _collect(result_generator, rows, _single, request)
-        response = await original(self, request, source, *args, **kwargs)
-        choices = getattr(response, "choices", None)
-        if choices is not None:
-            _attach_to_choices(
-                choices, [_final_states(rows.get(c.index), ask) for c in choices], ask,
-                [rows[c.index].features if c.index in rows else None for c in choices],
-            )
-        return response
-
-    cls.chat_completion_full_generator = full
-
-
-def _wrap_completion_response(cls: type) -> None:
-    original = cls.request_output_to_completion_response
-
-    @functools.wraps(original)
-    def to_response(self, final_res_batch, request, *args, **kwargs):
-        response = original(self, final_res_batch, request, *args, **kwargs)
-        ask = ask_of(request)
-        if ask is not None:
-            # Choices are numbered in this same order (prompt, then output).
-            states = [o.hidden_states for res in final_res_batch for o in res.outputs]
-            features = [[o.sae_features] if o.sae_features is not None else None
-                        for res in final_res_batch for o in res.outputs]  # fmt: skip
-            _attach_to_choices(response.choices, states, ask, features)
-            store = _store or None
-            if store is not None and (ask.sae_top_k or (_store_hidden and ask.layers)):
-                # Numbered as vLLM numbers the choices (in this order).
-                outputs = [(res, o) for res in final_res_batch for o in res.outputs]
-                for index, (res, o) in enumerate(outputs):
-                    rows = ChoiceRows()
-                    _track_for_store(rows, res, o, index)
-                    _store_choice(store, rows, ask, request.model)
-        return response
-
-    cls.request_output_to_completion_response = to_response
-
-
-def _final_states(rows: ChoiceRows | None, ask: HiddenStatesAsk) -> dict[int, Any] | None:
+def _final_states(
+    rows: ChoiceRows | None, ask: HiddenStatesAsk
+) -> dict[int, Any] | None:
     """A non-streamed choice's states: its one final output's."""
     if rows is None or not rows.pending:
         return None
@@ -836,7 +663,8 @@ def _attach_to_choices(choices: list, states: list, ask: HiddenStatesAsk,
     features = features or [None] * len(choices)
     for choice, choice_states, choice_features in zip(choices, states, features):
         missing = (ask.layers and choice_states is None) or (
-            ask.sae_top_k and not choice_features)
+            ask.sae_top_k and not choice_features
+        )
         if missing and choice.finish_reason != "abort":
             raise ApiError(
                 "the engine returned no hidden states for this request "
@@ -850,64 +678,186 @@ def _attach_to_choices(choices: list, states: list, ask: HiddenStatesAsk,
             choice.sae_features = encode_choice_features(choice_features, ask)
 
 
-def _orjson_response_class(base: type) -> type:
-    """``JSONResponse`` that writes bodies carrying hidden states with orjson."""
-
-    class HiddenStatesAwareJSONResponse(base):
-        def render(self, content: Any) -> bytes:
-            if isinstance(content, dict):
-                choices = content.get("choices")
-                if choices and ("hidden_states" in choices[0]
-                                or "sae_features" in choices[0]):  # fmt: skip
-                    return orjson.dumps(content, option=ORJSON_OPTIONS)
-            return super().render(content)
-
-    return HiddenStatesAwareJSONResponse
+# --------------------------------------------------------------------------
+# Call-outs from vLLM's serving code (patch 0009-openai-serving). Each is one
+# line at its site; requests that did not ask pay one dict lookup in
+# ``admit`` and a context-variable read at the others.
 
 
-def patch_serving() -> None:
-    """Patch the chat/completions protocol, serving and router modules (once)."""
-    global _serving_patched
-    if _serving_patched:
+@dataclass
+class HiddenStatesReply:
+    """One chat/completions request that asked for captured data: what it
+    asked, parsed once by :func:`admit`, and the rows its choices are owed.
+
+    Lives in a context variable from :func:`admit` (the first line of
+    ``create_chat_completion`` / ``create_completion``) through the rest of
+    that handler; :func:`observe` hands it to the two sites that write the
+    answer (:func:`stream`, :func:`finish`).
+    """
+
+    ask: HiddenStatesAsk
+    request: Any  # vLLM's ChatCompletionRequest / CompletionRequest
+    choices_per_prompt: int  # the request's n
+    pricing: PositionPricing | None  # "all"/"prompt": the response budget
+    choices: dict[int, ChoiceRows] = field(default_factory=dict)
+
+
+_reply: contextvars.ContextVar[HiddenStatesReply | None] = contextvars.ContextVar(
+    "hidden_states_reply", default=None
+)
+
+
+def admit(serving: Any, request: Any, raw_request: Any) -> Any:
+    """Parse, check and price the request's fields before anything is
+    tokenized or generated; vLLM's ``ErrorResponse`` (400/413) to return, or
+    None to go on. Called first in ``create_chat_completion`` and
+    ``create_completion``."""
+    extra = request.model_extra
+    if not extra or not any(f in extra for f in REQUEST_FIELDS):
+        if _reply.get() is not None:
+            _reply.set(None)
+        return None
+    try:
+        ask = validate_ask(serving, request, raw_request)
+    except ApiError as e:
+        return e.to_error_response()
+    if ask is None:
+        _reply.set(None)
+        return None
+    if _store is None:
+        store_of(raw_request)
+    n = getattr(request, "n", None) or 1
+    pricing = None
+    if ask.positions != "last":
+        from vllm_hidden_states.server import admission
+
+        pricing = PositionPricing(admission.limits_of(raw_request), ask, n,
+                                  serving.engine_client.model_config.get_hidden_size())  # fmt: skip
+    _reply.set(HiddenStatesReply(ask, request, n, pricing))
+    return None
+
+
+def price(prompt_len: int, max_tokens: int) -> Any:
+    """Add one prompt's positions to an "all"/"prompt" request's price, where
+    vLLM has just sized it (``get_max_tokens``); ``ErrorResponse`` (400) when
+    the whole response would pass the cap, else None."""
+    reply = _reply.get()
+    if reply is None or reply.pricing is None:
+        return None
+    try:
+        price_positions(reply.pricing, prompt_len, max_tokens)
+    except ApiError as e:
+        return e.to_error_response()
+    return None
+
+
+def ask_engine(params: Any) -> None:
+    """Copy what the request asked onto its ``SamplingParams`` (right after
+    ``to_sampling_params``), in the engine's terms."""
+    reply = _reply.get()
+    if reply is None:
         return
-    from vllm.entrypoints.openai.chat_completion import api_router as chat_router
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-    from vllm.entrypoints.openai.completion import api_router as completion_router
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    ask, extra = reply.ask, reply.request.model_extra
+    params.return_hidden_states = True
+    params.sae_features = extra.get("sae_features")
+    # With sae_features alone, no full states (None: the engine's "no layers").
+    params.hidden_states_layers = list(ask.layers) or None
+    params.hidden_states_positions = ask.positions
 
-    _wrap_to_sampling_params(ChatCompletionRequest)
-    _wrap_to_sampling_params(CompletionRequest)
 
-    _wrap_create(OpenAIServingChat, "create_chat_completion")
-    _wrap_create(OpenAIServingCompletion, "create_completion")
-    # Routes that cannot return hidden states refuse the fields (400) rather
-    # than ignoring them. (/invocations dispatches to the two above.)
-    from vllm_hidden_states.server.hidden_states_route import refuse_hidden_states_on
+def _completion_index(choices_per_prompt: int) -> Callable[[Any], tuple[Any, int]]:
+    # completions yield (prompt_idx, RequestOutput); vLLM numbers the choices
+    # prompt_idx * n + output index.
+    return lambda item: (item[1], item[0] * choices_per_prompt)
 
-    refuse_hidden_states_on()
 
-    _wrap_chat_full(OpenAIServingChat)
-    _wrap_completion_response(OpenAIServingCompletion)
+def observe(
+    results: AsyncIterator[Any],
+) -> tuple[AsyncIterator[Any], HiddenStatesReply | None]:
+    """The result iterator to hand vLLM's generators (the same one when the
+    request did not ask), and the reply that records its choices' rows."""
+    reply = _reply.get()
+    if reply is None:
+        return results, None
+    chat = hasattr(reply.request, "messages")
+    index_of = _single if chat else _completion_index(reply.choices_per_prompt)
+    return _collect(results, index_of, reply), reply
 
-    # chat: result_generator yields RequestOutput.
-    _wrap_stream(OpenAIServingChat, "chat_completion_stream_generator", lambda _: _single)
 
-    # completions: result_generator yields (prompt_idx, RequestOutput); the
-    # choice index is prompt_idx * n + output index.
-    def completion_index(request):
-        n = request.n or 1
-        return lambda item: (item[1], item[0] * n)
+def stream(reply: HiddenStatesReply | None,
+           chunks: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:  # fmt: skip
+    """vLLM's SSE chunks with each choice's rows on the chunks they are owed to."""
+    if reply is None:
+        return chunks
+    return _inject(chunks, reply.choices, reply.ask)
 
-    _wrap_stream(OpenAIServingCompletion, "completion_stream_generator", completion_index)
 
-    from vllm.entrypoints.openai.chat_completion import serving as chat_serving
-    from vllm.entrypoints.openai.completion import serving as completion_serving
+def finish(reply: HiddenStatesReply | None, response: Any) -> Any:
+    """A non-streamed response with each choice's ``hidden_states`` (and
+    ``sae_features``); error responses pass through."""
+    choices = getattr(response, "choices", None)
+    if reply is None or choices is None:
+        return response
+    rows = [reply.choices.get(c.index) for c in choices]
+    _attach_to_choices(
+        choices,
+        [_final_states(r, reply.ask) for r in rows],
+        reply.ask,
+        [r.features if r is not None else None for r in rows],
+    )
+    return response
 
-    _wrap_get_max_tokens(chat_serving)
-    _wrap_get_max_tokens(completion_serving)
 
-    for module in (chat_router, completion_router):
-        module.JSONResponse = _orjson_response_class(module.JSONResponse)
-    _serving_patched = True
+def json_response_class(default: type) -> type:
+    """The response class for a non-streamed chat/completions body: one that
+    writes hidden states with orjson (numpy arrays natively) when this request
+    asked for them, else ``default`` (vLLM's ``JSONResponse``)."""
+    if _reply.get() is None:
+        return default
+    return CapturedJSONResponse
+
+
+class CapturedJSONResponse(JSONResponse):
+    """``JSONResponse`` rendered by orjson with :data:`ORJSON_OPTIONS` (FastAPI's
+    ``ORJSONResponse`` does the same but is deprecated in the pinned FastAPI)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=ORJSON_OPTIONS)
+
+
+def refuse(request: Any, raw_request: Any, route: str) -> Any:
+    """``ErrorResponse`` (400) when a route that cannot carry captured data
+    (/v1/responses, /v1/messages, /v1/chat/completions/batch) is sent any of
+    :data:`REQUEST_FIELDS`; else None. Called first in those handlers."""
+    field_name = _captured_field_asked(request, raw_request)
+    if field_name is None:
+        return None
+    return invalid_request(
+        f"'{field_name}' is not supported on this route ({route}): hidden states "
+        "are not supported here; return_hidden_states, hidden_states_* and "
+        "sae_features work on /v1/chat/completions and /v1/completions (and "
+        "POST /v1/hidden_states)",
+        field_name,
+    ).to_error_response()
+
+
+def _field_asked(data: Any) -> str | None:
+    """The first of :data:`REQUEST_FIELDS` set (not null, not false) in ``data``."""
+    if not isinstance(data, dict):
+        return None
+    return next((f for f in REQUEST_FIELDS if data.get(f) not in (None, False)), None)
+
+
+def _captured_field_asked(request: Any, raw_request: Any) -> str | None:
+    extra = getattr(request, "model_extra", None)
+    if extra is not None:
+        return _field_asked(extra)
+    # Models that drop unknown fields (Anthropic's): look at the body read
+    # for them (starlette caches it on the request).
+    body = getattr(raw_request, "_body", None)
+    if not body:
+        return None
+    try:
+        return _field_asked(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None

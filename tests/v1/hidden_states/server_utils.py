@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import orjson
 
-from vllm_hidden_states.tools.request_gate import GATE_ARG
-from vllm_hidden_states.tools.server_process import ServerProcess
+from tests.support.request_gate import GATE_ARG
+from tests.support.server_process import ServerProcess
 
 __all__ = ["GATE_ARGS", "Gate", "ServerProcess", "num_generated", "num_completed", "post_concurrently", "sse_events",
            "test_server_process", "wait_until"]
@@ -53,7 +53,7 @@ def sse_events(response: httpx.Response) -> list[dict]:
 
 # Servers whose tests hold a request mid-generation (see :class:`Gate`).
 GATE_ARGS = ["--logits-processors",
-             "vllm_hidden_states.tools.request_gate:HoldWhileFileExists"]  # fmt: skip
+             "tests.support.request_gate:HoldWhileFileExists"]  # fmt: skip
 
 
 class Gate:

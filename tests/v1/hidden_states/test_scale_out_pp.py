@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from vllm_hidden_states.tools.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 from .conftest import assert_close
 from .server_utils import post_concurrently, wait_until

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from vllm_hidden_states.tools.server_process import free_port
+from tests.support.server_process import free_port
 
 from .server_utils import wait_until
 

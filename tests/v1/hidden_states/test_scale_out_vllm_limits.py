@@ -17,7 +17,7 @@ import sys
 import httpx
 import pytest
 
-from vllm_hidden_states.tools.server_process import free_port
+from tests.support.server_process import free_port
 
 from .conftest import MODELS
 from .server_utils import test_server_process, wait_until

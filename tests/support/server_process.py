@@ -19,6 +19,9 @@ from pathlib import Path
 import httpx
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -55,6 +58,10 @@ class ServerProcess:
             "--served-model-name", name, *args,
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
+        # The server imports tests.support.request_gate (the tests' logits
+        # processor) by name: put the checkout on its path.
+        paths = [str(REPO_ROOT), *filter(None, [self.env.get("PYTHONPATH")])]
+        self.env["PYTHONPATH"] = os.pathsep.join(paths)
         self.proc: subprocess.Popen | None = None
         self._log = None
 

@@ -7,7 +7,7 @@ HTTP ``/pause`` takes to land, so pausing after the first chunk is a race the
 engine sometimes wins (seen in CI: 400 of 400 tokens generated).
 
 :class:`HoldWhileFileExists` is a vLLM logits processor (start the server
-with ``--logits-processors vllm_hidden_states.tools.request_gate:HoldWhileFileExists``).
+with ``--logits-processors tests.support.request_gate:HoldWhileFileExists``).
 A request that names a file, ``vllm_xargs={"hold_while_exists": "/path"}``,
 gets its first token as usual; from its next step on, the worker waits inside
 sampling for as long as that file exists. The test reads the first chunk,
@@ -68,6 +68,8 @@ def _wait_while_exists(path: str) -> None:
     deadline = time.monotonic() + MAX_HOLD_S
     while os.path.exists(path):
         if time.monotonic() > deadline:
-            logger.warning("Gate %s still exists after %.0f s; releasing.", path, MAX_HOLD_S)
+            logger.warning(
+                "Gate %s still exists after %.0f s; releasing.", path, MAX_HOLD_S
+            )
             return
         time.sleep(POLL_S)
