@@ -11,9 +11,10 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tests.support.server_process import ServerProcess, rss_by_process  # noqa: F401 (load.py)
 
@@ -29,13 +30,22 @@ def bench_model(kind: str = "default") -> Path:
 
     if kind == "tiny":
         return build_tiny_model(MODELS / "tiny-qwen3", arch="qwen3")
-    return build_tiny_model(MODELS / "bench-qwen3", arch="qwen3", num_layers=12,
-                            hidden_size=1024, intermediate_size=2816, vocab_size=512)
+    return build_tiny_model(
+        MODELS / "bench-qwen3",
+        arch="qwen3",
+        num_layers=12,
+        hidden_size=1024,
+        intermediate_size=2816,
+        vocab_size=512,
+    )
 
 
 def machine() -> dict[str, Any]:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
     try:
         import torch
 
@@ -81,8 +91,13 @@ class Comparison:
         return statistics.median(v / b for v, b in zip(vals, base))
 
     def summary(self) -> dict[str, Any]:
-        out = {"name": self.name, "unit": self.unit, "baseline": self.baseline,
-               "notes": self.notes, "variants": {}}
+        out = {
+            "name": self.name,
+            "unit": self.unit,
+            "baseline": self.baseline,
+            "notes": self.notes,
+            "variants": {},
+        }
         for v in self.samples:
             entry = {"median": self.median(v), "samples": self.samples[v]}
             if v != self.baseline:
@@ -108,8 +123,9 @@ class Comparison:
         return rows
 
 
-def alternate(comparison: Comparison, variants: dict[str, Callable[[], float]],
-              rounds: int, progress=None) -> Comparison:
+def alternate(
+    comparison: Comparison, variants: dict[str, Callable[[], float]], rounds: int, progress=None
+) -> Comparison:
     """Run each variant once per round, in order, for ``rounds`` rounds."""
     for _ in range(rounds):
         for name, fn in variants.items():
@@ -123,8 +139,9 @@ class Server(ServerProcess):
     """A benchmark server: :class:`ServerProcess` serving ``bench``, started at
     once, its log under ``benchmarks/results/``."""
 
-    def __init__(self, model: Path | str, *args: str, name: str = "server",
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self, model: Path | str, *args: str, name: str = "server", env: dict[str, str] | None = None
+    ):
         full_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
         full_env.update({k: os.environ[k] for k in full_env if k in os.environ})
         full_env.update(env or {})
@@ -136,8 +153,9 @@ class Server(ServerProcess):
         return self
 
 
-def section_main(run: Callable[..., list["Comparison"]], stem: str,
-                 argv: list[str] | None = None) -> None:
+def section_main(
+    run: Callable[..., list["Comparison"]], stem: str, argv: list[str] | None = None
+) -> None:
     """``python -m benchmarks.<section>``: run one section alone, print its
     table and write ``benchmarks/results/<stem>.json``."""
     import argparse
@@ -150,8 +168,7 @@ def section_main(run: Callable[..., list["Comparison"]], stem: str,
     comps = run(args.rounds, args.quick, args.model)
     for comp in comps:
         print("\n".join(comp.lines()))
-    path = write_results({"machine": machine(), stem: [c.summary() for c in comps]},
-                         stem=stem)
+    path = write_results({"machine": machine(), stem: [c.summary() for c in comps]}, stem=stem)
     print(f"results: {path}")
 
 

@@ -57,11 +57,20 @@ from benchmarks.common import Comparison, Server, alternate, bench_model, sectio
 LAYER = -2
 BATCH = 16
 CONCURRENCY = 2
-SERVER_ARGS = ("--enable-hidden-states", "--dtype", "float32", "--max-model-len", "1024",
-               "--gpu-memory-utilization", "0.3")
-WORDS = ("the engine schedules requests runs model samples tokens hidden states residual "
-         "stream layer sunset ocean robot counts shards parquet duckdb writer thread queue "
-         "manifest resume document prompt feature sparse autoencoder vector").split()
+SERVER_ARGS = (
+    "--enable-hidden-states",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "1024",
+    "--gpu-memory-utilization",
+    "0.3",
+)
+WORDS = (
+    "the engine schedules requests runs model samples tokens hidden states residual "
+    "stream layer sunset ocean robot counts shards parquet duckdb writer thread queue "
+    "manifest resume document prompt feature sparse autoencoder vector"
+).split()
 BASELINE = "POST /v1/hidden_states (no write)"
 COLLECT = "collect -> Parquet"
 # The cores the server may use (it is started unpinned): HF gets as many threads.
@@ -83,20 +92,30 @@ HF_CHUNK = 4 * BATCH  # documents sorted together, then written
 
 def texts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [f"[{seed}-{i}] " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60)))
-            for i in range(n)]
+    return [
+        f"[{seed}-{i}] " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60)))
+        for i in range(n)
+    ]
 
 
 def post_batches(base_url: str, docs: list[str]) -> tuple[float, int]:
     """Seconds and positions for ``docs`` through the route, nothing written."""
     from vllm_hidden_states.client import to_numpy
 
-    batches = [docs[i:i + BATCH] for i in range(0, len(docs), BATCH)]
+    batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
     with httpx.Client(base_url=base_url, timeout=600) as client:
+
         def one(batch: list[str]) -> int:
-            r = client.post("/v1/hidden_states", json={
-                "model": "bench", "input": batch, "layer": LAYER, "max_length": 1024,
-                "encoding_format": "base64"})
+            r = client.post(
+                "/v1/hidden_states",
+                json={
+                    "model": "bench",
+                    "input": batch,
+                    "layer": LAYER,
+                    "max_length": 1024,
+                    "encoding_format": "base64",
+                },
+            )
             r.raise_for_status()
             return sum(a.shape[0] for a in to_numpy(r.json()))
 
@@ -112,11 +131,20 @@ def collect_run(base_url: str, docs: list[str], out: Path) -> tuple[float, int]:
     from vllm_hidden_states.tools.collect import CollectConfig, collect
 
     dataset = out.with_suffix(".jsonl")
-    dataset.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n"
-                               for i, t in enumerate(docs)))
-    result = collect(CollectConfig(
-        dataset=str(dataset), out=str(out), server_url=base_url, layers=[LAYER],
-        batch_size=BATCH, concurrency=CONCURRENCY, progress=False))
+    dataset.write_text(
+        "".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(docs))
+    )
+    result = collect(
+        CollectConfig(
+            dataset=str(dataset),
+            out=str(out),
+            server_url=base_url,
+            layers=[LAYER],
+            batch_size=BATCH,
+            concurrency=CONCURRENCY,
+            progress=False,
+        )
+    )
     return result.seconds, result.tokens
 
 
@@ -128,12 +156,15 @@ def check_equal(base_url: str, work: Path) -> None:
     docs = texts(3, seed=10**6)
     out = work / "check"
     collect_run(base_url, docs, out)
-    r = httpx.post(base_url + "/v1/hidden_states", json={
-        "model": "bench", "input": docs, "layer": LAYER, "encoding_format": "base64"},
-        timeout=600)
+    r = httpx.post(
+        base_url + "/v1/hidden_states",
+        json={"model": "bench", "input": docs, "layer": LAYER, "encoding_format": "base64"},
+        timeout=600,
+    )
     for i, ref in enumerate(to_numpy(r.json())):
-        rows = duckdb.sql(f"SELECT vector FROM '{out}/shard-*.parquet' WHERE doc_id = '{i}' "
-                          "ORDER BY position").fetchall()
+        rows = duckdb.sql(
+            f"SELECT vector FROM '{out}/shard-*.parquet' WHERE doc_id = '{i}' ORDER BY position"
+        ).fetchall()
         got = np.asarray([v for (v,) in rows], dtype=np.float32)
         if not np.array_equal(got, ref):
             raise AssertionError(f"collected doc {i} differs from the route's arrays")
@@ -169,26 +200,29 @@ class HFHarvest:
             with torch.inference_mode():
                 if HF_SCHEDULE == "single":
                     for tok in ids:
-                        hs = self.model(torch.tensor([tok]), output_hidden_states=True,
-                                        use_cache=False).hidden_states
+                        hs = self.model(
+                            torch.tensor([tok]), output_hidden_states=True, use_cache=False
+                        ).hidden_states
                         out.append((np.asarray(tok, dtype=np.int32), hs[LAYER][0].numpy()))
                 else:  # length-sorted, right-padded batches of HF_BATCH
                     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
                     by_index = {}
                     for k in range(0, len(order), HF_BATCH):
-                        chunk = order[k:k + HF_BATCH]
+                        chunk = order[k : k + HF_BATCH]
                         width = max(len(ids[i]) for i in chunk)
                         x = torch.zeros(len(chunk), width, dtype=torch.long)
                         mask = torch.zeros_like(x)
                         for j, i in enumerate(chunk):
-                            x[j, :len(ids[i])] = torch.tensor(ids[i])
-                            mask[j, :len(ids[i])] = 1
-                        hs = self.model(x, attention_mask=mask, output_hidden_states=True,
-                                        use_cache=False).hidden_states[LAYER]
+                            x[j, : len(ids[i])] = torch.tensor(ids[i])
+                            mask[j, : len(ids[i])] = 1
+                        hs = self.model(
+                            x, attention_mask=mask, output_hidden_states=True, use_cache=False
+                        ).hidden_states[LAYER]
                         for j, i in enumerate(chunk):
-                            by_index[i] = hs[j, :len(ids[i])].numpy()
-                    out = [(np.asarray(tok, dtype=np.int32), by_index[i])
-                           for i, tok in enumerate(ids)]
+                            by_index[i] = hs[j, : len(ids[i])].numpy()
+                    out = [
+                        (np.asarray(tok, dtype=np.int32), by_index[i]) for i, tok in enumerate(ids)
+                    ]
         finally:
             torch.set_num_threads(old)
         return out
@@ -197,14 +231,20 @@ class HFHarvest:
         """Seconds and tokens: states of ``docs`` written as collect's shards."""
         from vllm_hidden_states.store.parquet_shards import DocStates, HarvestMeta, ShardWriter
 
-        meta = HarvestMeta(model=str(self.model_path), layers=(LAYER,), positions="prompt",
-                           hidden_size=self.hidden_size, dtype="float32", fmt="parquet",
-                           model_dtype="float32 (HF)")
+        meta = HarvestMeta(
+            model=str(self.model_path),
+            layers=(LAYER,),
+            positions="prompt",
+            hidden_size=self.hidden_size,
+            dtype="float32",
+            fmt="parquet",
+            model_dtype="float32 (HF)",
+        )
         t0 = time.perf_counter()
         tokens = 0
         with ShardWriter(out, meta) as writer:
             for i in range(0, len(docs), HF_CHUNK):
-                chunk = docs[i:i + HF_CHUNK]
+                chunk = docs[i : i + HF_CHUNK]
                 for j, (ids, vectors) in enumerate(self.states(chunk)):
                     writer.submit(DocStates(str(i + j), ids, vectors[None]))
                     tokens += len(ids)
@@ -216,9 +256,17 @@ def check_hf(base_url: str, hf: HFHarvest) -> float:
     from vllm_hidden_states.client import to_numpy
 
     doc = texts(1, seed=10**6 + 1)[0]
-    r = httpx.post(base_url + "/v1/hidden_states", json={
-        "model": "bench", "input": doc, "layer": LAYER, "max_length": 1024,
-        "encoding_format": "base64"}, timeout=600)
+    r = httpx.post(
+        base_url + "/v1/hidden_states",
+        json={
+            "model": "bench",
+            "input": doc,
+            "layer": LAYER,
+            "max_length": 1024,
+            "encoding_format": "base64",
+        },
+        timeout=600,
+    )
     r.raise_for_status()
     ref = to_numpy(r.json())
     ids, got = hf.states([doc])[0]
@@ -226,8 +274,9 @@ def check_hf(base_url: str, hf: HFHarvest) -> float:
         raise AssertionError(f"HF gives {got.shape} for the document, the route {ref.shape}")
     rel = float(np.abs(got - ref).max() / np.abs(ref).max())
     if rel > HF_TOL:
-        raise AssertionError(f"HF layer {LAYER} differs from the route: max|diff|/max|ref| "
-                             f"= {rel:.2e} > {HF_TOL}")
+        raise AssertionError(
+            f"HF layer {LAYER} differs from the route: max|diff|/max|ref| = {rel:.2e} > {HF_TOL}"
+        )
     return rel
 
 
@@ -238,14 +287,19 @@ def run(rounds: int = 3, quick: bool = False, model: Path | None = None) -> list
     server = Server(model, *SERVER_ARGS, name="harvest").wait()
     hf = HFHarvest(model)
     load0 = os.getloadavg()
-    name = (f"harvest, layer {LAYER}, {n_docs} docs of ~60-120 tokens, batch {BATCH}, "
-            f"{CONCURRENCY} in flight")
+    name = (
+        f"harvest, layer {LAYER}, {n_docs} docs of ~60-120 tokens, batch {BATCH}, "
+        f"{CONCURRENCY} in flight"
+    )
     comp = Comparison(
-        name=name, unit="tokens/s", baseline=BASELINE, targets={COLLECT: 0.9},
+        name=name,
+        unit="tokens/s",
+        baseline=BASELINE,
+        targets={COLLECT: 0.9},
         notes="same server and requests; collect adds token ids and the Parquet writer thread; "
-              f"HF: transformers float32 in the bench process, torch.set_num_threads("
-              f"{HF_THREADS}), unpinned, schedule {HF_SCHEDULE!r} (length-sorted padded "
-              f"batches of {HF_BATCH}), same ShardWriter",
+        f"HF: transformers float32 in the bench process, torch.set_num_threads("
+        f"{HF_THREADS}), unpinned, schedule {HF_SCHEDULE!r} (length-sorted padded "
+        f"batches of {HF_BATCH}), same ShardWriter",
     )
     try:
         check_equal(server.base_url, work)
@@ -278,13 +332,18 @@ def run(rounds: int = 3, quick: bool = False, model: Path | None = None) -> list
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    load = (f"; load average (1, 5, 15 min) at start {load0[0]:.2f} {load0[1]:.2f} "
-            f"{load0[2]:.2f}, at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    load = (
+        f"; load average (1, 5, 15 min) at start {load0[0]:.2f} {load0[1]:.2f} "
+        f"{load0[2]:.2f}, at end " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
     comp.notes += load
     vs_hf = Comparison(
-        name=f"{name}: collect vs HF transformers", unit="tokens/s", baseline=HF,
+        name=f"{name}: collect vs HF transformers",
+        unit="tokens/s",
+        baseline=HF,
         samples={HF: comp.samples[HF], COLLECT: comp.samples[COLLECT]},
-        notes="the same rounds as above; ratio = collect / HF of the same round" + load)
+        notes="the same rounds as above; ratio = collect / HF of the same round" + load,
+    )
     return [comp, vs_hf]
 
 

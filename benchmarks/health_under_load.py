@@ -44,35 +44,51 @@ def _keys(n: int) -> bytes:
 
 def _binary_batch(inputs: int, positions: int) -> bytes:
     text = " ".join(f"w{i}" for i in range(2 * positions))
-    return orjson.dumps({"model": SERVED, "input": [f"{i}: {text}" for i in range(inputs)],
-                         "max_length": positions, "encoding_format": "bytes",
-                         "embed_dtype": "float16", "return_attention_mask": True})  # fmt: skip
+    return orjson.dumps(
+        {
+            "model": SERVED,
+            "input": [f"{i}: {text}" for i in range(inputs)],
+            "max_length": positions,
+            "encoding_format": "bytes",
+            "embed_dtype": "float16",
+            "return_attention_mask": True,
+        }
+    )
 
 
 REPRODUCTIONS = {
     # The issue's sizes.
     "hidden_states 1M empty messages": (
-        "/v1/hidden_states", lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 1_000_000})),
+        "/v1/hidden_states",
+        lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 1_000_000}),
+    ),
     "chat 1M empty messages": (
         "/v1/chat/completions",
-        lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 1_000_000})),
+        lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 1_000_000}),
+    ),
     "hidden_states 1M unknown keys": ("/v1/hidden_states", lambda: _keys(1_000_000)),
     # The tests' sizes (under the values cap: parsed off the loop, then walked).
     "hidden_states 500k unknown keys": ("/v1/hidden_states", lambda: _keys(500_000)),
     "hidden_states 100k empty messages": (
-        "/v1/hidden_states", lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 100_000})),
+        "/v1/hidden_states",
+        lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 100_000}),
+    ),
     "chat 100k empty messages": (
         "/v1/chat/completions",
-        lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 100_000})),
+        lambda: orjson.dumps({"model": SERVED, "messages": [{}] * 100_000}),
+    ),
     "completions 100k negative token ids": (
         "/v1/completions",
-        lambda: orjson.dumps({"model": SERVED, "prompt": [-1] * 100_000, "max_tokens": 1})),
+        lambda: orjson.dumps({"model": SERVED, "prompt": [-1] * 100_000, "max_tokens": 1}),
+    ),
     "responses 2000 empty items": (
-        "/v1/responses", lambda: orjson.dumps({"model": SERVED, "input": [{}] * 2000})),
+        "/v1/responses",
+        lambda: orjson.dumps({"model": SERVED, "input": [{}] * 2000}),
+    ),
     # Item 2: a binary answer whose metadata (one mask entry per position) was
     # a ~112 KB header; now served whole (200), its header in the body.
     "hidden_states binary 56x1000 masks": ("/v1/hidden_states", lambda: _binary_batch(56, 1000)),
-}  # fmt: skip
+}
 
 
 def _proc_status(pid: int) -> dict[str, int]:
@@ -121,20 +137,33 @@ def one_round(server: common.Server, path: str, body: bytes) -> dict:
     poller.join()
     after = _proc_status(pid)
     during = [(e - s) * 1000 for s, e in polls if s < end and e > start]
-    return {"status": r.status_code, "request_s": end - start, "health": during,
-            "rss_growth_mb": after["VmRSS"] - before["VmRSS"],
-            "peak_growth_mb": after["VmHWM"] - before["VmRSS"],
-            "message": (r.json().get("error", {}).get("message", "")[:200]
-                        if r.headers.get("content-type") == "application/json" else
-                        f"{r.headers.get('content-type')}, {len(r.content)} bytes")}  # fmt: skip
+    return {
+        "status": r.status_code,
+        "request_s": end - start,
+        "health": during,
+        "rss_growth_mb": after["VmRSS"] - before["VmRSS"],
+        "peak_growth_mb": after["VmHWM"] - before["VmRSS"],
+        "message": (
+            r.json().get("error", {}).get("message", "")[:200]
+            if r.headers.get("content-type") == "application/json"
+            else f"{r.headers.get('content-type')}, {len(r.content)} bytes"
+        ),
+    }
 
 
 def run(rounds: int, only: str | None = None) -> dict:
     model = bench_model("tiny")
     load_start = os.getloadavg()
-    server = common.Server(model, "--enable-hidden-states", "--max-model-len", "1024",
-                           "--dtype", "float32", "--enforce-eager",
-                           name="health_under_load")  # fmt: skip
+    server = common.Server(
+        model,
+        "--enable-hidden-states",
+        "--max-model-len",
+        "1024",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        name="health_under_load",
+    )
     try:
         server.wait()
         idle: list[float] = []
@@ -152,22 +181,22 @@ def run(rounds: int, only: str | None = None) -> dict:
             runs = [one_round(server, path, body) for _ in range(rounds)]
             latencies = [ms for r in runs for ms in r["health"]]
             results[name] = {
-                "path": path, "body_bytes": len(body),
+                "path": path,
+                "body_bytes": len(body),
                 "status": sorted({r["status"] for r in runs}),
                 "message": runs[0]["message"],
                 "request_s_median": statistics.median(r["request_s"] for r in runs),
                 "health_answers_during": [len(r["health"]) for r in runs],
                 "health_median_ms": statistics.median(latencies) if latencies else None,
-                "health_p90_ms": (statistics.quantiles(latencies, n=10)[-1]
-                                  if len(latencies) > 1 else None),
+                "health_p90_ms": (
+                    statistics.quantiles(latencies, n=10)[-1] if len(latencies) > 1 else None
+                ),
                 "health_max_ms": max(latencies) if latencies else None,
                 "rss_growth_mb_max": max(r["rss_growth_mb"] for r in runs),
                 "peak_growth_mb_max": max(r["peak_growth_mb"] for r in runs),
-            }  # fmt: skip
+            }
             if latencies:
-                results[name]["meets_target"] = (
-                    results[name]["health_median_ms"] < TARGET_MEDIAN_MS
-                )
+                results[name]["meets_target"] = results[name]["health_median_ms"] < TARGET_MEDIAN_MS
     finally:
         server.stop()
     return {
@@ -182,9 +211,11 @@ def run(rounds: int, only: str | None = None) -> dict:
 
 
 def lines(out: dict) -> list[str]:
-    rows = [f"/health under issue-18 bodies (load {out['load_average_start'][0]:.2f} -> "
-            f"{out['load_average_end'][0]:.2f}; idle /health median "
-            f"{out['idle_health_median_ms']:.1f} ms)"]  # fmt: skip
+    rows = [
+        f"/health under issue-18 bodies (load {out['load_average_start'][0]:.2f} -> "
+        f"{out['load_average_end'][0]:.2f}; idle /health median "
+        f"{out['idle_health_median_ms']:.1f} ms)"
+    ]
     for name, r in out["reproductions"].items():
         med = "-" if r["health_median_ms"] is None else f"{r['health_median_ms']:.1f}"
         top = "-" if r["health_max_ms"] is None else f"{r['health_max_ms']:.0f}"

@@ -47,10 +47,12 @@ RSS_CONCURRENCY = 32
 RSS_WARMUP = 64
 MB = 2**20
 
-_WORDS = ("the engine schedules requests and runs the model while a small robot "
-          "counts stars over quiet harbors where lanterns glow and old ships "
-          "rest under heavy clouds drifting toward distant mountains full of "
-          "pine trees rivers bridges markets music bread and stories").split()
+_WORDS = (
+    "the engine schedules requests and runs the model while a small robot "
+    "counts stars over quiet harbors where lanterns glow and old ships "
+    "rest under heavy clouds drifting toward distant mountains full of "
+    "pine trees rivers bridges markets music bread and stories"
+).split()
 
 
 @dataclass
@@ -66,8 +68,10 @@ class Spec:
 
     @property
     def kind(self) -> str:
-        return (f"{self.endpoint}/{'stream' if self.stream else 'plain'}/"
-                f"{'hs' if self.hidden else 'nohs'}/n{self.n}")
+        return (
+            f"{self.endpoint}/{'stream' if self.stream else 'plain'}/"
+            f"{'hs' if self.hidden else 'nohs'}/n{self.n}"
+        )
 
 
 @dataclass
@@ -85,20 +89,33 @@ def text(rng: random.Random, index: int) -> str:
     return f"Note {index}: " + " ".join(words)
 
 
-def make_spec(index: int, endpoint: str, stream: bool, hidden: bool, n: int,
-              rng: random.Random, max_tokens: int | None = None) -> Spec:
+def make_spec(
+    index: int,
+    endpoint: str,
+    stream: bool,
+    hidden: bool,
+    n: int,
+    rng: random.Random,
+    max_tokens: int | None = None,
+) -> Spec:
     body: dict[str, Any] = {
-        "model": SERVED, "n": n, "stream": stream, "return_token_ids": True,
-        "max_tokens": max_tokens or rng.randint(4, 24)}
+        "model": SERVED,
+        "n": n,
+        "stream": stream,
+        "return_token_ids": True,
+        "max_tokens": max_tokens or rng.randint(4, 24),
+    }
     prompt = text(rng, index)
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     if hidden:
-        body.update(return_hidden_states=True,
-                    hidden_states_layers=rng.choice([[-1], [-2], [-1, -2], [0, -1]]),
-                    hidden_states_format=rng.choice(["float", "base64"]))
+        body.update(
+            return_hidden_states=True,
+            hidden_states_layers=rng.choice([[-1], [-2], [-1, -2], [0, -1]]),
+            hidden_states_format=rng.choice(["float", "base64"]),
+        )
         if n == 1:
             body["temperature"] = 0.0
         else:  # vLLM refuses n > 1 at temperature 0; top_k=1 is greedy too
@@ -115,8 +132,7 @@ def make_spec(index: int, endpoint: str, stream: bool, hidden: bool, n: int,
 def mixed_specs(count: int, seed: int = 0) -> list[Spec]:
     """``count`` requests cycling over all 16 kinds, in a shuffled order."""
     rng = random.Random(seed)
-    kinds = list(itertools.product(["completions", "chat"], [False, True],
-                                   [False, True], [1, 2]))
+    kinds = list(itertools.product(["completions", "chat"], [False, True], [False, True], [1, 2]))
     specs = [make_spec(i, *kinds[i % len(kinds)], rng) for i in range(count)]
     rng.shuffle(specs)
     return specs
@@ -147,7 +163,7 @@ async def send(client: httpx.AsyncClient, spec: Spec) -> Result:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
-                    data = line[len("data: "):]
+                    data = line[len("data: ") :]
                     if data == "[DONE]":
                         break
                     event = orjson.loads(data)
@@ -173,8 +189,9 @@ async def send(client: httpx.AsyncClient, spec: Spec) -> Result:
     return res
 
 
-async def run_all(client: httpx.AsyncClient, specs: list[Spec], concurrency: int,
-                  desc: str, on_done=None) -> list[Result]:
+async def run_all(
+    client: httpx.AsyncClient, specs: list[Spec], concurrency: int, desc: str, on_done=None
+) -> list[Result]:
     """All specs, at most ``concurrency`` in flight, with a progress bar."""
     from tqdm import tqdm
 
@@ -212,10 +229,12 @@ def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
 async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
     from tqdm import tqdm
 
-    limits = httpx.Limits(max_connections=max(count, 256),
-                          max_keepalive_connections=max(count, 256))
-    async with httpx.AsyncClient(base_url=server.base_url, limits=limits,
-                                 timeout=httpx.Timeout(900.0)) as client:
+    limits = httpx.Limits(
+        max_connections=max(count, 256), max_keepalive_connections=max(count, 256)
+    )
+    async with httpx.AsyncClient(
+        base_url=server.base_url, limits=limits, timeout=httpx.Timeout(900.0)
+    ) as client:
         # 1. the burst: everything in flight at once
         specs = mixed_specs(count)
         t0 = time.perf_counter()
@@ -249,26 +268,38 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         kinds = list(itertools.product(["completions", "chat"], [False, True], [1, 2]))
 
         def rss_specs(n: int, start: int, hidden: bool = True) -> list[Spec]:
-            return [make_spec(start + i, *kinds[i % len(kinds)][:2], hidden,
-                              kinds[i % len(kinds)][2], rng, max_tokens=8)
-                    for i in range(n)]
+            return [
+                make_spec(
+                    start + i,
+                    *kinds[i % len(kinds)][:2],
+                    hidden,
+                    kinds[i % len(kinds)][2],
+                    rng,
+                    max_tokens=8,
+                )
+                for i in range(n)
+            ]
 
         def sampler(samples: list[tuple[int, float]]):
             def sample(done: int) -> None:
                 if done % 100 == 0:
                     samples.append((done, server.rss_bytes() / MB))
+
             return sample
 
-        warm = await run_all(client, rss_specs(RSS_WARMUP, 10**6), RSS_CONCURRENCY,
-                             "rss warm-up")
+        warm = await run_all(client, rss_specs(RSS_WARMUP, 10**6), RSS_CONCURRENCY, "rss warm-up")
         # control: the same traffic without hidden states, so growth that plain
         # vLLM shows too (allocator, oneDNN/compile caches per new shape) is seen
         await asyncio.sleep(2.0)
         rss_plain_before = server.rss_bytes()
         plain_samples: list[tuple[int, float]] = [(0, rss_plain_before / MB)]
-        control = await run_all(client, rss_specs(rss_requests, 3 * 10**6, hidden=False),
-                                RSS_CONCURRENCY, "rss control (no states)",
-                                on_done=sampler(plain_samples))
+        control = await run_all(
+            client,
+            rss_specs(rss_requests, 3 * 10**6, hidden=False),
+            RSS_CONCURRENCY,
+            "rss control (no states)",
+            on_done=sampler(plain_samples),
+        )
         await asyncio.sleep(2.0)
         rss_before = server.rss_bytes()
         plain_samples.append((rss_requests, rss_before / MB))
@@ -276,8 +307,13 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         samples: list[tuple[int, float]] = [(0, rss_before / MB)]
 
         t0 = time.perf_counter()
-        long_run = await run_all(client, rss_specs(rss_requests, 2 * 10**6),
-                                 RSS_CONCURRENCY, "rss requests", on_done=sampler(samples))
+        long_run = await run_all(
+            client,
+            rss_specs(rss_requests, 2 * 10**6),
+            RSS_CONCURRENCY,
+            "rss requests",
+            on_done=sampler(samples),
+        )
         rss_wall = time.perf_counter() - t0
         await asyncio.sleep(2.0)
         rss_after = server.rss_bytes()
@@ -313,7 +349,8 @@ async def _load(server, count: int, rss_requests: int) -> dict[str, Any]:
         "rss_control_growth_mb": (rss_before - rss_plain_before) / MB,
         "rss_control_samples_mb": plain_samples,
         "rss_growth_by_process_mb": {
-            k: by_process_after[k] - by_process_before.get(k, 0.0) for k in by_process_after},
+            k: by_process_after[k] - by_process_before.get(k, 0.0) for k in by_process_after
+        },
         "rss_wall_s": rss_wall,
         "rss_latency_s": [r.latency_s for r in long_run],
         "latency_s": latency,
@@ -335,8 +372,13 @@ def run(quick: bool, model: Path | None = None) -> dict[str, Any]:
     seconds (``latency_s``, ``rss_latency_s``).
     """
     model = Path(model) if model is not None else bench_model()
-    server = start_server(model, "--enable-hidden-states", *SERVER_ARGS, name="load",
-                          env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    server = start_server(
+        model,
+        "--enable-hidden-states",
+        *SERVER_ARGS,
+        name="load",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     try:
         server.wait()
         return asyncio.run(_load(server, 64 if quick else 256, 200 if quick else 2000))

@@ -26,14 +26,12 @@ from pathlib import Path
 
 from benchmarks.common import Comparison, alternate, bench_model
 
-ENGINE_ARGS = dict(dtype="float32", gpu_memory_utilization=0.3, max_model_len=2048,
-                   seed=0)
+ENGINE_ARGS = dict(dtype="float32", gpu_memory_utilization=0.3, max_model_len=2048, seed=0)
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]}
-            for _ in range(n)]
+    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]} for _ in range(n)]
 
 
 class FreshPrompts:
@@ -50,8 +48,7 @@ class FreshPrompts:
 def _throughput(llm, prompts, **hs) -> float:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=hs.pop("max_tokens"), temperature=0.0,
-                            ignore_eos=True, **hs)
+    params = SamplingParams(max_tokens=hs.pop("max_tokens"), temperature=0.0, ignore_eos=True, **hs)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -87,32 +84,58 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     _throughput(enabled, prompts(2), max_tokens=4, return_hidden_states=True)
 
     per_request = Comparison(
-        "offline LLM: hidden states on 100% of requests", "generated tok/s",
-        baseline="plain", notes=cfg,
-        targets={"last, layer -1": 0.97})
-    alternate(per_request, {
-        "plain": lambda: _throughput(enabled, prompts(), max_tokens=max_tokens),
-        "last, layer -1": lambda: _throughput(
-            enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True),
-        "last, 4 layers": lambda: _throughput(
-            enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True,
-            hidden_states_layers=[-1, -2, 2, 6]),
-        "all positions, layer -1": lambda: _throughput(
-            enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True,
-            hidden_states_positions="all"),
-    }, rounds, progress)
+        "offline LLM: hidden states on 100% of requests",
+        "generated tok/s",
+        baseline="plain",
+        notes=cfg,
+        targets={"last, layer -1": 0.97},
+    )
+    alternate(
+        per_request,
+        {
+            "plain": lambda: _throughput(enabled, prompts(), max_tokens=max_tokens),
+            "last, layer -1": lambda: _throughput(
+                enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True
+            ),
+            "last, 4 layers": lambda: _throughput(
+                enabled,
+                prompts(),
+                max_tokens=max_tokens,
+                return_hidden_states=True,
+                hidden_states_layers=[-1, -2, 2, 6],
+            ),
+            "all positions, layer -1": lambda: _throughput(
+                enabled,
+                prompts(),
+                max_tokens=max_tokens,
+                return_hidden_states=True,
+                hidden_states_positions="all",
+            ),
+        },
+        rounds,
+        progress,
+    )
 
     unused = Comparison(
-        "offline LLM: engine enabled but no request asks", "generated tok/s",
+        "offline LLM: engine enabled but no request asks",
+        "generated tok/s",
         baseline="engine without hidden states",
         notes=f"{cfg}; capture buffers at the default setting: {_buffer_mib(enabled):.1f} MiB",
-        targets={"engine with --enable-hidden-states": 0.99})
-    alternate(unused, {
-        "engine without hidden states": lambda: _throughput(
-            disabled, prompts(), max_tokens=max_tokens),
-        "engine with --enable-hidden-states": lambda: _throughput(
-            enabled, prompts(), max_tokens=max_tokens),
-    }, rounds, progress)
+        targets={"engine with --enable-hidden-states": 0.99},
+    )
+    alternate(
+        unused,
+        {
+            "engine without hidden states": lambda: _throughput(
+                disabled, prompts(), max_tokens=max_tokens
+            ),
+            "engine with --enable-hidden-states": lambda: _throughput(
+                enabled, prompts(), max_tokens=max_tokens
+            ),
+        },
+        rounds,
+        progress,
+    )
 
     for llm in (enabled, disabled):
         llm.llm_engine.engine_core.shutdown()

@@ -59,9 +59,7 @@ def _transfer_ms(body: bytes) -> float:
     return elapsed * 1e3
 
 
-def _binary_once(
-    tensor: torch.Tensor, embed_dtype: str
-) -> tuple[float, float, float, int]:
+def _binary_once(tensor: torch.Tensor, embed_dtype: str) -> tuple[float, float, float, int]:
     start = time.perf_counter()
     array = binary_array(tensor, embed_dtype, "little")
     items = [{"index": 0, "embed_dtype": embed_dtype, "endianness": "little"}]
@@ -87,9 +85,7 @@ def _codec(tensor: torch.Tensor, fmt: str) -> float:
     data = encode_array(tensor, fmt)
     if fmt == "float":
         data = orjson.loads(orjson.dumps(data, option=ORJSON_OPTIONS))
-    to_numpy(
-        {"hidden_states": data, "shape": list(tensor.shape), "encoding_format": fmt}
-    )
+    to_numpy({"hidden_states": data, "shape": list(tensor.shape), "encoding_format": fmt})
     return (time.perf_counter() - start) * 1e3
 
 

@@ -67,8 +67,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -99,16 +100,26 @@ class PeerComparison(Comparison):
     variant to the reason (an exact error), printed as ``n/a`` and stored in
     the results JSON; never a zero or an invented ratio."""
 
-    def __init__(self, *args, unavailable: dict[str, str] | None = None,
-                 extra: dict[str, Any] | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        unavailable: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.unavailable = dict(unavailable or {})
         self.extra = dict(extra or {})
 
     def summary(self) -> dict[str, Any]:
         if self.unavailable and self.baseline in self.unavailable:
-            out = {"name": self.name, "unit": self.unit, "baseline": self.baseline,
-                   "notes": self.notes, "variants": {}}
+            out = {
+                "name": self.name,
+                "unit": self.unit,
+                "baseline": self.baseline,
+                "notes": self.notes,
+                "variants": {},
+            }
         else:
             out = super().summary()
         if self.unavailable:
@@ -120,7 +131,7 @@ class PeerComparison(Comparison):
         if self.baseline in self.unavailable:
             rows = [f"{self.name} ({self.unit}; ratio = ours / {self.baseline})"]
         else:
-            rows = super().lines()[:1 + len(self.samples)]
+            rows = super().lines()[: 1 + len(self.samples)]
         for v, why in self.unavailable.items():
             rows.append(f"  {v:<34s} {'n/a':>12s}   {why}")
         if self.notes:
@@ -172,23 +183,32 @@ class Ours:
     def gen(self, prompts: list[list[int]], max_tokens: int, layers: list[int]) -> GenOut:
         from vllm import SamplingParams
 
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                            return_hidden_states=True, hidden_states_layers=layers,
-                            hidden_states_positions="last")
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                 use_tqdm=False)
-        states = [{k: o.outputs[0].hidden_states[k][-1].float().numpy() for k in layers}
-                  for o in outs]
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            return_hidden_states=True,
+            hidden_states_layers=layers,
+            hidden_states_positions="last",
+        )
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        states = [
+            {k: o.outputs[0].hidden_states[k][-1].float().numpy() for k in layers} for o in outs
+        ]
         return states, [list(o.outputs[0].token_ids) for o in outs]
 
     def prompt(self, texts: list[str], layers: list[int]) -> PromptOut:
         from vllm import SamplingParams
 
-        sp = SamplingParams(max_tokens=1, temperature=0.0, return_hidden_states=True,
-                            hidden_states_layers=layers, hidden_states_positions="prompt")
+        sp = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            return_hidden_states=True,
+            hidden_states_layers=layers,
+            hidden_states_positions="prompt",
+        )
         outs = self.llm.generate(texts, sp, use_tqdm=False)
-        return [{k: o.outputs[0].hidden_states[k].float().numpy() for k in layers}
-                for o in outs]
+        return [{k: o.outputs[0].hidden_states[k].float().numpy() for k in layers} for o in outs]
 
     def worker_binding(self, exclude: set[int]) -> dict[str, Any]:
         """The CPU worker processes' affinity and OpenMP settings, read from
@@ -206,14 +226,28 @@ class Ours:
                 env = {}
                 try:
                     raw = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
-                    env = {k: v for k, _, v in (x.decode(errors="replace").partition("=")
-                                                for x in raw)
-                           if k in ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "OMP_PLACES",
-                                    "KMP_AFFINITY", "VLLM_CPU_OMP_THREADS_BIND")}
+                    env = {
+                        k: v
+                        for k, _, v in (x.decode(errors="replace").partition("=") for x in raw)
+                        if k
+                        in (
+                            "OMP_NUM_THREADS",
+                            "GOMP_CPU_AFFINITY",
+                            "OMP_PLACES",
+                            "KMP_AFFINITY",
+                            "VLLM_CPU_OMP_THREADS_BIND",
+                        )
+                    }
                 except OSError:
                     pass
-                found.append({"pid": child.pid, "name": name[:40],
-                              "affinity": sorted(child.cpu_affinity()), "env": env})
+                found.append(
+                    {
+                        "pid": child.pid,
+                        "name": name[:40],
+                        "affinity": sorted(child.cpu_affinity()),
+                        "env": env,
+                    }
+                )
             except (psutil.Error, OSError):
                 continue
         return {"workers": found}
@@ -254,11 +288,13 @@ class HFPeer:
         self.cpu = cpu
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch.float32).eval().to(self.device)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval().to(self.device)
+        )
         self.num_layers = self.model.config.num_hidden_layers
         gc = self.model.generation_config.__class__.from_dict(
-            self.model.generation_config.to_dict())
+            self.model.generation_config.to_dict()
+        )
         # vLLM's ignore_eos: EOS is neither masked nor a stop
         gc.eos_token_id = None
         gc.pad_token_id = 0
@@ -281,15 +317,21 @@ class HFPeer:
         torch = self.torch
         ids = torch.tensor(prompts, device=self.device)
         with self._pin(), torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      generation_config=self.config_for(max_tokens))
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=self.config_for(max_tokens),
+            )
             seq = out.sequences
-            last = self.model(seq[:, -1:], past_key_values=out.past_key_values,
-                              output_hidden_states=True)
+            last = self.model(
+                seq[:, -1:], past_key_values=out.past_key_values, output_hidden_states=True
+            )
         hs = last.hidden_states
-        states = [{k: hs[norm_layer(k, self.num_layers)][i, -1].float().cpu().numpy()
-                   for k in layers} for i in range(len(prompts))]
-        return states, seq[:, ids.shape[1]:].tolist()
+        states = [
+            {k: hs[norm_layer(k, self.num_layers)][i, -1].float().cpu().numpy() for k in layers}
+            for i in range(len(prompts))
+        ]
+        return states, seq[:, ids.shape[1] :].tolist()
 
     def prompt(self, texts: list[str], layers: list[int]) -> PromptOut:
         torch = self.torch
@@ -298,8 +340,9 @@ class HFPeer:
             for text in texts:
                 enc = self.tokenizer(text, return_tensors="pt").to(self.device)
                 hs = self.model(**enc, output_hidden_states=True).hidden_states
-                res.append({k: hs[norm_layer(k, self.num_layers)][0].float().cpu().numpy()
-                            for k in layers})
+                res.append(
+                    {k: hs[norm_layer(k, self.num_layers)][0].float().cpu().numpy() for k in layers}
+                )
         return res
 
 
@@ -332,16 +375,18 @@ class NNsightPeer:
         with self.hf._pin(), torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             box: dict[str, Any] = {}  # nnsight runs the block's code in its own frame
-            with self.lm.generate(ids, generation_config=self.hf.config_for(max_tokens, False)
-                                  ) as tracer:
+            with self.lm.generate(
+                ids, generation_config=self.hf.config_for(max_tokens, False)
+            ) as tracer:
                 box["seq"] = tracer.result.save()
             seq = box["seq"]
             with self.lm.trace(seq):
                 box.update(self._save(layers))
             saved = {k: box[k] for k in layers}
-        states = [{k: saved[k][i, -1].float().cpu().numpy() for k in layers}
-                  for i in range(len(prompts))]
-        return states, seq[:, ids.shape[1]:].tolist()
+        states = [
+            {k: saved[k][i, -1].float().cpu().numpy() for k in layers} for i in range(len(prompts))
+        ]
+        return states, seq[:, ids.shape[1] :].tolist()
 
     def prompt(self, texts: list[str], layers: list[int]) -> PromptOut:
         torch = self.hf.torch
@@ -382,8 +427,12 @@ def captured_stderr(path: Path):
 
 _EXC = re.compile(r"\b((?:[A-Za-z_][\w.]*)?(?:Error|Exception)): (.+)$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_GENERIC = ("Engine core initialization failed", "See root cause above",
-            "Worker failed with error", "WorkerProc initialization failed")
+_GENERIC = (
+    "Engine core initialization failed",
+    "See root cause above",
+    "Worker failed with error",
+    "WorkerProc initialization failed",
+)
 
 
 def root_cause(err: BaseException, log: str) -> str:
@@ -400,9 +449,11 @@ def root_cause(err: BaseException, log: str) -> str:
             continue
         m = _EXC.search(line)
         if m and not any(g in m.group(2) for g in _GENERIC):
-            return (one_line(f"{m.group(1)}: {m.group(2)}")
-                    + (f" [raised at {where}, in an engine process; then {own}]"
-                       if where else f" [in an engine process; then {own}]"))
+            return one_line(f"{m.group(1)}: {m.group(2)}") + (
+                f" [raised at {where}, in an engine process; then {own}]"
+                if where
+                else f" [in an engine process; then {own}]"
+            )
     return own
 
 
@@ -415,7 +466,7 @@ def _setup(name: str, build: Callable[[], Any]) -> tuple[Any, str | None]:
         with captured_stderr(log_path):
             peer = build()
         return peer, None
-    except Exception as e:  # noqa: BLE001: any failure is the peer's result
+    except Exception as e:  # noqa: BLE001 - any failure is the peer's result
         with open(log_path, "a") as f:
             f.write("\n" + "".join(traceback.format_exception(e)))
         time.sleep(3)  # let the engine processes finish logging
@@ -439,8 +490,9 @@ class _VLLMBased:
         return peer
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None) or getattr(getattr(self, "vm", None),
-                                                     "vllm_entrypoint", None)
+        llm = getattr(self, "llm", None) or getattr(
+            getattr(self, "vm", None), "vllm_entrypoint", None
+        )
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
 
@@ -467,8 +519,7 @@ class NNsightVLLMPeer(_VLLMBased):
                 saved[k] = self.vm.model.norm.output[0].save()
             else:
                 args = self.vm.model.layers[n].inputs[0]
-                saved[k] = (args[1] if n == 0 or args[2] is None
-                            else args[1] + args[2]).save()
+                saved[k] = (args[1] if n == 0 or args[2] is None else args[1] + args[2]).save()
         return saved
 
     def prompt(self, texts: list[str], layers: list[int]) -> PromptOut:
@@ -483,9 +534,11 @@ class NNsightVLLMPeer(_VLLMBased):
         llm = self.vm.vllm_entrypoint
         from vllm import SamplingParams
 
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         tok = self.vm.tokenizer
         full = [tok.decode(p + t) for p, t in zip(prompts, tokens)]
@@ -504,28 +557,38 @@ class ExtractHiddenStatesPeer(_VLLMBased):
         from vllm import LLM
 
         self.num_layers = num_layers
-        self.ids = sorted({norm_layer(k, num_layers) for k in layers
-                           if norm_layer(k, num_layers) < num_layers})
+        self.ids = sorted(
+            {norm_layer(k, num_layers) for k in layers if norm_layer(k, num_layers) < num_layers}
+        )
         self.dir = tempfile.mkdtemp(prefix="extract-hs-")
         self.llm = LLM(
-            model=str(model), **ENGINE_ARGS,
+            model=str(model),
+            **ENGINE_ARGS,
             speculative_config={
-                "method": "extract_hidden_states", "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": self.ids}}},
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.ids}},
+            },
             kv_transfer_config={
-                "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": self.dir}})
+                "kv_connector": "ExampleHiddenStatesConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self.dir},
+            },
+        )
 
     def prompt(self, inputs: list, layers: list[int]) -> PromptOut:
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
-            cleanup_hidden_states, load_hidden_states)
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
 
         missing = [k for k in layers if norm_layer(k, self.num_layers) not in self.ids]
         if missing:
-            raise Unavailable(f"layers {missing} are not aux hidden-state layers "
-                              "(the final post-norm state is not extractable)")
+            raise Unavailable(
+                f"layers {missing} are not aux hidden-state layers "
+                "(the final post-norm state is not extractable)"
+            )
         outs = self.llm.generate(inputs, SamplingParams(max_tokens=1), use_tqdm=False)
         res = []
         for o in outs:
@@ -535,20 +598,22 @@ class ExtractHiddenStatesPeer(_VLLMBased):
             n_tok = len(o.prompt_token_ids)
             if hs.shape[0] != n_tok:  # [layers, tokens, hidden]
                 hs = hs.transpose(0, 1)
-            res.append({k: hs[:, self.ids.index(norm_layer(k, self.num_layers))].numpy()
-                        for k in layers})
+            res.append(
+                {k: hs[:, self.ids.index(norm_layer(k, self.num_layers))].numpy() for k in layers}
+            )
         return res
 
     def gen(self, prompts: list[list[int]], max_tokens: int, layers: list[int]) -> GenOut:
         from vllm import SamplingParams
 
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                ignore_eos=True), use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         # the final token was never an input: prefill prompt + output once more
-        per = self.prompt([{"prompt_token_ids": p + t} for p, t in zip(prompts, tokens)],
-                          layers)
+        per = self.prompt([{"prompt_token_ids": p + t} for p, t in zip(prompts, tokens)], layers)
         return [{k: s[k][-1] for k in layers} for s in per], tokens
 
 
@@ -561,27 +626,41 @@ def check_gen(got: GenOut, ref: GenOut, layers: list[int]) -> tuple[float | None
     for i, (a, b) in enumerate(zip(gt, rt)):
         if a != b:
             j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            return None, (f"greedy tokens differ from ours (request {i}, generated "
-                          f"position {j}: {a[j:j + 3]} vs ours {b[j:j + 3]})")
+            return None, (
+                f"greedy tokens differ from ours (request {i}, generated "
+                f"position {j}: {a[j : j + 3]} vs ours {b[j : j + 3]})"
+            )
     worst = max(rel_diff(g[k], r[k]) for g, r in zip(gs, rs) for k in layers)
     if not worst < AGREE_TOL:
         return worst, f"values differ from ours: max|diff|/max|ref| = {worst:.2e}"
     return worst, None
 
 
-def check_prompt(got: PromptOut, ref: PromptOut, layers: list[int]
-                 ) -> tuple[float | None, str | None]:
+def check_prompt(
+    got: PromptOut, ref: PromptOut, layers: list[int]
+) -> tuple[float | None, str | None]:
     worst = max(rel_diff(g[k], r[k]) for g, r in zip(got, ref) for k in layers)
     if not worst < AGREE_TOL:
         shapes = {k: (got[0][k].shape, ref[0][k].shape) for k in layers}
-        return worst, (f"values differ from ours: max|diff|/max|ref| = {worst:.2e} "
-                       f"(shapes peer vs ours: {shapes})")
+        return worst, (
+            f"values differ from ours: max|diff|/max|ref| = {worst:.2e} "
+            f"(shapes peer vs ours: {shapes})"
+        )
     return worst, None
 
 
 class Workload:
-    def __init__(self, key: str, title: str, unit: str, kind: str, layers: list[int],
-                 batch: int, make_inputs: Callable[[int], Any], count: Callable[[Any, Any], float]):
+    def __init__(
+        self,
+        key: str,
+        title: str,
+        unit: str,
+        kind: str,
+        layers: list[int],
+        batch: int,
+        make_inputs: Callable[[int], Any],
+        count: Callable[[Any, Any], float],
+    ):
         self.key, self.title, self.unit, self.kind = key, title, unit, kind
         self.layers, self.batch = layers, batch
         self.make_inputs, self.count = make_inputs, count
@@ -604,30 +683,53 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
     num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
     maker = PromptMaker(AutoTokenizer.from_pretrained(model), seed=4321)
 
-    workloads = [Workload(
-        "gen", f"peers: last token at layer -2 after {max_tokens} generated, "
-        f"{n_gen} x {prompt_len}-token prompts", "generated tok/s", "gen", [-2], n_gen,
-        lambda r: gen_prompts(n_gen, prompt_len, seed=1000 + r),
-        lambda inp, out: sum(len(t) for t in out[1]))]
+    workloads = [
+        Workload(
+            "gen",
+            f"peers: last token at layer -2 after {max_tokens} generated, "
+            f"{n_gen} x {prompt_len}-token prompts",
+            "generated tok/s",
+            "gen",
+            [-2],
+            n_gen,
+            lambda r: gen_prompts(n_gen, prompt_len, seed=1000 + r),
+            lambda inp, out: sum(len(t) for t in out[1]),
+        )
+    ]
     for b in batches:
-        workloads.append(Workload(
-            f"prompt_b{b}", f"peers: every prompt position at layer -2, batch {b}",
-            "seq/s", "prompt", [-2], b, lambda r, b=b: [zimage(f"Draw {d}.")
-                                                       for d in maker.batch(b)],
-            lambda inp, out: len(out)))
-    workloads.append(Workload(
-        "prompt4_b8", f"peers: every prompt position at layers {FOUR_LAYERS}, batch 8",
-        "seq/s", "prompt", FOUR_LAYERS, 8,
-        lambda r: [zimage(f"Draw {d}.") for d in maker.batch(8)],
-        lambda inp, out: len(out)))
+        workloads.append(
+            Workload(
+                f"prompt_b{b}",
+                f"peers: every prompt position at layer -2, batch {b}",
+                "seq/s",
+                "prompt",
+                [-2],
+                b,
+                lambda r, b=b: [zimage(f"Draw {d}.") for d in maker.batch(b)],
+                lambda inp, out: len(out),
+            )
+        )
+    workloads.append(
+        Workload(
+            "prompt4_b8",
+            f"peers: every prompt position at layers {FOUR_LAYERS}, batch 8",
+            "seq/s",
+            "prompt",
+            FOUR_LAYERS,
+            8,
+            lambda r: [zimage(f"Draw {d}.") for d in maker.batch(8)],
+            lambda inp, out: len(out),
+        )
+    )
 
     # vLLM-based peers first (on CUDA they then share the device with ours)
     all_layers = sorted({k for w in workloads for k in w.layers})
     peers: dict[str, Any] = {}
     setup_errors: dict[str, str] = {}
-    for name, build in ((NNSIGHT_VLLM, lambda: NNsightVLLMPeer.started(model, num_layers)),
-                        (EXTRACT, lambda: ExtractHiddenStatesPeer.started(
-                            model, num_layers, all_layers))):
+    for name, build in (
+        (NNSIGHT_VLLM, lambda: NNsightVLLMPeer.started(model, num_layers)),
+        (EXTRACT, lambda: ExtractHiddenStatesPeer.started(model, num_layers, all_layers)),
+    ):
         peer, why = _setup(name, build)
         if peer is None:
             setup_errors[name] = why
@@ -647,8 +749,11 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
     worker_cpus = sorted({c for w in binding["workers"] for c in w["affinity"]})
     hf_cpu = worker_cpus[0] if worker_cpus else None
     if len(worker_cpus) > 1:
-        print(f"peers: vLLM's worker is bound to {worker_cpus}; HF/nnsight use one thread "
-              f"on core {hf_cpu}", file=sys.stderr)
+        print(
+            f"peers: vLLM's worker is bound to {worker_cpus}; HF/nnsight use one thread "
+            f"on core {hf_cpu}",
+            file=sys.stderr,
+        )
     hf = HFPeer(model, hf_cpu)
     nn = NNsightPeer(hf)
     local = {HF: hf, NNSIGHT: nn}
@@ -656,25 +761,38 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
     import torch
 
     terms = {
-        "ours": {"vllm_worker": binding, "reserved_for_engine_core_and_frontend":
-                 sorted(set(range(os.cpu_count() or 1)) - set(worker_cpus))},
-        "hf_and_nnsight": {"device": hf.device, "torch_threads": 1,
-                           "thread_affinity": [hf_cpu] if hf_cpu is not None else "all"},
-        "cpus": os.cpu_count(), "torch": torch.__version__,
+        "ours": {
+            "vllm_worker": binding,
+            "reserved_for_engine_core_and_frontend": sorted(
+                set(range(os.cpu_count() or 1)) - set(worker_cpus)
+            ),
+        },
+        "hf_and_nnsight": {
+            "device": hf.device,
+            "torch_threads": 1,
+            "thread_affinity": [hf_cpu] if hf_cpu is not None else "all",
+        },
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
     }
     omp = {k: v for w in binding["workers"] for k, v in w["env"].items()}
-    terms_note = (f"equal compute on CPU: vLLM worker {worker_cpus or '?'} "
-                  f"({', '.join(f'{k}={v}' for k, v in omp.items()) or 'env not read'}; "
-                  f"engine core + front-end on the other core(s)), HF and nnsight "
-                  f"torch.set_num_threads(1) + sched_setaffinity({{{hf_cpu}}}) = the same "
-                  f"core, one compute thread each" if hf.device == "cpu" else
-                  f"device {hf.device}")
+    terms_note = (
+        f"equal compute on CPU: vLLM worker {worker_cpus or '?'} "
+        f"({', '.join(f'{k}={v}' for k, v in omp.items()) or 'env not read'}; "
+        f"engine core + front-end on the other core(s)), HF and nnsight "
+        f"torch.set_num_threads(1) + sched_setaffinity({{{hf_cpu}}}) = the same "
+        f"core, one compute thread each"
+        if hf.device == "cpu"
+        else f"device {hf.device}"
+    )
 
     comparisons: list[Comparison] = []
     order = [HF, NNSIGHT, NNSIGHT_VLLM, EXTRACT]
-    bar = tqdm(total=sum((rounds + 1) * (1 + len(peers)) for _ in workloads),
-               desc="peers", unit="call")
+    bar = tqdm(
+        total=sum((rounds + 1) * (1 + len(peers)) for _ in workloads), desc="peers", unit="call"
+    )
     for w in workloads:
+
         def call(p, inputs, w=w):
             if w.kind == "gen":
                 return p.gen(inputs, max_tokens, w.layers)
@@ -715,13 +833,18 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
                     samples[name].append(w.count(inputs, out) / dt)
 
         for peer in order:
-            comp = PeerComparison(f"{w.title} vs {peer}", w.unit, baseline=peer,
-                                  extra={"workload": w.key, "peer": peer,
-                                         "machine_terms": terms})
+            comp = PeerComparison(
+                f"{w.title} vs {peer}",
+                w.unit,
+                baseline=peer,
+                extra={"workload": w.key, "peer": peer, "machine_terms": terms},
+            )
             if peer in active:
                 comp.samples = {peer: samples[peer], OURS: samples[OURS]}
-                comp.notes = (f"ratio = ours / {peer}; values agree before timing, "
-                              f"max|diff|/max|ref| = {agreement[peer]:.1e}; {terms_note}")
+                comp.notes = (
+                    f"ratio = ours / {peer}; values agree before timing, "
+                    f"max|diff|/max|ref| = {agreement[peer]:.1e}; {terms_note}"
+                )
             else:
                 why = unavailable.get(peer, "not set up")
                 comp.unavailable = {peer: why}

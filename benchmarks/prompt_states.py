@@ -40,8 +40,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import numpy as np
@@ -50,10 +50,15 @@ from benchmarks import common
 from benchmarks.common import Comparison, Server, bench_model
 
 SERVED = "bench"  # the served model name of common.Server
-SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "1024",
-               "--gpu-memory-utilization", "0.3")
-POOLING_ARGS = ("--runner", "pooling", "--convert", "embed",
-                "--pooler-config", '{"task": "token_embed"}')
+SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3")
+POOLING_ARGS = (
+    "--runner",
+    "pooling",
+    "--convert",
+    "embed",
+    "--pooler-config",
+    '{"task": "token_embed"}',
+)
 OURS = {"ours layer -1": -1, "ours layer -2": -2}
 POOLING = "pooling runner"
 HF = "HF transformers"
@@ -71,8 +76,7 @@ SETTLE_S = 1.2
 # servers
 
 
-def start_server(model: Path, *args: str, name: str,
-                 env: dict[str, str] | None = None) -> Server:
+def start_server(model: Path, *args: str, name: str, env: dict[str, str] | None = None) -> Server:
     return Server(model, *args, name=name, env=env)
 
 
@@ -82,8 +86,9 @@ def servers(model: Path, *specs: tuple[str, tuple[str, ...]]):
     started: list[Server] = []
     try:
         for name, args in specs:
-            started.append(start_server(model, *args, name=name,
-                                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}))
+            started.append(
+                start_server(model, *args, name=name, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+            )
         for s in started:
             s.wait()
         yield started
@@ -95,34 +100,92 @@ def servers(model: Path, *specs: tuple[str, tuple[str, ...]]):
 # --------------------------------------------------------------------------
 # prompts
 
-_SUBJECTS = ["a lighthouse", "an old fisherman", "a red fox", "a glass teapot",
-             "a mountain village", "a robot gardener", "two cats", "a violinist",
-             "a desert caravan", "a paper boat", "an abandoned train station",
-             "a koi pond", "a snow leopard", "a street market", "a hot air balloon",
-             "a medieval library", "a sunflower field", "a jazz club", "a bonsai tree",
-             "a lunar base", "a carousel", "a bakery window", "a stormy harbor",
-             "a bamboo forest", "a vintage motorcycle", "a coral reef"]
-_PLACES = ["at dawn", "under a full moon", "in heavy rain", "during golden hour",
-           "in thick fog", "at the edge of a cliff", "beside a frozen lake",
-           "in a neon-lit alley", "on a windy hilltop", "inside a greenhouse",
-           "after a snowfall", "in late autumn", "at high noon", "at twilight"]
-_STYLES = ["oil painting", "watercolor", "35mm film photograph", "isometric render",
-           "ukiyo-e woodblock print", "charcoal sketch", "studio photograph",
-           "pixel art", "art nouveau poster", "cinematic still", "gouache illustration"]
-_DETAILS = ["soft rim light", "long shadows", "shallow depth of field",
-            "muted earth tones", "vivid saturated colors", "fine film grain",
-            "dramatic clouds", "reflections on wet stone", "warm lantern glow",
-            "symmetrical composition", "wide angle lens", "intricate textures",
-            "drifting mist", "scattered petals", "high contrast", "pastel palette",
-            "golden particles in the air", "a quiet melancholic mood",
-            "a joyful playful mood", "ultra detailed", "volumetric light rays"]
+_SUBJECTS = [
+    "a lighthouse",
+    "an old fisherman",
+    "a red fox",
+    "a glass teapot",
+    "a mountain village",
+    "a robot gardener",
+    "two cats",
+    "a violinist",
+    "a desert caravan",
+    "a paper boat",
+    "an abandoned train station",
+    "a koi pond",
+    "a snow leopard",
+    "a street market",
+    "a hot air balloon",
+    "a medieval library",
+    "a sunflower field",
+    "a jazz club",
+    "a bonsai tree",
+    "a lunar base",
+    "a carousel",
+    "a bakery window",
+    "a stormy harbor",
+    "a bamboo forest",
+    "a vintage motorcycle",
+    "a coral reef",
+]
+_PLACES = [
+    "at dawn",
+    "under a full moon",
+    "in heavy rain",
+    "during golden hour",
+    "in thick fog",
+    "at the edge of a cliff",
+    "beside a frozen lake",
+    "in a neon-lit alley",
+    "on a windy hilltop",
+    "inside a greenhouse",
+    "after a snowfall",
+    "in late autumn",
+    "at high noon",
+    "at twilight",
+]
+_STYLES = [
+    "oil painting",
+    "watercolor",
+    "35mm film photograph",
+    "isometric render",
+    "ukiyo-e woodblock print",
+    "charcoal sketch",
+    "studio photograph",
+    "pixel art",
+    "art nouveau poster",
+    "cinematic still",
+    "gouache illustration",
+]
+_DETAILS = [
+    "soft rim light",
+    "long shadows",
+    "shallow depth of field",
+    "muted earth tones",
+    "vivid saturated colors",
+    "fine film grain",
+    "dramatic clouds",
+    "reflections on wet stone",
+    "warm lantern glow",
+    "symmetrical composition",
+    "wide angle lens",
+    "intricate textures",
+    "drifting mist",
+    "scattered petals",
+    "high contrast",
+    "pastel palette",
+    "golden particles in the air",
+    "a quiet melancholic mood",
+    "a joyful playful mood",
+    "ultra detailed",
+    "volumetric light rays",
+]
 _OPENERS = ["Draw", "Paint", "Render", "Show", "Create", "Depict", "Imagine", "Picture"]
 
 
 def zimage(description: str) -> str:
     """The Z-Image text-encoder input: Qwen3 chat template, empty think block."""
-    return (f"<|im_start|>user\n{description}<|im_end|>\n"
-            "<|im_start|>assistant\n<think>\n</think>\n")
+    return f"<|im_start|>user\n{description}<|im_end|>\n<|im_start|>assistant\n<think>\n</think>\n"
 
 
 class PromptMaker:
@@ -175,22 +238,39 @@ def for_variant(descriptions: list[str], variant_index: int) -> list[str]:
 def ours(client: httpx.Client, texts: list[str], layer: int) -> list[np.ndarray]:
     from vllm_hidden_states.client import to_numpy
 
-    r = client.post("/v1/hidden_states", json={
-        "input": texts, "model": SERVED, "layer": layer, "max_length": 1024,
-        "encoding_format": "base64"})
+    r = client.post(
+        "/v1/hidden_states",
+        json={
+            "input": texts,
+            "model": SERVED,
+            "layer": layer,
+            "max_length": 1024,
+            "encoding_format": "base64",
+        },
+    )
     r.raise_for_status()
     return to_numpy(r.json())
 
 
-def pooling(client: httpx.Client, texts: list[str], hidden: int,
-            normalize: bool = False) -> list[np.ndarray]:
-    r = client.post("/pooling", json={
-        "input": texts, "model": SERVED, "task": "token_embed",
-        "use_activation": normalize, "encoding_format": "base64"})
+def pooling(
+    client: httpx.Client, texts: list[str], hidden: int, normalize: bool = False
+) -> list[np.ndarray]:
+    r = client.post(
+        "/pooling",
+        json={
+            "input": texts,
+            "model": SERVED,
+            "task": "token_embed",
+            "use_activation": normalize,
+            "encoding_format": "base64",
+        },
+    )
     r.raise_for_status()
     items = sorted(r.json()["data"], key=lambda d: d["index"])
-    return [np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).reshape(-1, hidden)
-            for d in items]
+    return [
+        np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).reshape(-1, hidden)
+        for d in items
+    ]
 
 
 class HFReference:
@@ -209,10 +289,12 @@ class HFReference:
         out = []
         with self.torch.inference_mode():
             for text in texts:
-                enc = self.tokenizer(text, return_tensors="pt", truncation=True,
-                                     max_length=1024)
-                res = self.model(enc["input_ids"], attention_mask=enc["attention_mask"],
-                                 output_hidden_states=True)
+                enc = self.tokenizer(text, return_tensors="pt", truncation=True, max_length=1024)
+                res = self.model(
+                    enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
+                    output_hidden_states=True,
+                )
                 states = res.hidden_states[layer]
                 seq_len = int(enc["attention_mask"].sum().item())
                 out.append(states[0, :seq_len].float().numpy())
@@ -230,8 +312,9 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-def check_agreement(ours_client, pool_client, hf: HFReference, texts: list[str],
-                    hidden: int) -> dict[str, float]:
+def check_agreement(
+    ours_client, pool_client, hf: HFReference, texts: list[str], hidden: int
+) -> dict[str, float]:
     """Worst relative difference of each server's states against HF (float32)."""
     ref1, ref2 = hf(texts, -1), hf(texts, -2)
     got1, got2 = ours(ours_client, texts, -1), ours(ours_client, texts, -2)
@@ -242,8 +325,9 @@ def check_agreement(ours_client, pool_client, hf: HFReference, texts: list[str],
         "ours -2 vs HF": max(rel_diff(g, r) for g, r in zip(got2, ref2)),
         "pooling (use_activation=false) vs HF": max(rel_diff(p, r) for p, r in zip(raw, ref1)),
         "pooling vs ours -1": max(rel_diff(p, g) for p, g in zip(raw, got1)),
-        "pooling (default, normalized) vs normalized ours -1":
-            max(rel_diff(p, l2_normalize(g)) for p, g in zip(normed, got1)),
+        "pooling (default, normalized) vs normalized ours -1": max(
+            rel_diff(p, l2_normalize(g)) for p, g in zip(normed, got1)
+        ),
     }
 
 
@@ -264,39 +348,57 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
     hf = HFReference(model)
     hidden = hf.model.config.hidden_size
     maker = PromptMaker(hf.tokenizer, seed=1234)
-    print(f"prompt_states: targets: {'/'.join(OURS)} >= {POOLING_TARGET}x '{POOLING}' "
-          f"(baseline {POOLING}); >= {HF_TARGET}x '{HF}' at batch {HF_TARGET_BATCH} "
-          f"(baseline {HF})", file=sys.stderr)
+    print(
+        f"prompt_states: targets: {'/'.join(OURS)} >= {POOLING_TARGET}x '{POOLING}' "
+        f"(baseline {POOLING}); >= {HF_TARGET}x '{HF}' at batch {HF_TARGET_BATCH} "
+        f"(baseline {HF})",
+        file=sys.stderr,
+    )
 
-    specs = [("prompt-states-ours", ("--enable-hidden-states", *SERVER_ARGS)),
-             ("prompt-states-pooling", (*POOLING_ARGS, *SERVER_ARGS))]
+    specs = [
+        ("prompt-states-ours", ("--enable-hidden-states", *SERVER_ARGS)),
+        ("prompt-states-pooling", (*POOLING_ARGS, *SERVER_ARGS)),
+    ]
     comparisons: list[Comparison] = []
-    with servers(model, *specs) as (ours_srv, pool_srv), \
-            httpx.Client(base_url=ours_srv.base_url, timeout=600) as oc, \
-            httpx.Client(base_url=pool_srv.base_url, timeout=600) as pc:
+    with (
+        servers(model, *specs) as (ours_srv, pool_srv),
+        httpx.Client(base_url=ours_srv.base_url, timeout=600) as oc,
+        httpx.Client(base_url=pool_srv.base_url, timeout=600) as pc,
+    ):
         agreement = check_agreement(oc, pc, hf, for_variant(maker.batch(4), 7), hidden)
         bad = {k: v for k, v in agreement.items() if not v < AGREE_TOL}
         if bad:
             raise AssertionError(f"states disagree (max|diff|/max|ref| >= {AGREE_TOL}): {bad}")
-        agree_note = ("values agree with HF float32 before timing, max|diff|/max|ref|: "
-                      + ", ".join(f"{k} {v:.1e}" for k, v in agreement.items())
-                      + "; the pooling runner normalizes each token by default, so it is "
-                      "timed with use_activation=false (raw states, like ours)")
+        agree_note = (
+            "values agree with HF float32 before timing, max|diff|/max|ref|: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in agreement.items())
+            + "; the pooling runner normalizes each token by default, so it is "
+            "timed with use_activation=false (raw states, like ours)"
+        )
 
         variants: dict[str, Callable[[list[str]], list[np.ndarray]]] = {
             name: (lambda texts, layer=layer: ours(oc, texts, layer))
-            for name, layer in OURS.items()}
+            for name, layer in OURS.items()
+        }
         variants[POOLING] = lambda texts: pooling(pc, texts, hidden)
         variants[HF] = lambda texts: hf(texts, -1)
 
-        bar = tqdm(total=len(batches) * (rounds + 1) * len(variants),
-                   desc="prompt states", unit="batch")
+        bar = tqdm(
+            total=len(batches) * (rounds + 1) * len(variants), desc="prompt states", unit="batch"
+        )
         for b in batches:
-            vs_pool = Comparison(f"prompt states b{b} vs pooling", "seq/s", POOLING,
-                                 targets={v: POOLING_TARGET for v in OURS})
-            vs_hf = Comparison(f"prompt states b{b} vs HF", "seq/s", HF,
-                               targets={v: HF_TARGET for v in OURS}
-                               if b == HF_TARGET_BATCH else {})
+            vs_pool = Comparison(
+                f"prompt states b{b} vs pooling",
+                "seq/s",
+                POOLING,
+                targets={v: POOLING_TARGET for v in OURS},
+            )
+            vs_hf = Comparison(
+                f"prompt states b{b} vs HF",
+                "seq/s",
+                HF,
+                targets={v: HF_TARGET for v in OURS} if b == HF_TARGET_BATCH else {},
+            )
             tokens_per_s: dict[str, list[float]] = {v: [] for v in variants}
             lengths: list[int] = []
             for r in range(rounds + 1):  # round 0 warms up and is not recorded
@@ -319,10 +421,11 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
                         comp.add(name, b / dt)
             tps = ", ".join(f"{v} {float(np.median(x)):.0f}" for v, x in tokens_per_s.items())
             for comp in (vs_pool, vs_hf):
-                comp.notes = (f"tokens/s (median): {tps}; {len(lengths)} timed sequences of "
-                              f"{min(lengths)}-{max(lengths)} tokens (mean "
-                              f"{np.mean(lengths):.0f}); base64 on both servers; "
-                              + agree_note)
+                comp.notes = (
+                    f"tokens/s (median): {tps}; {len(lengths)} timed sequences of "
+                    f"{min(lengths)}-{max(lengths)} tokens (mean "
+                    f"{np.mean(lengths):.0f}); base64 on both servers; " + agree_note
+                )
             comparisons += [vs_pool, vs_hf]
         bar.close()
     return comparisons

@@ -28,8 +28,19 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, Comparison, machine, write_results
 
-SECTIONS = ("payload", "capture_op", "small_model", "offline", "server", "prompt", "load",
-            "peers", "harvest", "sae_payload", "scale_out")
+SECTIONS = (
+    "payload",
+    "capture_op",
+    "small_model",
+    "offline",
+    "server",
+    "prompt",
+    "load",
+    "peers",
+    "harvest",
+    "sae_payload",
+    "scale_out",
+)
 
 
 def _plot(results: dict, out_dir: Path) -> list[Path]:
@@ -85,8 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer shapes")
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--report", type=Path, default=None,
-                        help="print the table and redraw the plots of a results JSON")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="print the table and redraw the plots of a results JSON",
+    )
     args = parser.parse_args(argv)
     if args.report is not None:
         return report_from(args.report)
@@ -95,8 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
 
-    results: dict = {"machine": machine(), "rounds": args.rounds, "quick": args.quick,
-                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "comparisons": []}
+    results: dict = {
+        "machine": machine(),
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "comparisons": [],
+    }
     report: list[str] = []
     with tqdm(total=len(sections), desc="benchmarks", unit="section") as bar:
         for section in sections:
@@ -119,12 +139,17 @@ def main(argv: list[str] | None = None) -> dict:
                 report += load.summary_lines(results["load"])
             else:
                 module = importlib.import_module(
-                    {"offline": "benchmarks.offline", "server": "benchmarks.server_throughput",
-                     "small_model": "benchmarks.small_model",
-                     "prompt": "benchmarks.prompt_states",
-                     "peers": "benchmarks.peers", "harvest": "benchmarks.harvest",
-                     "sae_payload": "benchmarks.sae_payload",
-                     "scale_out": "benchmarks.scale_out"}[section])
+                    {
+                        "offline": "benchmarks.offline",
+                        "server": "benchmarks.server_throughput",
+                        "small_model": "benchmarks.small_model",
+                        "prompt": "benchmarks.prompt_states",
+                        "peers": "benchmarks.peers",
+                        "harvest": "benchmarks.harvest",
+                        "sae_payload": "benchmarks.sae_payload",
+                        "scale_out": "benchmarks.scale_out",
+                    }[section]
+                )
                 kwargs = {"model": args.model} if args.model else {}
                 comps: list[Comparison] = module.run(args.rounds, args.quick, **kwargs)
                 for comp in comps:
@@ -150,15 +175,19 @@ def report_lines(results: dict) -> list[str]:
     if results.get("payload"):
         lines += payload.lines(results["payload"])
     for comp in results.get("comparisons", []):
-        lines.append(f"{comp['name']} ({comp['unit']}, median; ratio = median per-round "
-                     f"vs {comp['baseline']})")
+        lines.append(
+            f"{comp['name']} ({comp['unit']}, median; ratio = median per-round "
+            f"vs {comp['baseline']})"
+        )
         for name, v in comp["variants"].items():
             row = f"  {name:<34s} {v['median']:>12.2f}"
             if "ratio" in v:
                 row += f"   x{v['ratio']:.3f}"
                 if "target" in v:
-                    row += (f"   target >= {v['target']:.2f}: "
-                            f"{'MET' if v['meets_target'] else 'MISSED'}")
+                    row += (
+                        f"   target >= {v['target']:.2f}: "
+                        f"{'MET' if v['meets_target'] else 'MISSED'}"
+                    )
             lines.append(row)
         if comp.get("notes"):
             lines.append(f"  note: {comp['notes']}")

@@ -24,8 +24,15 @@ import httpx
 
 from benchmarks.common import Comparison, Server, bench_model
 
-SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "1024",
-               "--gpu-memory-utilization", "0.3", "--enforce-eager")  # fmt: skip
+SERVER_ARGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "1024",
+    "--gpu-memory-utilization",
+    "0.3",
+    "--enforce-eager",
+)
 
 
 def _prompts(n: int, length: int, seed: int = 3) -> list[list[int]]:
@@ -41,8 +48,14 @@ async def _load(url: str, prompts, max_tokens: int, concurrency: int, extra: dic
     async with httpx.AsyncClient(limits=limits, timeout=900) as client:
 
         async def one(prompt):
-            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True, **extra}  # fmt: skip
+            body = {
+                "model": "bench",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                **extra,
+            }
             async with sem:
                 r = await client.post(url + "/v1/completions", json=body)
                 r.raise_for_status()
@@ -56,21 +69,27 @@ async def _load(url: str, prompts, max_tokens: int, concurrency: int, extra: dic
         return sum(tokens) / (time.perf_counter() - start)
 
 
-LAST = {"return_hidden_states": True, "hidden_states_layers": [-1],
-        "hidden_states_format": "base64"}  # fmt: skip
+LAST = {
+    "return_hidden_states": True,
+    "hidden_states_layers": [-1],
+    "hidden_states_format": "base64",
+}
 
 
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
     model = model or bench_model()
     n, prompt_len, max_tokens, conc = (8, 64, 16, 8) if quick else (32, 128, 32, 16)
     prompts = _prompts(n, prompt_len)
-    cfg = (f"{n} requests, concurrency {conc}, {prompt_len} prompt + {max_tokens} "
-           "generated tokens, the same at DP=1 and DP=2")  # fmt: skip
+    cfg = (
+        f"{n} requests, concurrency {conc}, {prompt_len} prompt + {max_tokens} "
+        "generated tokens, the same at DP=1 and DP=2"
+    )
     tput: dict[str, list[float]] = {}
     for dp in (1, 2):
         dp_args = ("--data-parallel-size", str(dp))
-        ours = Server(model, *SERVER_ARGS, *dp_args, "--enable-hidden-states",
-                      name=f"scale-ours-dp{dp}")
+        ours = Server(
+            model, *SERVER_ARGS, *dp_args, "--enable-hidden-states", name=f"scale-ours-dp{dp}"
+        )
         plain = Server(model, *SERVER_ARGS, *dp_args, name=f"scale-plain-dp{dp}")
         try:
             ours.wait(900)
@@ -78,10 +97,13 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
             for url, extra in ((ours.base_url, LAST), (plain.base_url, {})):
                 asyncio.run(_load(url, prompts[:conc], max_tokens, conc, extra))  # warm-up
             for _ in range(rounds):
-                for key, url, extra in ((f"ours DP={dp}", ours.base_url, LAST),
-                                        (f"plain DP={dp}", plain.base_url, {})):
+                for key, url, extra in (
+                    (f"ours DP={dp}", ours.base_url, LAST),
+                    (f"plain DP={dp}", plain.base_url, {}),
+                ):
                     tput.setdefault(key, []).append(
-                        asyncio.run(_load(url, prompts, max_tokens, conc, extra)))
+                        asyncio.run(_load(url, prompts, max_tokens, conc, extra))
+                    )
                     if progress is not None:
                         progress.update(1)
         finally:
@@ -89,22 +111,28 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
             plain.stop()
 
     ours_scaling = statistics.median(a / b for a, b in zip(tput["ours DP=2"], tput["ours DP=1"]))
-    plain_scaling = statistics.median(
-        a / b for a, b in zip(tput["plain DP=2"], tput["plain DP=1"]))
+    plain_scaling = statistics.median(a / b for a, b in zip(tput["plain DP=2"], tput["plain DP=1"]))
     comparisons = []
     for dp in (1, 2):
-        comp = Comparison(f"DP={dp}: \"last\" at layer -1 on every request vs plain",
-                          "generated tok/s", baseline=f"plain DP={dp}",
-                          notes=cfg)  # fmt: skip
+        comp = Comparison(
+            f'DP={dp}: "last" at layer -1 on every request vs plain',
+            "generated tok/s",
+            baseline=f"plain DP={dp}",
+            notes=cfg,
+        )
         for key in (f"plain DP={dp}", f"ours DP={dp}"):
             comp.samples[key] = tput[key]
         comparisons.append(comp)
-    scaling = Comparison("DP=2 / DP=1 scaling (ratio of same-round throughputs)",
-                         "ratio", baseline="plain vLLM",
-                         notes=f"ours x{ours_scaling:.3f} vs plain x{plain_scaling:.3f}; {cfg}")
+    scaling = Comparison(
+        "DP=2 / DP=1 scaling (ratio of same-round throughputs)",
+        "ratio",
+        baseline="plain vLLM",
+        notes=f"ours x{ours_scaling:.3f} vs plain x{plain_scaling:.3f}; {cfg}",
+    )
     scaling.samples["plain vLLM"] = [b / a for a, b in zip(tput["plain DP=1"], tput["plain DP=2"])]
     scaling.samples["ours (hidden states)"] = [
-        b / a for a, b in zip(tput["ours DP=1"], tput["ours DP=2"])]
+        b / a for a, b in zip(tput["ours DP=1"], tput["ours DP=2"])
+    ]
     comparisons.append(scaling)
     return comparisons
 

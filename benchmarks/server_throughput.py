@@ -23,8 +23,7 @@ import orjson
 
 from benchmarks.common import Comparison, Server, alternate, bench_model
 
-SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "2048",
-               "--gpu-memory-utilization", "0.3")
+SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.3")
 
 
 def _prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
@@ -53,9 +52,16 @@ async def _load(url: str, prompts, max_tokens: int, concurrency: int, extra: dic
     limits = httpx.Limits(max_connections=concurrency)
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+
         async def one(prompt):
-            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True, **extra}
+            body = {
+                "model": "bench",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                **extra,
+            }
             async with sem:
                 if extra.get("stream"):
                     return await _streamed(client, url, {**body, "return_token_ids": True})
@@ -96,37 +102,65 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         asyncio.run(_load(enabled.base_url, prompts(2), 4, 2, {"return_hidden_states": True}))
 
         per_request = Comparison(
-            "HTTP /v1/completions: hidden states on 100% of requests", "generated tok/s",
-            baseline="plain", notes=cfg, targets={"last, layer -1": 0.97})
-        alternate(per_request, {
-            "plain": measure(enabled),
-            "last, layer -1": measure(enabled, return_hidden_states=True),
-            "last, 4 layers": measure(enabled, return_hidden_states=True,
-                                      hidden_states_layers=[-1, -2, 2, 6]),
-        }, rounds, progress)
+            "HTTP /v1/completions: hidden states on 100% of requests",
+            "generated tok/s",
+            baseline="plain",
+            notes=cfg,
+            targets={"last, layer -1": 0.97},
+        )
+        alternate(
+            per_request,
+            {
+                "plain": measure(enabled),
+                "last, layer -1": measure(enabled, return_hidden_states=True),
+                "last, 4 layers": measure(
+                    enabled, return_hidden_states=True, hidden_states_layers=[-1, -2, 2, 6]
+                ),
+            },
+            rounds,
+            progress,
+        )
 
-        all_rows = dict(return_hidden_states=True, hidden_states_positions="all",
-                        hidden_states_format="base64")  # fmt: skip
+        all_rows = dict(
+            return_hidden_states=True, hidden_states_positions="all", hidden_states_format="base64"
+        )
         streaming = Comparison(
             "HTTP /v1/completions: every position (layer -1), streamed per token vs not",
-            "generated tok/s", baseline="all, non-streamed", notes=cfg,
-            targets={"all, streamed per token": 0.90})
-        alternate(streaming, {
-            "all, non-streamed": measure(enabled, **all_rows),
-            "all, streamed per token": measure(enabled, stream=True,
-                                               hidden_states_stream=True, **all_rows),
-            "plain, non-streamed": measure(enabled),
-            "plain, streamed": measure(enabled, stream=True),
-        }, rounds, progress)
+            "generated tok/s",
+            baseline="all, non-streamed",
+            notes=cfg,
+            targets={"all, streamed per token": 0.90},
+        )
+        alternate(
+            streaming,
+            {
+                "all, non-streamed": measure(enabled, **all_rows),
+                "all, streamed per token": measure(
+                    enabled, stream=True, hidden_states_stream=True, **all_rows
+                ),
+                "plain, non-streamed": measure(enabled),
+                "plain, streamed": measure(enabled, stream=True),
+            },
+            rounds,
+            progress,
+        )
 
         unused = Comparison(
-            "HTTP /v1/completions: server enabled but no request asks", "generated tok/s",
-            baseline="server without hidden states", notes=cfg,
-            targets={"server with --enable-hidden-states": 0.99})
-        alternate(unused, {
-            "server without hidden states": measure(disabled),
-            "server with --enable-hidden-states": measure(enabled),
-        }, rounds, progress)
+            "HTTP /v1/completions: server enabled but no request asks",
+            "generated tok/s",
+            baseline="server without hidden states",
+            notes=cfg,
+            targets={"server with --enable-hidden-states": 0.99},
+        )
+        alternate(
+            unused,
+            {
+                "server without hidden states": measure(disabled),
+                "server with --enable-hidden-states": measure(enabled),
+            },
+            rounds,
+            progress,
+        )
         return [per_request, streaming, unused]
     finally:
         enabled.stop()

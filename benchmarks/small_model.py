@@ -27,8 +27,9 @@ NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 24, 48, 64
 def small_model() -> Path:
     from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
-    return build_tiny_model(MODELS / "small-llama", arch="llama", num_layers=5,
-                            hidden_size=256, vocab_size=512)
+    return build_tiny_model(
+        MODELS / "small-llama", arch="llama", num_layers=5, hidden_size=256, vocab_size=512
+    )
 
 
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
@@ -43,27 +44,42 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     enabled = LLM(model=str(model), enable_hidden_states=True, **args)
     for llm in (plain, enabled):  # warm-up (compilation, caches)
         _throughput(llm, prompts(2), max_tokens=4)
-    _throughput(enabled, prompts(2), max_tokens=4, return_hidden_states=True,
-                hidden_states_positions="all")
+    _throughput(
+        enabled, prompts(2), max_tokens=4, return_hidden_states=True, hidden_states_positions="all"
+    )
 
     comparison = Comparison(
-        "small model: per-step host work", "generated tok/s",
+        "small model: per-step host work",
+        "generated tok/s",
         baseline="plain vLLM (no hidden states)",
-        notes=(f"5 x 256 Llama, {n} requests x ({PROMPT_LEN} prompt + {MAX_TOKENS} "
-               "generated tokens), fresh prompts"),
-        targets={"enabled, nobody asks": 0.99, "last, layer -1": 0.98,
-                 "all, layer -2": 0.95})
-    alternate(comparison, {
-        "plain vLLM (no hidden states)": lambda: _throughput(
-            plain, prompts(), max_tokens=MAX_TOKENS),
-        "enabled, nobody asks": lambda: _throughput(
-            enabled, prompts(), max_tokens=MAX_TOKENS),
-        "last, layer -1": lambda: _throughput(
-            enabled, prompts(), max_tokens=MAX_TOKENS, return_hidden_states=True),
-        "all, layer -2": lambda: _throughput(
-            enabled, prompts(), max_tokens=MAX_TOKENS, return_hidden_states=True,
-            hidden_states_layers=[-2], hidden_states_positions="all"),
-    }, rounds, progress)
+        notes=(
+            f"5 x 256 Llama, {n} requests x ({PROMPT_LEN} prompt + {MAX_TOKENS} "
+            "generated tokens), fresh prompts"
+        ),
+        targets={"enabled, nobody asks": 0.99, "last, layer -1": 0.98, "all, layer -2": 0.95},
+    )
+    alternate(
+        comparison,
+        {
+            "plain vLLM (no hidden states)": lambda: _throughput(
+                plain, prompts(), max_tokens=MAX_TOKENS
+            ),
+            "enabled, nobody asks": lambda: _throughput(enabled, prompts(), max_tokens=MAX_TOKENS),
+            "last, layer -1": lambda: _throughput(
+                enabled, prompts(), max_tokens=MAX_TOKENS, return_hidden_states=True
+            ),
+            "all, layer -2": lambda: _throughput(
+                enabled,
+                prompts(),
+                max_tokens=MAX_TOKENS,
+                return_hidden_states=True,
+                hidden_states_layers=[-2],
+                hidden_states_positions="all",
+            ),
+        },
+        rounds,
+        progress,
+    )
     for llm in (plain, enabled):
         llm.llm_engine.engine_core.shutdown()
     return [comparison]

@@ -36,10 +36,10 @@ Example::
     states = to_numpy(r.choices[0])          # [2, hidden_size] float32
 """
 
-import pybase64
 from typing import Any
 
 import numpy as np
+import pybase64
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -49,8 +49,7 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     dump = getattr(obj, "model_dump", None)
     if dump is None:
         raise TypeError(
-            "expected a dict or a pydantic model holding hidden states, got "
-            f"{type(obj).__name__}"
+            f"expected a dict or a pydantic model holding hidden states, got {type(obj).__name__}"
         )
     return dump()
 
@@ -63,9 +62,7 @@ def _decode(data: Any, shape: list[int], encoding_format: str) -> np.ndarray:
         return np.frombuffer(raw, dtype="<f4").reshape(shape).astype(np.float32)
     if encoding_format == "float":
         return np.asarray(data, dtype=np.float32).reshape(shape)
-    raise ValueError(
-        f"unknown encoding_format {encoding_format!r}; expected 'float' or 'base64'"
-    )
+    raise ValueError(f"unknown encoding_format {encoding_format!r}; expected 'float' or 'base64'")
 
 
 _BINARY_DTYPES = {"float32": "f4", "float16": "f2", "bfloat16": "u2"}
@@ -78,9 +75,7 @@ _HEADER_LENGTH_BYTES = 8
 def _binary_item(arrays: memoryview, item: dict[str, Any]) -> np.ndarray:
     kind = item.get("embed_dtype", "float32")
     if kind not in _BINARY_DTYPES:
-        raise ValueError(
-            f"unknown embed_dtype {kind!r}; expected one of {list(_BINARY_DTYPES)}"
-        )
+        raise ValueError(f"unknown embed_dtype {kind!r}; expected one of {list(_BINARY_DTYPES)}")
     dtype = np.dtype(_ORDER[item.get("endianness", "little")] + _BINARY_DTYPES[kind])
     start, end = item["start"], item["end"]
     if not 0 <= start <= end <= len(arrays):

@@ -93,9 +93,7 @@ def additional_config_entry(
             ``sae_layer`` (None: from the SAE's config); see :func:`sae_entry`.
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
-        raise ValueError(
-            f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}"
-        )
+        raise ValueError(f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}")
     entry = {
         "layers": parse_layers_arg(layers),
         "max_rows": None if max_rows is None else int(max_rows),
@@ -142,8 +140,13 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
     for key in ("d_in", "d_sae"):
         if isinstance(cfg.get(key), bool) or not isinstance(cfg.get(key), int):
             raise ValueError(f"--sae {path}: {CFG_FILE} {key!r} must be an integer")
-    return {"path": str(root), "layer": int(layer), "d_in": cfg["d_in"],
-            "d_sae": cfg["d_sae"], "name": root.name}  # fmt: skip
+    return {
+        "path": str(root),
+        "layer": int(layer),
+        "d_in": cfg["d_in"],
+        "d_sae": cfg["d_sae"],
+        "name": root.name,
+    }
 
 
 def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
@@ -206,16 +209,13 @@ class HiddenStatesConfig:
             return None
         num_layers = num_hidden_layers(vllm_config)
         given = entry.get("layers")
-        max_rows = entry.get("max_rows") or default_max_rows(
-            vllm_config, num_layers, given
-        )
+        max_rows = entry.get("max_rows") or default_max_rows(vllm_config, num_layers, given)
         sae = entry.get("sae")
         sae_layer = None
         if sae is not None and -(num_layers + 1) <= sae["layer"] <= num_layers:
             sae_layer = sae["layer"] % (num_layers + 1)  # else refused at start
         if given is None:
-            return cls(num_layers, tuple(range(num_layers + 1)), None, max_rows,
-                       sae, sae_layer)  # fmt: skip
+            return cls(num_layers, tuple(range(num_layers + 1)), None, max_rows, sae, sae_layer)
         layers = sorted({_absolute(k, num_layers) for k in given})
         return cls(num_layers, tuple(layers), tuple(given), max_rows, sae, sae_layer)
 
@@ -238,9 +238,7 @@ class HiddenStatesConfig:
     def resolve(self, layer: int) -> int:
         """Absolute index of a requested layer; ValueError naming what is allowed."""
         if isinstance(layer, bool) or not isinstance(layer, int):
-            raise ValueError(
-                f"hidden_states_layers entries must be integers, got {layer!r}"
-            )
+            raise ValueError(f"hidden_states_layers entries must be integers, got {layer!r}")
         n = self.num_layers
         if not -(n + 1) <= layer <= n:
             raise ValueError(
@@ -283,8 +281,7 @@ def _absolute(layer: int, num_layers: int) -> int:
     return int(layer) % (num_layers + 1)
 
 
-def default_max_rows(vllm_config: "VllmConfig", num_layers: int,
-                     given: list[int] | None) -> int:  # fmt: skip
+def default_max_rows(vllm_config: "VllmConfig", num_layers: int, given: list[int] | None) -> int:
     """``--hidden-states-max-rows`` left unset: see :data:`DEFAULT_BUFFER_MIB`."""
     step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     model_config = vllm_config.model_config
@@ -335,9 +332,10 @@ def async_scheduling_for(requested: bool | None) -> bool | None:
     if os.environ.get(ASYNC_SCHEDULING_ENV) == "1":
         logger.warning(
             "vllm-hidden-states: %s=1: async scheduling left to vLLM (%s); "
-            "experimental with hidden states", ASYNC_SCHEDULING_ENV,
+            "experimental with hidden states",
+            ASYNC_SCHEDULING_ENV,
             "on" if requested else "its default" if requested is None else "off",
-        )  # fmt: skip
+        )
         return requested
     if requested:
         raise ValueError(
@@ -348,8 +346,9 @@ def async_scheduling_for(requested: bool | None) -> bool | None:
     if requested is None:
         logger.info(
             "vllm-hidden-states: async scheduling off (not yet shown exact with "
-            "hidden states on a GPU; %s=1 keeps it)", ASYNC_SCHEDULING_ENV,
-        )  # fmt: skip
+            "hidden states on a GPU; %s=1 keeps it)",
+            ASYNC_SCHEDULING_ENV,
+        )
     return False
 
 
@@ -401,7 +400,7 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         problems.append(
             f"the Ray backend ({', '.join(ray)}) is untested with hidden states: "
             "vLLM's CPU platform cannot run it (\"current platform cpu does not "
-            "support ray\"); use the default mp backend"
+            'support ray"); use the default mp backend'
         )
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in SPECULATIVE_METHODS:
@@ -411,8 +410,7 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         )
     if vllm_config.model_config.runner_type != "generate":
         problems.append(
-            f"runner {vllm_config.model_config.runner_type!r}: hidden states "
-            "need a generate model"
+            f"runner {vllm_config.model_config.runner_type!r}: hidden states need a generate model"
         )
     import vllm.envs as envs
 
@@ -424,8 +422,7 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
     problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
     if problems:
         raise ValueError(
-            "--enable-hidden-states cannot be used with this configuration: "
-            + "; ".join(problems)
+            "--enable-hidden-states cannot be used with this configuration: " + "; ".join(problems)
         )
 
 
@@ -489,8 +486,7 @@ def add_cli_args(parser) -> None:
     (patch 0005) before argparse sees it."""
     group = parser.add_argument_group(
         title="Hidden states (vllm-hidden-states)",
-        description="Per-request hidden states on chat/completions and "
-        "POST /v1/hidden_states.",
+        description="Per-request hidden states on chat/completions and POST /v1/hidden_states.",
     )
     group.add_argument(
         "--enable-hidden-states",

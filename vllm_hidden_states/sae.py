@@ -82,7 +82,7 @@ class SAE:
     hook_name: str | None = None
     cfg: dict[str, Any] = field(default_factory=dict)
 
-    def to(self, device=None, dtype=None) -> "SAE":
+    def to(self, device=None, dtype=None) -> SAE:
         """Move (in place) every tensor to ``device`` / ``dtype``; returns self."""
         for attr in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"):
             t = getattr(self, attr)
@@ -119,8 +119,14 @@ def layer_of_hook(hook_name: str | None) -> int | None:
     return block if m.group(2) == "pre" else block + 1
 
 
-def load_sae(path: str | Path, *, layer: int | None = None, device: str = "cpu",
-             dtype=None, name: str | None = None) -> SAE:
+def load_sae(
+    path: str | Path,
+    *,
+    layer: int | None = None,
+    device: str = "cpu",
+    dtype=None,
+    name: str | None = None,
+) -> SAE:
     """Load an SAE from a SAELens-format directory.
 
     Args:
@@ -168,8 +174,7 @@ def load_sae(path: str | Path, *, layer: int | None = None, device: str = "cpu",
     weights = load_file(str(w_path))
     if "threshold" not in weights and "log_threshold" in weights:
         weights["threshold"] = weights.pop("log_threshold").exp()
-    expected = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in),
-                "b_dec": (d_in,)}
+    expected = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
     if arch == "jumprelu":
         expected["threshold"] = (d_sae,)
     for key, shape in expected.items():
@@ -193,8 +198,9 @@ def load_sae(path: str | Path, *, layer: int | None = None, device: str = "cpu",
     if layer is None:
         layer = layer_of_hook(hook_name)
     if dtype is None:
-        dtype = getattr(torch, str(cfg.get("dtype") or "float32").removeprefix("torch."),
-                        torch.float32)
+        dtype = getattr(
+            torch, str(cfg.get("dtype") or "float32").removeprefix("torch."), torch.float32
+        )
     sae = SAE(
         name=name or path.name,
         layer=layer,
@@ -224,7 +230,7 @@ def encode(x, sae: SAE):
         raise ValueError(f"x has shape {tuple(x.shape)}; expected [n, {sae.d_in}] (d_in)")
     x = x.to(device=sae.device, dtype=sae.dtype)
     if sae.normalize_activations == "constant_norm_rescale":
-        x = x * (sae.d_in ** 0.5) / x.norm(dim=-1, keepdim=True)
+        x = x * (sae.d_in**0.5) / x.norm(dim=-1, keepdim=True)
     elif sae.normalize_activations == "layer_norm":
         mu = x.mean(dim=-1, keepdim=True)
         x = x - mu
@@ -266,8 +272,9 @@ def encode_topk(x, sae: SAE, k: int):
     return ids, torch.where(active, values, torch.zeros_like(values))
 
 
-def encode_topk_numpy(x: np.ndarray, weights: dict[str, np.ndarray], cfg: dict[str, Any],
-                      k: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_topk_numpy(
+    x: np.ndarray, weights: dict[str, np.ndarray], cfg: dict[str, Any], k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Reference of :func:`encode_topk` in float64 numpy, from raw SAELens
     weights and config (for tests). Same output convention."""
     x = np.asarray(x, dtype=np.float64)
@@ -309,9 +316,14 @@ def save_sae(path: str | Path, weights: dict[str, Any], cfg: dict[str, Any]) -> 
     return path
 
 
-def random_sae(d_in: int, d_sae: int = 64, hook_name: str = "blocks.0.hook_resid_pre",
-               architecture: str = "standard", seed: int = 0,
-               **cfg_extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+def random_sae(
+    d_in: int,
+    d_sae: int = 64,
+    hook_name: str = "blocks.0.hook_resid_pre",
+    architecture: str = "standard",
+    seed: int = 0,
+    **cfg_extra: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Random float32 SAE weights (torch) and their SAELens ``cfg.json``, for
     examples and tests: ``W_enc [d_in, d_sae]``, ``b_enc [d_sae]``, ``W_dec
     [d_sae, d_in]``, ``b_dec [d_in]`` (+ ``threshold [d_sae]`` for jumprelu)."""
@@ -326,16 +338,27 @@ def random_sae(d_in: int, d_sae: int = 64, hook_name: str = "blocks.0.hook_resid
     }
     if architecture == "jumprelu":
         weights["threshold"] = torch.rand(d_sae, generator=g) * 0.2
-    cfg = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae,
-           "dtype": "float32", "apply_b_dec_to_input": True,
-           "normalize_activations": "none",
-           "metadata": {"hook_name": hook_name, "sae_release": "random-example"},
-           **cfg_extra}  # fmt: skip
+    cfg = {
+        "architecture": architecture,
+        "d_in": d_in,
+        "d_sae": d_sae,
+        "dtype": "float32",
+        "apply_b_dec_to_input": True,
+        "normalize_activations": "none",
+        "metadata": {"hook_name": hook_name, "sae_release": "random-example"},
+        **cfg_extra,
+    }
     return weights, cfg
 
 
-def build_random_sae(path: str | Path, d_in: int, layer: int, d_sae: int = 64,
-                     architecture: str = "standard", seed: int = 0) -> Path:  # fmt: skip
+def build_random_sae(
+    path: str | Path,
+    d_in: int,
+    layer: int,
+    d_sae: int = 64,
+    architecture: str = "standard",
+    seed: int = 0,
+) -> Path:
     """:func:`random_sae` reading HF layer ``layer`` (``blocks.<layer>.
     hook_resid_pre``, so ``layer >= 0``), saved under ``path``."""
     if layer < 0:
@@ -343,6 +366,5 @@ def build_random_sae(path: str | Path, d_in: int, layer: int, d_sae: int = 64,
             f"layer must be an absolute index >= 0 (the SAELens hook names "
             f"blocks.<layer>.hook_resid_pre), got {layer}"
         )
-    weights, cfg = random_sae(d_in, d_sae, f"blocks.{layer}.hook_resid_pre",
-                              architecture, seed)  # fmt: skip
+    weights, cfg = random_sae(d_in, d_sae, f"blocks.{layer}.hook_resid_pre", architecture, seed)
     return save_sae(path, weights, cfg)

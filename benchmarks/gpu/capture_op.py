@@ -111,14 +111,29 @@ def run(quick: bool = False) -> dict:
     plain = Stack(layers, hidden, inner, dtype).to(device)
     captured = Stack(layers, hidden, inner, dtype).to(device)
     captured.load_state_dict(plain.state_dict())
-    points = CapturePoints(captured, list(range(layers)), num_layers=layers,
-                           hidden_size=hidden, max_rows=max_rows, dtype=dtype,
-                           device=device)  # fmt: skip
+    points = CapturePoints(
+        captured,
+        list(range(layers)),
+        num_layers=layers,
+        hidden_size=hidden,
+        max_rows=max_rows,
+        dtype=dtype,
+        device=device,
+    )
     pin = cuda
-    results = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
-               "shape": {"layers": layers, "hidden": hidden, "inner": inner,
-                         "dtype": str(dtype).removeprefix("torch.")},
-               "max_rows": max_rows, "rounds": rounds, "iters": iters, "cases": []}
+    results = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "shape": {
+            "layers": layers,
+            "hidden": hidden,
+            "inner": inner,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+        "max_rows": max_rows,
+        "rounds": rounds,
+        "iters": iters,
+        "cases": [],
+    }
     for tokens in batches:
         x = torch.randn(tokens, hidden, dtype=dtype, device=device)
         base = _runnable(plain, x, device)
@@ -129,7 +144,7 @@ def run(quick: bool = False) -> dict:
             step = _runnable(captured, x, device)
             host = [torch.empty(n, hidden, dtype=dtype, pin_memory=pin) for _ in points.layers]
 
-            def step_and_copy():
+            def step_and_copy(step=step, host=host, n=n):
                 step()
                 for k, dst in zip(points.layers, host):
                     dst.copy_(points.buffers[k][:n], non_blocking=pin)
@@ -140,26 +155,36 @@ def run(quick: bool = False) -> dict:
                 times["op"].append(_timer(device, step, iters))
                 times["op+host"].append(_timer(device, step_and_copy, iters))
             med = {k: statistics.median(v) for k, v in times.items()}
-            over = {k: statistics.median((a / b - 1) * 100 for a, b in
-                                         zip(times[k], times["base"]))
-                    for k in ("op", "op+host")}  # fmt: skip
-            results["cases"].append({
-                "tokens": tokens, "rows_armed": n,
-                "base_ms": med["base"] * 1e3, "op_ms": med["op"] * 1e3,
-                "op_host_ms": med["op+host"] * 1e3,
-                "overhead_pct": over["op"], "overhead_with_host_copy_pct": over["op+host"],
-            })  # fmt: skip
+            over = {
+                k: statistics.median((a / b - 1) * 100 for a, b in zip(times[k], times["base"]))
+                for k in ("op", "op+host")
+            }
+            results["cases"].append(
+                {
+                    "tokens": tokens,
+                    "rows_armed": n,
+                    "base_ms": med["base"] * 1e3,
+                    "op_ms": med["op"] * 1e3,
+                    "op_host_ms": med["op+host"] * 1e3,
+                    "overhead_pct": over["op"],
+                    "overhead_with_host_copy_pct": over["op+host"],
+                }
+            )
     points.disarm()
     return results
 
 
 def lines(results: dict) -> list[str]:
-    out = [f"capture op ({results['device']}, {results['shape']}, max_rows "
-           f"{results['max_rows']}): overhead vs no capture points, median of paired rounds"]
+    out = [
+        f"capture op ({results['device']}, {results['shape']}, max_rows "
+        f"{results['max_rows']}): overhead vs no capture points, median of paired rounds"
+    ]
     for c in results["cases"]:
-        out.append(f"  tokens {c['tokens']:>5}  rows {c['rows_armed']:>4}  "
-                   f"base {c['base_ms']:8.3f} ms  op {c['overhead_pct']:+6.2f}%  "
-                   f"op+host copy {c['overhead_with_host_copy_pct']:+6.2f}%")
+        out.append(
+            f"  tokens {c['tokens']:>5}  rows {c['rows_armed']:>4}  "
+            f"base {c['base_ms']:8.3f} ms  op {c['overhead_pct']:+6.2f}%  "
+            f"op+host copy {c['overhead_with_host_copy_pct']:+6.2f}%"
+        )
     return out
 
 
@@ -172,8 +197,12 @@ def plot(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4))
     for tokens in sorted({c["tokens"] for c in results["cases"]}):
         cases = [c for c in results["cases"] if c["tokens"] == tokens]
-        ax.plot([c["rows_armed"] for c in cases], [c["overhead_pct"] for c in cases],
-                marker="o", label=f"{tokens} tokens")
+        ax.plot(
+            [c["rows_armed"] for c in cases],
+            [c["overhead_pct"] for c in cases],
+            marker="o",
+            label=f"{tokens} tokens",
+        )
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xscale("symlog")
     ax.set_xlabel("rows armed")

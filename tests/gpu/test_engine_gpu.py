@@ -53,10 +53,13 @@ def make_llm(model_dir, *, eager: bool, async_on: bool, **kwargs):
 
     with async_scheduling(async_on):
         return LLM(
-            model=str(model_dir), enable_hidden_states=True, enforce_eager=eager,
-            hidden_states_max_rows=24, async_scheduling=True if async_on else None,
+            model=str(model_dir),
+            enable_hidden_states=True,
+            enforce_eager=eager,
+            hidden_states_max_rows=24,
+            async_scheduling=True if async_on else None,
             **{**ENGINE_ARGS, **kwargs},
-        )  # fmt: skip
+        )
 
 
 ENGINES = [
@@ -93,12 +96,16 @@ def check(hf, out, positions: str, layers=LAYERS, index: int = 0):
     assert completion.finish_reason in ("stop", "length"), completion.finish_reason
     ids = sequence_of(out, index)
     ref = hf.states(ids)
-    want = {"last": slice(len(ids) - 1, None), "all": slice(None),
-            "prompt": slice(None, len(out.prompt_token_ids))}[positions]  # fmt: skip
+    want = {
+        "last": slice(len(ids) - 1, None),
+        "all": slice(None),
+        "prompt": slice(None, len(out.prompt_token_ids)),
+    }[positions]
     assert list(completion.hidden_states) == list(layers)
     for layer in layers:
-        assert_close_gpu(completion.hidden_states[layer], ref[layer][want],
-                         f"{positions} layer {layer}")  # fmt: skip
+        assert_close_gpu(
+            completion.hidden_states[layer], ref[layer][want], f"{positions} layer {layer}"
+        )
 
 
 def test_engine_scheduling_mode_is_the_one_asked(llm):
@@ -117,8 +124,7 @@ def test_positions_at_several_layers_match_hf(llm, hf_gpu, positions):
 
 @pytest.mark.parametrize("positions", ["last", "all"])
 def test_prompt_longer_than_the_token_budget_is_chunked_and_exact(llm, hf_gpu, positions):
-    (out,) = llm.generate([LONG_PROMPT], params(hidden_states_positions=positions),
-                          use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate([LONG_PROMPT], params(hidden_states_positions=positions), use_tqdm=False)
     assert len(out.prompt_token_ids) > ENGINE_ARGS["max_num_batched_tokens"]
     check(hf_gpu, out, positions)
 
@@ -134,8 +140,9 @@ def test_mixed_batch_of_askers_and_plain_requests_is_exact(llm, hf_gpu):
     prompts = [f"{PROMPT} number {i}" for i in range(8)]
     plain = SamplingParams(max_tokens=12, temperature=0.0)
     asks = [params(hidden_states_positions=p) for p in ("last", "all", "prompt")]
-    outs = llm.generate(prompts, [asks[i % 3] if i % 2 else plain for i in range(8)],
-                        use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        prompts, [asks[i % 3] if i % 2 else plain for i in range(8)], use_tqdm=False
+    )
     for i, out in enumerate(outs):
         if i % 2:
             check(hf_gpu, out, ("last", "all", "prompt")[i % 3])
@@ -144,32 +151,37 @@ def test_mixed_batch_of_askers_and_plain_requests_is_exact(llm, hf_gpu):
 
 
 def test_each_of_n_children_gets_its_own_sequences_states(llm, hf_gpu):
-    (out,) = llm.generate([PROMPT], params(n=2, temperature=1.0, seed=7,
-                                           hidden_states_positions="all"), use_tqdm=False)
+    (out,) = llm.generate(
+        [PROMPT],
+        params(n=2, temperature=1.0, seed=7, hidden_states_positions="all"),
+        use_tqdm=False,
+    )
     for index in range(2):
         check(hf_gpu, out, "all", index=index)
 
 
 def test_stop_string_trims_the_states_with_the_output(llm, hf_gpu):
-    (probe,) = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0),
-                            use_tqdm=False)  # fmt: skip
+    (probe,) = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False
+    )
     text = probe.outputs[0].text
-    stop = text[len(text) // 2:][:3]
+    stop = text[len(text) // 2 :][:3]
     if not stop.strip():
         pytest.skip("greedy output has no usable stop string")  # depends on the weights
     for positions in ("last", "all"):
-        (out,) = llm.generate([PROMPT], params(stop=[stop], hidden_states_positions=positions),
-                              use_tqdm=False)  # fmt: skip
+        (out,) = llm.generate(
+            [PROMPT], params(stop=[stop], hidden_states_positions=positions), use_tqdm=False
+        )
         assert out.outputs[0].finish_reason == "stop"
         check(hf_gpu, out, positions)
 
 
 def test_stop_token_includes_the_stop_tokens_state(llm, hf_gpu):
-    (probe,) = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0),
-                            use_tqdm=False)  # fmt: skip
+    (probe,) = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     stop_token = probe.outputs[0].token_ids[3]
-    (out,) = llm.generate([PROMPT], params(stop_token_ids=[stop_token],
-                                           hidden_states_positions="all"), use_tqdm=False)
+    (out,) = llm.generate(
+        [PROMPT], params(stop_token_ids=[stop_token], hidden_states_positions="all"), use_tqdm=False
+    )
     assert out.outputs[0].token_ids[-1] == stop_token
     check(hf_gpu, out, "all")
 
@@ -180,9 +192,16 @@ def test_stop_token_includes_the_stop_tokens_state(llm, hf_gpu):
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm_small_kv(request, qwen3_dir):
     """KV for fewer tokens than its concurrent requests need: preemptions."""
-    engine = make_llm(qwen3_dir, eager=False, async_on=request.param, max_num_seqs=4,
-                      max_model_len=256, num_gpu_blocks_override=5, block_size=64,
-                      disable_log_stats=False)  # fmt: skip
+    engine = make_llm(
+        qwen3_dir,
+        eager=False,
+        async_on=request.param,
+        max_num_seqs=4,
+        max_model_len=256,
+        num_gpu_blocks_override=5,
+        block_size=64,
+        disable_log_stats=False,
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -190,11 +209,20 @@ def llm_small_kv(request, qwen3_dir):
 def test_preemption_neither_duplicates_nor_loses_rows(llm_small_kv, hf_gpu):
     prompts = [f"{PROMPT} number {i}" for i in range(4)]
     outs = llm_small_kv.generate(
-        prompts, params(max_tokens=60, ignore_eos=True, hidden_states_layers=[0, -1],
-                        hidden_states_positions="all"), use_tqdm=False,
-    )  # fmt: skip
-    preemptions = sum(getattr(m, "value", 0) for m in llm_small_kv.get_metrics()
-                      if m.name == "vllm:num_preemptions")  # fmt: skip
+        prompts,
+        params(
+            max_tokens=60,
+            ignore_eos=True,
+            hidden_states_layers=[0, -1],
+            hidden_states_positions="all",
+        ),
+        use_tqdm=False,
+    )
+    preemptions = sum(
+        getattr(m, "value", 0)
+        for m in llm_small_kv.get_metrics()
+        if m.name == "vllm:num_preemptions"
+    )
     assert preemptions > 0  # the case under test happened
     for out in outs:
         check(hf_gpu, out, "all", layers=[0, -1])
@@ -202,15 +230,24 @@ def test_preemption_neither_duplicates_nor_loses_rows(llm_small_kv, hf_gpu):
 
 @pytest.fixture(scope="module")
 def llm_ngram(qwen3_dir):
-    engine = make_llm(qwen3_dir, eager=False, async_on=False,
-                      speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    engine = make_llm(
+        qwen3_dir,
+        eager=False,
+        async_on=False,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.parametrize("positions", ["last", "all", "prompt"])
 def test_ngram_speculative_decoding_keeps_states_exact(llm_ngram, hf_gpu, positions):
-    (out,) = llm_ngram.generate([NGRAM_PROMPT], params(hidden_states_positions=positions),
-                                use_tqdm=False)  # fmt: skip
+    (out,) = llm_ngram.generate(
+        [NGRAM_PROMPT], params(hidden_states_positions=positions), use_tqdm=False
+    )
     check(hf_gpu, out, positions)

@@ -20,10 +20,19 @@ def server(qwen3_dir):
 
     proc = ServerProcess(
         qwen3_dir,
-        ["--enable-hidden-states", "--dtype", "float32", "--seed", "0",
-         "--gpu-memory-utilization", "0.3", "--max-model-len", "1024"],
+        [
+            "--enable-hidden-states",
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            "1024",
+        ],
         REPO / ".gpu-logs" / "serve.log",
-    ).start()  # fmt: skip
+    ).start()
     try:
         yield proc.wait_ready(timeout=900)
     finally:
@@ -45,10 +54,16 @@ def test_server_log_names_the_v1_runner_and_async_scheduling_off(server):
 
 def test_completion_last_state_matches_hf(client, hf_gpu):
     out = client.completions.create(
-        model="model", prompt=PROMPT, max_tokens=8, temperature=0.0,
-        extra_body={"return_hidden_states": True, "hidden_states_layers": [-2, -1],
-                    "return_token_ids": True},
-    )  # fmt: skip
+        model="model",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={
+            "return_hidden_states": True,
+            "hidden_states_layers": [-2, -1],
+            "return_token_ids": True,
+        },
+    )
     extra = out.choices[0].model_extra
     ids = list(extra["prompt_token_ids"]) + list(extra["token_ids"])
     ref = hf_gpu.states(ids)
@@ -58,16 +73,30 @@ def test_completion_last_state_matches_hf(client, hf_gpu):
 
 
 def test_streamed_all_positions_concatenate_to_hf(client, hf_gpu):
-    chunks = list(client.completions.create(
-        model="model", prompt=PROMPT, max_tokens=8, temperature=0.0, stream=True,
-        extra_body={"return_hidden_states": True, "hidden_states_layers": [1],
-                    "hidden_states_positions": "all", "hidden_states_stream": True,
-                    "return_token_ids": True},
-    ))  # fmt: skip
-    parts = [to_numpy(c.choices[0].model_extra["hidden_states"])
-             for c in chunks if c.choices and c.choices[0].model_extra.get("hidden_states")]  # fmt: skip
-    tokens = [t for c in chunks if c.choices
-              for t in (c.choices[0].model_extra.get("token_ids") or [])]  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="model",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0.0,
+            stream=True,
+            extra_body={
+                "return_hidden_states": True,
+                "hidden_states_layers": [1],
+                "hidden_states_positions": "all",
+                "hidden_states_stream": True,
+                "return_token_ids": True,
+            },
+        )
+    )
+    parts = [
+        to_numpy(c.choices[0].model_extra["hidden_states"])
+        for c in chunks
+        if c.choices and c.choices[0].model_extra.get("hidden_states")
+    ]
+    tokens = [
+        t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])
+    ]
     ids = list(chunks[0].choices[0].model_extra["prompt_token_ids"]) + tokens
     got = torch.from_numpy(np.concatenate(parts, axis=1)[0])
     assert_close_gpu(got, hf_gpu.states(ids)[1], "serve streamed all layer 1")

@@ -40,8 +40,18 @@ PYTHON = sys.executable
 TIMEOUT = 600
 
 # Build outputs and caches: never part of what gets built.
-_IGNORED = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache",
-            ".models", ".gl", ".whl", "results"}
+_IGNORED = {
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "__pycache__",
+    ".pytest_cache",
+    ".models",
+    ".gl",
+    ".whl",
+    "results",
+}
 
 
 def _ignore(_directory: str, names: list[str]) -> set[str]:
@@ -50,23 +60,37 @@ def _ignore(_directory: str, names: list[str]) -> set[str]:
 
 def _env() -> dict[str, str]:
     """The caller's environment minus anything that redirects imports or pip."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV",
-                        "PYTHONUSERBASE", "VLLM_PLUGINS")
-           and not k.startswith("PIP_")}
-    env.update(PYTHONNOUSERSITE="1", PIP_NO_INDEX="1",
-               PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PYTHONPATH",
+            "PYTHONHOME",
+            "PYTHONSTARTUP",
+            "VIRTUAL_ENV",
+            "PYTHONUSERBASE",
+            "VLLM_PLUGINS",
+        )
+        and not k.startswith("PIP_")
+    }
+    env.update(
+        PYTHONNOUSERSITE="1", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1"
+    )
     return env
 
 
 def _run(cmd: list, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
 def _show(result: subprocess.CompletedProcess) -> str:
-    return (f"\n$ {' '.join(result.args)}\nexit {result.returncode}\n"
-            f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}")
+    return (
+        f"\n$ {' '.join(result.args)}\nexit {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    )
 
 
 def _ok(cmd: list, cwd: Path) -> subprocess.CompletedProcess:
@@ -92,8 +116,11 @@ def _only(directory: Path, pattern: str) -> Path:
 def _wheel_patches(wheel: Path) -> dict[str, bytes]:
     prefix = f"{PACKAGE}/patches/"
     with zipfile.ZipFile(wheel) as z:
-        return {n[len(prefix):]: z.read(n) for n in z.namelist()
-                if n.startswith(prefix) and n.endswith(".patch")}
+        return {
+            n[len(prefix) :]: z.read(n)
+            for n in z.namelist()
+            if n.startswith(prefix) and n.endswith(".patch")
+        }
 
 
 @dataclass
@@ -133,15 +160,48 @@ def install(tmp_path_factory) -> Install:
     shutil.copytree(REPO, src, symlinks=True, ignore=_ignore)
 
     # 1. Wheel and sdist from the checkout, then a wheel from that sdist.
-    _ok([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", tmp / "wheelhouse", src], cwd=tmp)
+    _ok(
+        [
+            PYTHON,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            tmp / "wheelhouse",
+            src,
+        ],
+        cwd=tmp,
+    )
     wheel = _only(tmp / "wheelhouse", "*.whl")
     (tmp / "sdist").mkdir()
-    _ok([PYTHON, "-c", "import sys, setuptools.build_meta as b; "
-                       "print(b.build_sdist(sys.argv[1]))", tmp / "sdist"], cwd=src)
+    _ok(
+        [
+            PYTHON,
+            "-c",
+            "import sys, setuptools.build_meta as b; print(b.build_sdist(sys.argv[1]))",
+            tmp / "sdist",
+        ],
+        cwd=src,
+    )
     sdist = _only(tmp / "sdist", "*.tar.gz")
-    _ok([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", tmp / "from-sdist", sdist], cwd=tmp)
+    _ok(
+        [
+            PYTHON,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            tmp / "from-sdist",
+            sdist,
+        ],
+        cwd=tmp,
+    )
     wheel_from_sdist = _only(tmp / "from-sdist", "*.whl")
 
     # 2. A fresh venv that sees the project venv's site-packages (vLLM) as a
@@ -150,15 +210,23 @@ def install(tmp_path_factory) -> Install:
     _ok([PYTHON, "-m", "venv", venv], cwd=tmp)
     shared_site = Path(sysconfig.get_paths()["purelib"])
     assert (shared_site / "vllm").is_dir(), f"no vllm in {shared_site}"
-    new_site = Path(_ok([venv / "bin" / "python", "-c",
-                         "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                        cwd=tmp).stdout.strip())
+    new_site = Path(
+        _ok(
+            [
+                venv / "bin" / "python",
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ],
+            cwd=tmp,
+        ).stdout.strip()
+    )
     assert new_site.is_relative_to(venv), new_site
     (new_site / "zz_shared_vllm.pth").write_text(f"{shared_site}\n")
 
     # 3. The wheel, non-editable.
-    _ok([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index",
-         wheel], cwd=tmp)
+    _ok(
+        [venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", wheel], cwd=tmp
+    )
     return Install(tmp, src, wheel, sdist, wheel_from_sdist, venv, shared_site)
 
 
@@ -170,8 +238,11 @@ def test_wheel_ships_every_patch_byte_identical(install):
 
 
 def test_wheel_ships_every_module_of_the_package(install):
-    expected = {p.relative_to(install.src).as_posix()
-                for p in (install.src / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts}
+    expected = {
+        p.relative_to(install.src).as_posix()
+        for p in (install.src / PACKAGE).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     with zipfile.ZipFile(install.wheel) as z:
         missing = expected - set(z.namelist())
     assert not missing, f"modules missing from {install.wheel.name}: {sorted(missing)}"
@@ -182,8 +253,11 @@ def _patch_imports(patches: dict[str, bytes]) -> list[tuple[str, str, str]]:
     from this package (``import vllm_hidden_states.x`` gives name ``""``)."""
     found = []
     for patch, data in patches.items():
-        added = [line[1:] for line in data.decode().splitlines()
-                 if line.startswith("+") and not line.startswith("+++")]
+        added = [
+            line[1:]
+            for line in data.decode().splitlines()
+            if line.startswith("+") and not line.startswith("+++")
+        ]
         i = 0
         while i < len(added):
             line = added[i].strip()
@@ -234,8 +308,12 @@ def test_wheel_has_every_module_and_name_the_patches_import(install):
                     problems.append(f"{patch}: {module} is a namespace without {name}")
                 continue
             defined = _top_level_names(z.read(path).decode())
-            if (name and name not in defined and "__getattr__" not in defined
-                    and not any(f.startswith(f"{base}/{name}") for f in files)):
+            if (
+                name
+                and name not in defined
+                and "__getattr__" not in defined
+                and not any(f.startswith(f"{base}/{name}") for f in files)
+            ):
                 problems.append(f"{patch}: {module} ({path}) defines no {name}")
     assert not problems, "\n".join(problems)
 
@@ -246,12 +324,12 @@ def test_wheel_declares_the_plugin_and_the_console_script(install):
         text = z.read(name).decode()
     eps = configparser.ConfigParser(delimiters=("=",))
     eps.read_string(text)
-    assert (eps.has_option("vllm.general_plugins", "hidden_states")
-            and eps.get("vllm.general_plugins", "hidden_states")
-            == "vllm_hidden_states.plugin:register"
-            and eps.has_option("console_scripts", "vllm-hidden-states")
-            and eps.get("console_scripts", "vllm-hidden-states")
-            == "vllm_hidden_states.tools.cli:main"), text
+    assert (
+        eps.has_option("vllm.general_plugins", "hidden_states")
+        and eps.get("vllm.general_plugins", "hidden_states") == "vllm_hidden_states.plugin:register"
+        and eps.has_option("console_scripts", "vllm-hidden-states")
+        and eps.get("console_scripts", "vllm-hidden-states") == "vllm_hidden_states.tools.cli:main"
+    ), text
 
 
 def test_sdist_ships_every_patch_byte_identical(install):
@@ -273,32 +351,38 @@ def test_wheel_built_from_the_sdist_ships_every_patch(install):
 
 def test_new_venv_imports_the_installed_copy_not_the_checkout(install):
     result = install.py("import vllm_hidden_states; print(vllm_hidden_states.__file__)")
-    assert (result.returncode == 0
-            and Path(result.stdout.strip()).is_relative_to(install.venv)), _show(result)
+    assert result.returncode == 0 and Path(result.stdout.strip()).is_relative_to(install.venv), (
+        _show(result)
+    )
 
 
 def test_installed_copy_reads_its_own_patches(install):
-    result = install.py("from vllm_hidden_states.tools import patching; "
-                        "print(patching.patches_dir()); "
-                        "print(','.join(p.name for p in patching.patch_files()))")
+    result = install.py(
+        "from vllm_hidden_states.tools import patching; "
+        "print(patching.patches_dir()); "
+        "print(','.join(p.name for p in patching.patch_files()))"
+    )
     assert result.returncode == 0, _show(result)
     directory, names = result.stdout.strip().splitlines()
-    assert (Path(directory).is_relative_to(install.venv)
-            and names.split(",") == list(install.patches)), _show(result)
+    assert Path(directory).is_relative_to(install.venv) and names.split(",") == list(
+        install.patches
+    ), _show(result)
 
 
 def test_patch_check_lists_every_patch_as_applied(install):
     result = install.hidden_states("patch", "check")
     assert result.returncode == 0 and all(
-        f"applied      {name}" in result.stdout.splitlines()
-        for name in install.patches), _show(result)
+        f"applied      {name}" in result.stdout.splitlines() for name in install.patches
+    ), _show(result)
 
 
 def _vllm_tree_digest(site: Path) -> dict[str, str]:
     root = site / "vllm"
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*"))
-            if p.is_file() and (p.suffix in (".py", ".patch"))}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and (p.suffix in (".py", ".patch"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +390,10 @@ def applied(install):
     """``patch apply`` in the new venv, with the shared vLLM hashed around it."""
     check = install.hidden_states("patch", "check")
     if check.returncode != 0:
-        pytest.fail("the shared vLLM is not patched with this checkout's patch set; "
-                    "not running `patch apply` against it (run `make setup`)"
-                    + _show(check))
+        pytest.fail(
+            "the shared vLLM is not patched with this checkout's patch set; "
+            "not running `patch apply` against it (run `make setup`)" + _show(check)
+        )
     before = _vllm_tree_digest(install.shared_site)
     result = install.hidden_states("patch", "apply")
     after = _vllm_tree_digest(install.shared_site)
@@ -335,12 +420,13 @@ def test_plugin_entry_point_is_visible_from_the_installed_wheel(install):
     result = install.py(
         "import importlib.metadata as m\n"
         "print([e.value for e in m.entry_points(group='vllm.general_plugins')])\n"
-        "print(m.distribution('vllm-hidden-states').locate_file(''))\n")
+        "print(m.distribution('vllm-hidden-states').locate_file(''))\n"
+    )
     assert result.returncode == 0, _show(result)
     values, location = result.stdout.strip().splitlines()
-    assert ("vllm_hidden_states.plugin:register" in values
-            and Path(location).resolve().is_relative_to(install.venv.resolve())), \
-        _show(result)
+    assert "vllm_hidden_states.plugin:register" in values and Path(
+        location
+    ).resolve().is_relative_to(install.venv.resolve()), _show(result)
 
 
 def test_vllm_loads_the_plugin_from_the_installed_wheel(install):
@@ -350,8 +436,8 @@ def test_vllm_loads_the_plugin_from_the_installed_wheel(install):
         "load_general_plugins()\n"
         "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
         "print(sys.modules['vllm_hidden_states.plugin'].__file__)\n"
-        "print(hasattr(GPUModelRunner, '_setup_hidden_states_capture'))\n")
+        "print(hasattr(GPUModelRunner, '_setup_hidden_states_capture'))\n"
+    )
     assert result.returncode == 0, _show(result)
     plugin_file, called_out = result.stdout.strip().splitlines()[-2:]
-    assert (Path(plugin_file).is_relative_to(install.venv) and called_out == "True"), \
-        _show(result)
+    assert Path(plugin_file).is_relative_to(install.venv) and called_out == "True", _show(result)

@@ -68,8 +68,6 @@ def _wait_while_exists(path: str) -> None:
     deadline = time.monotonic() + MAX_HOLD_S
     while os.path.exists(path):
         if time.monotonic() > deadline:
-            logger.warning(
-                "Gate %s still exists after %.0f s; releasing.", path, MAX_HOLD_S
-            )
+            logger.warning("Gate %s still exists after %.0f s; releasing.", path, MAX_HOLD_S)
             return
         time.sleep(POLL_S)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,10 +52,19 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.argv = [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--served-model-name", name, *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            name,
+            *args,
+        ]
         self.env = {**os.environ, **(env or {})}
         # The server imports tests.support.request_gate (the tests' logits
         # processor) by name: put the checkout on its path.
@@ -128,9 +136,7 @@ class ServerProcess:
 
     def num_unfinished(self) -> float:
         """Requests running or waiting in the engine (vLLM's gauges)."""
-        return self.metric("vllm:num_requests_running") + self.metric(
-            "vllm:num_requests_waiting"
-        )
+        return self.metric("vllm:num_requests_running") + self.metric("vllm:num_requests_waiting")
 
     def load(self) -> int:
         """In-flight HTTP requests (``/load``; needs --enable-server-load-tracking)."""

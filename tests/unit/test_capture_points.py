@@ -58,9 +58,14 @@ def make_points(max_rows: int = 16) -> tuple[Stack, CapturePoints]:
     torch.manual_seed(0)
     model = Stack()
     points = CapturePoints(
-        model, [0, 2], num_layers=NUM_LAYERS, hidden_size=HIDDEN,
-        max_rows=max_rows, dtype=torch.float32, device=torch.device("cpu"),
-    )  # fmt: skip
+        model,
+        [0, 2],
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        max_rows=max_rows,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     return model, points
 
 

@@ -262,8 +262,10 @@ def binary_answer(tensors, embed_dtype="float32", endianness="little", listed=Fa
     from vllm_hidden_states.server.encoding import binary_array, binary_body
 
     arrays = [binary_array(t, embed_dtype, endianness) for t in tensors]
-    items = [{"index": i, "embed_dtype": embed_dtype, "endianness": endianness}
-             for i in range(len(arrays))]  # fmt: skip
+    items = [
+        {"index": i, "embed_dtype": embed_dtype, "endianness": endianness}
+        for i in range(len(arrays))
+    ]
     header = {"model": "m", "layer": -2, "dtype": "float32"}
     if listed:
         header["object"] = "list"
@@ -322,8 +324,7 @@ def test_to_numpy_decodes_a_json_http_response():
 
     t = random_tensor((3, 16))
     content = orjson.dumps(endpoint_response(t, "base64"), option=ORJSON_OPTIONS)
-    response = httpx.Response(200, content=content,
-                              headers={"content-type": "application/json"})  # fmt: skip
+    response = httpx.Response(200, content=content, headers={"content-type": "application/json"})
     assert np.array_equal(to_numpy(response), t.numpy())
 
 

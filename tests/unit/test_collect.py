@@ -23,12 +23,12 @@ from vllm_hidden_states.tools.collect import (  # noqa: E402
     read_dataset,
 )
 
-
 # -- ids ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, shown", [(None, "null"), (7, "7"), (1.5, "1.5"),
-                                        (["a"], '["a"]'), (True, "true")])
+@pytest.mark.parametrize(
+    "bad, shown", [(None, "null"), (7, "7"), (1.5, "1.5"), (["a"], '["a"]'), (True, "true")]
+)
 def test_jsonl_id_that_is_not_a_string_is_refused_naming_the_line(tmp_path, bad, shown):
     path = tmp_path / "d.jsonl"
     path.write_text('{"id": "a", "text": "x"}\n' + json.dumps({"id": bad, "text": "y"}) + "\n")
@@ -66,8 +66,9 @@ def test_collect_into_a_directory_another_collect_holds_is_refused_at_once(tmp_p
     dataset = tmp_path / "d.txt"
     dataset.write_text("hello\n")
     # Nothing listens there: the refusal must come before any connection.
-    cfg = CollectConfig(dataset=str(dataset), out=str(out), server_url="http://127.0.0.1:9",
-                        progress=False)
+    cfg = CollectConfig(
+        dataset=str(dataset), out=str(out), server_url="http://127.0.0.1:9", progress=False
+    )
     with lock_output(out):
         t0 = time.monotonic()
         with pytest.raises(OutputLocked) as e:
@@ -99,8 +100,10 @@ def tokenizer(request):
     return _tokenizer(request.param, 512)[0]
 
 
-LONG = ("Once upon a time there was a small robot who loved to count: one, two, "
-        "three. Hidden states are the activations of a language model. ") * 400
+LONG = (
+    "Once upon a time there was a small robot who loved to count: one, two, "
+    "three. Hidden states are the activations of a language model. "
+) * 400
 
 
 @pytest.mark.parametrize("max_length", [1, 7, 64, 300])
@@ -113,9 +116,11 @@ def test_text_prefix_encodes_to_the_same_first_tokens_as_the_whole_text(tokenize
 
 
 def test_messages_prefix_renders_to_the_same_first_tokens_as_the_whole_conversation(tokenizer):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": LONG},
-                {"role": "assistant", "content": LONG}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": LONG},
+        {"role": "assistant", "content": LONG},
+    ]
     full = collect_mod._render_ids(tokenizer, messages)
     cut = collect_mod._messages_prefix(tokenizer, messages, full, 100)
     assert cut is not None

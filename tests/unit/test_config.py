@@ -31,8 +31,13 @@ def restricted() -> HiddenStatesConfig:
     return HiddenStatesConfig(num_layers=L, layers=(0, 2, L - 1, L), given=(0, 2, -2, -1))
 
 
-def fake_vllm_config(entry, num_layers: int = L, max_num_batched_tokens: int = 8192,
-                     hidden_size: int = 2560, dtype=None):  # fmt: skip
+def fake_vllm_config(
+    entry,
+    num_layers: int = L,
+    max_num_batched_tokens: int = 8192,
+    hidden_size: int = 2560,
+    dtype=None,
+):
     """Just the attributes ``HiddenStatesConfig.from_vllm_config`` reads
     (default: Qwen3-4B's shape in bf16)."""
     import torch
@@ -41,9 +46,11 @@ def fake_vllm_config(entry, num_layers: int = L, max_num_batched_tokens: int = 8
     text_config = SimpleNamespace(num_hidden_layers=num_layers)
     return SimpleNamespace(
         additional_config=extra,
-        model_config=SimpleNamespace(hf_text_config=text_config,
-                                     get_hidden_size=lambda: hidden_size,
-                                     dtype=dtype or torch.bfloat16),
+        model_config=SimpleNamespace(
+            hf_text_config=text_config,
+            get_hidden_size=lambda: hidden_size,
+            dtype=dtype or torch.bfloat16,
+        ),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
     )
 
@@ -77,9 +84,8 @@ def test_resolve_lowest_negative_index_is_the_embedding_output():
 def test_resolve_out_of_range_names_the_layer_model_size_and_valid_range():
     with pytest.raises(ValueError) as e:
         every_layer().resolve(40)
-    assert (
-        "layer 40 is out of range for a 36-layer model; valid indices are -37..36"
-        in str(e.value)
+    assert "layer 40 is out of range for a 36-layer model; valid indices are -37..36" in str(
+        e.value
     )
 
 
@@ -231,10 +237,22 @@ def test_join_layers_value_joins_a_dash_leading_value_into_the_flag():
 
 
 def test_join_layers_value_leaves_the_other_args_untouched_and_in_order():
-    args = ["serve", "m", "--port", "8000",
-            "--hidden-states-layers", "-1,-2", "--enable-hidden-states"]
+    args = [
+        "serve",
+        "m",
+        "--port",
+        "8000",
+        "--hidden-states-layers",
+        "-1,-2",
+        "--enable-hidden-states",
+    ]
     assert join_layers_value(args) == [
-        "serve", "m", "--port", "8000", "--hidden-states-layers=-1,-2", "--enable-hidden-states",
+        "serve",
+        "m",
+        "--port",
+        "8000",
+        "--hidden-states-layers=-1,-2",
+        "--enable-hidden-states",
     ]
 
 
@@ -287,9 +305,7 @@ def test_add_cli_args_parses_the_natural_dash_leading_spelling_to_the_raw_string
 
 
 def test_add_cli_args_keeps_the_parsers_other_options_working():
-    ns = parser_with_flags().parse_args(
-        ["--hidden-states-layers", "-2", "--port", "9000"]
-    )
+    ns = parser_with_flags().parse_args(["--hidden-states-layers", "-2", "--port", "9000"])
     assert ns.hidden_states_layers == "-2"
     assert ns.port == 9000
 
@@ -403,6 +419,9 @@ def test_resolve_all_returns_absolute_indices_in_request_order():
 
 
 def test_resolve_all_refuses_a_layer_named_twice_in_either_spelling():
-    with pytest.raises(ValueError, match=r"hidden_states_layers names layer 4 twice "
-                                         r"\(-1 and 4\); name each layer once"):
+    with pytest.raises(
+        ValueError,
+        match=r"hidden_states_layers names layer 4 twice "
+        r"\(-1 and 4\); name each layer once",
+    ):
         every_layer(4).resolve_all([-1, 4])

@@ -10,16 +10,25 @@ from vllm.v1.engine.output_processor import RequestOutputCollector
 
 
 def delta(token: int, rows: torch.Tensor | None, features=None, finished=False) -> RequestOutput:
-    completion = CompletionOutput(0, "x", [token], None, None,
-                                  finish_reason="length" if finished else None,
-                                  hidden_states=None if rows is None else {-1: rows, 0: rows + 1},
-                                  sae_features=features)  # fmt: skip
+    completion = CompletionOutput(
+        0,
+        "x",
+        [token],
+        None,
+        None,
+        finish_reason="length" if finished else None,
+        hidden_states=None if rows is None else {-1: rows, 0: rows + 1},
+        sae_features=features,
+    )
     return RequestOutput("r", None, [1, 2], None, [completion], finished)
 
 
 def features(ids: list[int]) -> dict:
-    return {"layer": 2, "ids": torch.tensor([ids], dtype=torch.int32),
-            "values": torch.tensor([[float(i) for i in ids]])}  # fmt: skip
+    return {
+        "layer": 2,
+        "ids": torch.tensor([ids], dtype=torch.int32),
+        "values": torch.tensor([[float(i) for i in ids]]),
+    }
 
 
 def test_merged_delta_outputs_concatenate_their_rows_in_order():

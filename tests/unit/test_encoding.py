@@ -39,8 +39,21 @@ def special_bfloat16_values() -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     normals = torch.randn(512, generator=g) * torch.logspace(-30, 30, 512)
     specials = torch.tensor(
-        [0.0, -0.0, 1e-39, -1e-39, 9.2e-41, -9.2e-41, 1e-45, float("inf"),
-         float("-inf"), float("nan"), -float("nan"), 3.3895e38, -3.3895e38]
+        [
+            0.0,
+            -0.0,
+            1e-39,
+            -1e-39,
+            9.2e-41,
+            -9.2e-41,
+            1e-45,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            -float("nan"),
+            3.3895e38,
+            -3.3895e38,
+        ]
     )
     return torch.cat([normals, specials]).to(torch.bfloat16)
 
@@ -229,5 +242,8 @@ def test_api_error_str_is_its_message():
 def test_invalid_request_is_a_400_invalid_request_error_naming_the_param():
     error = invalid_request("nope", "hidden_states_format")
     assert (error.status, error.type, error.param, error.message) == (
-        HTTPStatus.BAD_REQUEST, "invalid_request_error", "hidden_states_format", "nope",
+        HTTPStatus.BAD_REQUEST,
+        "invalid_request_error",
+        "hidden_states_format",
+        "nope",
     )

@@ -16,19 +16,22 @@ def request(**fields):
     return parse_request(orjson.dumps({"model": "m", "input": "x", **fields}))
 
 
-@pytest.mark.parametrize(
-    "accept", [None, "", "*/*", "application/*", "application/json"]
-)
+@pytest.mark.parametrize("accept", [None, "", "*/*", "application/*", "application/json"])
 def test_json_is_kept_when_accept_allows_it(accept):
     assert negotiate(request(), accept).encoding_format == "float"
 
 
 @pytest.mark.parametrize(
     "accept",
-    [OCTET, f"{OCTET}; q=1", f"{OCTET}, application/json;q=0",
-     "application/json;q=0, */*", "application/json; q=0.0, application/*",
-     f"application/json;q=0.5, {OCTET}"],
-)  # fmt: skip
+    [
+        OCTET,
+        f"{OCTET}; q=1",
+        f"{OCTET}, application/json;q=0",
+        "application/json;q=0, */*",
+        "application/json; q=0.0, application/*",
+        f"application/json;q=0.5, {OCTET}",
+    ],
+)
 def test_accept_octet_stream_alone_picks_bytes(accept):
     assert negotiate(request(), accept).encoding_format == "bytes"
 
@@ -40,9 +43,7 @@ def test_accept_with_both_keeps_the_default_json(accept):
 
 @pytest.mark.parametrize("accept", [OCTET, "*/*", None])
 def test_bytes_format_is_kept_when_accept_allows_octet_stream(accept):
-    assert (
-        negotiate(request(encoding_format="bytes"), accept).encoding_format == "bytes"
-    )
+    assert negotiate(request(encoding_format="bytes"), accept).encoding_format == "bytes"
 
 
 @pytest.mark.parametrize(
@@ -71,9 +72,7 @@ def test_contradicting_accept_is_a_406_naming_what_to_send(fields, accept, wante
     assert wanted in e.value.message
 
 
-@pytest.mark.parametrize(
-    "field, value", [("embed_dtype", "bfloat16"), ("endianness", "big")]
-)
+@pytest.mark.parametrize("field, value", [("embed_dtype", "bfloat16"), ("endianness", "big")])
 def test_binary_only_fields_need_the_bytes_format(field, value):
     with pytest.raises(ApiError) as e:
         request(**{field: value})

@@ -49,8 +49,11 @@ def test_parse_ask_is_none_when_return_hidden_states_is_false():
 
 
 def test_parse_ask_is_none_when_every_field_is_null():
-    extra = {"return_hidden_states": None, "hidden_states_layers": None,
-             "hidden_states_format": None}
+    extra = {
+        "return_hidden_states": None,
+        "hidden_states_layers": None,
+        "hidden_states_format": None,
+    }
     assert parse_ask(extra) is None
 
 
@@ -186,9 +189,7 @@ def test_encode_choice_states_reports_the_model_dtype_but_sends_float32():
 def test_encode_choice_states_with_one_position_uses_that_row():
     states = two_layer_states(positions=1)
     out = encode_choice_states(states, HiddenStatesAsk((-1, 2), "float"))
-    np.testing.assert_array_equal(
-        out["data"], torch.cat([states[-1], states[2]]).numpy()
-    )
+    np.testing.assert_array_equal(out["data"], torch.cat([states[-1], states[2]]).numpy())
 
 
 def test_encode_choice_states_base64_decodes_with_the_client(wire):
@@ -239,16 +240,26 @@ def test_hidden_states_stream_with_all_positions_is_accepted():
 
 @pytest.mark.parametrize("positions", [None, "last", "prompt"])
 def test_hidden_states_stream_needs_all_positions(positions):
-    error = bad_request({"return_hidden_states": True, "hidden_states_stream": True,
-                         "hidden_states_positions": positions})  # fmt: skip
+    error = bad_request(
+        {
+            "return_hidden_states": True,
+            "hidden_states_stream": True,
+            "hidden_states_positions": positions,
+        }
+    )
     assert error.param == "hidden_states_stream"
     assert "'all'" in error.message
 
 
 @pytest.mark.parametrize("flag", ["yes", 1, [True]])
 def test_hidden_states_stream_must_be_a_bool(flag):
-    error = bad_request({"return_hidden_states": True, "hidden_states_positions": "all",
-                         "hidden_states_stream": flag})  # fmt: skip
+    error = bad_request(
+        {
+            "return_hidden_states": True,
+            "hidden_states_positions": "all",
+            "hidden_states_stream": flag,
+        }
+    )
     assert error.param == "hidden_states_stream"
 
 
@@ -288,8 +299,7 @@ def test_price_positions_counts_prompt_plus_max_tokens_per_choice():
 
     # 1 layer x 8 values x 16 bytes (float JSON) = 128 bytes per position.
     limits = Limits(max_response_bytes=128 * 100, max_batch=8, max_input_chars=100)
-    pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "all"), n=2,
-                              hidden_size=8)  # fmt: skip
+    pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "all"), n=2, hidden_size=8)
     price_positions(pricing, prompt_len=30, max_tokens=20)  # 2 x 50 = 100: fits
     assert pricing.spent_positions == 100
     with pytest.raises(ApiError) as e:
@@ -303,8 +313,7 @@ def test_price_positions_counts_only_the_prompt_for_prompt_positions():
     from vllm_hidden_states.server.openai_fields import PositionPricing, price_positions
 
     limits = Limits(max_response_bytes=128 * 10, max_batch=8, max_input_chars=100)
-    pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "prompt"), n=1,
-                              hidden_size=8)  # fmt: skip
+    pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "prompt"), n=1, hidden_size=8)
     price_positions(pricing, prompt_len=10, max_tokens=500)
     assert pricing.spent_positions == 10
 
@@ -321,9 +330,11 @@ def test_sae_features_count_toward_the_response_cap_and_are_named():
     limits = Limits(max_response_bytes=cap, max_batch=8, max_input_chars=1000)
     check_response(limits, 1, positions, 0, 128, "float", "max_tokens", "advice")  # no features
     with pytest.raises(ApiError) as e:
-        check_response(limits, 1, positions, 0, 128, "float", "max_tokens", "advice",
-                       sae_top_k=top_k)  # fmt: skip
+        check_response(
+            limits, 1, positions, 0, 128, "float", "max_tokens", "advice", sae_top_k=top_k
+        )
     assert e.value.status == HTTPStatus.BAD_REQUEST
     assert "top-64 SAE features per position" in str(e.value)
-    check_response(limits, 1, positions - 1, 0, 128, "float", "max_tokens", "advice",
-                   sae_top_k=top_k)  # fmt: skip
+    check_response(
+        limits, 1, positions - 1, 0, 128, "float", "max_tokens", "advice", sae_top_k=top_k
+    )

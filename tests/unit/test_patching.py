@@ -102,8 +102,8 @@ def test_every_patch_is_a_unified_diff_starting_at_a_vllm_file():
 def test_every_patched_file_names_the_same_path_on_both_sides():
     for f in patch_files():
         lines = f.read_text().splitlines()
-        old = [line[len("--- a/"):].split("\t")[0] for line in lines if line.startswith("--- a/")]
-        new = [line[len("+++ b/"):].split("\t")[0] for line in lines if line.startswith("+++ b/")]
+        old = [line[len("--- a/") :].split("\t")[0] for line in lines if line.startswith("--- a/")]
+        new = [line[len("+++ b/") :].split("\t")[0] for line in lines if line.startswith("+++ b/")]
         assert old and old == new, f.name
         assert all(p.startswith("vllm/") and p.endswith(".py") for p in old), f.name
 

@@ -34,10 +34,16 @@ from vllm_hidden_states.server.bounds import (
 )
 
 SMALL = Bounds(
-    max_body_bytes=10_000, max_json_values=1_000, max_json_depth=8,
-    max_list_items=100, max_object_keys=50, max_messages=20, max_input_items=10,
-    num_layers=4, hidden_states_batch=16,
-)  # fmt: skip
+    max_body_bytes=10_000,
+    max_json_values=1_000,
+    max_json_depth=8,
+    max_list_items=100,
+    max_object_keys=50,
+    max_messages=20,
+    max_input_items=10,
+    num_layers=4,
+    hidden_states_batch=16,
+)
 CHAT = "/v1/chat/completions"
 
 
@@ -56,8 +62,9 @@ def accepts(body, route=CHAT, bounds=SMALL) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", [[], {}, [1, 2, 3], {"a": [1, {"b": None}], "c": "x"}, [[[]]], "s", 7],
-)  # fmt: skip
+    "value",
+    [[], {}, [1, 2, 3], {"a": [1, {"b": None}], "c": "x"}, [[[]]], "s", 7],
+)
 def test_count_values_counts_every_value_and_key_of_plain_json(value):
     def values(v):
         if isinstance(v, dict):
@@ -78,7 +85,7 @@ def test_count_values_leaves_out_commas_and_brackets_inside_strings():
 
 
 def test_count_values_handles_escaped_quotes_and_backslashes():
-    body = json.dumps({"a": 'x,"[y', "b": "\\", "c": ["\\\"", 1]}).encode()
+    body = json.dumps({"a": 'x,"[y', "b": "\\", "c": ['\\"', 1]}).encode()
     assert count_values(body, cap=0) == 9  # the root, 3 keys, 3 values, c[0], c[1]
 
 
@@ -236,8 +243,9 @@ def test_defaults_when_no_flag_is_given():
 
 
 def test_the_list_default_grows_to_max_model_len():
-    model = SimpleNamespace(max_model_len=131_072,
-                            hf_text_config=SimpleNamespace(num_hidden_layers=36))  # fmt: skip
+    model = SimpleNamespace(
+        max_model_len=131_072, hf_text_config=SimpleNamespace(num_hidden_layers=36)
+    )
     b = Bounds.from_args(None, model)
     assert b.max_list_items == 131_072 and b.num_layers == 36
     small = SimpleNamespace(max_model_len=1024, hf_text_config=None)
@@ -247,14 +255,34 @@ def test_the_list_default_grows_to_max_model_len():
 def test_flags_parse_and_set_the_bounds():
     parser = argparse.ArgumentParser()
     add_cli_args(parser.add_argument_group("g"))
-    args = parser.parse_args([
-        BODY_FLAG, "0.5", VALUES_FLAG, "10", DEPTH_FLAG, "3", LIST_FLAG, "4",
-        KEYS_FLAG, "5", MESSAGES_FLAG, "6", INPUT_ITEMS_FLAG, "7",
-    ])  # fmt: skip
+    args = parser.parse_args(
+        [
+            BODY_FLAG,
+            "0.5",
+            VALUES_FLAG,
+            "10",
+            DEPTH_FLAG,
+            "3",
+            LIST_FLAG,
+            "4",
+            KEYS_FLAG,
+            "5",
+            MESSAGES_FLAG,
+            "6",
+            INPUT_ITEMS_FLAG,
+            "7",
+        ]
+    )
     b = Bounds.from_args(args)
     assert b.max_body_bytes == 2**19
-    assert (b.max_json_values, b.max_json_depth, b.max_list_items,
-            b.max_object_keys, b.max_messages, b.max_input_items) == (10, 3, 4, 5, 6, 7)  # fmt: skip
+    assert (
+        b.max_json_values,
+        b.max_json_depth,
+        b.max_list_items,
+        b.max_object_keys,
+        b.max_messages,
+        b.max_input_items,
+    ) == (10, 3, 4, 5, 6, 7)
 
 
 def test_the_flags_are_on_the_engine_parser():
@@ -306,8 +334,12 @@ def drive(messages, headers=(), method="POST", path=CHAT, bounds=SMALL):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path,
-             "headers": [(k.encode(), v.encode()) for k, v in headers]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(k.encode(), v.encode()) for k, v in headers],
+    }
     asyncio.run(RequestBoundsMiddleware(app, bounds)(scope, receive, send))
     return app, sent, pending
 
@@ -322,8 +354,11 @@ def answer(sent) -> tuple[int, dict]:
 
 def test_an_accepted_body_reaches_the_app_byte_for_byte_in_one_message():
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    parts = [body_message(body[:10], True), body_message(body[10:30], True),
-             body_message(body[30:])]  # fmt: skip
+    parts = [
+        body_message(body[:10], True),
+        body_message(body[10:30], True),
+        body_message(body[30:]),
+    ]
     app, sent, _ = drive(parts, [("content-type", "application/json")])
     assert app.received == [{"type": "http.request", "body": body, "more_body": False}]
     assert sent[0]["status"] == 200
@@ -352,18 +387,21 @@ def test_a_refusal_is_an_openai_error_body():
     _, sent, _ = drive([body_message(orjson.dumps({"messages": [{}] * 21}))])
     status, body = answer(sent)
     assert status == 413
-    assert body == {"error": {
-        "message": body["error"]["message"], "type": "Request Entity Too Large",
-        "param": "messages", "code": 413,
-    }}  # fmt: skip
+    assert body == {
+        "error": {
+            "message": body["error"]["message"],
+            "type": "Request Entity Too Large",
+            "param": "messages",
+            "code": 413,
+        }
+    }
     assert dict(sent[0]["headers"])[b"content-type"] == b"application/json"
 
 
 def test_a_disconnect_during_upload_is_passed_on_with_the_partial_body():
     parts = [body_message(b'{"model": "x", "in', True), {"type": "http.disconnect"}]
     app, sent, _ = drive(parts)
-    assert app.received == [body_message(b'{"model": "x", "in', True),
-                            {"type": "http.disconnect"}]  # fmt: skip
+    assert app.received == [body_message(b'{"model": "x", "in', True), {"type": "http.disconnect"}]
 
 
 def test_get_requests_pass_through_unread():
@@ -374,7 +412,9 @@ def test_get_requests_pass_through_unread():
 
 def test_multipart_bodies_are_size_capped_but_not_parsed():
     body = b'{"messages": [' + b"{}," * 30 + b"{}]}"  # over the messages cap as JSON
-    app, sent, _ = drive([body_message(body)], [("content-type", "multipart/form-data; boundary=x")])
+    app, sent, _ = drive(
+        [body_message(body)], [("content-type", "multipart/form-data; boundary=x")]
+    )
     assert app.called and sent[0]["status"] == 200
     _, sent, _ = drive([body_message(b"x" * 10_001)], [("content-type", "multipart/form-data")])
     assert sent[0]["status"] == 413

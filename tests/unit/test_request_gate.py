@@ -10,16 +10,16 @@ import threading
 
 import torch
 
+from tests.support.request_gate import GATE_ARG, HoldWhileFileExists
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
-
-from tests.support.request_gate import GATE_ARG, HoldWhileFileExists
 
 
 def added(index: int, output_ids: list[int], gate=None) -> BatchUpdate:
     params = SamplingParams(extra_args={GATE_ARG: str(gate)} if gate else None)
-    return BatchUpdate(batch_size=index + 1, removed=[], moved=[],
-                       added=[(index, params, [1, 2], output_ids)])  # fmt: skip
+    return BatchUpdate(
+        batch_size=index + 1, removed=[], moved=[], added=[(index, params, [1, 2], output_ids)]
+    )
 
 
 def test_the_gate_leaves_logits_untouched_and_is_applied_to_greedy_requests():
@@ -66,8 +66,11 @@ def test_a_held_step_goes_on_when_the_file_is_removed(tmp_path):
 def test_a_gated_request_follows_its_moves_and_leaves_on_removal(tmp_path):
     gate = HoldWhileFileExists(None, torch.device("cpu"), False)
     gate.update_state(added(0, [5], gate=tmp_path / "hold"))
-    gate.update_state(BatchUpdate(batch_size=2, removed=[], added=[],
-                                  moved=[(0, 1, MoveDirectionality.UNIDIRECTIONAL)]))  # fmt: skip
+    gate.update_state(
+        BatchUpdate(
+            batch_size=2, removed=[], added=[], moved=[(0, 1, MoveDirectionality.UNIDIRECTIONAL)]
+        )
+    )
     assert list(gate._gated) == [1]
     gate.update_state(BatchUpdate(batch_size=1, removed=[1], added=[], moved=[]))
     assert gate._gated == {}

@@ -27,8 +27,9 @@ D_IN, D_SAE, N = 64, 512, 40
 def random_sae(tmp_path, architecture="standard", seed=0, **cfg_extra):
     from vllm_hidden_states.sae import random_sae as make
 
-    weights, cfg = make(D_IN, D_SAE, "blocks.2.hook_resid_post", architecture, seed,
-                        device="cpu", **cfg_extra)  # fmt: skip
+    weights, cfg = make(
+        D_IN, D_SAE, "blocks.2.hook_resid_post", architecture, seed, device="cpu", **cfg_extra
+    )
     path = save_sae(tmp_path / f"sae-{architecture}-{seed}", weights, cfg)
     return path, {k: v.numpy() for k, v in weights.items()}, cfg
 
@@ -49,13 +50,16 @@ def assert_topk_matches(ids, values, ref_ids, ref_values):
     assert np.array_equal(ids[clear], ref_ids[clear])
 
 
-@pytest.mark.parametrize("architecture,extra", [
-    ("standard", {}),
-    ("jumprelu", {}),
-    ("topk", {"k": 16}),
-    ("standard", {"normalize_activations": "constant_norm_rescale"}),
-    ("standard", {"normalize_activations": "layer_norm", "apply_b_dec_to_input": False}),
-])
+@pytest.mark.parametrize(
+    "architecture,extra",
+    [
+        ("standard", {}),
+        ("jumprelu", {}),
+        ("topk", {"k": 16}),
+        ("standard", {"normalize_activations": "constant_norm_rescale"}),
+        ("standard", {"normalize_activations": "layer_norm", "apply_b_dec_to_input": False}),
+    ],
+)
 def test_topk_features_match_numpy_reference(tmp_path, architecture, extra):
     path, weights, cfg = random_sae(tmp_path, architecture, **extra)
     sae = load_sae(path)
@@ -144,8 +148,21 @@ def test_tiny_sae_command_writes_an_sae_that_loads_at_its_layer(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 16}))
-    assert main(["tiny-sae", str(tmp_path / "sae"), "--model", str(model),
-                 "--layer", "2", "--d-sae", "32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "tiny-sae",
+                str(tmp_path / "sae"),
+                "--model",
+                str(model),
+                "--layer",
+                "2",
+                "--d-sae",
+                "32",
+            ]
+        )
+        == 0
+    )
     sae = load_sae(tmp_path / "sae")
     assert (sae.layer, sae.d_in, sae.d_sae) == (2, 16, 32)
 

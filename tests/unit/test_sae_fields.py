@@ -5,7 +5,6 @@ tracker's features, and a choice's ``sae_features`` object."""
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -35,23 +34,41 @@ def test_sae_features_alone_asks_for_features_only():
 
 
 def test_sae_features_with_layers_asks_for_both_and_positions_apply():
-    ask = parse_ask({"return_hidden_states": True, "sae_features": {"top_k": 3},
-                     "hidden_states_layers": [-1, 2], "hidden_states_positions": "all",
-                     "hidden_states_stream": True})  # fmt: skip
+    ask = parse_ask(
+        {
+            "return_hidden_states": True,
+            "sae_features": {"top_k": 3},
+            "hidden_states_layers": [-1, 2],
+            "hidden_states_positions": "all",
+            "hidden_states_stream": True,
+        }
+    )
     assert ask.layers == (-1, 2) and ask.sae_top_k == 3 and ask.positions == "all"
     assert ask.stream
 
 
-@pytest.mark.parametrize("value", [{"top_k": 0}, {"top_k": -2}, {"top_k": True},
-                                   {"top_k": 2.0}, {"k": 3}, {"top_k": 3, "x": 1},
-                                   [3], 3, "top_k"])  # fmt: skip
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"top_k": 0},
+        {"top_k": -2},
+        {"top_k": True},
+        {"top_k": 2.0},
+        {"k": 3},
+        {"top_k": 3, "x": 1},
+        [3],
+        3,
+        "top_k",
+    ],
+)
 def test_bad_sae_features_are_400s_naming_the_shape(value):
     assert '{"top_k": k}' in bad({"sae_features": value})
 
 
 def test_sae_features_with_return_hidden_states_false_or_empty_layers_is_400():
-    assert "return_hidden_states" in bad({"sae_features": {"top_k": 2},
-                                          "return_hidden_states": False})  # fmt: skip
+    assert "return_hidden_states" in bad(
+        {"sae_features": {"top_k": 2}, "return_hidden_states": False}
+    )
     assert "leave it out" in bad({"sae_features": {"top_k": 2}, "hidden_states_layers": []})
 
 
@@ -64,12 +81,21 @@ def test_requests_without_sae_fields_are_unchanged():
 def test_choice_object_concatenates_deltas_and_keeps_dtypes(wire):
     ids = torch.tensor([[5, 2, -1], [1, 0, 7]], dtype=torch.int32)
     values = torch.tensor([[3.0, 1.5, 0.0], [2.0, 1.0, 0.5]])
-    parts = [{"layer": 4, "ids": ids[:1], "values": values[:1]},
-             {"layer": 4, "ids": ids[1:], "values": values[1:]}]  # fmt: skip
+    parts = [
+        {"layer": 4, "ids": ids[:1], "values": values[:1]},
+        {"layer": 4, "ids": ids[1:], "values": values[1:]},
+    ]
     ask = HiddenStatesAsk((), "float", "all", True, 3)
     obj = wire(encode_choice_features(parts, ask, start=7))
-    assert obj == {"layer": 4, "top_k": 3, "positions": "all", "start": 7, "shape": [2, 3],
-                   "ids": ids.tolist(), "values": values.tolist()}  # fmt: skip
+    assert obj == {
+        "layer": 4,
+        "top_k": 3,
+        "positions": "all",
+        "start": 7,
+        "shape": [2, 3],
+        "ids": ids.tolist(),
+        "values": values.tolist(),
+    }
     last = wire(encode_choice_features(parts, HiddenStatesAsk((), "float", "last", False, 3)))
     assert last["shape"] == [1, 3] and "start" not in last and last["ids"] == [[1, 0, 7]]
     assert encode_choice_features([], ask) is None
@@ -82,18 +108,26 @@ def test_choice_object_concatenates_deltas_and_keeps_dtypes(wire):
 def write_sae(tmp_path, d_in=16, hook="blocks.2.hook_resid_post"):
     from vllm_hidden_states.sae import save_sae
 
-    weights = {"W_enc": torch.zeros(d_in, 8), "b_enc": torch.zeros(8),
-               "W_dec": torch.zeros(8, d_in), "b_dec": torch.zeros(d_in)}  # fmt: skip
-    cfg = {"architecture": "standard", "d_in": d_in, "d_sae": 8,
-           "metadata": {"hook_name": hook}}  # fmt: skip
+    weights = {
+        "W_enc": torch.zeros(d_in, 8),
+        "b_enc": torch.zeros(8),
+        "W_dec": torch.zeros(8, d_in),
+        "b_dec": torch.zeros(d_in),
+    }
+    cfg = {"architecture": "standard", "d_in": d_in, "d_sae": 8, "metadata": {"hook_name": hook}}
     return save_sae(tmp_path / "my-sae", weights, cfg)
 
 
 def test_sae_entry_reads_layer_from_hook_or_flag(tmp_path):
     path = write_sae(tmp_path)
     entry = sae_entry(str(path))
-    assert entry == {"path": str(path.resolve()), "layer": 3, "d_in": 16, "d_sae": 8,
-                     "name": "my-sae"}  # fmt: skip
+    assert entry == {
+        "path": str(path.resolve()),
+        "layer": 3,
+        "d_in": 16,
+        "d_sae": 8,
+        "name": "my-sae",
+    }
     assert sae_entry(str(path), -2)["layer"] == -2
 
 
@@ -103,8 +137,9 @@ def test_sae_entry_refusals_name_what_is_allowed(tmp_path):
     path = write_sae(tmp_path, hook="blocks.2.attn.hook_z")
     with pytest.raises(ValueError, match="--sae-layer"):
         sae_entry(str(path))
-    (path / "cfg.json").write_text(json.dumps({"d_in": 16, "d_sae": "8",
-                                               "hook_name": "blocks.0.hook_resid_pre"}))
+    (path / "cfg.json").write_text(
+        json.dumps({"d_in": 16, "d_sae": "8", "hook_name": "blocks.0.hook_resid_pre"})
+    )
     with pytest.raises(ValueError, match="d_sae"):
         sae_entry(str(path))
 
@@ -113,8 +148,14 @@ def cfg_with(sae_layer_given: int, layers=None, num_layers=4):
     sae = {"path": "/x", "layer": sae_layer_given, "d_in": 16, "d_sae": 8, "name": "x"}
     inside = -(num_layers + 1) <= sae_layer_given <= num_layers
     all_layers = tuple(range(num_layers + 1)) if layers is None else tuple(layers)
-    return HiddenStatesConfig(num_layers, all_layers, None, 24, sae,
-                              sae_layer_given % (num_layers + 1) if inside else None)
+    return HiddenStatesConfig(
+        num_layers,
+        all_layers,
+        None,
+        24,
+        sae,
+        sae_layer_given % (num_layers + 1) if inside else None,
+    )
 
 
 def test_sae_problems_at_start():
@@ -126,7 +167,6 @@ def test_sae_problems_at_start():
 
 def test_engine_refuses_sae_features_without_sae():
     from vllm.exceptions import VLLMValidationError
-
     from vllm_hidden_states.frontend.validate import sae_top_k_of
 
     with pytest.raises(VLLMValidationError, match="--sae"):
@@ -142,13 +182,14 @@ def test_engine_refuses_sae_features_without_sae():
 
 def test_tracker_inline_features_cut_and_delta():
     from vllm.v1.engine import HiddenStatesSpec
-
     from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker
 
     spec = HiddenStatesSpec([], [], "all", inline=True, sae_top_k=2, sae_layer=3)
     t = HiddenStatesTracker(spec, None, 0)
-    feats = lambda rows: (torch.arange(rows * 2, dtype=torch.int32).reshape(rows, 2),  # noqa: E731
-                          torch.ones(rows, 2))
+
+    def feats(rows):
+        return torch.arange(rows * 2, dtype=torch.int32).reshape(rows, 2), torch.ones(rows, 2)
+
     t.receive(None, feats(4))
     assert t.for_output(False, True) is None  # features only: no hidden states
     first = t.sae_features_for_output(False, True)
@@ -164,7 +205,6 @@ def test_tracker_inline_features_cut_and_delta():
 
 def test_tracker_of_a_request_without_sae_features_gives_none():
     from vllm.v1.engine import HiddenStatesSpec
-
     from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker
 
     t = HiddenStatesTracker(HiddenStatesSpec([-1], [4], "last"), None, 0)

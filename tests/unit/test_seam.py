@@ -20,9 +20,13 @@ def references():
 def scratch_vllm(tmp_path_factory) -> Path:
     """A copy of the installed vLLM's Python sources."""
     root = tmp_path_factory.mktemp("scratch") / "vllm"
-    shutil.copytree(seam.vllm_root(), root,
-                    ignore=lambda d, names: [n for n in names if not n.endswith(".py")
-                                             and not (Path(d) / n).is_dir()])  # fmt: skip
+    shutil.copytree(
+        seam.vllm_root(),
+        root,
+        ignore=lambda d, names: [
+            n for n in names if not n.endswith(".py") and not (Path(d) / n).is_dir()
+        ],
+    )
     return root
 
 
@@ -34,9 +38,7 @@ def test_inventory_lists_imported_symbols_and_module_attributes(references):
     names = {str(r) for r in references}
     assert "vllm.v1.engine:FinishReason" in names
     assert "vllm.logger:init_logger" in names
-    assert (
-        "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" in names
-    )  # import vllm.envs as envs; envs.X
+    assert "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" in names  # import vllm.envs as envs; envs.X
     assert "vllm.v1.core.sched.request_queue:FCFSRequestQueue" in names
 
 
@@ -44,9 +46,7 @@ def test_inventory_leaves_out_the_packages_own_private_names(references):
     assert not any(r.name in ("*._hs_rows", "*._arm", "*._collect") for r in references)
 
 
-def test_a_renamed_vllm_class_is_reported_with_where_the_package_names_it(
-    references, scratch_vllm
-):
+def test_a_renamed_vllm_class_is_reported_with_where_the_package_names_it(references, scratch_vllm):
     module = scratch_vllm / "v1" / "engine" / "__init__.py"
     module.write_text(module.read_text().replace("FinishReason", "FinishCause"))
     problems = seam.missing(references, scratch_vllm)
@@ -68,8 +68,7 @@ def test_a_renamed_private_vllm_attribute_is_reported(scratch_vllm):
             path.write_text(text.replace("_free_blocks", "_release_blocks"))
     problems = seam.missing(used, scratch_vllm)
     assert problems == [
-        "vllm:*._free_blocks (named at vllm_hidden_states/x.py:1): "
-        "no vLLM class defines it"
+        "vllm:*._free_blocks (named at vllm_hidden_states/x.py:1): no vLLM class defines it"
     ]
 
 
@@ -96,10 +95,7 @@ def _vllm_bound_names(tree: ast.Module) -> set[str]:
             for alias in node.names:
                 if alias.name.split(".")[0] == "vllm":
                     names.add((alias.asname or alias.name).split(".")[0])
-        elif (
-            isinstance(node, ast.ImportFrom)
-            and (node.module or "").split(".")[0] == "vllm"
-        ):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
             names.update(alias.asname or alias.name for alias in node.names)
     return names
 
@@ -119,32 +115,17 @@ def test_the_package_replaces_nothing_of_vllm_at_run_time():
         for node in ast.walk(tree):
             targets = []
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-                targets = (
-                    node.targets if isinstance(node, ast.Assign) else [node.target]
-                )
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr":
-                if not (
-                    isinstance(node.args[0], ast.Name) and node.args[0].id == "self"
-                ):
-                    found.append(
-                        f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}"
-                    )
-            elif (
-                isinstance(node, ast.Attribute)
-                and ast.unparse(node) == "functools.wraps"
-            ):
+                if not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+            elif isinstance(node, ast.Attribute) and ast.unparse(node) == "functools.wraps":
                 # A wrapper stands in for the function it wraps.
                 found.append(f"{path.relative_to(root)}:{node.lineno} functools.wraps")
             for target in targets:
                 base = target
                 while isinstance(base, ast.Attribute):
                     base = base.value
-                if (
-                    target is not base
-                    and isinstance(base, ast.Name)
-                    and base.id in bound
-                ):
-                    found.append(
-                        f"{path.relative_to(root)}:{node.lineno} {ast.unparse(target)}"
-                    )
+                if target is not base and isinstance(base, ast.Name) and base.id in bound:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(target)}")
     assert found == []

@@ -33,15 +33,19 @@ LAYERS = (-2, 0)
 
 
 def meta(**kw) -> HarvestMeta:
-    return HarvestMeta(**{"model": "m", "layers": LAYERS, "positions": "prompt",
-                          "hidden_size": HIDDEN, **kw})
+    return HarvestMeta(
+        **{"model": "m", "layers": LAYERS, "positions": "prompt", "hidden_size": HIDDEN, **kw}
+    )
 
 
 def make_doc(i: int, n: int | None = None) -> DocStates:
     rng = np.random.default_rng(i)
     n = n or 3 + i % 5
-    return DocStates(f"doc-{i}", rng.integers(0, 500, n).astype(np.int32),
-                     rng.standard_normal((len(LAYERS), n, HIDDEN)).astype(np.float32))
+    return DocStates(
+        f"doc-{i}",
+        rng.integers(0, 500, n).astype(np.int32),
+        rng.standard_normal((len(LAYERS), n, HIDDEN)).astype(np.float32),
+    )
 
 
 def read_rows(out: Path) -> dict[tuple[str, int, int], tuple[int, np.ndarray]]:
@@ -49,8 +53,9 @@ def read_rows(out: Path) -> dict[tuple[str, int, int], tuple[int, np.ndarray]]:
     rows = {}
     for f in sorted(out.glob("shard-*.parquet")):
         t = pq.read_table(f).to_pydict()
-        for d, p, tok, lay, v in zip(t["doc_id"], t["position"], t["token_id"], t["layer"],
-                                     t["vector"]):
+        for d, p, tok, lay, v in zip(
+            t["doc_id"], t["position"], t["token_id"], t["layer"], t["vector"]
+        ):
             key = (d, lay, p)
             assert key not in rows, f"duplicate row {key}"
             rows[key] = (tok, np.asarray(v, dtype=np.float32))
@@ -201,7 +206,9 @@ def test_safetensors_shards(tmp_path):
             w.submit(d)
     with safe_open(str(tmp_path / "shard-00000.safetensors"), "pt") as f:
         ids = json.loads(f.metadata()["doc_ids"])
-        vec, idx, pos, lay = (f.get_tensor(k) for k in ("vectors", "doc_index", "position", "layer"))
+        vec, idx, pos, lay = (
+            f.get_tensor(k) for k in ("vectors", "doc_index", "position", "layer")
+        )
     assert vec.dtype == torch.bfloat16 and ids == [d.doc_id for d in docs]
     for r in range(vec.shape[0]):
         d = docs[int(idx[r])]
@@ -215,15 +222,19 @@ def test_duckdb_reads_shards(tmp_path):
         for d in docs:
             w.submit(d)
     glob = str(tmp_path / "shard-*.parquet")
-    counts = duckdb.sql(f"SELECT doc_id, count(*) FROM '{glob}' WHERE layer = -2 "
-                        "GROUP BY doc_id ORDER BY doc_id").fetchall()
+    counts = duckdb.sql(
+        f"SELECT doc_id, count(*) FROM '{glob}' WHERE layer = -2 GROUP BY doc_id ORDER BY doc_id"
+    ).fetchall()
     assert counts == sorted((d.doc_id, d.num_tokens) for d in docs)
     d = docs[3]
-    ((vec,),) = duckdb.sql(f"SELECT vector FROM '{glob}' WHERE doc_id = 'doc-3' AND layer = 0 "
-                           "AND position = 2").fetchall()
+    ((vec,),) = duckdb.sql(
+        f"SELECT vector FROM '{glob}' WHERE doc_id = 'doc-3' AND layer = 0 AND position = 2"
+    ).fetchall()
     np.testing.assert_array_equal(np.asarray(vec, np.float32), d.vectors[1, 2])
-    ((norm,),) = duckdb.sql(f"SELECT sqrt(list_dot_product(vector, vector)) FROM '{glob}' "
-                            "WHERE doc_id = 'doc-3' AND layer = 0 AND position = 2").fetchall()
+    ((norm,),) = duckdb.sql(
+        f"SELECT sqrt(list_dot_product(vector, vector)) FROM '{glob}' "
+        "WHERE doc_id = 'doc-3' AND layer = 0 AND position = 2"
+    ).fetchall()
     assert norm == pytest.approx(float(np.linalg.norm(d.vectors[1, 2])), rel=1e-5)
 
 
@@ -261,38 +272,75 @@ class Clock:
         return self.when
 
 
-def sae_request(s: store.ActivationStore, request_id: str, ids, values, prompt_len=2,
-                tokens=None, layer=3):
+def sae_request(
+    s: store.ActivationStore, request_id: str, ids, values, prompt_len=2, tokens=None, layer=3
+):
     ids = np.asarray(ids)
     return s.append_sae_features(
-        request_id, model_id="tiny", sae_release="rel", sae_layer=layer,
+        request_id,
+        model_id="tiny",
+        sae_release="rel",
+        sae_layer=layer,
         token_ids=tokens if tokens is not None else list(range(100, 100 + len(ids))),
-        feature_ids=ids, values=np.asarray(values, dtype=np.float32), prompt_len=prompt_len)
+        feature_ids=ids,
+        values=np.asarray(values, dtype=np.float32),
+        prompt_len=prompt_len,
+    )
 
 
 def test_sae_rows_land_with_schema_and_partition(tmp_path):
     clock = Clock(dt.datetime(2030, 5, 17, 12, 0, tzinfo=dt.timezone.utc))
     s = store.ActivationStore(tmp_path, clock=clock)
-    assert sae_request(s, "r1", [[4, 9, -1], [9, 4, 1], [1, -1, -1]],
-                       [[2.0, 1.0, 0.0], [3.0, 0.5, 0.25], [1.5, 0, 0]])
+    assert sae_request(
+        s,
+        "r1",
+        [[4, 9, -1], [9, 4, 1], [1, -1, -1]],
+        [[2.0, 1.0, 0.0], [3.0, 0.5, 0.25], [1.5, 0, 0]],
+    )
     assert s.flush(300)
     files = list((tmp_path / "sae_features" / "date=2030-05-17").glob("*.parquet"))
     assert len(files) == 1
     t = pq.read_table(files[0])
-    assert t.schema.names == ["request_id", "choice_index", "step", "token_position",
-                              "token_id", "created_at",
-                              "sae_release", "sae_layer", "feature_id", "activation_value",
-                              "rank", "source_mode", "model_id", "schema_version"]
+    assert t.schema.names == [
+        "request_id",
+        "choice_index",
+        "step",
+        "token_position",
+        "token_id",
+        "created_at",
+        "sae_release",
+        "sae_layer",
+        "feature_id",
+        "activation_value",
+        "rank",
+        "source_mode",
+        "model_id",
+        "schema_version",
+    ]
     assert t.schema.equals(store.sae_schema(), check_metadata=False)
     rows = t.to_pylist()
     assert len(rows) == 6  # -1 slots are not written
-    assert [(r["token_position"], r["step"], r["rank"], r["feature_id"], r["activation_value"])
-            for r in rows] == [(0, 0, 0, 4, 2.0), (0, 0, 1, 9, 1.0), (1, 0, 0, 9, 3.0),
-                               (1, 0, 1, 4, 0.5), (1, 0, 2, 1, 0.25), (2, 1, 0, 1, 1.5)]
+    assert [
+        (r["token_position"], r["step"], r["rank"], r["feature_id"], r["activation_value"])
+        for r in rows
+    ] == [
+        (0, 0, 0, 4, 2.0),
+        (0, 0, 1, 9, 1.0),
+        (1, 0, 0, 9, 3.0),
+        (1, 0, 1, 4, 0.5),
+        (1, 0, 2, 1, 0.25),
+        (2, 1, 0, 1, 1.5),
+    ]
     r = rows[0]
-    assert (r["request_id"], r["token_id"], r["sae_release"], r["sae_layer"], r["source_mode"],
-            r["model_id"], r["schema_version"]) == ("r1", 100, "rel", 3, "inline", "tiny",
-                                                    store.SCHEMA_VERSION)
+    assert (
+        r["request_id"],
+        r["token_id"],
+        r["sae_release"],
+        r["sae_layer"],
+        r["source_mode"],
+        r["model_id"],
+        r["schema_version"],
+    ) == ("r1", 100, "rel", 3, "inline", "tiny", store.SCHEMA_VERSION)
     assert r["created_at"] == dt.datetime(2030, 5, 17, 12, 0)
     assert s.stats.rows_written == 6 and s.stats.requests_dropped == 0
     s.close()
@@ -301,12 +349,18 @@ def test_sae_rows_land_with_schema_and_partition(tmp_path):
 def test_hidden_states_opt_in_table(tmp_path):
     s = store.ActivationStore(tmp_path)
     states = {-1: np.arange(12, dtype=np.float32).reshape(3, 4), 2: np.ones((3, 4))}
-    assert s.append_hidden_states("r1", model_id="tiny", token_ids=[5, 6, 7], states=states,
-                                  prompt_len=3)
+    assert s.append_hidden_states(
+        "r1", model_id="tiny", token_ids=[5, 6, 7], states=states, prompt_len=3
+    )
     assert s.flush(300)
-    rows = store.connect(tmp_path).execute(
-        "SELECT layer, token_position, step, token_id, vector FROM hidden_states "
-        "ORDER BY layer, token_position").fetchall()
+    rows = (
+        store.connect(tmp_path)
+        .execute(
+            "SELECT layer, token_position, step, token_id, vector FROM hidden_states "
+            "ORDER BY layer, token_position"
+        )
+        .fetchall()
+    )
     assert rows[0] == (-1, 0, 0, 5, [0.0, 1.0, 2.0, 3.0])
     assert rows[2] == (-1, 2, 0, 7, [8.0, 9.0, 10.0, 11.0])
     assert [r[0] for r in rows] == [-1] * 3 + [2] * 3
@@ -401,19 +455,25 @@ def test_read_only_directory_warns_and_serves(tmp_path):
     if os.geteuid() == 0:
         import shutil
 
-        if shutil.which("unshare") is None or subprocess.run(
-                ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        if (
+            shutil.which("unshare") is None
+            or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0
+        ):
             pytest.skip("running as root without unshare: cannot make a read-only directory")
-        mount = (f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
-                 'exec "$@"')
+        mount = f'mount --bind {root} {root} && mount -o remount,bind,ro {root} && exec "$@"'
         argv = ["unshare", "-rm", "sh", "-c", mount, "sh", *argv]
         expected_error = "Read-only file system"
     else:
         os.chmod(root, 0o555)
         expected_error = "Permission denied"
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                             cwd=str(Path(__file__).resolve().parents[2]))
+        out = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(Path(__file__).resolve().parents[2]),
+        )
     finally:
         os.chmod(root, 0o755)
     assert out.returncode == 0, out.stderr
@@ -469,17 +529,49 @@ def test_store_cli_query_and_prune(tmp_path, capsys):
     s = store.ActivationStore(tmp_path)
     sae_request(s, "r1", [[5, 6], [6, 5]], [[3.0, 1.0], [4.0, 2.0]])
     s.close()
-    assert main(["store", "query", str(tmp_path), "threshold", "--feature", "6",
-                 "--min", "3.5", "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "store",
+                "query",
+                str(tmp_path),
+                "threshold",
+                "--feature",
+                "6",
+                "--min",
+                "3.5",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [(r["request_id"], r["positions"], r["max_activation"]) for r in out] == [("r1", 1, 4.0)]
-    assert main(["store", "query", str(tmp_path), "deltas", "--request-id", "r1",
-                 "--feature", "5", "--format", "csv"]) == 0
+    assert (
+        main(
+            [
+                "store",
+                "query",
+                str(tmp_path),
+                "deltas",
+                "--request-id",
+                "r1",
+                "--feature",
+                "5",
+                "--format",
+                "csv",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "feature_id,token_position,step,token_id,activation_value,delta"
     assert lines[1:] == ["5,0,0,100,3.0,3.0", "5,1,0,101,2.0,-1.0"]
-    assert main(["store", "query", str(tmp_path), "sql",
-                 "SELECT count(*) AS n FROM sae_features"]) == 0
+    assert (
+        main(["store", "query", str(tmp_path), "sql", "SELECT count(*) AS n FROM sae_features"])
+        == 0
+    )
     assert capsys.readouterr().out.split() == ["n", "4"]
     old = tmp_path / "sae_features" / "date=2000-01-01"
     old.mkdir()

@@ -10,7 +10,8 @@ block freeing are vLLM's own. :class:`~vllm_hidden_states.engine.planner.
 CapturePlanner` queues it and plans its captures.
 """
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
@@ -65,10 +66,10 @@ def problem_with(
     if extract.sae_top_k and (
         config.sae is None or not 1 <= extract.sae_top_k <= config.sae["d_sae"]
     ):
-        return (
-            f"sae_top_k {extract.sae_top_k}: "
-            + ("no SAE on this engine (--sae)" if config.sae is None
-               else f"must be in 1..{config.sae['d_sae']}")  # fmt: skip
+        return f"sae_top_k {extract.sae_top_k}: " + (
+            "no SAE on this engine (--sae)"
+            if config.sae is None
+            else f"must be in 1..{config.sae['d_sae']}"
         )
     if not extract.layers and not extract.sae_top_k:
         return "no layers requested"
@@ -98,16 +99,14 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
     """
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-    planner: "CapturePlanner | None" = engine_core.scheduler.capture_planner
+    planner: CapturePlanner | None = engine_core.scheduler.capture_planner
     for extract in extracts:
         problem = problem_with(planner, extract)
         if problem is None:
             request = make_extract_request(extract, engine_core.request_block_hasher)
             planner.add_extract(engine_core.scheduler, request, extract)
             continue
-        logger.error(
-            "Rejected hidden-states extract %s: %s", extract.request_id, problem
-        )
+        logger.error("Rejected hidden-states extract %s: %s", extract.request_id, problem)
         queue = getattr(engine_core, "output_queue", None)
         if queue is None:
             raise ValueError(f"hidden-states extract {extract.request_id}: {problem}")
@@ -122,8 +121,6 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
         queue.put_nowait(
             (
                 extract.client_index,
-                EngineCoreOutputs(
-                    outputs=[error], finished_requests={extract.request_id}
-                ),
+                EngineCoreOutputs(outputs=[error], finished_requests={extract.request_id}),
             )
         )

@@ -125,7 +125,7 @@ class CapturePlanner:
         self.active: dict[str, CaptureSpec] = {}
         # Finished "last" requests whose KV blocks wait for their extract, by
         # request id, with the monotonic time they were parked (oldest first).
-        self.parked: dict[str, tuple["Request", float]] = {}
+        self.parked: dict[str, tuple[Request, float]] = {}
         self._can_hand_over: bool | None = None
         # Capture rows still free in the step being scheduled.
         self.rows_left = config.max_rows
@@ -148,7 +148,9 @@ class CapturePlanner:
 
         self._adopt_parked(scheduler, request, extract)
         self.active[request.request_id] = self._spec(
-            tuple(extract.layers), extract.positions, len(extract.token_ids),
+            tuple(extract.layers),
+            extract.positions,
+            len(extract.token_ids),
             extract.sae_top_k,
         )
         scheduler.add_request(request)
@@ -172,16 +174,20 @@ class CapturePlanner:
                 layers, "all", request.num_prompt_tokens, spec.sae_top_k
             )
         elif spec.inline:
-            self.active[request.request_id] = self._spec(
-                layers, "all", None, spec.sae_top_k
-            )
+            self.active[request.request_id] = self._spec(layers, "all", None, spec.sae_top_k)
 
-    def _spec(self, layers: tuple[int, ...], positions: str, num_tokens: int | None,
-              sae_top_k: int = 0):  # fmt: skip
+    def _spec(
+        self, layers: tuple[int, ...], positions: str, num_tokens: int | None, sae_top_k: int = 0
+    ):
         final = self.config.num_layers
         read = (*layers, self.config.sae_layer) if sae_top_k else layers
-        return CaptureSpec(layers, positions, num_tokens, sae_top_k=sae_top_k,
-                           buffered=any(k != final for k in read))  # fmt: skip
+        return CaptureSpec(
+            layers,
+            positions,
+            num_tokens,
+            sae_top_k=sae_top_k,
+            buffered=any(k != final for k in read),
+        )
 
     # -- each step -------------------------------------------------------------
 
@@ -231,8 +237,13 @@ class CapturePlanner:
                     if start + scheduled[req_id] <= spec.delivered:
                         continue  # recomputing delivered positions
                 steps[req_id] = CaptureStep(
-                    spec.layers, spec.positions, start, num_tokens,
-                    max(start, spec.delivered), spec.sae_top_k, spec.buffered,
+                    spec.layers,
+                    spec.positions,
+                    start,
+                    num_tokens,
+                    max(start, spec.delivered),
+                    spec.sae_top_k,
+                    spec.buffered,
                 )
         if steps:
             output.capture_plan = steps

@@ -132,9 +132,7 @@ class HiddenStatesTracker:
 
     def _keyed(self, data: torch.Tensor) -> dict[int, torch.Tensor]:
         row = {k: i for i, k in enumerate(distinct_layers(self.spec))}
-        return {
-            key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)
-        }
+        return {key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)}
 
     def receive(self, data: torch.Tensor | None, features: Features | None = None) -> None:
         """Rows (and SAE features) that rode on one of the request's own outputs."""
@@ -147,8 +145,9 @@ class HiddenStatesTracker:
             self.complete = data  # "prompt": every prompt position at once
             self.complete_features = features
 
-    def finish(self, data: torch.Tensor | None, num_tokens: int,
-               features: Features | None = None) -> None:  # fmt: skip
+    def finish(
+        self, data: torch.Tensor | None, num_tokens: int, features: Features | None = None
+    ) -> None:
         """The extract's rows: everything, or (inline) the final token's row,
         appended to the inline rows cut to ``num_tokens - 1`` positions (a
         stop string may have trimmed the output after they were computed)."""
@@ -157,11 +156,16 @@ class HiddenStatesTracker:
             self.complete_features = features
             return
         if features is not None:
-            ids, values = (_cat_features(self.feature_chunks) if self.feature_chunks
-                           else (features[0][:0], features[1][:0]))  # fmt: skip
+            ids, values = (
+                _cat_features(self.feature_chunks)
+                if self.feature_chunks
+                else (features[0][:0], features[1][:0])
+            )
             if ids.shape[0] < num_tokens - 1:
-                self.fail(f"{ids.shape[0]} inline SAE positions arrived for a "
-                          f"sequence of {num_tokens} tokens")  # fmt: skip
+                self.fail(
+                    f"{ids.shape[0]} inline SAE positions arrived for a "
+                    f"sequence of {num_tokens} tokens"
+                )
                 return
             self.complete_features = (
                 torch.cat([ids[: num_tokens - 1], features[0]]),
@@ -172,8 +176,7 @@ class HiddenStatesTracker:
         earlier = torch.cat(self.chunks, dim=1) if self.chunks else data[:, :0]
         if earlier.shape[1] < num_tokens - 1:
             self.fail(
-                f"{earlier.shape[1]} inline positions arrived for a sequence of "
-                f"{num_tokens} tokens"
+                f"{earlier.shape[1]} inline positions arrived for a sequence of {num_tokens} tokens"
             )
             return
         self.complete = torch.cat([earlier[:, : num_tokens - 1], data], dim=1)
@@ -357,13 +360,9 @@ class ExtractDispatcher:
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
         assert req_state.detokenizer is not None
         # The sequence as vLLM reports it: prompt + output after stop trimming.
-        token_ids = list(req_state.prompt_token_ids) + list(
-            req_state.detokenizer.output_token_ids
-        )
+        token_ids = list(req_state.prompt_token_ids) + list(req_state.detokenizer.output_token_ids)
         extract_id = extract_id_for(req_state.request_id)
-        self._held[extract_id] = HeldOutput(
-            req_state, engine_core_output, emission, len(token_ids)
-        )
+        self._held[extract_id] = HeldOutput(req_state, engine_core_output, emission, len(token_ids))
         self._outgoing.append(
             HiddenStatesExtractRequest(
                 request_id=extract_id,
@@ -401,15 +400,15 @@ class ExtractDispatcher:
         data = engine_core_output.hidden_states
         features = features_of(engine_core_output)
         if (
-            (tracker.spec.layers
-             and (data is None or data.shape[0] != len(distinct_layers(tracker.spec))))
-            or (tracker.spec.sae_top_k and features is None)
-        ):  # fmt: skip
+            tracker.spec.layers
+            and (data is None or data.shape[0] != len(distinct_layers(tracker.spec)))
+        ) or (tracker.spec.sae_top_k and features is None):
             reason = engine_core_output.stop_reason
             tracker.fail(
                 "hidden-state extraction failed in the engine "
                 f"(finish_reason={engine_core_output.finish_reason}"
-                + (f": {reason}" if isinstance(reason, str) else "") + ")"
+                + (f": {reason}" if isinstance(reason, str) else "")
+                + ")"
             )
         else:
             tracker.finish(data, held.num_tokens, features)

@@ -6,7 +6,8 @@ Runs in the front-end, inside vLLM's load-balancing DP client
 (``DPLBAsyncMPClient``, patch 0002). That client picks an engine per request
 and records it in ``reqs_in_flight`` only until the request finishes; the
 extract is sent after that, so the engine of a request that will need one is
-kept in ``client.hidden_states_engines`` here until its extract is sent. The extract must reach that engine: its finished
+kept in ``client.hidden_states_engines`` here until its extract is sent. The
+extract must reach that engine: its finished
 request's KV blocks are parked there (the one-token hand-over), and its
 prefix cache holds the sequence.
 
@@ -41,9 +42,7 @@ logger = init_logger(__name__)
 MAX_REMEMBERED = 1 << 16
 
 
-def remember_engine(
-    engines: dict[str, bytes], request: "EngineCoreRequest", engine: bytes
-) -> None:
+def remember_engine(engines: dict[str, bytes], request: "EngineCoreRequest", engine: bytes) -> None:
     """When the client routes a request that asked for hidden states: keep its
     engine in ``engines`` (the client's ``hidden_states_engines``) if the
     request will send an extract ("last", "all")."""
@@ -69,8 +68,7 @@ def route_extracts(
             # Not routed by this client (cannot happen through AsyncLLM):
             # any engine computes the right states, without the hand-over.
             logger.warning(
-                "hidden states: no engine recorded for %s; sending its extract "
-                "to engine 0",
+                "hidden states: no engine recorded for %s; sending its extract to engine 0",
                 extract.request_id,
             )
             engine = default_engine

@@ -68,8 +68,7 @@ def resolve_request(
         )
     if resumable:
         raise VLLMValidationError(
-            "return_hidden_states is not supported on streaming-input "
-            "(resumable) requests yet",
+            "return_hidden_states is not supported on streaming-input (resumable) requests yet",
             parameter="return_hidden_states",
         )
     if has_mm or has_prompt_embeds:
@@ -81,8 +80,7 @@ def resolve_request(
     positions = params.hidden_states_positions
     if positions not in POSITIONS:
         raise VLLMValidationError(
-            f"hidden_states_positions must be one of {list(POSITIONS)}, "
-            f"got {positions!r}",
+            f"hidden_states_positions must be one of {list(POSITIONS)}, got {positions!r}",
             parameter="hidden_states_positions",
         )
     sae_top_k = 0
@@ -94,8 +92,7 @@ def resolve_request(
         layers = [] if sae_top_k else list(DEFAULT_LAYERS)
     if not isinstance(layers, (list, tuple)) or (not layers and not sae_top_k):
         raise VLLMValidationError(
-            f"hidden_states_layers must be a non-empty list of integers, "
-            f"got {layers!r}",
+            f"hidden_states_layers must be a non-empty list of integers, got {layers!r}",
             parameter="hidden_states_layers",
         )
     try:

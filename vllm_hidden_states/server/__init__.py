@@ -18,8 +18,9 @@
 from typing import Any
 
 
-def register_routes(args: Any, app: Any, supported_tasks: tuple[str, ...],
-                    model_config: Any = None) -> None:  # fmt: skip
+def register_routes(
+    args: Any, app: Any, supported_tasks: tuple[str, ...], model_config: Any = None
+) -> None:
     """Add POST /v1/hidden_states (servers that generate) and the request
     bounds middleware (every server) to ``app``.
 

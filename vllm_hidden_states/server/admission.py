@@ -126,8 +126,7 @@ def limits_of(raw_request: Any) -> Limits:
 
 
 def too_large(message: str, param: str | None) -> ApiError:
-    return ApiError(message, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    "invalid_request_error", param)  # fmt: skip
+    return ApiError(message, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "invalid_request_error", param)
 
 
 def check_input_chars(limits: Limits, chars: int, param: str) -> None:

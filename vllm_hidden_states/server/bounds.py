@@ -81,8 +81,7 @@ MAX_CONCURRENT_INSPECTIONS = 2
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # Content types whose bodies are only size-capped, never parsed here.
-_NOT_JSON_PREFIXES = ("multipart/", "application/x-www-form-urlencoded",
-                      "application/octet-stream")  # fmt: skip
+_NOT_JSON_PREFIXES = ("multipart/", "application/x-www-form-urlencoded", "application/octet-stream")
 
 
 @dataclass(frozen=True)
@@ -137,21 +136,19 @@ class Bounds:
             batch = None
         return cls(
             max_body_bytes=int(body_mb * MB),
-            max_json_values=flag("request_max_json_values", VALUES_FLAG,
-                                 DEFAULT_MAX_JSON_VALUES),
-            max_json_depth=flag("request_max_json_depth", DEPTH_FLAG,
-                                DEFAULT_MAX_JSON_DEPTH),
-            max_list_items=flag("request_max_list_items", LIST_FLAG,
-                                max(DEFAULT_MAX_LIST_ITEMS, int(max_model_len))),
-            max_object_keys=flag("request_max_object_keys", KEYS_FLAG,
-                                 DEFAULT_MAX_OBJECT_KEYS),
-            max_messages=flag("request_max_messages", MESSAGES_FLAG,
-                              DEFAULT_MAX_MESSAGES),
-            max_input_items=flag("request_max_input_items", INPUT_ITEMS_FLAG,
-                                 DEFAULT_MAX_INPUT_ITEMS),
+            max_json_values=flag("request_max_json_values", VALUES_FLAG, DEFAULT_MAX_JSON_VALUES),
+            max_json_depth=flag("request_max_json_depth", DEPTH_FLAG, DEFAULT_MAX_JSON_DEPTH),
+            max_list_items=flag(
+                "request_max_list_items", LIST_FLAG, max(DEFAULT_MAX_LIST_ITEMS, int(max_model_len))
+            ),
+            max_object_keys=flag("request_max_object_keys", KEYS_FLAG, DEFAULT_MAX_OBJECT_KEYS),
+            max_messages=flag("request_max_messages", MESSAGES_FLAG, DEFAULT_MAX_MESSAGES),
+            max_input_items=flag(
+                "request_max_input_items", INPUT_ITEMS_FLAG, DEFAULT_MAX_INPUT_ITEMS
+            ),
             num_layers=num_layers,
             hidden_states_batch=batch,
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         return (
@@ -176,8 +173,13 @@ def _positive(value: Any, name: str, cast=int):
 class BoundsError(Exception):
     """A request over one of the bounds; answered as an OpenAI error body."""
 
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                 param: str | None = None, type: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        status: HTTPStatus = HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        param: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status = HTTPStatus(status)
@@ -185,8 +187,16 @@ class BoundsError(Exception):
         self.type = type or self.status.phrase
 
     def body(self) -> bytes:
-        return orjson.dumps({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": int(self.status)}})  # fmt: skip
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": int(self.status),
+                }
+            }
+        )
 
 
 # --------------------------------------------------------------------------
@@ -202,8 +212,7 @@ def count_values(body: bytes, cap: int) -> int:
 
     Both assume the body is JSON; for other bodies the number is meaningless
     but finite (the parse that follows fails)."""
-    upper = (body.count(b",") + body.count(b":") + body.count(b"[")
-             + body.count(b"{") + 1)  # fmt: skip
+    upper = body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{") + 1
     if upper <= cap:
         return upper
     return _count_outside_strings(_as_utf8(body)) + 1
@@ -326,21 +335,28 @@ def check_fields(data: Any, bounds: Bounds, route: str) -> None:
                 "previous_response_id",
                 param="input",
             )
-    if (isinstance(items, list) and route.endswith("/v1/hidden_states")
-            and bounds.hidden_states_batch is not None):  # fmt: skip
+    if (
+        isinstance(items, list)
+        and route.endswith("/v1/hidden_states")
+        and bounds.hidden_states_batch is not None
+    ):
         from vllm_hidden_states.server import admission
 
         limits = admission.Limits(0, bounds.hidden_states_batch, 0)
         _as_bounds_error(admission.check_batch, limits, len(items), "input", "inputs")
     layers = data.get("hidden_states_layers")
-    if (isinstance(layers, list) and bounds.num_layers is not None
-            and len(layers) > bounds.num_layers + 1):  # fmt: skip
+    if (
+        isinstance(layers, list)
+        and bounds.num_layers is not None
+        and len(layers) > bounds.num_layers + 1
+    ):
         from vllm_hidden_states.server import admission
 
         # The admission check's own refusal (it refuses on the length before
         # resolving any entry, and runs again, in full, on the route).
-        _as_bounds_error(admission.check_layers, tuple(layers), bounds.num_layers,
-                         None, "hidden_states_layers")  # fmt: skip
+        _as_bounds_error(
+            admission.check_layers, tuple(layers), bounds.num_layers, None, "hidden_states_layers"
+        )
 
 
 def _as_bounds_error(check, *args) -> None:
@@ -376,8 +392,9 @@ def check_structure(data: Any, bounds: Bounds) -> None:
                         f"{_where(path)} is nested {len(stack) + 1} levels deep "
                         "(arrays and objects inside each other), over this "
                         f"server's limit of {max_depth} ({DEPTH_FLAG})",
-                        HTTPStatus.BAD_REQUEST, _param(path),
-                    )  # fmt: skip
+                        HTTPStatus.BAD_REQUEST,
+                        _param(path),
+                    )
                 _check_container(value, path, bounds)
                 stack.append(_children(value))
                 break
@@ -468,8 +485,9 @@ class RequestBoundsMiddleware:
             if chunk:
                 size += len(chunk)
                 if size > bounds.max_body_bytes:
-                    await self._refuse(scope, send, _too_long(size, bounds, partial=True),
-                                       close=True)  # fmt: skip
+                    await self._refuse(
+                        scope, send, _too_long(size, bounds, partial=True), close=True
+                    )
                     return
                 chunks.append(chunk)
             if not message.get("more_body", False):
@@ -494,15 +512,21 @@ class RequestBoundsMiddleware:
             await asyncio.to_thread(inspect_body, body, self.bounds, route)
 
     async def _refuse(self, scope, send, error: BoundsError, close: bool = False) -> None:
-        logger.info("refused %s %s (%d): %s", scope.get("method"), scope.get("path"),
-                    int(error.status), error.message)  # fmt: skip
+        logger.info(
+            "refused %s %s (%d): %s",
+            scope.get("method"),
+            scope.get("path"),
+            int(error.status),
+            error.message,
+        )
         body = error.body()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
         if close:  # the rest of the body is never read
             headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": int(error.status),
-                    "headers": headers})  # fmt: skip
+        await send({"type": "http.response.start", "status": int(error.status), "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 
@@ -561,40 +585,53 @@ def add_cli_args(group) -> None:
     """The flags, on the ``Hidden states (vllm-hidden-states)`` group (the API
     server reads them; EngineArgs ignores them)."""
     group.add_argument(
-        BODY_FLAG, type=float, default=None,
+        BODY_FLAG,
+        type=float,
+        default=None,
         help="Largest request body, in MB (2**20 bytes), on every route; "
         "larger ones are refused (413) before they are read or parsed. "
         f"Default: {DEFAULT_MAX_BODY_MB:g}.",
     )
     group.add_argument(
-        VALUES_FLAG, type=int, default=None,
+        VALUES_FLAG,
+        type=int,
+        default=None,
         help="Most JSON values and object keys (each a Python object once "
         "parsed) one request body may hold, counted before it is parsed. Default: "
         f"{DEFAULT_MAX_JSON_VALUES}.",
     )
     group.add_argument(
-        DEPTH_FLAG, type=int, default=None,
+        DEPTH_FLAG,
+        type=int,
+        default=None,
         help="Deepest nesting of arrays and objects in a request body. "
         f"Default: {DEFAULT_MAX_JSON_DEPTH}.",
     )
     group.add_argument(
-        LIST_FLAG, type=int, default=None,
+        LIST_FLAG,
+        type=int,
+        default=None,
         help="Most items in any one list of a request body. Default: "
         f"{DEFAULT_MAX_LIST_ITEMS}, or max_model_len if larger (token-id prompts).",
     )
     group.add_argument(
-        KEYS_FLAG, type=int, default=None,
-        help="Most keys in any one object of a request body. Default: "
-        f"{DEFAULT_MAX_OBJECT_KEYS}.",
+        KEYS_FLAG,
+        type=int,
+        default=None,
+        help=f"Most keys in any one object of a request body. Default: {DEFAULT_MAX_OBJECT_KEYS}.",
     )
     group.add_argument(
-        MESSAGES_FLAG, type=int, default=None,
+        MESSAGES_FLAG,
+        type=int,
+        default=None,
         help="Most chat messages one request may carry (summed over a batch's "
         f"conversations). Default: {DEFAULT_MAX_MESSAGES}.",
     )
     group.add_argument(
-        INPUT_ITEMS_FLAG, type=int, default=None,
+        INPUT_ITEMS_FLAG,
+        type=int,
+        default=None,
         help="Most 'input' items one /v1/responses request may carry (vLLM "
         "validates each malformed one at ~1 MB). Default: "
         f"{DEFAULT_MAX_INPUT_ITEMS}.",
-    )  # fmt: skip
+    )

@@ -40,13 +40,13 @@ Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
 ``internal_error``).
 """
 
-import pybase64
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 import numpy as np
 import orjson
+import pybase64
 import torch
 
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")
@@ -121,8 +121,9 @@ BINARY_HEADER_LENGTH_BYTES = 8
 BINARY_ALIGN_BYTES = 8
 
 
-def binary_body(arrays: list[np.ndarray], items: list[dict[str, Any]],
-                header: dict[str, Any]) -> bytes:  # fmt: skip
+def binary_body(
+    arrays: list[np.ndarray], items: list[dict[str, Any]], header: dict[str, Any]
+) -> bytes:
     """The octet-stream body of a binary answer (layout in the module docstring).
 
     Args:

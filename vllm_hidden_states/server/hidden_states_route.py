@@ -57,7 +57,6 @@ from pydantic import (
 
 from vllm.logger import init_logger
 from vllm_hidden_states.server import admission
-from vllm_hidden_states.server.validation import validate_layers
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,
     ORJSON_OPTIONS,
@@ -68,6 +67,7 @@ from vllm_hidden_states.server.encoding import (
     encode_array,
     invalid_request,
 )
+from vllm_hidden_states.server.validation import validate_layers
 
 logger = init_logger(__name__)
 
@@ -255,11 +255,16 @@ def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRe
         admission.check_input_chars(limits, sum(map(len, texts)), "input")
         results = len(texts)
     admission.check_response(
-        limits, results, 1, 1, engine_client.model_config.get_hidden_size(),
-        request.encoding_format, "input",
+        limits,
+        results,
+        1,
+        1,
+        engine_client.model_config.get_hidden_size(),
+        request.encoding_format,
+        "input",
         "split the batch, or use encoding_format 'base64' or 'bytes'",
         request.embed_dtype,
-    )  # fmt: skip
+    )
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:
@@ -272,8 +277,7 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid_request(
-                f"messages[{i}] has no 'role'; each message is {{'role': ..., "
-                "'content': ...}",
+                f"messages[{i}] has no 'role'; each message is {{'role': ..., 'content': ...}}",
                 "messages",
             )
         content = message.get("content")
@@ -322,14 +326,10 @@ async def _token_ids(state: Any, request: HiddenStatesRequest) -> list[list[int]
     out: list[list[int]] = []
     step = admission.ADMISSION_SLICE
     for start in range(0, len(texts), step):
-        out.extend(
-            await _run_in_tokenizer_pool(state, encode, texts[start : start + step])
-        )
+        out.extend(await _run_in_tokenizer_pool(state, encode, texts[start : start + step]))
     for i, ids in enumerate(out):
         if not ids:
-            raise invalid_request(
-                f"input {i} encodes to no tokens; give non-empty text", "input"
-            )
+            raise invalid_request(f"input {i} encodes to no tokens; give non-empty text", "input")
     return out
 
 
@@ -359,15 +359,12 @@ async def _render_messages(state: Any, request: HiddenStatesRequest) -> list[int
         )
     except ValidationError as e:
         raise invalid_request(
-            f"invalid 'messages': {e.errors()[0]['msg']}; expected "
-            f"{FIELD_HELP['messages']}",
+            f"invalid 'messages': {e.errors()[0]['msg']}; expected {FIELD_HELP['messages']}",
             "messages",
         ) from None
     rendered = await serving_chat.render_chat_request(chat)
     if isinstance(rendered, ErrorResponse):
-        raise ApiError(
-            rendered.error.message, HTTPStatus(rendered.error.code), param="messages"
-        )
+        raise ApiError(rendered.error.message, HTTPStatus(rendered.error.code), param="messages")
     _, engine_inputs = rendered
     ids = list(engine_inputs[0]["prompt_token_ids"])
     return ids[: request.max_length]
@@ -397,18 +394,20 @@ def _check_limits(
                 "max_length",
             )
     admission.check_response(
-        limits, 1, sum(len(ids) for ids in inputs), 1,
-        engine_client.model_config.get_hidden_size(), request.encoding_format,
+        limits,
+        1,
+        sum(len(ids) for ids in inputs),
+        1,
+        engine_client.model_config.get_hidden_size(),
+        request.encoding_format,
         "max_length",
         "lower max_length, split the batch, use encoding_format 'base64' or "
         "'bytes', or raise the cap",
         request.embed_dtype,
-    )  # fmt: skip
+    )
 
 
-async def _extract(
-    engine_client: Any, ids: list[int], layer: int, request_id: str, lora_request
-):
+async def _extract(engine_client: Any, ids: list[int], layer: int, request_id: str, lora_request):
     """``[len(ids), hidden]`` states of every position of ``ids`` at ``layer``."""
     from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -430,8 +429,7 @@ async def _extract(
     states = final.outputs[0].hidden_states if final is not None else None
     if states is None:
         raise ApiError(
-            "the engine returned no hidden states for this request (see the "
-            "server log)",
+            "the engine returned no hidden states for this request (see the server log)",
             HTTPStatus.INTERNAL_SERVER_ERROR,
             "internal_error",
         )
@@ -466,8 +464,8 @@ async def _run_inputs(
     inputs: list[list[int]],
     lora_request,
 ) -> list[bytes]:
-    """Each input's serialized object (binary: its wire array), in order. At most ``ADMISSION_SLICE``
-    inputs of this request are in the engine at once, so requests arriving
+    """Each input's serialized object (binary: its wire array), in order. At
+    most ``ADMISSION_SLICE`` inputs of this request are in the engine at once, so requests arriving
     meanwhile are queued between its slices, not behind the whole batch; each
     result is encoded in a worker thread as soon as it is ready."""
     from vllm.utils import random_uuid
@@ -475,15 +473,11 @@ async def _run_inputs(
     base_id = f"hiddenstates-{random_uuid()}"
     window = asyncio.Semaphore(admission.ADMISSION_SLICE)
     out: list[Any] = [None] * len(inputs)
-    encode = (
-        _input_binary if request.encoding_format == "bytes" else _input_object_bytes
-    )
+    encode = _input_binary if request.encoding_format == "bytes" else _input_object_bytes
 
     async def one(i: int, ids: list[int]) -> None:
         async with window:
-            rows = await _extract(
-                engine_client, ids, request.layer, f"{base_id}-{i}", lora_request
-            )
+            rows = await _extract(engine_client, ids, request.layer, f"{base_id}-{i}", lora_request)
         out[i] = await asyncio.to_thread(encode, request, rows)
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
@@ -550,14 +544,16 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
         )
 
 
-def _binary_response(request: HiddenStatesRequest, arrays: list[np.ndarray],
-                     model_dtype) -> Response:  # fmt: skip
+def _binary_response(
+    request: HiddenStatesRequest, arrays: list[np.ndarray], model_dtype
+) -> Response:
     """The octet-stream answer: a JSON header locating each input's array,
     then the arrays (layout in :mod:`.encoding`)."""
     items: list[dict[str, Any]] = []
     for i, array in enumerate(arrays):
-        items.append({"index": i, "embed_dtype": request.embed_dtype,
-                      "endianness": request.endianness})  # fmt: skip
+        items.append(
+            {"index": i, "embed_dtype": request.embed_dtype, "endianness": request.endianness}
+        )
         if request.return_attention_mask:
             items[-1]["attention_mask"] = [1] * array.shape[0]
     header: dict[str, Any] = {
@@ -603,9 +599,7 @@ async def create_hidden_states(raw_request: Request):
     except ClientDisconnect:
         # The client left while its body was being read: nobody to answer,
         # nothing to abort. One line, no traceback.
-        logger.warning(
-            "POST /v1/hidden_states: the client disconnected while sending its body"
-        )
+        logger.warning("POST /v1/hidden_states: the client disconnected while sending its body")
         return Response(status_code=499)
     # with_cancellation cancels _serve (and so aborts the engine requests) when
     # the client disconnects; it needs the body read first, as done above.

@@ -115,8 +115,13 @@ def parse_sae_features(value: Any) -> int:
     """``k`` of ``sae_features: {"top_k": k}``; 400 naming what is allowed
     (the engine's ``d_sae`` bound is checked by :func:`validate_ask`)."""
     k = value.get("top_k") if isinstance(value, dict) else None
-    if (not isinstance(value, dict) or set(value) != {"top_k"}
-            or isinstance(k, bool) or not isinstance(k, int) or k < 1):  # fmt: skip
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"top_k"}
+        or isinstance(k, bool)
+        or not isinstance(k, int)
+        or k < 1
+    ):
         raise invalid_request(
             'sae_features must be an object {"top_k": k} with an integer k >= 1 '
             f"(at most the SAE's d_sae), got {value!r}",
@@ -141,9 +146,7 @@ def _one_of(extra: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
     if value is None:
         return allowed[0]
     if value not in allowed:
-        raise invalid_request(
-            f"{name} must be one of {list(allowed)}, got {value!r}", name
-        )
+        raise invalid_request(f"{name} must be one of {list(allowed)}, got {value!r}", name)
     return value
 
 
@@ -218,9 +221,7 @@ def ask_of(request: Any) -> HiddenStatesAsk | None:
     return parse_ask(request.model_extra)
 
 
-def validate_ask(
-    serving: Any, request: Any, raw_request: Any = None
-) -> HiddenStatesAsk | None:
+def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenStatesAsk | None:
     """Parse, check and price a chat/completions request against the engine,
     before anything is tokenized or generated (see :mod:`.admission`)."""
     ask = ask_of(request)
@@ -234,15 +235,17 @@ def validate_ask(
         if cfg is None or cfg.sae is None:
             raise invalid_request(
                 "sae_features needs an SAE on this server; start it with "
-                "`vllm serve MODEL --sae DIR`", "sae_features",
-            )  # fmt: skip
+                "`vllm serve MODEL --sae DIR`",
+                "sae_features",
+            )
         global _sae_name
         _sae_name = cfg.sae["name"]
         if ask.sae_top_k > cfg.sae["d_sae"]:
             raise invalid_request(
                 f"sae_features top_k must be in 1..{cfg.sae['d_sae']} (the SAE's "
-                f"d_sae), got {ask.sae_top_k}", "sae_features",
-            )  # fmt: skip
+                f"d_sae), got {ask.sae_top_k}",
+                "sae_features",
+            )
     if ask.layers or not ask.sae_top_k:
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
     if getattr(request, "use_beam_search", False):
@@ -272,20 +275,22 @@ def validate_ask(
             else 1
         )
     value = getattr(request, source, None)
-    admission.check_input_chars(
-        limits, admission.text_chars(value, limits.max_input_chars), source
-    )
+    admission.check_input_chars(limits, admission.text_chars(value, limits.max_input_chars), source)
     results = prompts * n
     admission.check_batch(limits, results, "n", "choices (prompts x n)")
     # "last": one position per result, exact. "all"/"prompt": at least one
     # (a lower bound); the exact price follows tokenization (_priced_max_tokens).
     admission.check_response(
-        limits, results, 1, len(ask.layers),
-        engine_client.model_config.get_hidden_size(), ask.encoding_format,
+        limits,
+        results,
+        1,
+        len(ask.layers),
+        engine_client.model_config.get_hidden_size(),
+        ask.encoding_format,
         "hidden_states_layers",
-        "ask for fewer layers or choices or a smaller top_k, or use "
-        "hidden_states_format 'base64'", sae_top_k=ask.sae_top_k,
-    )  # fmt: skip
+        "ask for fewer layers or choices or a smaller top_k, or use hidden_states_format 'base64'",
+        sae_top_k=ask.sae_top_k,
+    )
     return ask
 
 
@@ -306,18 +311,22 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     the whole response would pass the cap."""
     from vllm_hidden_states.server import admission
 
-    per_choice = (
-        prompt_len if pricing.ask.positions == "prompt" else prompt_len + max_tokens
-    )
+    per_choice = prompt_len if pricing.ask.positions == "prompt" else prompt_len + max_tokens
     pricing.spent_positions += pricing.n * per_choice
     admission.check_response(
-        pricing.limits, 1, pricing.spent_positions, len(pricing.ask.layers),
-        pricing.hidden_size, pricing.ask.encoding_format, "max_tokens",
+        pricing.limits,
+        1,
+        pricing.spent_positions,
+        len(pricing.ask.layers),
+        pricing.hidden_size,
+        pricing.ask.encoding_format,
+        "max_tokens",
         f"positions are priced at prompt tokens + max_tokens ({prompt_len} + "
         f"{max_tokens} here) per choice; lower max_tokens, ask for fewer layers "
         "or choices or a smaller top_k, use hidden_states_format 'base64', or "
-        "raise the cap", sae_top_k=pricing.ask.sae_top_k,
-    )  # fmt: skip
+        "raise the cap",
+        sae_top_k=pricing.ask.sae_top_k,
+    )
 
 
 def _concat(chunks: list[dict[int, Any]], ask: HiddenStatesAsk) -> dict[int, Any]:
@@ -372,12 +381,14 @@ def encode_choice_features(
     import torch
 
     ids = torch.cat([p["ids"] for p in parts]) if len(parts) > 1 else parts[0]["ids"]
-    values = (torch.cat([p["values"] for p in parts]) if len(parts) > 1
-              else parts[0]["values"])  # fmt: skip
+    values = torch.cat([p["values"] for p in parts]) if len(parts) > 1 else parts[0]["values"]
     if ask.positions == "last":
         ids, values = ids[-1:], values[-1:]
-    out: dict[str, Any] = {"layer": parts[0]["layer"], "top_k": ask.sae_top_k,
-                           "positions": ask.positions}  # fmt: skip
+    out: dict[str, Any] = {
+        "layer": parts[0]["layer"],
+        "top_k": ask.sae_top_k,
+        "positions": ask.positions,
+    }
     if ask.positions != "last":
         out["start"] = start
     out["shape"] = list(ids.shape)
@@ -399,9 +410,7 @@ def store_of(raw_request: Any) -> Any:
     ``--activation-store*`` args), or None. Never raises."""
     global _store, _store_hidden
     if _store is None and raw_request is not None:
-        args = getattr(
-            getattr(getattr(raw_request, "app", None), "state", None), "args", None
-        )
+        args = getattr(getattr(getattr(raw_request, "app", None), "state", None), "args", None)
         root = getattr(args, "activation_store", None)
         if not root:
             _store = False
@@ -413,26 +422,22 @@ def store_of(raw_request: Any) -> Any:
 
                 _store = ActivationStore(
                     root,
-                    retention_days=getattr(
-                        args, "activation_store_retention_days", None
-                    ),
+                    retention_days=getattr(args, "activation_store_retention_days", None),
                 )
-                _store_hidden = bool(
-                    getattr(args, "activation_store_hidden_states", False)
-                )
+                _store_hidden = bool(getattr(args, "activation_store_hidden_states", False))
                 atexit.register(_store.close, 10.0)
-                logger.info("vllm-hidden-states: activation store at %s (hidden states: %s)",
-                            root, _store_hidden)  # fmt: skip
+                logger.info(
+                    "vllm-hidden-states: activation store at %s (hidden states: %s)",
+                    root,
+                    _store_hidden,
+                )
             except Exception as e:  # noqa: BLE001 - serve without a store
-                logger.warning("vllm-hidden-states: activation store %s unavailable: %s",
-                               root, e)  # fmt: skip
+                logger.warning("vllm-hidden-states: activation store %s unavailable: %s", root, e)
                 _store = False
     return _store or None
 
 
-def _store_choice(
-    store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: str
-) -> None:
+def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: str) -> None:
     """Append one finished choice's features (and opted-in states). Never raises."""
     try:
         import numpy as np
@@ -452,24 +457,31 @@ def _store_choice(
             values = torch.cat([p["values"] for p in parts])[-len(positions) :]
             if ids.shape[0] == len(positions):
                 store.append_sae_features(
-                    rows.request_id, model_id=model, sae_release=rows.sae_name,
-                    sae_layer=parts[0]["layer"], token_ids=tokens[positions],
-                    feature_ids=ids.numpy(), values=values.numpy(),
-                    prompt_len=n_prompt, positions=positions,
+                    rows.request_id,
+                    model_id=model,
+                    sae_release=rows.sae_name,
+                    sae_layer=parts[0]["layer"],
+                    token_ids=tokens[positions],
+                    feature_ids=ids.numpy(),
+                    values=values.numpy(),
+                    prompt_len=n_prompt,
+                    positions=positions,
                     choice_index=rows.choice_index,
-                )  # fmt: skip
+                )
         if _store_hidden and rows.stored_states and ask.layers:
             states = _concat(rows.stored_states, ask)
             n = next(iter(states.values())).shape[0]
             store.append_hidden_states(
-                rows.request_id, model_id=model, token_ids=tokens[positions[-n:]],
-                states={k: v[-n:] for k, v in states.items()}, prompt_len=n_prompt,
-                positions=positions[-n:], choice_index=rows.choice_index,
-            )  # fmt: skip
+                rows.request_id,
+                model_id=model,
+                token_ids=tokens[positions[-n:]],
+                states={k: v[-n:] for k, v in states.items()},
+                prompt_len=n_prompt,
+                positions=positions[-n:],
+                choice_index=rows.choice_index,
+            )
     except Exception as e:  # noqa: BLE001 - never fail the request
-        logger.warning(
-            "activation store: request %s not stored: %s", rows.request_id, e
-        )
+        logger.warning("activation store: request %s not stored: %s", rows.request_id, e)
 
 
 @dataclass
@@ -545,8 +557,11 @@ def _collect(
                     if store is not None:
                         rows = choices.setdefault(offset + output.index, ChoiceRows())
                         _track_for_store(rows, res, output, offset + output.index)
-                    elif (output.hidden_states is None and output.sae_features is None
-                          and output.finish_reason is None):  # fmt: skip
+                    elif (
+                        output.hidden_states is None
+                        and output.sae_features is None
+                        and output.finish_reason is None
+                    ):
                         continue
                     rows = choices.setdefault(offset + output.index, ChoiceRows())
                     if output.hidden_states is not None:
@@ -576,9 +591,7 @@ def _response_id(engine_request_id: str) -> str:
     return engine_request_id
 
 
-def _track_for_store(
-    rows: ChoiceRows, res: Any, output: Any, choice_index: int
-) -> None:
+def _track_for_store(rows: ChoiceRows, res: Any, output: Any, choice_index: int) -> None:
     """Token ids, features and states of a choice, for the store (the result
     iterator yields deltas when streaming, cumulative outputs otherwise).
     Stored under the response's id and the choice's index in it."""
@@ -600,9 +613,7 @@ def _single(res: Any) -> tuple[Any, int]:
     return res, 0
 
 
-def _attach_to_chunk(
-    chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStatesAsk
-) -> str:
+def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStatesAsk) -> str:
     """Add ``hidden_states`` to the choices of one SSE event that are owed
     rows: finishing choices, and with ``ask.stream`` every choice with rows
     pending (not on chat's role-only first chunk, which carries no token)."""
@@ -639,8 +650,7 @@ async def _inject(
             # Events are parsed only while some choice is owed rows: with
             # hidden_states_stream every token's event, otherwise only the
             # finish events.
-            if choices and any(r.owed and (ask.stream or r.finished)
-                               for r in choices.values()):  # fmt: skip
+            if choices and any(r.owed and (ask.stream or r.finished) for r in choices.values()):
                 chunk = _attach_to_chunk(chunk, choices, ask)
             yield chunk
     finally:
@@ -649,26 +659,22 @@ async def _inject(
         await inner.aclose()
 
 
-def _final_states(
-    rows: ChoiceRows | None, ask: HiddenStatesAsk
-) -> dict[int, Any] | None:
+def _final_states(rows: ChoiceRows | None, ask: HiddenStatesAsk) -> dict[int, Any] | None:
     """A non-streamed choice's states: its one final output's."""
     if rows is None or not rows.pending:
         return None
     return _concat(rows.pending, ask)
 
 
-def _attach_to_choices(choices: list, states: list, ask: HiddenStatesAsk,
-                       features: list | None = None) -> None:  # fmt: skip
+def _attach_to_choices(
+    choices: list, states: list, ask: HiddenStatesAsk, features: list | None = None
+) -> None:
     features = features or [None] * len(choices)
     for choice, choice_states, choice_features in zip(choices, states, features):
-        missing = (ask.layers and choice_states is None) or (
-            ask.sae_top_k and not choice_features
-        )
+        missing = (ask.layers and choice_states is None) or (ask.sae_top_k and not choice_features)
         if missing and choice.finish_reason != "abort":
             raise ApiError(
-                "the engine returned no hidden states for this request "
-                "(see the server log)",
+                "the engine returned no hidden states for this request (see the server log)",
                 status=500,
                 type="internal_error",
             )
@@ -731,8 +737,12 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
     if ask.positions != "last":
         from vllm_hidden_states.server import admission
 
-        pricing = PositionPricing(admission.limits_of(raw_request), ask, n,
-                                  serving.engine_client.model_config.get_hidden_size())  # fmt: skip
+        pricing = PositionPricing(
+            admission.limits_of(raw_request),
+            ask,
+            n,
+            serving.engine_client.model_config.get_hidden_size(),
+        )
     _reply.set(HiddenStatesReply(ask, request, n, pricing))
     return None
 
@@ -784,8 +794,9 @@ def observe(
     return _collect(results, index_of, reply), reply
 
 
-def stream(reply: HiddenStatesReply | None,
-           chunks: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:  # fmt: skip
+def stream(
+    reply: HiddenStatesReply | None, chunks: AsyncGenerator[str, None]
+) -> AsyncGenerator[str, None]:
     """vLLM's SSE chunks with each choice's rows on the chunks they are owed to."""
     if reply is None:
         return chunks

@@ -34,7 +34,5 @@ def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> 
     most ``L + 1`` of them."""
     cfg = engine_config(engine_client)
     if cfg is None:
-        raise invalid_request(
-            f"hidden states are not enabled on this server; {ENABLE_HINT}", param
-        )
+        raise invalid_request(f"hidden states are not enabled on this server; {ENABLE_HINT}", param)
     check_layers(tuple(layers), cfg.num_layers, cfg.resolve, param)

@@ -72,9 +72,10 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -104,29 +105,35 @@ def _token_columns(pa) -> list:
 def sae_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        *_token_columns(pa),
-        ("sae_release", pa.string()),
-        ("sae_layer", pa.int16()),
-        ("feature_id", pa.int32()),
-        ("activation_value", pa.float32()),
-        ("rank", pa.int16()),
-        ("source_mode", pa.string()),
-        ("model_id", pa.string()),
-        ("schema_version", pa.int16()),
-    ], metadata={"schema_version": str(SCHEMA_VERSION)})
+    return pa.schema(
+        [
+            *_token_columns(pa),
+            ("sae_release", pa.string()),
+            ("sae_layer", pa.int16()),
+            ("feature_id", pa.int32()),
+            ("activation_value", pa.float32()),
+            ("rank", pa.int16()),
+            ("source_mode", pa.string()),
+            ("model_id", pa.string()),
+            ("schema_version", pa.int16()),
+        ],
+        metadata={"schema_version": str(SCHEMA_VERSION)},
+    )
 
 
 def hidden_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        *_token_columns(pa),
-        ("layer", pa.int16()),
-        ("vector", pa.list_(pa.float32())),
-        ("model_id", pa.string()),
-        ("schema_version", pa.int16()),
-    ], metadata={"schema_version": str(SCHEMA_VERSION)})
+    return pa.schema(
+        [
+            *_token_columns(pa),
+            ("layer", pa.int16()),
+            ("vector", pa.list_(pa.float32())),
+            ("model_id", pa.string()),
+            ("schema_version", pa.int16()),
+        ],
+        metadata={"schema_version": str(SCHEMA_VERSION)},
+    )
 
 
 @dataclass
@@ -192,7 +199,9 @@ def sae_table(items: Sequence[_SaeItem]):
         cols["step"].append(_steps(pos, it.prompt_len))
         cols["token_position"].append(pos)
         cols["token_id"].append(tok)
-        cols["created_at"].append(np.full(rows, np.datetime64(it.created_at.replace(tzinfo=None), "us")))
+        cols["created_at"].append(
+            np.full(rows, np.datetime64(it.created_at.replace(tzinfo=None), "us"))
+        )
         cols["sae_release"].append(np.full(rows, it.sae_release, dtype=object))
         cols["sae_layer"].append(np.full(rows, it.sae_layer, dtype=np.int16))
         cols["feature_id"].append(ids[keep].astype(np.int32))
@@ -202,8 +211,9 @@ def sae_table(items: Sequence[_SaeItem]):
         cols["model_id"].append(np.full(rows, it.model_id, dtype=object))
         cols["schema_version"].append(np.full(rows, SCHEMA_VERSION, dtype=np.int16))
     schema = sae_schema()
-    arrays = [pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [], type=f.type)
-              for f in schema]
+    arrays = [
+        pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [], type=f.type) for f in schema
+    ]
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -224,7 +234,9 @@ def hidden_table(items: Sequence[_HiddenItem]):
             cols["step"].append(_steps(pos, it.prompt_len))
             cols["token_position"].append(pos)
             cols["token_id"].append(tok)
-            cols["created_at"].append(np.full(n, np.datetime64(it.created_at.replace(tzinfo=None), "us")))
+            cols["created_at"].append(
+                np.full(n, np.datetime64(it.created_at.replace(tzinfo=None), "us"))
+            )
             cols["layer"].append(np.full(n, layer, dtype=np.int16))
             vec_chunks.append(rows)
             cols["model_id"].append(np.full(n, it.model_id, dtype=object))
@@ -234,15 +246,23 @@ def hidden_table(items: Sequence[_HiddenItem]):
         if f.name == "vector":
             if vec_chunks:
                 flat = np.concatenate([c.reshape(-1) for c in vec_chunks])
-                offsets = np.concatenate([[0], np.cumsum(
-                    np.concatenate([np.full(c.shape[0], c.shape[1]) for c in vec_chunks]))])
-                arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
-                                                       pa.array(flat)))
+                offsets = np.concatenate(
+                    [
+                        [0],
+                        np.cumsum(
+                            np.concatenate([np.full(c.shape[0], c.shape[1]) for c in vec_chunks])
+                        ),
+                    ]
+                )
+                arrays.append(
+                    pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
+                )
             else:
                 arrays.append(pa.array([], type=f.type))
         else:
-            arrays.append(pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [],
-                                   type=f.type))
+            arrays.append(
+                pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [], type=f.type)
+            )
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -260,8 +280,9 @@ def _partition_dates(root: Path, table: str) -> list[tuple[dt.date, Path]]:
     return sorted(out)
 
 
-def prune(root: str | Path, retention_days: int = DEFAULT_RETENTION_DAYS,
-          today: dt.date | None = None) -> list[Path]:
+def prune(
+    root: str | Path, retention_days: int = DEFAULT_RETENTION_DAYS, today: dt.date | None = None
+) -> list[Path]:
     """Delete ``date=`` partitions of every table older than ``retention_days``
     days before ``today`` (UTC). A partition dated exactly ``today -
     retention_days`` is kept. Returns the deleted directories."""
@@ -320,8 +341,9 @@ class ActivationStore:
         clock=None,
     ):
         self.root = Path(root)
-        self.retention_days = (retention_days_from_env() if retention_days is None
-                               else retention_days)
+        self.retention_days = (
+            retention_days_from_env() if retention_days is None else retention_days
+        )
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.stats = StoreStats()
@@ -333,8 +355,9 @@ class ActivationStore:
         self.available = self._probe()
         if self.available:
             self._maybe_prune()
-        self._thread = threading.Thread(target=self._run, name="activation-store-writer",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="activation-store-writer", daemon=True
+        )
         self._thread.start()
 
     # -- serving side -------------------------------------------------------------
@@ -363,13 +386,25 @@ class ActivationStore:
         try:
             n = len(token_ids)
             item = _SaeItem(
-                request_id, int(choice_index), model_id, sae_release, int(sae_layer),
-                np.asarray(token_ids), np.arange(n) if positions is None else np.asarray(positions),
-                int(prompt_len), np.asarray(feature_ids), np.asarray(values),
-                source_mode, self._clock(),
+                request_id,
+                int(choice_index),
+                model_id,
+                sae_release,
+                int(sae_layer),
+                np.asarray(token_ids),
+                np.arange(n) if positions is None else np.asarray(positions),
+                int(prompt_len),
+                np.asarray(feature_ids),
+                np.asarray(values),
+                source_mode,
+                self._clock(),
             )
-            if item.feature_ids.shape != item.values.shape or item.feature_ids.ndim != 2 \
-                    or item.feature_ids.shape[0] != n or len(item.positions) != n:
+            if (
+                item.feature_ids.shape != item.values.shape
+                or item.feature_ids.ndim != 2
+                or item.feature_ids.shape[0] != n
+                or len(item.positions) != n
+            ):
                 raise ValueError(
                     f"feature_ids {item.feature_ids.shape} and values {item.values.shape} "
                     f"must both be [n, k] with n = {n} token ids and positions"
@@ -396,11 +431,20 @@ class ActivationStore:
         ``choice_index`` as in :meth:`append_sae_features`. Never raises."""
         try:
             n = len(token_ids)
-            conv = {int(k): np.asarray(v.float() if hasattr(v, "float") else v, dtype=np.float32)
-                    for k, v in states.items()}
-            item = _HiddenItem(request_id, int(choice_index), model_id, np.asarray(token_ids),
-                               np.arange(n) if positions is None else np.asarray(positions),
-                               int(prompt_len), conv, self._clock())
+            conv = {
+                int(k): np.asarray(v.float() if hasattr(v, "float") else v, dtype=np.float32)
+                for k, v in states.items()
+            }
+            item = _HiddenItem(
+                request_id,
+                int(choice_index),
+                model_id,
+                np.asarray(token_ids),
+                np.arange(n) if positions is None else np.asarray(positions),
+                int(prompt_len),
+                conv,
+                self._clock(),
+            )
             return self._put(item)
         except Exception as e:  # noqa: BLE001
             self.stats.requests_dropped += 1
@@ -415,9 +459,13 @@ class ActivationStore:
             self._queue.put_nowait(item)
         except queue.Full:
             self.stats.requests_dropped += 1
-            self._log("full", "activation store queue full (%d requests); dropping rows "
-                      "(%d requests dropped so far)", self._queue.maxsize,
-                      self.stats.requests_dropped)
+            self._log(
+                "full",
+                "activation store queue full (%d requests); dropping rows "
+                "(%d requests dropped so far)",
+                self._queue.maxsize,
+                self.stats.requests_dropped,
+            )
             return False
         self.stats.requests_queued += 1
         return True
@@ -453,7 +501,8 @@ class ActivationStore:
             logger.warning(
                 "activation store %s is not writable (%s); requests are served "
                 "and their activation rows dropped (counted in the store's stats)",
-                self.root, e,
+                self.root,
+                e,
             )
             return False
 
@@ -472,8 +521,11 @@ class ActivationStore:
             deleted = prune(self.root, self.retention_days, today)
             self.stats.partitions_pruned += len(deleted)
             if deleted:
-                logger.info("activation store: deleted %d partitions older than %d days",
-                            len(deleted), self.retention_days)
+                logger.info(
+                    "activation store: deleted %d partitions older than %d days",
+                    len(deleted),
+                    self.retention_days,
+                )
         except OSError as e:
             self._log("prune", "activation store: retention failed: %s", e)
 
@@ -510,8 +562,10 @@ class ActivationStore:
             return
         if not self.available:
             self.available = self._probe()
-        for table_name, items, build in ((SAE_TABLE, sae, sae_table),
-                                         (HIDDEN_TABLE, hid, hidden_table)):
+        for table_name, items, build in (
+            (SAE_TABLE, sae, sae_table),
+            (HIDDEN_TABLE, hid, hidden_table),
+        ):
             if not items:
                 continue
             nrows = 0
@@ -524,9 +578,15 @@ class ActivationStore:
             except Exception as e:  # noqa: BLE001 - full disk, read-only, ...
                 self.stats.write_errors += 1
                 self.stats.rows_dropped += nrows
-                self._log("write", "activation store: writing %d %s rows under %s failed "
-                          "(%s); rows dropped, serving continues", nrows, table_name,
-                          self.root, e)
+                self._log(
+                    "write",
+                    "activation store: writing %d %s rows under %s failed "
+                    "(%s); rows dropped, serving continues",
+                    nrows,
+                    table_name,
+                    self.root,
+                    e,
+                )
         if self.available:
             self._maybe_prune()
 
@@ -567,8 +627,10 @@ def connect(root: str | Path):
             rel = f"read_parquet('{path}', hive_partitioning=true, union_by_name=true)"
             cols = [d[0] for d in con.execute(f"SELECT * FROM {rel} LIMIT 0").description]
             if "choice_index" in cols:
-                view = (f"SELECT * REPLACE (coalesce(choice_index, 0)::INTEGER AS "
-                        f"choice_index) FROM {rel}")
+                view = (
+                    f"SELECT * REPLACE (coalesce(choice_index, 0)::INTEGER AS "
+                    f"choice_index) FROM {rel}"
+                )
             else:  # version-1 files only
                 view = f"SELECT *, 0::INTEGER AS choice_index FROM {rel}"
             con.execute(f"CREATE VIEW {table} AS {view}")
@@ -609,8 +671,13 @@ ORDER BY max_activation DESC, request_id, choice_index
 """
 
 
-def feature_deltas(root: str | Path, request_id: str, features: Sequence[int] | None = None,
-                   layer: int | None = None, choice_index: int = 0):
+def feature_deltas(
+    root: str | Path,
+    request_id: str,
+    features: Sequence[int] | None = None,
+    layer: int | None = None,
+    choice_index: int = 0,
+):
     """Feature activations over the positions of one request's choice
     (``request_id``: the response's id; ``choice_index``: the choice's index,
     0 unless the request asked for several).
@@ -623,20 +690,35 @@ def feature_deltas(root: str | Path, request_id: str, features: Sequence[int] | 
     delta is its value). Returns a DuckDB relation (``.fetchall()``, ``.df()``,
     ``.arrow()``)."""
     con = connect(root)
-    return con.execute(FEATURE_DELTAS_SQL, {
-        "request_id": request_id, "layer": layer, "choice_index": int(choice_index),
-        "features": None if features is None else [int(f) for f in features],
-    })
+    return con.execute(
+        FEATURE_DELTAS_SQL,
+        {
+            "request_id": request_id,
+            "layer": layer,
+            "choice_index": int(choice_index),
+            "features": None if features is None else [int(f) for f in features],
+        },
+    )
 
 
-def threshold_search(root: str | Path, feature_id: int, min_activation: float,
-                     since: dt.datetime | None = None, model_id: str | None = None):
+def threshold_search(
+    root: str | Path,
+    feature_id: int,
+    min_activation: float,
+    since: dt.datetime | None = None,
+    model_id: str | None = None,
+):
     """Requests (across runs and days) where ``feature_id`` reached
     ``min_activation``, one row per choice: ``request_id, choice_index,
-    model_id, sae_release, sae_layer, positions`` (how many positions), ``max_activation, first_position,
-    created_at``, strongest first."""
+    model_id, sae_release, sae_layer, positions`` (how many positions),
+    ``max_activation, first_position, created_at``, strongest first."""
     con = connect(root)
-    return con.execute(THRESHOLD_SQL, {
-        "feature_id": int(feature_id), "min_activation": float(min_activation),
-        "since": since, "model_id": model_id,
-    })
+    return con.execute(
+        THRESHOLD_SQL,
+        {
+            "feature_id": int(feature_id),
+            "min_activation": float(min_activation),
+            "since": since,
+            "model_id": model_id,
+        },
+    )

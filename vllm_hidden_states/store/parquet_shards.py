@@ -106,7 +106,9 @@ class HarvestMeta:
                 f"{', '.join(STORAGE_DTYPES)}"
             )
         if self.fmt not in FORMATS:
-            raise ValueError(f"format {self.fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+            raise ValueError(
+                f"format {self.fmt!r} is not supported; use one of {', '.join(FORMATS)}"
+            )
         if not self.layers:
             raise ValueError("layers must name at least one layer")
 
@@ -258,8 +260,9 @@ class ShardWriter:
         self._buf: list[tuple[DocStates, np.ndarray]] = []
         self._buf_rows = 0
         self._buf_bytes = 0
-        self._thread = threading.Thread(target=self._run, name="hidden-states-shard-writer",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="hidden-states-shard-writer", daemon=True
+        )
         self._thread.start()
 
     # -- resume ---------------------------------------------------------------
@@ -278,8 +281,9 @@ class ShardWriter:
             ours = self.meta.compared()
             diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
             if diff:
-                detail = "; ".join(f"{k}: directory has {a!r}, this run {b!r}"
-                                   for k, (a, b) in diff.items())
+                detail = "; ".join(
+                    f"{k}: directory has {a!r}, this run {b!r}" for k, (a, b) in diff.items()
+                )
                 raise ValueError(
                     f"{self.out_dir} holds a harvest with other settings ({detail}); "
                     "use a new output directory or the same settings"
@@ -322,8 +326,11 @@ class ShardWriter:
         ``max_pending_bytes`` (then waits for the writer). Raises
         :class:`WriterError` if the writer thread has failed."""
         n_layers = len(self.meta.layers)
-        if doc.vectors.ndim != 3 or doc.vectors.shape[0] != n_layers or \
-                doc.vectors.shape[2] != self.meta.hidden_size:
+        if (
+            doc.vectors.ndim != 3
+            or doc.vectors.shape[0] != n_layers
+            or doc.vectors.shape[2] != self.meta.hidden_size
+        ):
             raise ValueError(
                 f"document {doc.doc_id!r}: vectors have shape {tuple(doc.vectors.shape)}; "
                 f"expected [{n_layers} layers, tokens, {self.meta.hidden_size}]"
@@ -336,8 +343,11 @@ class ShardWriter:
         size = doc.nbytes
         with self._cond:
             t0 = None
-            while (self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes
-                   and self._error is None):
+            while (
+                self._pending_bytes
+                and self._pending_bytes + size > self.max_pending_bytes
+                and self._error is None
+            ):
                 t0 = t0 or time.monotonic()
                 # Tells the writer to close a partial shard rather than wait
                 # for more rows that cannot come.
@@ -368,7 +378,7 @@ class ShardWriter:
         self._thread.join()
         self._raise_if_failed()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -444,8 +454,13 @@ class ShardWriter:
             tok.append(np.tile(np.asarray(doc.token_ids, dtype=np.int32), n_layers))
             lay.append(np.repeat(layers, n))
             vecs.append(v.reshape(n_layers * n, v.shape[2]))
-        return (np.concatenate(doc_idx), np.concatenate(pos), np.concatenate(tok),
-                np.concatenate(lay), np.concatenate(vecs))
+        return (
+            np.concatenate(doc_idx),
+            np.concatenate(pos),
+            np.concatenate(tok),
+            np.concatenate(lay),
+            np.concatenate(vecs),
+        )
 
     def _write_parquet(self, tmp: Path) -> None:
         import pyarrow as pa
@@ -458,18 +473,25 @@ class ShardWriter:
         flat = pa.array(vecs.reshape(-1))
         vector = pa.FixedSizeListArray.from_arrays(flat, hidden)
         vmeta = {"dtype": self.meta.dtype}
-        schema = pa.schema([
-            pa.field("doc_id", pa.dictionary(pa.int32(), pa.string())),
-            pa.field("position", pa.int32()),
-            pa.field("token_id", pa.int32()),
-            pa.field("layer", pa.int16()),
-            pa.field("vector", vector.type, metadata=vmeta),
-        ], metadata={"vllm_hidden_states": json.dumps(self.meta.compared())})
+        schema = pa.schema(
+            [
+                pa.field("doc_id", pa.dictionary(pa.int32(), pa.string())),
+                pa.field("position", pa.int32()),
+                pa.field("token_id", pa.int32()),
+                pa.field("layer", pa.int16()),
+                pa.field("vector", vector.type, metadata=vmeta),
+            ],
+            metadata={"vllm_hidden_states": json.dumps(self.meta.compared())},
+        )
         table = pa.Table.from_arrays(
             [doc_col, pa.array(pos), pa.array(tok), pa.array(lay), vector], schema=schema
         )
-        pq.write_table(table, tmp, compression=self.compression,
-                       row_group_size=min(max(self._buf_rows, 1), 65536))
+        pq.write_table(
+            table,
+            tmp,
+            compression=self.compression,
+            row_group_size=min(max(self._buf_rows, 1), 65536),
+        )
 
     def _write_safetensors(self, tmp: Path) -> None:
         import torch
@@ -486,14 +508,19 @@ class ShardWriter:
             "token_id": torch.from_numpy(tok),
             "layer": torch.from_numpy(lay),
         }
-        metadata = {"doc_ids": json.dumps([d.doc_id for d, _ in self._buf]),
-                    "vllm_hidden_states": json.dumps(self.meta.compared())}
+        metadata = {
+            "doc_ids": json.dumps([d.doc_id for d, _ in self._buf]),
+            "vllm_hidden_states": json.dumps(self.meta.compared()),
+        }
         save_file(tensors, str(tmp), metadata=metadata)
 
     def _write_manifest(self) -> None:
-        write_json_atomic(self.out_dir / MANIFEST, {
-            "manifest_version": MANIFEST_VERSION,
-            "meta": {**self.meta.compared(), "model_dtype": self.meta.model_dtype},
-            "finished_docs": len(self._finished),
-            "shards": [asdict(s) for s in self._shards],
-        })
+        write_json_atomic(
+            self.out_dir / MANIFEST,
+            {
+                "manifest_version": MANIFEST_VERSION,
+                "meta": {**self.meta.compared(), "model_dtype": self.meta.model_dtype},
+                "finished_docs": len(self._finished),
+                "shards": [asdict(s) for s in self._shards],
+            },
+        )

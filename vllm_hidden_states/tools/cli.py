@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-hidden-states`` console script.
 
-    vllm-hidden-states patch apply|check|revert
-    vllm-hidden-states tiny-model DIR [--arch qwen3|llama|gemma2|...] [...]
-    vllm-hidden-states collect DATASET OUT (--model M | --server-url URL) [...]
-    vllm-hidden-states store query ROOT deltas|threshold|sql ... | store prune ROOT
+vllm-hidden-states patch apply|check|revert
+vllm-hidden-states tiny-model DIR [--arch qwen3|llama|gemma2|...] [...]
+vllm-hidden-states collect DATASET OUT (--model M | --server-url URL) [...]
+vllm-hidden-states store query ROOT deltas|threshold|sql ... | store prune ROOT
 """
 
 import argparse
@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     collect.add_arguments(c)
     st = sub.add_parser("store", help="query or prune an activation store")
     collect.add_store_arguments(st)
-    seam = sub.add_parser("seam", add_help=False,
-                          help="the vLLM symbols the package and patches touch (--check)")
+    sub.add_parser(
+        "seam", add_help=False, help="the vLLM symbols the package and patches touch (--check)"
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "seam":
         from vllm_hidden_states.tools import seam as seam_tool
@@ -60,16 +61,29 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_hidden_states.sae import build_random_sae
 
         config = json.loads((Path(args.model) / "config.json").read_text())
-        print(build_random_sae(args.out, config["hidden_size"], args.layer,
-                               args.d_sae, args.architecture, args.seed))  # fmt: skip
+        print(
+            build_random_sae(
+                args.out,
+                config["hidden_size"],
+                args.layer,
+                args.d_sae,
+                args.architecture,
+                args.seed,
+            )
+        )
         return 0
 
     if args.command == "tiny-model":
         from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
-        path = build_tiny_model(args.out, arch=args.arch, num_layers=args.layers,
-                                hidden_size=args.hidden, vocab_size=args.vocab,
-                                seed=args.seed)
+        path = build_tiny_model(
+            args.out,
+            arch=args.arch,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            vocab_size=args.vocab,
+            seed=args.seed,
+        )
         print(path)
         return 0
 
@@ -78,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "apply":
             done = patching.apply()
-            print(f"vLLM {patching.installed_vllm_version()} at {patching.site_root()}: "
-                  + (f"applied {', '.join(done)}" if done else "already patched"))
+            print(
+                f"vLLM {patching.installed_vllm_version()} at {patching.site_root()}: "
+                + (f"applied {', '.join(done)}" if done else "already patched")
+            )
         elif args.action == "revert":
             done = patching.revert()
             print("reverted " + (", ".join(done) if done else "nothing"))

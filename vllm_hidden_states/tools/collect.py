@@ -142,8 +142,9 @@ def read_dataset(path: str | Path) -> Iterator[Doc]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i + 1}: not valid JSON ({e}); expected one "
-                                     "JSON object per line") from None
+                    raise ValueError(
+                        f"{path}:{i + 1}: not valid JSON ({e}); expected one JSON object per line"
+                    ) from None
                 if not isinstance(rec, dict):
                     raise ValueError(f"{path}:{i + 1}: expected a JSON object per line")
                 yield _record_to_doc(rec, i, f"{path}:{i + 1}", "line number")
@@ -211,8 +212,10 @@ class CollectConfig:
         if self.positions not in POSITIONS:
             raise ValueError(f"--positions {self.positions!r}: use one of {', '.join(POSITIONS)}")
         if self.server_url is not None and self.positions != "prompt":
-            raise ValueError("--server-url collects prompt positions only (POST "
-                             "/v1/hidden_states); use --model for --positions all")
+            raise ValueError(
+                "--server-url collects prompt positions only (POST "
+                "/v1/hidden_states); use --model for --positions all"
+            )
         if not self.layers or len(set(self.layers)) != len(self.layers):
             raise ValueError(f"--layers {self.layers}: name at least one layer, each once")
         for name in ("batch_size", "max_length", "max_tokens", "concurrency"):
@@ -242,16 +245,19 @@ class CollectResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _batches(docs: Iterator[Doc], finished: set[str], size: int, limit: int | None,
-             result: CollectResult) -> Iterator[list[Doc]]:
+def _batches(
+    docs: Iterator[Doc], finished: set[str], size: int, limit: int | None, result: CollectResult
+) -> Iterator[list[Doc]]:
     seen: set[str] = set()
     batch: list[Doc] = []
     for n, doc in enumerate(docs):
         if limit is not None and n >= limit:
             break
         if doc.doc_id in seen:
-            raise ValueError(f"document id {doc.doc_id!r} appears twice in the dataset; "
-                             "ids must be unique (they key resume)")
+            raise ValueError(
+                f"document id {doc.doc_id!r} appears twice in the dataset; "
+                "ids must be unique (they key resume)"
+            )
         seen.add(doc.doc_id)
         if doc.doc_id in finished:
             result.skipped += 1
@@ -290,8 +296,7 @@ def _tokenize_text(tokenizer, text: str, max_length: int) -> list[int]:
 def _render_ids(tokenizer, messages) -> list[int]:
     """A conversation's token ids: the chat template with the generation
     prompt, encoded without adding special tokens (the template has them)."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
@@ -322,8 +327,9 @@ def _text_prefix(tokenizer, text: str, full_ids: list[int], max_length: int) -> 
     return None
 
 
-def _messages_prefix(tokenizer, messages: list[dict[str, Any]], full_ids: list[int],
-                     max_length: int) -> list[dict[str, Any]] | None:
+def _messages_prefix(
+    tokenizer, messages: list[dict[str, Any]], full_ids: list[int], max_length: int
+) -> list[dict[str, Any]] | None:
     """Like :func:`_text_prefix` for a conversation: the messages cut to a
     budget of content characters (later ones dropped) whose rendering starts
     with the same ``max_length`` tokens as the whole conversation's. None if
@@ -391,8 +397,12 @@ def _collect_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
             # (0.92 by default), which fails beside any other process; take
             # what `make serve` takes unless told otherwise.
             kwargs.setdefault("gpu_memory_utilization", 0.3)
-        llm = LLM(model=cfg.model, enable_hidden_states=True,
-                  hidden_states_layers=list(cfg.layers), **kwargs)
+        llm = LLM(
+            model=cfg.model,
+            enable_hidden_states=True,
+            hidden_states_layers=list(cfg.layers),
+            **kwargs,
+        )
         try:
             _run_offline(cfg, llm, result)
         finally:
@@ -403,28 +413,40 @@ def _collect_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
 
 def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
     import torch
+
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     model_config = llm.llm_engine.model_config
     tokenizer = llm.get_tokenizer()
-    meta = HarvestMeta(model=str(cfg.model), layers=tuple(cfg.layers), positions=cfg.positions,
-                       hidden_size=model_config.get_hidden_size(), dtype=cfg.dtype,
-                       fmt=cfg.fmt, model_dtype=str(model_config.dtype).removeprefix("torch."))
+    meta = HarvestMeta(
+        model=str(cfg.model),
+        layers=tuple(cfg.layers),
+        positions=cfg.positions,
+        hidden_size=model_config.get_hidden_size(),
+        dtype=cfg.dtype,
+        fmt=cfg.fmt,
+        model_dtype=str(model_config.dtype).removeprefix("torch."),
+    )
     # The prompt must leave room for one generated token (and, with "all",
     # for the final token's extract).
     max_prompt = min(cfg.max_length, model_config.max_model_len - 2)
     params = SamplingParams(
         max_tokens=1 if cfg.positions == "prompt" else cfg.max_tokens,
-        temperature=0.0, detokenize=False, return_hidden_states=True,
-        hidden_states_layers=list(cfg.layers), hidden_states_positions=cfg.positions,
+        temperature=0.0,
+        detokenize=False,
+        return_hidden_states=True,
+        hidden_states_layers=list(cfg.layers),
+        hidden_states_positions=cfg.positions,
     )
-    with ShardWriter(cfg.out, meta, rows_per_shard=cfg.rows_per_shard,
-                     max_pending_bytes=cfg.max_pending_mb << 20) as writer:
+    with ShardWriter(
+        cfg.out, meta, rows_per_shard=cfg.rows_per_shard, max_pending_bytes=cfg.max_pending_mb << 20
+    ) as writer:
         bar = _progress(cfg)
         t0 = time.monotonic()
-        for batch in _batches(read_dataset(cfg.dataset), writer.finished_doc_ids(),
-                              cfg.batch_size, cfg.limit, result):
+        for batch in _batches(
+            read_dataset(cfg.dataset), writer.finished_doc_ids(), cfg.batch_size, cfg.limit, result
+        ):
             prompts, kept = [], []
             for doc in batch:
                 ids = _doc_ids(tokenizer, doc)
@@ -446,18 +468,24 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
                     token_ids += list(completion.token_ids)
                 states = completion.hidden_states
                 if states is None:
-                    raise RuntimeError(f"document {doc.doc_id!r}: the engine returned no "
-                                       "hidden states")
+                    raise RuntimeError(
+                        f"document {doc.doc_id!r}: the engine returned no hidden states"
+                    )
                 vectors, bf16 = _to_numpy(torch.stack([states[layer] for layer in cfg.layers]))
-                writer.submit(DocStates(doc.doc_id, np.asarray(token_ids, dtype=np.int32),
-                                        vectors, bf16))
+                writer.submit(
+                    DocStates(doc.doc_id, np.asarray(token_ids, dtype=np.int32), vectors, bf16)
+                )
                 tokens += len(token_ids)
                 result.docs += 1
             result.tokens += tokens
             if bar is not None:
                 bar.update(tokens)
-                bar.set_postfix(docs=result.docs, skipped=result.skipped,
-                                truncated=result.truncated, refresh=False)
+                bar.set_postfix(
+                    docs=result.docs,
+                    skipped=result.skipped,
+                    truncated=result.truncated,
+                    refresh=False,
+                )
         writer.close()
         result.seconds = time.monotonic() - t0
         result.producer_wait_s = writer.stats.producer_wait_s
@@ -504,8 +532,10 @@ class _ServerClient:
         else:
             match = [m for m in models if m["id"] == cfg.served_model]
             if not match:
-                raise ValueError(f"the server does not serve {cfg.served_model!r}; it serves "
-                                 f"{', '.join(m['id'] for m in models)}")
+                raise ValueError(
+                    f"the server does not serve {cfg.served_model!r}; it serves "
+                    f"{', '.join(m['id'] for m in models)}"
+                )
             self.model, root = match[0]["id"], match[0].get("root")
         self.root = root or self.model
         self.tokenizer = None
@@ -515,9 +545,13 @@ class _ServerClient:
 
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as e:  # noqa: BLE001 - fall back to the server's /tokenize
-            logger.warning("no local tokenizer from %s (%s); using the server's /tokenize, "
-                           "and documents go whole (the server cuts them to --max-length; "
-                           "one over its input limits is skipped and recorded)", source, e)
+            logger.warning(
+                "no local tokenizer from %s (%s); using the server's /tokenize, "
+                "and documents go whole (the server cuts them to --max-length; "
+                "one over its input limits is skipped and recorded)",
+                source,
+                e,
+            )
 
     def _json(self, method: str, path: str, body: dict | None = None) -> Any:
         r = self.http.request(method, self.base + path, json=body)
@@ -541,8 +575,9 @@ class _ServerClient:
             if len(full) <= max_length:
                 return _Prepared(doc, doc.text, None, full, False)
             prefix = _text_prefix(self.tokenizer, doc.text, full, max_length)
-            return _Prepared(doc, doc.text if prefix is None else prefix, None,
-                             full[:max_length], True)
+            return _Prepared(
+                doc, doc.text if prefix is None else prefix, None, full[:max_length], True
+            )
         try:
             full = _render_ids(self.tokenizer, doc.messages)
         except Exception:  # noqa: BLE001 - no chat template here: the server's decides
@@ -575,14 +610,24 @@ class _ServerClient:
         texts = [p for p in docs if p.text is not None]
         out: dict[int, np.ndarray] = {}
         if texts:
-            body = {"model": self.model, "input": [p.text for p in texts], "layer": layer,
-                    "max_length": max_length, "encoding_format": "base64"}
+            body = {
+                "model": self.model,
+                "input": [p.text for p in texts],
+                "layer": layer,
+                "max_length": max_length,
+                "encoding_format": "base64",
+            }
             arrays = to_numpy(self._json("POST", "/v1/hidden_states", body))
             out.update({id(p): a for p, a in zip(texts, arrays)})
         for p in docs:
             if p.messages is not None:
-                body = {"model": self.model, "messages": p.messages, "layer": layer,
-                        "max_length": max_length, "encoding_format": "base64"}
+                body = {
+                    "model": self.model,
+                    "messages": p.messages,
+                    "layer": layer,
+                    "max_length": max_length,
+                    "encoding_format": "base64",
+                }
                 out[id(p)] = to_numpy(self._json("POST", "/v1/hidden_states", body))
         return [out[id(p)] for p in docs]
 
@@ -598,9 +643,16 @@ class _ServerClient:
                     f"tokenizer gives {len(ids)} tokens; pass --tokenizer matching the "
                     "server's model"
                 )
-            results.append((p.doc, (np.asarray(ids[:n], dtype=np.int32),
-                                    np.stack([layer_rows[i] for layer_rows in per_layer]),
-                                    bool(p.truncated))))
+            results.append(
+                (
+                    p.doc,
+                    (
+                        np.asarray(ids[:n], dtype=np.int32),
+                        np.stack([layer_rows[i] for layer_rows in per_layer]),
+                        bool(p.truncated),
+                    ),
+                )
+            )
         return results
 
     def batch(self, docs: list[Doc], layers: list[int], max_length: int):
@@ -633,13 +685,25 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
         # ends the run here, not as one refusal per document.
         probe = [_Prepared(Doc("probe", text="a"), "a", None, None, None)]
         hidden = [int(client.states(probe, layer, 8)[0].shape[1]) for layer in layers]
-        meta = HarvestMeta(model=f"{client.base}#{client.model}", layers=tuple(layers),
-                           positions="prompt", hidden_size=hidden[0],
-                           dtype=cfg.dtype, fmt=cfg.fmt, model_dtype="float32 (HTTP)")
+        meta = HarvestMeta(
+            model=f"{client.base}#{client.model}",
+            layers=tuple(layers),
+            positions="prompt",
+            hidden_size=hidden[0],
+            dtype=cfg.dtype,
+            fmt=cfg.fmt,
+            model_dtype="float32 (HTTP)",
+        )
         refusals = _RefusalLog(cfg.out)
-        with ShardWriter(cfg.out, meta, rows_per_shard=cfg.rows_per_shard,
-                         max_pending_bytes=cfg.max_pending_mb << 20) as writer, \
-                ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+        with (
+            ShardWriter(
+                cfg.out,
+                meta,
+                rows_per_shard=cfg.rows_per_shard,
+                max_pending_bytes=cfg.max_pending_mb << 20,
+            ) as writer,
+            ThreadPoolExecutor(max_workers=cfg.concurrency) as pool,
+        ):
             bar = _progress(cfg)
             t0 = time.monotonic()
             inflight: list[Future] = []
@@ -649,12 +713,15 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
                 for doc, got in inflight.pop(0).result():
                     if isinstance(got, _Refused):
                         result.refused += 1
-                        result.refused_docs[doc.doc_id] = {"status": got.status,
-                                                           "error": got.error}
+                        result.refused_docs[doc.doc_id] = {"status": got.status, "error": got.error}
                         refusals.add(doc.doc_id, got.status, got.error)
-                        logger.warning("document %r skipped: the server refused it (%d: %s); "
-                                       "recorded in %s", doc.doc_id, got.status, got.error,
-                                       refusals.path)
+                        logger.warning(
+                            "document %r skipped: the server refused it (%d: %s); recorded in %s",
+                            doc.doc_id,
+                            got.status,
+                            got.error,
+                            refusals.path,
+                        )
                         continue
                     ids, vectors, truncated = got
                     writer.submit(DocStates(doc.doc_id, ids, vectors))
@@ -664,12 +731,21 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
                 result.tokens += tokens
                 if bar is not None:
                     bar.update(tokens)
-                    bar.set_postfix(docs=result.docs, skipped=result.skipped,
-                                    truncated=result.truncated, refused=result.refused,
-                                    refresh=False)
+                    bar.set_postfix(
+                        docs=result.docs,
+                        skipped=result.skipped,
+                        truncated=result.truncated,
+                        refused=result.refused,
+                        refresh=False,
+                    )
 
-            for batch in _batches(read_dataset(cfg.dataset), writer.finished_doc_ids(),
-                                  cfg.batch_size, cfg.limit, result):
+            for batch in _batches(
+                read_dataset(cfg.dataset),
+                writer.finished_doc_ids(),
+                cfg.batch_size,
+                cfg.limit,
+                result,
+            ):
                 inflight.append(pool.submit(client.batch, batch, layers, cfg.max_length))
                 while len(inflight) >= cfg.concurrency:
                     drain_one()
@@ -745,36 +821,53 @@ def _layers(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected comma-separated integers, e.g. -2 or 0,8,-1") from None
+            f"{text!r}: expected comma-separated integers, e.g. -2 or 0,8,-1"
+        ) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset", help="JSONL ({id, text|messages}), Parquet, or text (one prompt a line)")
+    p.add_argument(
+        "dataset", help="JSONL ({id, text|messages}), Parquet, or text (one prompt a line)"
+    )
     p.add_argument("out", help="output directory (shards + manifest.json); rerun to resume")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model for the offline engine")
     src.add_argument("--server-url", help="a running server, e.g. http://127.0.0.1:8000")
     p.add_argument("--served-model", help="server mode: the model name (default: the first)")
-    p.add_argument("--tokenizer", help="server mode: tokenizer for token ids (default: the "
-                   "server's model root, else the server's /tokenize)")
+    p.add_argument(
+        "--tokenizer",
+        help="server mode: tokenizer for token ids (default: the "
+        "server's model root, else the server's /tokenize)",
+    )
     p.add_argument("--layers", type=_layers, default=[-2], help="comma-separated (default -2)")
     p.add_argument("--positions", choices=POSITIONS, default="prompt")
-    p.add_argument("--max-tokens", type=int, default=16, help="generated tokens with --positions all")
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="generated tokens with --positions all"
+    )
     p.add_argument("--max-length", type=int, default=512, help="prompt tokens kept per document")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=2, help="server mode: batches in flight")
     p.add_argument("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage dtype")
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="parquet")
     p.add_argument("--rows-per-shard", type=int, default=65536)
-    p.add_argument("--max-pending-mb", type=int, default=256,
-                   help="writer buffer; the engine waits only when it is full")
+    p.add_argument(
+        "--max-pending-mb",
+        type=int,
+        default=256,
+        help="writer buffer; the engine waits only when it is full",
+    )
     p.add_argument("--limit", type=int, help="stop after this many dataset records")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--max-model-len", type=int, help="offline engine: vLLM max_model_len")
     p.add_argument("--engine-dtype", help="offline engine: vLLM dtype (auto, float32, bfloat16...)")
     p.add_argument("--enforce-eager", action="store_true", help="offline engine: no torch.compile")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
-                   help="offline engine: extra vllm.LLM argument, e.g. gpu_memory_utilization=0.5")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="offline engine: extra vllm.LLM argument, e.g. gpu_memory_utilization=0.5",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -792,12 +885,25 @@ def run(args: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             engine_kwargs[key] = value
     cfg = CollectConfig(
-        dataset=args.dataset, out=args.out, model=args.model, server_url=args.server_url,
-        served_model=args.served_model, tokenizer=args.tokenizer, layers=args.layers,
-        positions=args.positions, max_tokens=args.max_tokens, max_length=args.max_length,
-        batch_size=args.batch_size, concurrency=args.concurrency, dtype=args.dtype,
-        fmt=args.fmt, rows_per_shard=args.rows_per_shard, max_pending_mb=args.max_pending_mb,
-        limit=args.limit, progress=not args.no_progress, engine_kwargs=engine_kwargs,
+        dataset=args.dataset,
+        out=args.out,
+        model=args.model,
+        server_url=args.server_url,
+        served_model=args.served_model,
+        tokenizer=args.tokenizer,
+        layers=args.layers,
+        positions=args.positions,
+        max_tokens=args.max_tokens,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        dtype=args.dtype,
+        fmt=args.fmt,
+        rows_per_shard=args.rows_per_shard,
+        max_pending_mb=args.max_pending_mb,
+        limit=args.limit,
+        progress=not args.no_progress,
+        engine_kwargs=engine_kwargs,
     )
     try:
         result = collect(cfg)
@@ -805,15 +911,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"vllm-hidden-states collect: {e}", file=sys.stderr)
         return 2
     if result.refused:
-        print(f"vllm-hidden-states collect: {result.refused} document(s) refused by the "
-              f"server and skipped, listed in {Path(result.out) / REFUSED_FILE}",
-              file=sys.stderr)
-    print(json.dumps({"out": result.out, "docs": result.docs, "skipped": result.skipped,
-                      "empty": result.empty, "truncated": result.truncated,
-                      "refused": result.refused, "tokens": result.tokens,
-                      "seconds": round(result.seconds, 3),
-                      "tokens_per_s": round(result.tokens_per_s, 1),
-                      "engine_waited_on_writer_s": round(result.producer_wait_s, 3)}))
+        print(
+            f"vllm-hidden-states collect: {result.refused} document(s) refused by the "
+            f"server and skipped, listed in {Path(result.out) / REFUSED_FILE}",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "out": result.out,
+                "docs": result.docs,
+                "skipped": result.skipped,
+                "empty": result.empty,
+                "truncated": result.truncated,
+                "refused": result.refused,
+                "tokens": result.tokens,
+                "seconds": round(result.seconds, 3),
+                "tokens_per_s": round(result.tokens_per_s, 1),
+                "engine_waited_on_writer_s": round(result.producer_wait_s, 3),
+            }
+        )
+    )
     return 0
 
 
@@ -826,11 +944,17 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("root", help="the store directory (--activation-store DIR)")
     qs = q.add_subparsers(dest="query", required=True)
     d = qs.add_parser("deltas", help="feature activations over the positions of one request")
-    d.add_argument("--request-id", required=True,
-                   help="the response's id (the `id` field: cmpl-..., chatcmpl-...)")
-    d.add_argument("--choice-index", type=int, default=0,
-                   help="the choice's index in the response (default 0; n > 1 or several "
-                   "prompts have more)")
+    d.add_argument(
+        "--request-id",
+        required=True,
+        help="the response's id (the `id` field: cmpl-..., chatcmpl-...)",
+    )
+    d.add_argument(
+        "--choice-index",
+        type=int,
+        default=0,
+        help="the choice's index in the response (default 0; n > 1 or several prompts have more)",
+    )
     d.add_argument("--feature", type=int, action="append", help="only these feature ids")
     d.add_argument("--layer", type=int, help="only this SAE layer")
     t = qs.add_parser("threshold", help="requests where a feature reached a value")
@@ -840,12 +964,17 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     s = qs.add_parser("sql", help="any SQL over the views sae_features and hidden_states")
     s.add_argument("sql")
     for sp in (d, t, s):
-        sp.add_argument("--format", dest="out_format", choices=["table", "csv", "json"],
-                        default="table")
+        sp.add_argument(
+            "--format", dest="out_format", choices=["table", "csv", "json"], default="table"
+        )
     pr = sub.add_parser("prune", help="delete partitions older than --days")
     pr.add_argument("root")
-    pr.add_argument("--days", type=int, default=None,
-                    help="retention in days (default: $VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS or 14)")
+    pr.add_argument(
+        "--days",
+        type=int,
+        default=None,
+        help="retention in days (default: $VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS or 14)",
+    )
 
 
 def _print_relation(cursor, out_format: str) -> None:
@@ -879,11 +1008,13 @@ def run_store(args: argparse.Namespace) -> int:
         print(f"vllm-hidden-states store: {args.root} is not a directory", file=sys.stderr)
         return 2
     if args.query == "deltas":
-        cur = store.feature_deltas(args.root, args.request_id, args.feature, args.layer,
-                                   choice_index=args.choice_index)
+        cur = store.feature_deltas(
+            args.root, args.request_id, args.feature, args.layer, choice_index=args.choice_index
+        )
     elif args.query == "threshold":
-        cur = store.threshold_search(args.root, args.feature, args.min_activation,
-                                     model_id=args.model_id)
+        cur = store.threshold_search(
+            args.root, args.feature, args.min_activation, model_id=args.model_id
+        )
     else:
         cur = store.connect(args.root).execute(args.sql)
     _print_relation(cur, args.out_format)

@@ -103,8 +103,18 @@ def _patch(patch: Path, *flags: str) -> bool:
     exe = shutil.which("patch")
     if exe is None:
         raise PatchError("GNU patch is required (apt-get install patch)")
-    cmd = [exe, "-p1", "--forward", "--batch", "--silent", "-d", str(site_root()),
-           "-i", str(patch), *flags]
+    cmd = [
+        exe,
+        "-p1",
+        "--forward",
+        "--batch",
+        "--silent",
+        "-d",
+        str(site_root()),
+        "-i",
+        str(patch),
+        *flags,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True).returncode == 0
 
 

@@ -65,8 +65,10 @@ def _own_private_names() -> set[str]:
                 names.add(node.target.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                node.value.isidentifier()
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and (node.value.isidentifier())
             ):
                 names.add(node.value)  # register_buffer("_x"), type(..., {"_x": ...})
     return names
@@ -86,8 +88,10 @@ def package_references() -> list[Reference]:
         tree = ast.parse(path.read_text())
         aliases: dict[str, str] = {}  # local name -> vllm module
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and (
-                node.module == "vllm" or node.module.startswith("vllm.")
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and (node.module == "vllm" or node.module.startswith("vllm."))
             ):
                 for alias in node.names:
                     add(node.module, alias.name, path, node.lineno)
@@ -112,8 +116,11 @@ def package_references() -> list[Reference]:
                     module = f"{aliases[head]}.{rest}" if rest else aliases[head]
                     if _is_module_path(module):
                         add(module, node.attr, path, node.lineno)
-            if (node.attr.startswith("_") and not node.attr.startswith("__")
-                    and node.attr not in own):  # fmt: skip
+            if (
+                node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in own
+            ):
                 add("vllm", f"*.{node.attr}", path, node.lineno)
     return sorted(found.values())
 
@@ -190,8 +197,13 @@ def _defines(root: Path, module: str, name: str, depth: int = 0) -> bool:
             base = package
             for _ in range(max(node.level - 1, 0)):
                 base = base.rpartition(".")[0]
-            target = (f"{base}.{node.module}" if node.level and node.module
-                      else base if node.level else node.module)  # fmt: skip
+            target = (
+                f"{base}.{node.module}"
+                if node.level and node.module
+                else base
+                if node.level
+                else node.module
+            )
             if target and _defines(root, target, name, depth + 1):
                 return True
     return False
@@ -250,7 +262,7 @@ def patch_sites(root: Path | None = None) -> list[PatchSite]:
         current = None
         for line in patch.read_text().splitlines():
             if line.startswith("+++ b/"):
-                current = line[len("+++ b/"):].split("\t")[0]
+                current = line[len("+++ b/") :].split("\t")[0]
             elif line.startswith("@@") and current:
                 new_start = int(re.match(r"@@ -\d+(?:,\d+)? \+(\d+)", line).group(1))
                 path = root.parent / current
@@ -286,9 +298,14 @@ def _enclosing(path: Path, line: int) -> str:
 
 def inventory_markdown() -> str:
     refs = package_references()
-    lines = ["### Package references to vLLM", "",
-             f"{len(refs)} symbols; `vllm:*._x` is a private attribute of a vLLM object.", "",
-             "| symbol | first named at |", "| --- | --- |"]
+    lines = [
+        "### Package references to vLLM",
+        "",
+        f"{len(refs)} symbols; `vllm:*._x` is a private attribute of a vLLM object.",
+        "",
+        "| symbol | first named at |",
+        "| --- | --- |",
+    ]
     # Files only: line numbers would make the printed list stale at every edit.
     lines += [f"| `{r}` | {r.where.rpartition(':')[0]} |" for r in refs]
     lines += ["", "### Patch sites", "", "| patch | file | lands in |", "| --- | --- | --- |"]
@@ -311,12 +328,21 @@ def main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="vllm-hidden-states seam")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 naming every reference the vLLM sources lack")
-    parser.add_argument("--vllm-root", type=Path, default=None,
-                        help="vLLM package directory to check against (default: installed)")
-    parser.add_argument("--docs", type=Path, default=None,
-                        help="rewrite the inventory between the markers of this file")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 naming every reference the vLLM sources lack"
+    )
+    parser.add_argument(
+        "--vllm-root",
+        type=Path,
+        default=None,
+        help="vLLM package directory to check against (default: installed)",
+    )
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="rewrite the inventory between the markers of this file",
+    )
     args = parser.parse_args(argv)
     if args.docs is not None:
         args.docs.write_text(docs_with_inventory(args.docs.read_text()))

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``make serve``: the OpenAI server with hidden states, on a model that needs no download.
+"""``make serve``: the OpenAI server with hidden states, on a model that needs
+no download.
 
-    python -m vllm_hidden_states.tools.serve [--model DIR_OR_HF_ID] [--port 8000] [vllm serve args...]
+    python -m vllm_hidden_states.tools.serve [--model DIR_OR_ID] [--port 8000] [serve args...]
 
 Without ``--model`` it builds (once) the tiny random-weight Qwen3 of
 :mod:`vllm_hidden_states.tools.tiny_models` under ``$VLLM_HIDDEN_STATES_MODELS``
@@ -90,14 +91,13 @@ def main(args: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default=None, help="model directory or HF id")
     parser.add_argument(
-        "--host", default="127.0.0.1",
+        "--host",
+        default="127.0.0.1",
         help="address to listen on (default: loopback only; 0.0.0.0 opens it)",
     )
     parser.add_argument("--port", type=int, default=8000)
     known, extra = parser.parse_known_args(args)
-    argv, env = build_command(
-        known.model, known.port, extra, _has_cuda(), host=known.host
-    )
+    argv, env = build_command(known.model, known.port, extra, _has_cuda(), host=known.host)
     for key, value in env.items():
         os.environ.setdefault(key, value)
     print("+ " + " ".join(argv[1:]), flush=True)

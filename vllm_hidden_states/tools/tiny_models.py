@@ -73,14 +73,34 @@ def _train_tokenizer(vocab_size: int, specials: list[str]):
     return tok
 
 
-ARCHS = ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "gemma2",
-         "gemma3", "phi3", "olmo2", "granite")
+ARCHS = (
+    "qwen3",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3_moe",
+    "mixtral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "granite",
+)
 
 # Tokenizer style per architecture (see the module docstring).
-_STYLE = {"qwen3": "chatml", "qwen2": "chatml", "qwen3_moe": "chatml",
-          "olmo2": "chatml", "granite": "chatml", "llama": "llama",
-          "mistral": "llama", "mixtral": "llama", "phi3": "llama",
-          "gemma2": "gemma", "gemma3": "gemma"}
+_STYLE = {
+    "qwen3": "chatml",
+    "qwen2": "chatml",
+    "qwen3_moe": "chatml",
+    "olmo2": "chatml",
+    "granite": "chatml",
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "phi3": "llama",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+}
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
 GEMMA_SLIDING_WINDOW = 8
@@ -92,7 +112,8 @@ def _prepend_bos(tok, bos: str) -> int:
 
     bos_id = tok.token_to_id(bos)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
     return bos_id
 
 
@@ -105,23 +126,30 @@ def _tokenizer(style: str, vocab_size: int):
         tok = _train_tokenizer(vocab_size, specials)
         ids = {s: tok.token_to_id(s) for s in specials}
         hf_tok = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|im_end|>",
-            pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
-        token_ids = dict(bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"],
-                         pad=ids["<|endoftext|>"])
+            tokenizer_object=tok,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            additional_special_tokens=specials[1:],
+        )
+        token_ids = dict(bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"], pad=ids["<|endoftext|>"])
     elif style == "llama":
         tok = _train_tokenizer(vocab_size, ["<unk>", "<s>", "</s>"])
         bos = _prepend_bos(tok, "<s>")
         hf_tok = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-            unk_token="<unk>", pad_token="</s>")
+            tokenizer_object=tok,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            pad_token="</s>",
+        )
         eos = tok.token_to_id("</s>")
         token_ids = dict(bos=bos, eos=eos, pad=eos)
     elif style == "gemma":
         tok = _train_tokenizer(vocab_size, ["<pad>", "<eos>", "<bos>"])  # ids 0, 1, 2
         bos = _prepend_bos(tok, "<bos>")
         hf_tok = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+            tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+        )
         token_ids = dict(bos=bos, eos=tok.token_to_id("<eos>"), pad=tok.token_to_id("<pad>"))
     else:
         raise ValueError(f"unknown tokenizer style {style!r}")
@@ -138,42 +166,57 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
     num_heads = common["num_attention_heads"]
     if arch == "qwen3":
         # As originally built: no pad_token_id.
-        return T.Qwen3Config(bos_token_id=token_ids["bos"],
-                             eos_token_id=token_ids["eos"], **common), T.Qwen3ForCausalLM
+        return T.Qwen3Config(
+            bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"], **common
+        ), T.Qwen3ForCausalLM
     if arch == "llama":
         common.pop("head_dim")
-        return T.LlamaConfig(bos_token_id=token_ids["bos"],
-                             eos_token_id=token_ids["eos"], **common), T.LlamaForCausalLM
+        return T.LlamaConfig(
+            bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"], **common
+        ), T.LlamaForCausalLM
 
-    common.update(bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"],
-                  pad_token_id=token_ids["pad"])
+    common.update(
+        bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"]
+    )
     if arch not in ("mistral", "mixtral", "gemma2", "gemma3"):
         common.pop("head_dim")  # config classes without one: hidden / heads = 64
     # vLLM's Gemma 2 and 3 always tie the LM head to the embeddings.
-    gemma = dict(tie_word_embeddings=True, query_pre_attn_scalar=common.get("head_dim"),
-                 sliding_window=GEMMA_SLIDING_WINDOW,
-                 hidden_activation="gelu_pytorch_tanh")
+    gemma = dict(
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=common.get("head_dim"),
+        sliding_window=GEMMA_SLIDING_WINDOW,
+        hidden_activation="gelu_pytorch_tanh",
+    )
     if arch == "mistral":
         return T.MistralConfig(sliding_window=None, **common), T.MistralForCausalLM
     if arch == "qwen2":
         return T.Qwen2Config(**common), T.Qwen2ForCausalLM
     if arch == "qwen3_moe":
         return T.Qwen3MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=max(1, ffn // 4),
-            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-            **common), T.Qwen3MoeForCausalLM
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=max(1, ffn // 4),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            **common,
+        ), T.Qwen3MoeForCausalLM
     if arch == "mixtral":
-        return T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
-                               sliding_window=None, **common), T.MixtralForCausalLM
+        return T.MixtralConfig(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **common
+        ), T.MixtralForCausalLM
     if arch == "gemma2":
         common.update(gemma)
-        return T.Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                              **common), T.Gemma2ForCausalLM
+        return T.Gemma2Config(
+            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **common
+        ), T.Gemma2ForCausalLM
     if arch == "gemma3":
         common.update(gemma)
         # Gemma 3 interleaves sliding and full attention; every 4th layer full.
-        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
-                       for i in range(common["num_hidden_layers"])]
+        layer_types = [
+            "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+            for i in range(common["num_hidden_layers"])
+        ]
         return T.Gemma3TextConfig(layer_types=layer_types, **common), T.Gemma3ForCausalLM
     if arch == "phi3":
         common["num_key_value_heads"] = num_heads
@@ -182,9 +225,13 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
         common["num_key_value_heads"] = num_heads
         return T.Olmo2Config(**common), T.Olmo2ForCausalLM
     if arch == "granite":
-        return T.GraniteConfig(embedding_multiplier=3.0, residual_multiplier=0.5,
-                               attention_multiplier=0.1, logits_scaling=2.0,
-                               **common), T.GraniteForCausalLM
+        return T.GraniteConfig(
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            **common,
+        ), T.GraniteForCausalLM
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 
@@ -206,10 +253,16 @@ def build_tiny_model(
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
-    recipe = dict(arch=arch, num_layers=num_layers, hidden_size=hidden_size,
-                  vocab_size=vocab_size, intermediate_size=intermediate_size,
-                  max_position_embeddings=max_position_embeddings, seed=seed,
-                  version=1)
+    recipe = dict(
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+        version=1,
+    )
     stamp = out / "tiny_model.json"
     if _built(stamp, recipe):
         return out
@@ -219,8 +272,17 @@ def build_tiny_model(
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _built(stamp, recipe):
-            _write_tiny_model(out, arch, recipe, hidden_size, intermediate_size,
-                              num_layers, vocab_size, max_position_embeddings, seed)  # fmt: skip
+            _write_tiny_model(
+                out,
+                arch,
+                recipe,
+                hidden_size,
+                intermediate_size,
+                num_layers,
+                vocab_size,
+                max_position_embeddings,
+                seed,
+            )
     return out
 
 
@@ -228,9 +290,17 @@ def _built(stamp: Path, recipe: dict) -> bool:
     return stamp.exists() and json.loads(stamp.read_text()) == recipe
 
 
-def _write_tiny_model(out: Path, arch: str, recipe: dict, hidden_size: int,
-                      intermediate_size: int | None, num_layers: int, vocab_size: int,
-                      max_position_embeddings: int, seed: int) -> None:  # fmt: skip
+def _write_tiny_model(
+    out: Path,
+    arch: str,
+    recipe: dict,
+    hidden_size: int,
+    intermediate_size: int | None,
+    num_layers: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    seed: int,
+) -> None:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)

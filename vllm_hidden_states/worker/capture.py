@@ -125,7 +125,7 @@ class HiddenStatesCapture:
         self._wants_final = False  # this step reads layer L (the model output)
         self._uniform = False  # this step can go to the host in one copy per layer
         self.points: CapturePoints | None = None
-        self.plan: dict[str, "CaptureStep"] | None = None  # this step's, if any
+        self.plan: dict[str, CaptureStep] | None = None  # this step's, if any
         self._armed: list[_Armed] = []
         self._rows: torch.Tensor | None = None  # armed rows on the device
         self._num_scheduled: dict[str, int] = {}
@@ -137,11 +137,14 @@ class HiddenStatesCapture:
         if config.sae is not None and self.is_last_stage:  # SAE rows are encoded there
             from vllm_hidden_states.sae import load_sae
 
-            self.sae = load_sae(config.sae["path"], layer=config.sae_layer,
-                                device=runner.device)  # fmt: skip
-            logger.info("vllm-hidden-states: SAE %s (d_sae=%d) on layer %d, %s",
-                        config.sae["name"], self.sae.d_sae, self.sae_layer,
-                        runner.device)  # fmt: skip
+            self.sae = load_sae(config.sae["path"], layer=config.sae_layer, device=runner.device)
+            logger.info(
+                "vllm-hidden-states: SAE %s (d_sae=%d) on layer %d, %s",
+                config.sae["name"],
+                self.sae.d_sae,
+                self.sae_layer,
+                runner.device,
+            )
         self._install(runner)
 
     @classmethod
@@ -178,15 +181,21 @@ class HiddenStatesCapture:
         if not self.is_last_stage:
             self.sent_layers = self.carried_layers + self.points.layers
         if get_pp_group().world_size > 1:
-            logger.info("vllm-hidden-states: pipeline stage with layers [%d, %d): "
-                        "captures %s, receives %s, sends %s", start,
-                        self.points.end_layer, self.points.layers,
-                        self.carried_layers, self.sent_layers)  # fmt: skip
+            logger.info(
+                "vllm-hidden-states: pipeline stage with layers [%d, %d): "
+                "captures %s, receives %s, sends %s",
+                start,
+                self.points.end_layer,
+                self.points.layers,
+                self.carried_layers,
+                self.sent_layers,
+            )
 
     # -- per step ------------------------------------------------------------
 
-    def begin_step(self, scheduler_output: Any,
-                   intermediate_tensors: IntermediateTensors | None) -> None:  # fmt: skip
+    def begin_step(
+        self, scheduler_output: Any, intermediate_tensors: IntermediateTensors | None
+    ) -> None:
         """At the start of ``execute_model``: this step's plan, if any, and
         (pipeline parallel) earlier stages' rows off the received tensors,
         before vLLM copies the model's own entries into its buffers."""
@@ -345,7 +354,8 @@ class HiddenStatesCapture:
             sl = slice(armed.offset, armed.offset + armed.count)
             inner = slice(armed.inner_offset, armed.inner_offset + armed.count)
 
-            def rows_of(k: int) -> torch.Tensor:
+            def rows_of(k: int, sl: slice = sl, inner: slice = inner) -> torch.Tensor:
+                # Called only in this iteration; the defaults bind its slices.
                 if k == self.final_layer:
                     return final_rows[sl]
                 if k in carried:  # captured by an earlier pipeline stage
@@ -382,8 +392,9 @@ class HiddenStatesCapture:
         self._carried = None
         return None
 
-    def _collect_as_one(self, model_output: torch.Tensor, final_rows: torch.Tensor | None,
-                        carried: dict[int, int]) -> None:  # fmt: skip
+    def _collect_as_one(
+        self, model_output: torch.Tensor, final_rows: torch.Tensor | None, carried: dict[int, int]
+    ) -> None:
         """The common decode step, in one copy per layer: every armed capture
         ends in this step and asks the same layers, without SAE features. The
         step's rows go to one host tensor ``[layers, rows, hidden]`` and each
@@ -393,8 +404,7 @@ class HiddenStatesCapture:
         count = sum(a.count for a in armed)
         # All rows pass the buffers, or none does (same layers for all).
         inner = slice(0, self._inner_count)
-        host = self.copies.empty((len(layers), count, model_output.shape[-1]),
-                                 model_output.dtype)  # fmt: skip
+        host = self.copies.empty((len(layers), count, model_output.shape[-1]), model_output.dtype)
         for i, k in enumerate(layers):
             if k == self.final_layer:
                 rows = final_rows
@@ -433,8 +443,7 @@ class HiddenStatesCapture:
             return
         ready, self._ready = self._ready, {}
         states = {r: rows.states for r, rows in ready.items() if rows.states is not None}
-        features = {r: rows.features for r, rows in ready.items()
-                    if rows.features is not None}  # fmt: skip
+        features = {r: rows.features for r, rows in ready.items() if rows.features is not None}
         output.captured_hidden_states = states or None
         if features:
             output.captured_sae_features = features

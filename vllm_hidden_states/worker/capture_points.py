@@ -81,8 +81,7 @@ def gather_rows(
         torch.index_select(hidden, 0, index, out=target)
     else:
         residual = residual.reshape(-1, residual.shape[-1])
-        torch.add(hidden.index_select(0, index), residual.index_select(0, index),
-                  out=target)  # fmt: skip
+        torch.add(hidden.index_select(0, index), residual.index_select(0, index), out=target)
 
 
 def _capture_rows(
@@ -158,9 +157,7 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.Modu
         and not any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in module)
     ]
     if not candidates:
-        raise LookupError(
-            f"no list of {num_layers} decoder layers in {type(model).__name__}"
-        )
+        raise LookupError(f"no list of {num_layers} decoder layers in {type(model).__name__}")
     return min(candidates, key=lambda c: c[0].count("."))
 
 
@@ -169,15 +166,11 @@ class StreamArgs:
     ``hidden`` argument and, with vLLM's fused residual, ``residual``."""
 
     def __init__(self, forward: Callable[..., Any]):
-        params = [
-            p for p in inspect.signature(forward).parameters.values()
-            if p.name != "self"
-        ]  # fmt: skip
+        params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
         names = [p.name for p in params]
         positional = [
-            p.name for p in params
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]  # fmt: skip
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         hidden = next((n for n in _STREAM_ARG_NAMES if n in names), None)
         if hidden is None:
             hidden = next((n for n in positional if n not in _NOT_STREAM_ARGS), None)
@@ -186,9 +179,7 @@ class StreamArgs:
         self.hidden = hidden
         self.hidden_pos = positional.index(hidden) if hidden in positional else None
         self.residual = "residual" if "residual" in names else None
-        self.residual_pos = (
-            positional.index("residual") if "residual" in positional else None
-        )
+        self.residual_pos = positional.index("residual") if "residual" in positional else None
 
     def read(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.hidden_pos is not None and len(args) > self.hidden_pos:
@@ -297,12 +288,14 @@ class CapturePoints:
         self.layers = sorted(self.buffers)
         if self.layers:
             logger.info(
-                "Hidden states: capture points before %d of %d layers of %s.%s "
-                "(%s), %d rows each",
-                len(self.layers), num_layers, type(model).__name__,
-                self.layers_name, type(decoder_layers[self.layers[0]])._hs_stream_args,
+                "Hidden states: capture points before %d of %d layers of %s.%s (%s), %d rows each",
+                len(self.layers),
+                num_layers,
+                type(model).__name__,
+                self.layers_name,
+                type(decoder_layers[self.layers[0]])._hs_stream_args,
                 max_rows,
-            )  # fmt: skip
+            )
 
     def arm(self, rows: np.ndarray, layers: "list[int] | None" = None) -> None:
         """Capture batch rows ``rows`` (int64, at most ``max_rows``) in the

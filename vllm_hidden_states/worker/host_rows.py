@@ -90,8 +90,10 @@ class HostRows:
         host_features = None
         if features is not None:
             ids, values = features
-            host_features = (copies.empty((num_rows, ids.shape[-1]), ids.dtype),
-                             copies.empty((num_rows, values.shape[-1]), values.dtype))  # fmt: skip
+            host_features = (
+                copies.empty((num_rows, ids.shape[-1]), ids.dtype),
+                copies.empty((num_rows, values.shape[-1]), values.dtype),
+            )
         return cls(first, states, host_features)
 
     @property
@@ -117,7 +119,7 @@ class HostRows:
                 f"the capture's positions {self.first}..{self.first + self.num_rows - 1}"
             )
         for i, rows in enumerate(layers):
-            copies.copy(self.states[i, lo:lo + count], rows)
+            copies.copy(self.states[i, lo : lo + count], rows)
         if features is not None:
-            copies.copy(self.features[0][lo:lo + count], features[0])
-            copies.copy(self.features[1][lo:lo + count], features[1])
+            copies.copy(self.features[0][lo : lo + count], features[0])
+            copies.copy(self.features[1][lo : lo + count], features[1])

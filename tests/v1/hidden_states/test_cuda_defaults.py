@@ -21,16 +21,22 @@ from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV
 
 
 def engine_config(model_dir, **kwargs):
-    return EngineArgs(model=str(model_dir), dtype="float32", enforce_eager=True,
-                      enable_hidden_states=True, **kwargs).create_engine_config()
+    return EngineArgs(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        enable_hidden_states=True,
+        **kwargs,
+    ).create_engine_config()
 
 
 def test_engine_asked_for_async_scheduling_with_hidden_states_is_refused_at_start(
     qwen3_dir, monkeypatch
 ):
     monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    with pytest.raises(ValueError, match="--async-scheduling cannot be used with "
-                                         "--enable-hidden-states"):
+    with pytest.raises(
+        ValueError, match="--async-scheduling cannot be used with --enable-hidden-states"
+    ):
         engine_config(qwen3_dir, async_scheduling=True)
 
 
@@ -54,7 +60,7 @@ def test_hidden_states_are_a_feature_model_runner_v2_does_not_support(qwen3_dir)
 
 
 def test_plain_engine_leaves_model_runner_v2_eligible(qwen3_dir):
-    config = EngineArgs(model=str(qwen3_dir), dtype="float32",
-                        enforce_eager=True).create_engine_config()
-    assert not any("hidden states" in f
-                   for f in config._get_v2_model_runner_unsupported_features())
+    config = EngineArgs(
+        model=str(qwen3_dir), dtype="float32", enforce_eager=True
+    ).create_engine_config()
+    assert not any("hidden states" in f for f in config._get_v2_model_runner_unsupported_features())

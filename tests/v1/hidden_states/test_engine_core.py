@@ -14,8 +14,9 @@ from .conftest import assert_close
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
 
 
-def _add(core, req_id: str, prompt: list[int], max_tokens: int,
-         spec: HiddenStatesSpec | None = None) -> None:
+def _add(
+    core, req_id: str, prompt: list[int], max_tokens: int, spec: HiddenStatesSpec | None = None
+) -> None:
     """ADD a request as the front-end would send it (``spec``: what it asked for,
     already resolved, on ``EngineCoreRequest.return_hidden_states``)."""
     request = EngineCoreRequest(
@@ -56,7 +57,10 @@ def last_final_layer(hf) -> HiddenStatesSpec:
 
 def _extract(req_id, token_ids, layers, positions="last"):
     return HiddenStatesExtractRequest(
-        request_id=req_id, token_ids=token_ids, layers=layers, positions=positions,
+        request_id=req_id,
+        token_ids=token_ids,
+        layers=layers,
+        positions=positions,
         arrival_time=time.time(),
     )
 

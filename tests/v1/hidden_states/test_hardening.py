@@ -33,10 +33,13 @@ MAX_BATCH = 64
 MAX_RESPONSE_MB = 8
 MAX_CHARS = 200_000
 LIMIT_ARGS = [
-    "--hidden-states-max-batch", str(MAX_BATCH),
-    "--hidden-states-max-response-mb", str(MAX_RESPONSE_MB),
-    "--hidden-states-max-input-chars", str(MAX_CHARS),
-]  # fmt: skip
+    "--hidden-states-max-batch",
+    str(MAX_BATCH),
+    "--hidden-states-max-response-mb",
+    str(MAX_RESPONSE_MB),
+    "--hidden-states-max-input-chars",
+    str(MAX_CHARS),
+]
 PROMPT = "Once upon a time there was a small robot who loved to count"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -48,8 +51,10 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
         qwen3_dir,
         [
             "--enable-hidden-states",
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-batched-tokens", "48",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens",
+            "48",
             # "Added request <id>." once a request is sent to the engine: the
             # head-of-line test waits for its small request's line
             "--enable-log-requests",
@@ -60,7 +65,7 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
         # head-of-line test uses to hold the engine still.
         env={"VLLM_LOGGING_LEVEL": "INFO", "VLLM_SERVER_DEV_MODE": "1"},
         name=MODEL,
-    )  # fmt: skip
+    )
     proc.start()
     try:
         yield proc.wait_ready(timeout=600)
@@ -105,10 +110,14 @@ def assert_cheap_ok(http):
 def check_exact(http, hf, tokenizer):
     """A completion's last-token states and /v1/hidden_states match HF."""
     body = dict(
-        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0,
-        return_token_ids=True, return_hidden_states=True,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0.0,
+        return_token_ids=True,
+        return_hidden_states=True,
         hidden_states_layers=[-1, 0, 2],
-    )  # fmt: skip
+    )
     (choice,) = http.post("/v1/completions", json=body).json()["choices"]
     ids = choice["prompt_token_ids"] + choice["token_ids"]
     obj = choice["hidden_states"]
@@ -161,46 +170,228 @@ def without(body, key):
 
 BAD_CASES = [
     # /v1/completions
-    ("c-issue3-10000-layers", C, c(n=40, hidden_states_layers=[-1] * 10000), 400, LAYERS_ARG, "10000 entries"),
+    (
+        "c-issue3-10000-layers",
+        C,
+        c(n=40, hidden_states_layers=[-1] * 10000),
+        400,
+        LAYERS_ARG,
+        "10000 entries",
+    ),
     ("c-duplicate-layer", C, c(hidden_states_layers=[-1, -1]), 400, LAYERS_ARG, "twice"),
     ("c-alias-minus1-and-L", C, c(hidden_states_layers=[-1, 4]), 400, LAYERS_ARG, "twice"),
     ("c-alias-minus2-and-3", C, c(hidden_states_layers=[-2, 3]), 400, LAYERS_ARG, "twice"),
-    ("c-more-than-L+1", C, c(hidden_states_layers=[0, 1, 2, 3, 4, 0]), 400, LAYERS_ARG, "6 entries"),
+    (
+        "c-more-than-L+1",
+        C,
+        c(hidden_states_layers=[0, 1, 2, 3, 4, 0]),
+        400,
+        LAYERS_ARG,
+        "6 entries",
+    ),
     ("c-layer-out-of-range", C, c(hidden_states_layers=[9]), 400, LAYERS_ARG, "out of range"),
     ("c-layers-string", C, c(hidden_states_layers="-1"), 400, LAYERS_ARG, LAYERS_ARG),
     ("c-layers-empty", C, c(hidden_states_layers=[]), 400, LAYERS_ARG, LAYERS_ARG),
     ("c-layers-float", C, c(hidden_states_layers=[1.5]), 400, LAYERS_ARG, LAYERS_ARG),
     ("c-layers-bool", C, c(hidden_states_layers=[True]), 400, LAYERS_ARG, LAYERS_ARG),
-    ("c-format-hex", C, c(hidden_states_format="hex"), 400, "hidden_states_format", "hidden_states_format"),
-    ("c-flag-string", C, c(return_hidden_states="yes"), 400, "return_hidden_states", "return_hidden_states"),
-    ("c-layers-without-flag", C, without(c(hidden_states_layers=[-1]), "return_hidden_states"), 400, LAYERS_ARG, "return_hidden_states"),
+    (
+        "c-format-hex",
+        C,
+        c(hidden_states_format="hex"),
+        400,
+        "hidden_states_format",
+        "hidden_states_format",
+    ),
+    (
+        "c-flag-string",
+        C,
+        c(return_hidden_states="yes"),
+        400,
+        "return_hidden_states",
+        "return_hidden_states",
+    ),
+    (
+        "c-layers-without-flag",
+        C,
+        without(c(hidden_states_layers=[-1]), "return_hidden_states"),
+        400,
+        LAYERS_ARG,
+        "return_hidden_states",
+    ),
     ("c-n-over-batch", C, c(n=MAX_BATCH + 1), 413, "n", "--hidden-states-max-batch"),
     ("c-prompts-x-n-over-batch", C, c(prompt=["a"] * 17, n=4), 413, "n", "68 choices"),
-    ("c-stream-n-over-batch", C, c(n=MAX_BATCH + 1, stream=True), 413, "n", "--hidden-states-max-batch"),
-    ("c-stream-duplicate-layer", C, c(stream=True, hidden_states_layers=[2, 2]), 400, LAYERS_ARG, "twice"),
-    ("c-prompt-over-chars", C, c(prompt=BIG_TEXT), 413, "prompt", "--hidden-states-max-input-chars"),
-    ("c-prompt-list-over-chars", C, c(prompt=["y" * 100_001, "z" * 100_001]), 413, "prompt", "--hidden-states-max-input-chars"),
+    (
+        "c-stream-n-over-batch",
+        C,
+        c(n=MAX_BATCH + 1, stream=True),
+        413,
+        "n",
+        "--hidden-states-max-batch",
+    ),
+    (
+        "c-stream-duplicate-layer",
+        C,
+        c(stream=True, hidden_states_layers=[2, 2]),
+        400,
+        LAYERS_ARG,
+        "twice",
+    ),
+    (
+        "c-prompt-over-chars",
+        C,
+        c(prompt=BIG_TEXT),
+        413,
+        "prompt",
+        "--hidden-states-max-input-chars",
+    ),
+    (
+        "c-prompt-list-over-chars",
+        C,
+        c(prompt=["y" * 100_001, "z" * 100_001]),
+        413,
+        "prompt",
+        "--hidden-states-max-input-chars",
+    ),
     ("c-beam-search", C, c(use_beam_search=True, n=2), 400, "use_beam_search", "use_beam_search"),
     # /v1/chat/completions
-    ("h-issue3-10000-layers", H, h(n=40, hidden_states_layers=[-1] * 10000), 400, LAYERS_ARG, "10000 entries"),
+    (
+        "h-issue3-10000-layers",
+        H,
+        h(n=40, hidden_states_layers=[-1] * 10000),
+        400,
+        LAYERS_ARG,
+        "10000 entries",
+    ),
     ("h-alias-0-and-minus5", H, h(hidden_states_layers=[0, -5]), 400, LAYERS_ARG, "twice"),
     ("h-layer-out-of-range", H, h(hidden_states_layers=[7]), 400, LAYERS_ARG, "out of range"),
     ("h-layers-object", H, h(hidden_states_layers={"a": 1}), 400, LAYERS_ARG, LAYERS_ARG),
-    ("h-format-bf16", H, h(hidden_states_format="bf16"), 400, "hidden_states_format", "hidden_states_format"),
-    ("h-flag-string", H, h(return_hidden_states="true"), 400, "return_hidden_states", "return_hidden_states"),
-    ("h-format-without-flag", H, without(h(hidden_states_format="base64"), "return_hidden_states"), 400, "hidden_states_format", "return_hidden_states"),
+    (
+        "h-format-bf16",
+        H,
+        h(hidden_states_format="bf16"),
+        400,
+        "hidden_states_format",
+        "hidden_states_format",
+    ),
+    (
+        "h-flag-string",
+        H,
+        h(return_hidden_states="true"),
+        400,
+        "return_hidden_states",
+        "return_hidden_states",
+    ),
+    (
+        "h-format-without-flag",
+        H,
+        without(h(hidden_states_format="base64"), "return_hidden_states"),
+        400,
+        "hidden_states_format",
+        "return_hidden_states",
+    ),
     ("h-n-over-batch", H, h(n=MAX_BATCH + 1), 413, "n", "--hidden-states-max-batch"),
-    ("h-stream-n-over-batch", H, h(n=MAX_BATCH + 1, stream=True), 413, "n", "--hidden-states-max-batch"),
-    ("h-messages-over-chars", H, h(messages=[{"role": "user", "content": BIG_TEXT}]), 413, "messages", "--hidden-states-max-input-chars"),
-    ("h-parts-over-chars", H, h(messages=[{"role": "user", "content": [{"type": "text", "text": BIG_TEXT}]}]), 413, "messages", "--hidden-states-max-input-chars"),
+    (
+        "h-stream-n-over-batch",
+        H,
+        h(n=MAX_BATCH + 1, stream=True),
+        413,
+        "n",
+        "--hidden-states-max-batch",
+    ),
+    (
+        "h-messages-over-chars",
+        H,
+        h(messages=[{"role": "user", "content": BIG_TEXT}]),
+        413,
+        "messages",
+        "--hidden-states-max-input-chars",
+    ),
+    (
+        "h-parts-over-chars",
+        H,
+        h(messages=[{"role": "user", "content": [{"type": "text", "text": BIG_TEXT}]}]),
+        413,
+        "messages",
+        "--hidden-states-max-input-chars",
+    ),
     # /v1/hidden_states
     ("s-input-over-chars", S, s(input=BIG_TEXT), 413, "input", "--hidden-states-max-input-chars"),
-    ("s-batch-over-chars", S, s(input=["w" * 50_001] * 4), 413, "input", "--hidden-states-max-input-chars"),
-    ("s-batch-over-limit", S, s(input=["hi"] * (MAX_BATCH + 1)), 413, "input", "--hidden-states-max-batch"),
-    ("s-issue4-50000-inputs", S, s(input=["hi"] * 50000, layer=-2, encoding_format="base64"), 413, "input", "50000 inputs"),
-    ("s-messages-over-chars", S, without(s(messages=[{"role": "user", "content": BIG_TEXT}]), "input"), 413, "messages", "--hidden-states-max-input-chars"),
-    ("s-image-url-message", S, without(s(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]), "input"), 400, "messages", "image_url"),
-    ("s-audio-message", S, without(s(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]}]), "input"), 400, "messages", "input_audio"),
+    (
+        "s-batch-over-chars",
+        S,
+        s(input=["w" * 50_001] * 4),
+        413,
+        "input",
+        "--hidden-states-max-input-chars",
+    ),
+    (
+        "s-batch-over-limit",
+        S,
+        s(input=["hi"] * (MAX_BATCH + 1)),
+        413,
+        "input",
+        "--hidden-states-max-batch",
+    ),
+    (
+        "s-issue4-50000-inputs",
+        S,
+        s(input=["hi"] * 50000, layer=-2, encoding_format="base64"),
+        413,
+        "input",
+        "50000 inputs",
+    ),
+    (
+        "s-messages-over-chars",
+        S,
+        without(s(messages=[{"role": "user", "content": BIG_TEXT}]), "input"),
+        413,
+        "messages",
+        "--hidden-states-max-input-chars",
+    ),
+    (
+        "s-image-url-message",
+        S,
+        without(
+            s(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}
+                        ],
+                    }
+                ]
+            ),
+            "input",
+        ),
+        400,
+        "messages",
+        "image_url",
+    ),
+    (
+        "s-audio-message",
+        S,
+        without(
+            s(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "hi"},
+                            {
+                                "type": "input_audio",
+                                "input_audio": {"data": "AA==", "format": "wav"},
+                            },
+                        ],
+                    }
+                ]
+            ),
+            "input",
+        ),
+        400,
+        "messages",
+        "input_audio",
+    ),
     ("s-layer-out-of-range", S, s(layer=9), 400, "layer", "out of range"),
     ("s-layer-string", S, s(layer="2"), 400, "layer", "layer"),
     ("s-max-length-0", S, s(max_length=0), 400, "max_length", "max_length"),
@@ -210,19 +401,32 @@ BAD_CASES = [
     ("s-input-number", S, s(input=3), 400, "input", "input"),
     ("s-input-and-messages", S, s(messages=MESSAGES), 400, None, "input"),
     ("s-empty-input", S, s(input=""), 400, "input", "input"),
-    ("s-response-over-cap", S, s(input=[LONG_WORDS] * 8, max_length=1000), 400, "max_length", "--hidden-states-max-response-mb"),
-    ("s-longer-than-model", S, s(input=LONG_WORDS, max_length=4096), 422, "max_length", "max_model_len"),
+    (
+        "s-response-over-cap",
+        S,
+        s(input=[LONG_WORDS] * 8, max_length=1000),
+        400,
+        "max_length",
+        "--hidden-states-max-response-mb",
+    ),
+    (
+        "s-longer-than-model",
+        S,
+        s(input=LONG_WORDS, max_length=4096),
+        422,
+        "max_length",
+        "max_model_len",
+    ),
     ("s-unknown-model", S, s(model="gpt-5"), 404, "model", "gpt-5"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
-    "path, body, status, param, needle", [case[1:] for case in BAD_CASES],
+    "path, body, status, param, needle",
+    [case[1:] for case in BAD_CASES],
     ids=[case[0] for case in BAD_CASES],
-)  # fmt: skip
-def test_bad_input_is_refused_and_the_server_keeps_serving(
-    http, path, body, status, param, needle
-):
+)
+def test_bad_input_is_refused_and_the_server_keeps_serving(http, path, body, status, param, needle):
     r = http.post(path, json=body)
     assert_openai_error(r, status, param, needle)
     assert_cheap_ok(http)
@@ -237,9 +441,10 @@ RAW_CASES = [
 
 
 @pytest.mark.parametrize(
-    "path, content, content_type, needle", [case[1:] for case in RAW_CASES],
+    "path, content, content_type, needle",
+    [case[1:] for case in RAW_CASES],
     ids=[case[0] for case in RAW_CASES],
-)  # fmt: skip
+)
 def test_bad_body_is_refused_and_the_server_keeps_serving(
     http, path, content, content_type, needle
 ):
@@ -289,33 +494,44 @@ def test_issue5_messages_are_truncated_to_max_length(http, hf_qwen3, tokenizer):
 @pytest.mark.parametrize(
     "path, body, field",
     [
-        ("/v1/chat/completions/batch",
-         {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "return_hidden_states": True},
-         "return_hidden_states"),
-        ("/v1/responses",
-         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "return_hidden_states": True},
-         "return_hidden_states"),
-        ("/v1/responses",
-         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "hidden_states_layers": [-1]},
-         "hidden_states_layers"),
+        (
+            "/v1/chat/completions/batch",
+            {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "return_hidden_states": True},
+            "return_hidden_states",
+        ),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": "hi", "max_output_tokens": 2, "return_hidden_states": True},
+            "return_hidden_states",
+        ),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": "hi", "max_output_tokens": 2, "hidden_states_layers": [-1]},
+            "hidden_states_layers",
+        ),
         # Issue 18 item 6: sae_features was accepted and ignored on these.
-        ("/v1/responses",
-         {"model": MODEL, "input": "hi", "max_output_tokens": 2, "sae_features": {"top_k": 4}},
-         "sae_features"),
-        ("/v1/chat/completions/batch",
-         {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "sae_features": {"top_k": 4}},
-         "sae_features"),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": "hi", "max_output_tokens": 2, "sae_features": {"top_k": 4}},
+            "sae_features",
+        ),
+        (
+            "/v1/chat/completions/batch",
+            {"model": MODEL, "messages": [MESSAGES], "max_tokens": 2, "sae_features": {"top_k": 4}},
+            "sae_features",
+        ),
     ],
     ids=["batch", "responses", "responses-layers", "responses-sae", "batch-sae"],
-)  # fmt: skip
+)
 def test_routes_without_hidden_states_refuse_the_fields(http, path, body, field):
     r = http.post(path, json=body)
     assert_openai_error(r, 400, field, "not supported on this route", path)
     assert_cheap_ok(http)
 
 
-@pytest.mark.parametrize("field, value", [("return_hidden_states", True),
-                                          ("sae_features", {"top_k": 4})])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value", [("return_hidden_states", True), ("sae_features", {"top_k": 4})]
+)
 def test_anthropic_messages_refuses_the_fields_in_its_error_shape(http, field, value):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value}
     r = http.post("/v1/messages", json=body)
@@ -327,11 +543,13 @@ def test_anthropic_messages_refuses_the_fields_in_its_error_shape(http, field, v
 
 @pytest.mark.parametrize(
     "message, needle",
-    [({"role": "user"}, "has no 'content'"),
-     ({"role": "user", "content": None}, "has no 'content'"),
-     ({"content": "hi"}, "has no 'role'")],
+    [
+        ({"role": "user"}, "has no 'content'"),
+        ({"role": "user", "content": None}, "has no 'content'"),
+        ({"content": "hi"}, "has no 'role'"),
+    ],
     ids=["no-content", "null-content", "no-role"],
-)  # fmt: skip
+)
 def test_hidden_states_message_without_text_is_a_400(http, message, needle):
     # Issue 18 item 6: {"role": "user"} was accepted and rendered as an empty turn.
     r = http.post(S, json={"model": MODEL, "messages": [MESSAGES[0], message]})
@@ -377,8 +595,13 @@ def test_route_answers_a_disconnect_during_upload_quietly():
     async def receive():
         return messages.pop(0)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/hidden_states",
-             "headers": [(b"content-type", b"application/json")], "query_string": b""}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/hidden_states",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+    }
     response = asyncio.run(create_hidden_states(Request(scope, receive)))
     assert response.status_code == 499
 
@@ -409,8 +632,13 @@ def test_health_and_a_small_request_are_admitted_beside_a_maximal_batch(
     # 64 inputs (the batch limit) x 180 positions, base64: 7.5 MB, just
     # under the 8 MB cap.
     texts = [f"item {i}: " + LONG_WORDS[:1200] for i in range(MAX_BATCH)]
-    body = {"model": MODEL, "input": texts, "max_length": 180, "layer": -1,
-            "encoding_format": "base64"}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "input": texts,
+        "max_length": 180,
+        "layer": -1,
+        "encoding_format": "base64",
+    }
     result: dict = {}
 
     def run_big():
@@ -433,13 +661,17 @@ def test_health_and_a_small_request_are_admitted_beside_a_maximal_batch(
     small = threading.Thread(target=run_small)
     try:
         big.start()
-        wait_until(lambda: added_requests(server, "hiddenstates-") - batch_before
-                   == ADMISSION_SLICE, "the batch's first slice to reach the engine")  # fmt: skip
+        wait_until(
+            lambda: added_requests(server, "hiddenstates-") - batch_before == ADMISSION_SLICE,
+            "the batch's first slice to reach the engine",
+        )
         # The event loop serves /health while the batch is admitted and held.
         assert http.get("/health", timeout=60).status_code == 200
         small.start()
-        wait_until(lambda: added_requests(server, "cmpl-") > small_before,
-                   "the small request to reach the engine")  # fmt: skip
+        wait_until(
+            lambda: added_requests(server, "cmpl-") > small_before,
+            "the small request to reach the engine",
+        )
         assert http.get("/health", timeout=60).status_code == 200
         # Still one slice: the small request is queued behind 8 inputs, not 64.
         assert added_requests(server, "hiddenstates-") - batch_before == ADMISSION_SLICE
@@ -470,9 +702,15 @@ def test_60_concurrent_seeded_chunked_requests_succeed_and_reproduce(server, tok
 
     async def run_all():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=1200.0) as client:
+
             async def one(i):
-                body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 6,
-                        "seed": i, "temperature": 1.0}  # fmt: skip
+                body = {
+                    "model": MODEL,
+                    "prompt": prompts[i],
+                    "max_tokens": 6,
+                    "seed": i,
+                    "temperature": 1.0,
+                }
                 r = await client.post(C, json=body)
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["text"]
@@ -489,8 +727,15 @@ def test_60_concurrent_seeded_chunked_requests_succeed_and_reproduce(server, tok
 @pytest.mark.slow
 def test_seeded_chunked_stream_with_hidden_states_reproduces(http, hf_qwen3):
     prompt = " ".join(f"v{j}" for j in range(40))
-    body = c(prompt=prompt, max_tokens=5, seed=123, temperature=1.0, stream=True,
-             return_token_ids=True, hidden_states_layers=[-1])  # fmt: skip
+    body = c(
+        prompt=prompt,
+        max_tokens=5,
+        seed=123,
+        temperature=1.0,
+        stream=True,
+        return_token_ids=True,
+        hidden_states_layers=[-1],
+    )
     runs = []
     for _ in range(2):
         with http.stream("POST", C, json=body) as r:
@@ -504,13 +749,13 @@ def test_seeded_chunked_stream_with_hidden_states_reproduces(http, hf_qwen3):
         runs.append((ids, states))
     assert runs[0][0] == runs[1][0]
     ids, states = runs[0]
-    assert_close(
-        torch.tensor(states["data"], dtype=torch.float32), hf_qwen3.states(ids)[-1][-1:]
-    )
+    assert_close(torch.tensor(states["data"], dtype=torch.float32), hf_qwen3.states(ids)[-1][-1:])
 
 
 def test_states_are_exact_after_everything(http, hf_qwen3, tokenizer):
     check_exact(http, hf_qwen3, tokenizer)
     assert np.isfinite(
-        to_torch(http.post(S, json={"model": MODEL, "input": PROMPT, "encoding_format": "base64"}).json()).numpy()
+        to_torch(
+            http.post(S, json={"model": MODEL, "input": PROMPT, "encoding_format": "base64"}).json()
+        ).numpy()
     ).all()

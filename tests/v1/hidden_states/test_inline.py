@@ -45,15 +45,15 @@ def assert_nothing_held(llm):
 
 def test_all_positions_at_embedding_middle_and_final_layers(llm, hf_qwen3):
     layers = [0, hf_qwen3.num_layers // 2, -2, -1]
-    (out,) = llm.generate([PROMPT], all_positions(hidden_states_layers=layers),
-                          use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate([PROMPT], all_positions(hidden_states_layers=layers), use_tqdm=False)
     assert_every_position_matches_hf(hf_qwen3, out, layers)
     assert_nothing_held(llm)
 
 
 def test_all_positions_of_a_prompt_longer_than_the_token_budget(llm, hf_qwen3):
-    (out,) = llm.generate([LONG_PROMPT], all_positions(hidden_states_layers=[1, -1]),
-                          use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate(
+        [LONG_PROMPT], all_positions(hidden_states_layers=[1, -1]), use_tqdm=False
+    )
     assert len(out.prompt_token_ids) > 64
     assert_every_position_matches_hf(hf_qwen3, out, [1, -1])
 
@@ -63,9 +63,11 @@ def test_final_layer_captures_beside_buffered_ones_in_one_batch_stay_exact(llm, 
     come from the model output), so it schedules whole chunks beside captures
     that do fill the buffers; the worker arms the buffers with theirs only."""
     prompts = [LONG_PROMPT, PROMPT, LONG_PROMPT + " Again."]
-    params = [all_positions(hidden_states_layers=[-1]),
-              all_positions(hidden_states_layers=[0, -1]),
-              all_positions(hidden_states_layers=[-1], max_tokens=3)]  # fmt: skip
+    params = [
+        all_positions(hidden_states_layers=[-1]),
+        all_positions(hidden_states_layers=[0, -1]),
+        all_positions(hidden_states_layers=[-1], max_tokens=3),
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, p in zip(outs, params):
         assert_every_position_matches_hf(hf_qwen3, out, p.hidden_states_layers)
@@ -88,38 +90,38 @@ def test_each_of_n_children_gets_every_position_of_its_own_sequence(llm, hf_qwen
 
 
 def test_stop_string_drops_the_rows_past_the_trimmed_output(llm, hf_qwen3):
-    (probe,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8),
-                            use_tqdm=False)  # fmt: skip
+    (probe,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     text = probe.outputs[0].text
-    stop = text[len(text) // 2:][:3]
+    stop = text[len(text) // 2 :][:3]
     assert stop.strip(), text
-    (out,) = llm.generate([PROMPT], all_positions(stop=[stop], hidden_states_layers=[-1]),
-                          use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate(
+        [PROMPT], all_positions(stop=[stop], hidden_states_layers=[-1]), use_tqdm=False
+    )
     assert out.outputs[0].finish_reason == "stop"
     assert_every_position_matches_hf(hf_qwen3, out, [-1])
 
 
 def test_finish_by_eos_includes_the_eos_position(llm, hf_qwen3):
-    (probe,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5),
-                            use_tqdm=False)  # fmt: skip
+    (probe,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
     eos = probe.outputs[0].token_ids[2]  # stands in for EOS: finishes after 3 tokens
-    (out,) = llm.generate([PROMPT], all_positions(stop_token_ids=[eos], hidden_states_layers=[0, -1]),
-                          use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate(
+        [PROMPT], all_positions(stop_token_ids=[eos], hidden_states_layers=[0, -1]), use_tqdm=False
+    )
     assert out.outputs[0].token_ids[-1] == eos
     assert_every_position_matches_hf(hf_qwen3, out, [0, -1])
 
 
 def test_max_tokens_1_has_the_prompt_rows_and_the_one_generated_token(llm, hf_qwen3):
-    (out,) = llm.generate([PROMPT], all_positions(max_tokens=1, hidden_states_layers=[-1]),
-                          use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate(
+        [PROMPT], all_positions(max_tokens=1, hidden_states_layers=[-1]), use_tqdm=False
+    )
     assert len(out.outputs[0].token_ids) == 1
     assert_every_position_matches_hf(hf_qwen3, out, [-1])
 
 
 def test_abort_mid_generation_leaves_nothing_held(llm, hf_qwen3):
     engine = llm.llm_engine
-    engine.add_request("inline-abort", LONG_PROMPT,
-                       all_positions(max_tokens=400, ignore_eos=True))  # fmt: skip
+    engine.add_request("inline-abort", LONG_PROMPT, all_positions(max_tokens=400, ignore_eos=True))
     for _ in range(200):
         outputs = engine.step()
         if any(o.request_id == "inline-abort" and o.outputs[0].token_ids for o in outputs):
@@ -160,12 +162,15 @@ def test_the_final_token_costs_one_token_on_the_requests_own_kv_blocks(llm):
 
 def test_delta_outputs_concatenate_to_the_non_streamed_result_bit_for_bit(llm):
     layers = [0, -1]
-    (whole,) = llm.generate([LONG_PROMPT], all_positions(hidden_states_layers=layers),
-                            use_tqdm=False)  # fmt: skip
+    (whole,) = llm.generate(
+        [LONG_PROMPT], all_positions(hidden_states_layers=layers), use_tqdm=False
+    )
     engine = llm.llm_engine
-    engine.add_request("inline-delta", LONG_PROMPT,
-                       all_positions(hidden_states_layers=layers,
-                                     output_kind=RequestOutputKind.DELTA))  # fmt: skip
+    engine.add_request(
+        "inline-delta",
+        LONG_PROMPT,
+        all_positions(hidden_states_layers=layers, output_kind=RequestOutputKind.DELTA),
+    )
     deltas = []
     for _ in range(300):
         for out in engine.step():
@@ -182,9 +187,11 @@ def test_delta_outputs_concatenate_to_the_non_streamed_result_bit_for_bit(llm):
 
 def test_each_delta_carries_the_positions_fed_since_the_previous_one(llm):
     engine = llm.llm_engine
-    engine.add_request("inline-rows", PROMPT,
-                       all_positions(max_tokens=6, hidden_states_layers=[-1],
-                                     output_kind=RequestOutputKind.DELTA))  # fmt: skip
+    engine.add_request(
+        "inline-rows",
+        PROMPT,
+        all_positions(max_tokens=6, hidden_states_layers=[-1], output_kind=RequestOutputKind.DELTA),
+    )
     deltas = []
     for _ in range(100):
         deltas += [o for o in engine.step() if o.request_id == "inline-rows"]
@@ -211,9 +218,16 @@ def llm_small_kv(qwen3_dir):
     from vllm import LLM
 
     args = dict(COMMON_ENGINE_ARGS, max_num_seqs=4)
-    engine = LLM(model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
-                 max_model_len=256, num_gpu_blocks_override=5, block_size=64,
-                 disable_log_stats=False, **args)  # fmt: skip
+    engine = LLM(
+        model=str(qwen3_dir),
+        enable_hidden_states=True,
+        enforce_eager=True,
+        max_model_len=256,
+        num_gpu_blocks_override=5,
+        block_size=64,
+        disable_log_stats=False,
+        **args,
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

@@ -38,12 +38,15 @@ def test_default_layer_is_final_post_norm_state(llm, hf_qwen3):
     (out,) = generate(llm, [PROMPT], greedy())
     states = out.outputs[0].hidden_states
     assert list(states) == [-1]
-    assert_close(states[-1], hf_qwen3.states(token_ids_of(out))[hf_qwen3.num_layers][-1:], "layer L")
+    assert_close(
+        states[-1], hf_qwen3.states(token_ids_of(out))[hf_qwen3.num_layers][-1:], "layer L"
+    )
 
 
 def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
-    (out,) = generate(llm, [PROMPT], greedy(hidden_states_layers=[1, -1],
-                                            hidden_states_positions="all"))
+    (out,) = generate(
+        llm, [PROMPT], greedy(hidden_states_layers=[1, -1], hidden_states_positions="all")
+    )
     ids = token_ids_of(out)
     ref = hf_qwen3.states(ids)
     for layer, tensor in out.outputs[0].hidden_states.items():
@@ -72,13 +75,20 @@ def test_same_prompt_twice_hits_prefix_cache_with_identical_states(llm, hf_qwen3
     ref = hf_qwen3.states(token_ids_of(second))
     for layer in (-1, 2):
         assert_close(second.outputs[0].hidden_states[layer], ref[layer][-1:], f"layer {layer}")
-        assert torch.equal(first.outputs[0].hidden_states[layer],
-                           second.outputs[0].hidden_states[layer])
+        assert torch.equal(
+            first.outputs[0].hidden_states[layer], second.outputs[0].hidden_states[layer]
+        )
 
 
 def test_each_of_n_children_gets_its_own_sequence_states(llm, hf_qwen3):
-    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8,
-                            return_hidden_states=True, hidden_states_layers=[-1, 1])
+    params = SamplingParams(
+        n=2,
+        temperature=1.0,
+        seed=7,
+        max_tokens=8,
+        return_hidden_states=True,
+        hidden_states_layers=[-1, 1],
+    )
     (out,) = generate(llm, [PROMPT], params)
     assert len(out.outputs) == 2
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
@@ -103,8 +113,7 @@ def test_batch_mixing_requests_with_and_without_states(llm, hf_qwen3):
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT])
 def test_prompt_positions_come_from_the_requests_own_prefill(llm, hf_qwen3, prompt):
-    params = greedy(max_tokens=5, hidden_states_layers=[-2, 0],
-                    hidden_states_positions="prompt")
+    params = greedy(max_tokens=5, hidden_states_layers=[-2, 0], hidden_states_positions="prompt")
     (out,) = generate(llm, [prompt], params)
     ref = hf_qwen3.states(list(out.prompt_token_ids))
     for layer, tensor in out.outputs[0].hidden_states.items():
@@ -119,8 +128,11 @@ def test_prompt_positions_are_complete_on_a_prefix_cache_hit(llm, hf_qwen3):
     params = greedy(max_tokens=1, hidden_states_positions="prompt")
     (out,) = generate(llm, [prompt], params)
     assert out.outputs[0].hidden_states[-1].shape[0] == len(out.prompt_token_ids)
-    assert_close(out.outputs[0].hidden_states[-1],
-                 hf_qwen3.states(list(out.prompt_token_ids))[-1], "prompt after cache")
+    assert_close(
+        out.outputs[0].hidden_states[-1],
+        hf_qwen3.states(list(out.prompt_token_ids))[-1],
+        "prompt after cache",
+    )
 
 
 def test_finish_by_eos_returns_state_of_the_eos_token(llm, hf_qwen3):
@@ -169,8 +181,9 @@ def test_requests_that_do_not_ask_get_none(llm):
 
 def test_out_of_range_layer_is_rejected_naming_valid_range(llm, hf_qwen3):
     n = hf_qwen3.num_layers
-    message = (f"layer {10 * n} is out of range for a {n}-layer model; "
-               f"valid indices are {-(n + 1)}..{n}")
+    message = (
+        f"layer {10 * n} is out of range for a {n}-layer model; valid indices are {-(n + 1)}..{n}"
+    )
     with pytest.raises(VLLMValidationError, match=re.escape(message)):
         generate(llm, [PROMPT], greedy(hidden_states_layers=[10 * n]))
 
@@ -183,8 +196,11 @@ def test_a_layer_named_twice_is_rejected_as_over_http(llm, hf_qwen3):
 
 
 def test_bad_positions_value_is_rejected(llm):
-    with pytest.raises(VLLMValidationError, match=r"hidden_states_positions must be one of "
-                                                  r"\['last', 'all', 'prompt'\]"):
+    with pytest.raises(
+        VLLMValidationError,
+        match=r"hidden_states_positions must be one of "
+        r"\['last', 'all', 'prompt'\]",
+    ):
         generate(llm, [PROMPT], greedy(hidden_states_positions="first"))
 
 
@@ -202,8 +218,7 @@ def test_engine_keeps_serving_after_rejected_request(llm, hf_qwen3):
 
 def test_abort_while_extract_pending_leaves_nothing_held(llm):
     engine = llm.llm_engine
-    engine.add_request("abort-me", LONG_PROMPT,
-                       greedy(max_tokens=2, hidden_states_positions="all"))
+    engine.add_request("abort-me", LONG_PROMPT, greedy(max_tokens=2, hidden_states_positions="all"))
     processor = engine.output_processor
     for _ in range(50):
         engine.step()
@@ -222,8 +237,10 @@ def test_abort_while_extract_pending_leaves_nothing_held(llm):
 
 
 def test_compiled_engine_matches_hf_over_zmq(llm_compiled, hf_llama):
-    params = [greedy(hidden_states_layers=[-1, 0, 2]),
-              greedy(hidden_states_layers=[-2], hidden_states_positions="all")]
+    params = [
+        greedy(hidden_states_layers=[-1, 0, 2]),
+        greedy(hidden_states_layers=[-2], hidden_states_positions="all"),
+    ]
     outs = generate(llm_compiled, [PROMPT, LONG_PROMPT], params)
     assert outs[0].prompt_token_ids[0] == llm_compiled.get_tokenizer().bos_token_id
     ref = hf_llama.states(token_ids_of(outs[0]))
@@ -234,8 +251,11 @@ def test_compiled_engine_matches_hf_over_zmq(llm_compiled, hf_llama):
 
 
 def test_layer_outside_capturable_set_is_rejected_naming_the_set(llm_compiled):
-    with pytest.raises(VLLMValidationError, match=r"layer 1 is not capturable on this engine; "
-                                         r"capturable layers: 0, 2, -2, -1"):
+    with pytest.raises(
+        VLLMValidationError,
+        match=r"layer 1 is not capturable on this engine; "
+        r"capturable layers: 0, 2, -2, -1",
+    ):
         generate(llm_compiled, [PROMPT], greedy(hidden_states_layers=[1]))
 
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where vLLM scales out: tensor parallel works, data and pipeline parallel
-are accepted (served end to end in test_scale_out.py, test_scale_out_pp.py); what is not supported yet is refused
+are accepted (served end to end in test_scale_out.py, test_scale_out_pp.py);
+what is not supported yet is refused
 at start-up with a message, before any engine process starts."""
 
 import pytest
@@ -20,15 +21,22 @@ def llm_tp2(qwen3_dir):
     # (envs cache); drop that cache so the binding is seen.
     envs.disable_envs_cache()
     with env_set("VLLM_CPU_OMP_THREADS_BIND", "0|1"):
-        engine = LLM(model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
-                     tensor_parallel_size=2, max_model_len=512, **COMMON_ENGINE_ARGS)
+        engine = LLM(
+            model=str(qwen3_dir),
+            enable_hidden_states=True,
+            enforce_eager=True,
+            tensor_parallel_size=2,
+            max_model_len=512,
+            **COMMON_ENGINE_ARGS,
+        )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
 
 def test_tensor_parallel_2_returns_exact_states(llm_tp2, hf_qwen3):
-    params = SamplingParams(max_tokens=6, temperature=0.0, return_hidden_states=True,
-                            hidden_states_layers=[-1, 1, -2])
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, return_hidden_states=True, hidden_states_layers=[-1, 1, -2]
+    )
     (out,) = llm_tp2.generate(["Once upon a time there was"], params, use_tqdm=False)
     ref = hf_qwen3.states(token_ids_of(out))
     for layer, tensor in out.outputs[0].hidden_states.items():
@@ -38,8 +46,13 @@ def test_tensor_parallel_2_returns_exact_states(llm_tp2, hf_qwen3):
 def _config(qwen3_dir, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = dict(model=str(qwen3_dir), enable_hidden_states=True, enforce_eager=True,
-                max_model_len=512, dtype="float32")
+    args = dict(
+        model=str(qwen3_dir),
+        enable_hidden_states=True,
+        enforce_eager=True,
+        max_model_len=512,
+        dtype="float32",
+    )
     args.update(kwargs)
     return EngineArgs(**args).create_engine_config()
 
@@ -52,10 +65,20 @@ def test_pipeline_parallel_is_accepted_at_start(qwen3_dir):
 
 
 def test_pipeline_parallel_with_speculative_decoding_is_refused_at_start(qwen3_dir):
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(pipeline_parallel_size=2\) "
-                                         r"with speculative decoding is not supported yet"):
-        _config(qwen3_dir, pipeline_parallel_size=2, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline parallelism \(pipeline_parallel_size=2\) "
+        r"with speculative decoding is not supported yet",
+    ):
+        _config(
+            qwen3_dir,
+            pipeline_parallel_size=2,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 3,
+            },
+        )
 
 
 def test_data_parallel_is_accepted_at_start(qwen3_dir):

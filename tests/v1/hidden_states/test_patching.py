@@ -10,8 +10,12 @@ from vllm_hidden_states.tools import patching
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_hidden_states.tools.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hidden_states.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_every_patch_is_applied_to_the_installed_vllm():
@@ -30,8 +34,10 @@ def test_applies_running_at_once_leave_every_patch_applied():
     """Test processes run side by side: an apply must never read another's
     half-written record of the applied set and take the patches off."""
     cmd = [sys.executable, "-m", "vllm_hidden_states.tools.cli", "patch", "apply"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
@@ -52,8 +58,11 @@ def test_installed_vllm_is_the_pinned_version():
 
 def test_other_vllm_versions_are_refused_by_name(monkeypatch):
     monkeypatch.setattr(patching, "installed_vllm_version", lambda: "0.31.2")
-    with pytest.raises(patching.PatchError, match=r"supports vLLM 0\.32\.0 exactly; "
-                                                  r"the installed version is 0\.31\.2"):
+    with pytest.raises(
+        patching.PatchError,
+        match=r"supports vLLM 0\.32\.0 exactly; "
+        r"the installed version is 0\.31\.2",
+    ):
         patching.apply()
 
 

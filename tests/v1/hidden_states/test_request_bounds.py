@@ -35,7 +35,6 @@ import orjson
 import pytest
 
 from vllm_hidden_states.client import from_bytes, read_binary_header, to_numpy
-
 from vllm_hidden_states.server.bounds import (
     BODY_FLAG,
     DEFAULT_MAX_INPUT_ITEMS,
@@ -64,11 +63,16 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
     logs = tmp_path_factory.mktemp("bounds-logs")
     proc = test_server_process(
         qwen3_dir,
-        ["--enable-hidden-states", "--max-model-len", "1024",
-         "--request-max-body-mb", str(MAX_BODY_MB)],
+        [
+            "--enable-hidden-states",
+            "--max-model-len",
+            "1024",
+            "--request-max-body-mb",
+            str(MAX_BODY_MB),
+        ],
         logs / "bounds.log",
         name=MODEL,
-    )  # fmt: skip
+    )
     proc.start()
     try:
         yield proc.wait_ready(timeout=600)
@@ -94,9 +98,7 @@ def tokenizer(qwen3_dir):
 
 
 def _unknown_keys(n: int) -> bytes:
-    return orjson.dumps(
-        {"model": MODEL, "input": "hi", **{f"k{i}": 1 for i in range(n)}}
-    )
+    return orjson.dumps({"model": MODEL, "input": "hi", **{f"k{i}": 1 for i in range(n)}})
 
 
 REPRODUCTIONS = {
@@ -104,13 +106,15 @@ REPRODUCTIONS = {
     "hidden-states-100k-empty-messages": (
         "/v1/hidden_states",
         lambda: orjson.dumps({"model": MODEL, "messages": [{}] * 100_000}),
-        413, "messages",
+        413,
+        "messages",
         ("'messages' holds 100000 messages", str(DEFAULT_MAX_MESSAGES), MESSAGES_FLAG),
     ),
     "chat-100k-empty-messages": (
         "/v1/chat/completions",
         lambda: orjson.dumps({"model": MODEL, "messages": [{}] * 100_000}),
-        413, "messages",
+        413,
+        "messages",
         ("'messages' holds 100000 messages", str(DEFAULT_MAX_MESSAGES), MESSAGES_FLAG),
     ),
     # The same kind of body on /v1/completions: token ids vLLM refuses one
@@ -118,33 +122,40 @@ REPRODUCTIONS = {
     "completions-100k-negative-token-ids": (
         "/v1/completions",
         lambda: orjson.dumps({"model": MODEL, "prompt": [-1] * 100_000, "max_tokens": 1}),
-        413, "prompt", ("'prompt' is a list of 100000 items", "65536", LIST_FLAG),
+        413,
+        "prompt",
+        ("'prompt' is a list of 100000 items", "65536", LIST_FLAG),
     ),
     # ... and on /v1/responses, where one malformed item costs ~1 MB.
     "responses-2000-empty-items": (
         "/v1/responses",
         lambda: orjson.dumps({"model": MODEL, "input": [{}] * 2000}),
-        413, "input",
+        413,
+        "input",
         ("'input' has 2000 items", str(DEFAULT_MAX_INPUT_ITEMS), INPUT_ITEMS_FLAG),
     ),
     # Issue 18 item 3: 12 MB of a million unknown keys, refused by the count
     # of values and keys, unparsed ...
     "hidden-states-1m-unknown-keys": (
-        "/v1/hidden_states", lambda: _unknown_keys(1_000_000), 413, None,
+        "/v1/hidden_states",
+        lambda: _unknown_keys(1_000_000),
+        413,
+        None,
         ("2000005 values and keys", "2000000", VALUES_FLAG),
     ),
     # ... and 6 MB of half a million, parsed (off the event loop), then
     # refused by the key cap.
     "hidden-states-500k-unknown-keys": (
-        "/v1/hidden_states", lambda: _unknown_keys(500_000), 413, None,
+        "/v1/hidden_states",
+        lambda: _unknown_keys(500_000),
+        413,
+        None,
         ("an object with 500002 keys", str(DEFAULT_MAX_OBJECT_KEYS), KEYS_FLAG),
     ),
-}  # fmt: skip
+}
 
 
-def assert_openai_error(
-    status: int, body: dict, want_status: int, param, needles
-) -> None:
+def assert_openai_error(status: int, body: dict, want_status: int, param, needles) -> None:
     assert status == want_status, body
     assert set(body) == {"error"}, body
     error = body["error"]
@@ -159,16 +170,25 @@ def assert_openai_error(
 # Raw HTTP over a socket: the tests decide exactly what is sent, and when.
 
 
-def raw_request(port: int, path: str, body: bytes, headers: dict | None = None,
-                sent=None, pause=None, timeout: float = 600) -> tuple[int, dict]:  # fmt: skip
+def raw_request(
+    port: int,
+    path: str,
+    body: bytes,
+    headers: dict | None = None,
+    sent=None,
+    pause=None,
+    timeout: float = 600,
+) -> tuple[int, dict]:
     """POST ``body`` (``sent``: only its first ``sent`` bytes), calling
     ``pause()`` after its first half; (status, JSON answer)."""
-    head = {"Host": "127.0.0.1", "Content-Type": "application/json",
-            "Content-Length": str(len(body)), **(headers or {})}  # fmt: skip
+    head = {
+        "Host": "127.0.0.1",
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        **(headers or {}),
+    }
     head = {k: v for k, v in head.items() if v is not None}
-    request = f"POST {path} HTTP/1.1\r\n" + "".join(
-        f"{k}: {v}\r\n" for k, v in head.items()
-    )
+    request = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(request.encode() + b"\r\n")
         payload = body if sent is None else body[:sent]
@@ -189,8 +209,11 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
     head, rest = data.split(b"\r\n\r\n", 1)
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
-    length = next(int(line.split(":", 1)[1]) for line in lines[1:]
-                  if line.lower().startswith("content-length:"))  # fmt: skip
+    length = next(
+        int(line.split(":", 1)[1])
+        for line in lines[1:]
+        if line.lower().startswith("content-length:")
+    )
     while len(rest) < length:
         chunk = sock.recv(65536)
         assert chunk, "connection closed mid-answer"
@@ -198,12 +221,15 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
     return status, json.loads(rest[:length])
 
 
-def chunked_request(port: int, path: str, chunks: list[bytes], last: bool,
-                    timeout: float = 600) -> tuple[int, dict]:  # fmt: skip
+def chunked_request(
+    port: int, path: str, chunks: list[bytes], last: bool, timeout: float = 600
+) -> tuple[int, dict]:
     """POST with ``Transfer-Encoding: chunked`` (no length announced);
     ``last``: send the terminating chunk."""
-    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-               "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(request.encode())
         for chunk in chunks:
@@ -305,15 +331,12 @@ def test_api_server_peak_memory_stays_bounded_during_reproduction(server, case):
 
 
 def test_api_server_rss_stays_bounded_across_all_reproductions(server, http):
-    assert (
-        http.post(
-            "/v1/hidden_states", json={"model": MODEL, "input": "warm"}
-        ).status_code
-        == 200
-    )
+    assert http.post("/v1/hidden_states", json={"model": MODEL, "input": "warm"}).status_code == 200
     before = api_status(server)
-    statuses = [raw_request(server.port, path, make_body())[0]
-                for path, make_body, _, _, _ in REPRODUCTIONS.values()]  # fmt: skip
+    statuses = [
+        raw_request(server.port, path, make_body())[0]
+        for path, make_body, _, _, _ in REPRODUCTIONS.values()
+    ]
     after = api_status(server)
     growth = after["VmRSS"] - before["VmRSS"]
     assert growth < PEAK_GROWTH_MB, f"VmRSS grew {growth} MB: {before} -> {after}"
@@ -332,14 +355,10 @@ def test_health_keeps_answering_during_reproduction(server, case):
 
         def two_more_answers():
             seen = poller.answered()
-            wait_until(
-                lambda: poller.answered() >= seen + 2, "/health during the upload"
-            )
+            wait_until(lambda: poller.answered() >= seen + 2, "/health during the upload")
 
         start = time.monotonic()
-        got_status, answer = raw_request(
-            server.port, path, body, pause=two_more_answers
-        )
+        got_status, answer = raw_request(server.port, path, body, pause=two_more_answers)
         end = time.monotonic()
         # One more answer after the big one: a /health sent during it has returned.
         seen = poller.answered()
@@ -348,36 +367,37 @@ def test_health_keeps_answering_during_reproduction(server, case):
     assert len([1 for s, e, _ in during if e < end]) >= 1
     assert all(code == 200 for _, _, code in poller.results)
     slowest = max(e - s for s, e, _ in during)
-    assert slowest < HEALTH_MAX_S, (
-        f"{case}: /health took {slowest:.2f} s during the request"
-    )
+    assert slowest < HEALTH_MAX_S, f"{case}: /health took {slowest:.2f} s during the request"
     assert got_status == status, answer
 
 
 def test_a_declared_body_over_the_cap_is_refused_before_it_is_sent(server):
     # Only the headers go out: the answer can only come from the length.
-    status, answer = raw_request(server.port, "/v1/chat/completions", b"x" * 10,
-                                 headers={"Content-Length": str(MAX_BODY + 1)}, sent=0,
-                                 timeout=120)  # fmt: skip
-    assert_openai_error(status, answer, 413, None,
-                        (f"{MAX_BODY + 1} bytes", str(MAX_BODY), BODY_FLAG))  # fmt: skip
+    status, answer = raw_request(
+        server.port,
+        "/v1/chat/completions",
+        b"x" * 10,
+        headers={"Content-Length": str(MAX_BODY + 1)},
+        sent=0,
+        timeout=120,
+    )
+    assert_openai_error(
+        status, answer, 413, None, (f"{MAX_BODY + 1} bytes", str(MAX_BODY), BODY_FLAG)
+    )
 
 
 def test_a_streamed_body_is_refused_once_past_the_cap(server, http):
     # Chunked, no length announced, and never finished: the answer can only
     # come from counting what arrived.
     chunks = [b" " * 2**20] * MAX_BODY_MB + [b" "]
-    status, answer = chunked_request(server.port, "/v1/hidden_states", chunks, last=False,
-                                     timeout=120)  # fmt: skip
-    assert_openai_error(
-        status, answer, 413, None, ("more than", str(MAX_BODY), BODY_FLAG)
+    status, answer = chunked_request(
+        server.port, "/v1/hidden_states", chunks, last=False, timeout=120
     )
+    assert_openai_error(status, answer, 413, None, ("more than", str(MAX_BODY), BODY_FLAG))
     assert http.get("/health").status_code == 200
 
 
-def test_a_body_of_1mb_is_inspected_off_the_loop_and_served_exactly(
-    http, hf_qwen3, tokenizer
-):
+def test_a_body_of_1mb_is_inspected_off_the_loop_and_served_exactly(http, hf_qwen3, tokenizer):
     text = "the quick brown fox jumps over the lazy dog " * 24_000  # 1 MB
     body = {"model": MODEL, "input": text, "max_length": 32, "layer": -1}
     r = http.post("/v1/hidden_states", json=body)
@@ -392,8 +412,9 @@ def test_a_body_of_1mb_is_inspected_off_the_loop_and_served_exactly(
 def test_a_chunked_body_without_length_is_served_exactly(server, hf_qwen3, tokenizer):
     prompt = "Once upon a time there was a small robot"
     body = orjson.dumps({"model": MODEL, "input": prompt, "layer": 2})
-    status, data = chunked_request(server.port, "/v1/hidden_states",
-                                   [body[:7], body[7:20], body[20:]], last=True)  # fmt: skip
+    status, data = chunked_request(
+        server.port, "/v1/hidden_states", [body[:7], body[7:20], body[20:]], last=True
+    )
     assert status == 200, data
     import torch
 
@@ -415,16 +436,25 @@ BINARY_LENGTH = 1000
 @pytest.fixture(scope="module")
 def big_binary_body() -> dict:
     text = " ".join(f"w{i}" for i in range(2 * BINARY_LENGTH))
-    return {"model": MODEL, "input": [f"{i}: {text}" for i in range(BINARY_INPUTS)],
-            "max_length": BINARY_LENGTH, "encoding_format": "bytes",
-            "embed_dtype": "float16", "return_attention_mask": True}  # fmt: skip
+    return {
+        "model": MODEL,
+        "input": [f"{i}: {text}" for i in range(BINARY_INPUTS)],
+        "max_length": BINARY_LENGTH,
+        "encoding_format": "bytes",
+        "embed_dtype": "float16",
+        "return_attention_mask": True,
+    }
 
 
 @pytest.fixture(scope="module")
 def first_input_fp16(http, big_binary_body) -> np.ndarray:
     """The first input's states from a JSON (base64) answer, rounded to fp16."""
-    body = {"model": MODEL, "input": big_binary_body["input"][0],
-            "max_length": BINARY_LENGTH, "encoding_format": "base64"}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "input": big_binary_body["input"][0],
+        "max_length": BINARY_LENGTH,
+        "encoding_format": "base64",
+    }
     r = http.post("/v1/hidden_states", json=body)
     assert r.status_code == 200, r.text
     return to_numpy(r.json()).astype(np.float16).astype(np.float32)
@@ -443,45 +473,41 @@ def check_big_binary_answer(body: bytes, headers, hidden_size: int, first: np.nd
     assert np.array_equal(arrays[0], first)
 
 
-def test_big_binary_answer_is_read_by_httpx(
-    server, big_binary_body, first_input_fp16, hf_qwen3
-):
+def test_big_binary_answer_is_read_by_httpx(server, big_binary_body, first_input_fp16, hf_qwen3):
     with httpx.Client(base_url=server.base_url, timeout=600.0) as client:
         r = client.post("/v1/hidden_states", json=big_binary_body)
     assert r.status_code == 200, r.text[:500]
-    check_big_binary_answer(
-        r.content, r.headers, hf_qwen3.hidden_size, first_input_fp16
-    )
+    check_big_binary_answer(r.content, r.headers, hf_qwen3.hidden_size, first_input_fp16)
 
 
-def test_big_binary_answer_is_read_by_requests(
-    server, big_binary_body, first_input_fp16, hf_qwen3
-):
+def test_big_binary_answer_is_read_by_requests(server, big_binary_body, first_input_fp16, hf_qwen3):
     import requests
 
-    r = requests.post(
-        f"{server.base_url}/v1/hidden_states", json=big_binary_body, timeout=600
-    )
+    r = requests.post(f"{server.base_url}/v1/hidden_states", json=big_binary_body, timeout=600)
     assert r.status_code == 200, r.text[:500]
     headers = {k.lower(): v for k, v in r.headers.items()}
     check_big_binary_answer(r.content, headers, hf_qwen3.hidden_size, first_input_fp16)
 
 
-def test_big_binary_answer_is_read_by_the_openai_client(server, big_binary_body,
-                                                        first_input_fp16, hf_qwen3):  # fmt: skip
+def test_big_binary_answer_is_read_by_the_openai_client(
+    server, big_binary_body, first_input_fp16, hf_qwen3
+):
     import openai
 
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="-", timeout=600.0)
     # The openai client sends Accept: application/json unless told otherwise.
-    r = client.post("/hidden_states", body=big_binary_body, cast_to=httpx.Response,
-                    options={"headers": {"Accept": "application/octet-stream"}})  # fmt: skip
-    check_big_binary_answer(
-        r.content, r.headers, hf_qwen3.hidden_size, first_input_fp16
+    r = client.post(
+        "/hidden_states",
+        body=big_binary_body,
+        cast_to=httpx.Response,
+        options={"headers": {"Accept": "application/octet-stream"}},
     )
+    check_big_binary_answer(r.content, r.headers, hf_qwen3.hidden_size, first_input_fp16)
 
 
-def test_big_binary_answer_is_read_by_curl(server, big_binary_body, first_input_fp16,
-                                           hf_qwen3, tmp_path):  # fmt: skip
+def test_big_binary_answer_is_read_by_curl(
+    server, big_binary_body, first_input_fp16, hf_qwen3, tmp_path
+):
     import shutil
     import subprocess
 
@@ -489,21 +515,31 @@ def test_big_binary_answer_is_read_by_curl(server, big_binary_body, first_input_
     assert curl, "curl is needed for this test (apt-get install curl)"
     (tmp_path / "request.json").write_bytes(orjson.dumps(big_binary_body))
     done = subprocess.run(
-        [curl, "-sS", "--fail-with-body", "-o", str(tmp_path / "states.bin"),
-         "-D", str(tmp_path / "headers.txt"), "-H", "Content-Type: application/json",
-         "--data-binary", f"@{tmp_path / 'request.json'}",
-         f"{server.base_url}/v1/hidden_states"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            curl,
+            "-sS",
+            "--fail-with-body",
+            "-o",
+            str(tmp_path / "states.bin"),
+            "-D",
+            str(tmp_path / "headers.txt"),
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{tmp_path / 'request.json'}",
+            f"{server.base_url}/v1/hidden_states",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, (done.returncode, done.stderr)
     lines = (tmp_path / "headers.txt").read_text().splitlines()[1:]
-    headers = {
-        k.strip().lower(): v.strip()
-        for k, _, v in (l.partition(":") for l in lines)
-        if k
-    }
-    check_big_binary_answer((tmp_path / "states.bin").read_bytes(), headers,
-                            hf_qwen3.hidden_size, first_input_fp16)  # fmt: skip
+    fields = (line.partition(":") for line in lines)
+    headers = {k.strip().lower(): v.strip() for k, _, v in fields if k}
+    check_big_binary_answer(
+        (tmp_path / "states.bin").read_bytes(), headers, hf_qwen3.hidden_size, first_input_fp16
+    )
 
 
 def test_states_are_exact_after_everything(http, hf_qwen3, tokenizer):

@@ -18,7 +18,6 @@ same ids (up to near-ties), values within 1e-3 relative.
   directory serves requests with a logged warning.
 """
 
-import asyncio
 import json
 import os
 import subprocess
@@ -32,7 +31,6 @@ import torch
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
-
 from vllm_hidden_states.sae import encode_topk_numpy, random_sae, save_sae
 
 from .conftest import COMMON_ENGINE_ARGS, token_ids_of
@@ -79,14 +77,14 @@ class Reference:
         assert ids.shape == values.shape == (dense.shape[0], k), (what, ids.shape, dense.shape)
         scale = np.abs(dense).max()
         ref_values = -np.sort(-dense, axis=1)[:, :k]
-        np.testing.assert_allclose(values, ref_values, atol=REL_TOL * scale, rtol=0,
-                                   err_msg=what)  # fmt: skip
+        np.testing.assert_allclose(values, ref_values, atol=REL_TOL * scale, rtol=0, err_msg=what)
         active = ids >= 0
         assert active.mean() > 0.5, f"{what}: too few active features to compare"
         assert np.all(values[~active] == 0), what
         got = np.take_along_axis(dense, np.where(active, ids, 0), axis=1)
-        np.testing.assert_allclose(got[active], values[active], atol=REL_TOL * scale,
-                                   rtol=0, err_msg=f"{what}: ids")  # fmt: skip
+        np.testing.assert_allclose(
+            got[active], values[active], atol=REL_TOL * scale, rtol=0, err_msg=f"{what}: ids"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -97,9 +95,10 @@ class Reference:
 def sae_std(tmp_path_factory, hf_qwen3):
     """Standard SAE on layer 2 (``blocks.1.hook_resid_post``)."""
     path, weights, cfg = write_random_sae(
-        tmp_path_factory.mktemp("sae") / "std-l2", hf_qwen3.hidden_size,
+        tmp_path_factory.mktemp("sae") / "std-l2",
+        hf_qwen3.hidden_size,
         "blocks.1.hook_resid_post",
-    )  # fmt: skip
+    )
     return path, Reference(hf_qwen3, 2, weights, cfg)
 
 
@@ -107,9 +106,14 @@ def sae_std(tmp_path_factory, hf_qwen3):
 def sae_llm(qwen3_dir, sae_std):
     from vllm import LLM
 
-    engine = LLM(model=str(qwen3_dir), sae=str(sae_std[0]), enforce_eager=True,
-                 hidden_states_max_rows=24, max_model_len=512,
-                 **COMMON_ENGINE_ARGS)  # fmt: skip
+    engine = LLM(
+        model=str(qwen3_dir),
+        sae=str(sae_std[0]),
+        enforce_eager=True,
+        hidden_states_max_rows=24,
+        max_model_len=512,
+        **COMMON_ENGINE_ARGS,
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -120,8 +124,9 @@ def run(llm, params, prompts=(PROMPT,)):
 
 def sae_params(positions="last", **kwargs) -> SamplingParams:
     kwargs.setdefault("max_tokens", 6)
-    return SamplingParams(temperature=0.0, sae_features={"top_k": TOP_K},
-                          hidden_states_positions=positions, **kwargs)  # fmt: skip
+    return SamplingParams(
+        temperature=0.0, sae_features={"top_k": TOP_K}, hidden_states_positions=positions, **kwargs
+    )
 
 
 @pytest.mark.parametrize("positions", ["last", "prompt", "all"])
@@ -132,24 +137,28 @@ def test_features_match_numpy_reference_on_hf_states(sae_llm, sae_std, positions
     tokens = token_ids_of(out)
     assert completion.hidden_states is None  # features only: no full states
     assert feats["layer"] == 2
-    span = {"last": slice(len(tokens) - 1, None),
-            "prompt": slice(0, len(out.prompt_token_ids)),
-            "all": slice(0, None)}[positions]  # fmt: skip
+    span = {
+        "last": slice(len(tokens) - 1, None),
+        "prompt": slice(0, len(out.prompt_token_ids)),
+        "all": slice(0, None),
+    }[positions]
     sae_std[1].check(feats["ids"], feats["values"], tokens, span, positions)
 
 
 def test_features_with_full_states_and_long_prompt_split_over_steps(sae_llm, sae_std, hf_qwen3):
     # 24-row buffers: the prompt's capture runs over several steps.
     prompt = " ".join([PROMPT] * 6)
-    (out,) = run(sae_llm, sae_params("all", hidden_states_layers=[2, -1],
-                                     return_hidden_states=True))  # fmt: skip
+    (out,) = run(
+        sae_llm, sae_params("all", hidden_states_layers=[2, -1], return_hidden_states=True)
+    )
     (long_out,) = run(sae_llm, sae_params("all"), [prompt])
     tokens = token_ids_of(out)
     c = out.outputs[0]
     assert list(c.hidden_states) == [2, -1]
     assert c.hidden_states[2].shape == (len(tokens), hf_qwen3.hidden_size)
-    sae_std[1].check(c.sae_features["ids"], c.sae_features["values"], tokens,
-                     slice(0, None), "with states")  # fmt: skip
+    sae_std[1].check(
+        c.sae_features["ids"], c.sae_features["values"], tokens, slice(0, None), "with states"
+    )
     long_tokens = token_ids_of(long_out)
     assert len(long_out.prompt_token_ids) > 24 * 2
     f = long_out.outputs[0].sae_features
@@ -188,24 +197,28 @@ def test_bad_top_k_fails_alone_naming_what_is_allowed(sae_llm):
 
 def test_engine_without_sae_refuses_sae_features(llm):
     with pytest.raises(VLLMValidationError, match="--sae"):
-        llm.generate([PROMPT], SamplingParams(max_tokens=2, sae_features={"top_k": 4}),
-                     use_tqdm=False)  # fmt: skip
+        llm.generate(
+            [PROMPT], SamplingParams(max_tokens=2, sae_features={"top_k": 4}), use_tqdm=False
+        )
 
 
 def test_sae_that_does_not_fit_the_model_is_refused_at_start(qwen3_dir, tmp_path, hf_qwen3):
     from vllm.engine.arg_utils import EngineArgs
 
-    wrong, _, _ = write_random_sae(tmp_path / "wrong", hf_qwen3.hidden_size + 1,
-                                   "blocks.1.hook_resid_pre")  # fmt: skip
+    wrong, _, _ = write_random_sae(
+        tmp_path / "wrong", hf_qwen3.hidden_size + 1, "blocks.1.hook_resid_pre"
+    )
     with pytest.raises(ValueError, match="d_in"):
         EngineArgs(model=str(qwen3_dir), sae=str(wrong)).create_engine_config()
-    right, _, _ = write_random_sae(tmp_path / "right", hf_qwen3.hidden_size,
-                                   "blocks.1.hook_resid_pre")  # fmt: skip
+    right, _, _ = write_random_sae(
+        tmp_path / "right", hf_qwen3.hidden_size, "blocks.1.hook_resid_pre"
+    )
     with pytest.raises(ValueError, match="out of range"):
         EngineArgs(model=str(qwen3_dir), sae=str(right), sae_layer=99).create_engine_config()
     with pytest.raises(ValueError, match="not capturable"):
-        EngineArgs(model=str(qwen3_dir), sae=str(right),
-                   hidden_states_layers=[-1]).create_engine_config()  # fmt: skip
+        EngineArgs(
+            model=str(qwen3_dir), sae=str(right), hidden_states_layers=[-1]
+        ).create_engine_config()
 
 
 # --------------------------------------------------------------------------
@@ -218,9 +231,12 @@ MODEL = "tiny-qwen3"
 def sae_jump(tmp_path_factory, hf_qwen3):
     # The hook names block 0; --sae-layer -1 wins.
     path, weights, cfg = write_random_sae(
-        tmp_path_factory.mktemp("sae") / "jump-final", hf_qwen3.hidden_size,
-        "blocks.0.hook_resid_pre", architecture="jumprelu", seed=1,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("sae") / "jump-final",
+        hf_qwen3.hidden_size,
+        "blocks.0.hook_resid_pre",
+        architecture="jumprelu",
+        seed=1,
+    )
     return path, Reference(hf_qwen3, -1, weights, cfg)
 
 
@@ -232,10 +248,18 @@ def store_dir(tmp_path_factory):
 def sae_server(qwen3_dir, sae_dir, store, logs, wrap=None):
     process = test_server_process(
         qwen3_dir,
-        ["--sae", str(sae_dir), "--sae-layer=-1", "--max-model-len", "512",
-         "--activation-store", str(store)],
-        logs / "server.log", name=MODEL,
-    )  # fmt: skip
+        [
+            "--sae",
+            str(sae_dir),
+            "--sae-layer=-1",
+            "--max-model-len",
+            "512",
+            "--activation-store",
+            str(store),
+        ],
+        logs / "server.log",
+        name=MODEL,
+    )
     if wrap is not None:
         process.argv = [*wrap, *process.argv]
     return process
@@ -243,8 +267,9 @@ def sae_server(qwen3_dir, sae_dir, store, logs, wrap=None):
 
 @pytest.fixture(scope="module")
 def http(qwen3_dir, sae_jump, store_dir, tmp_path_factory):
-    process = sae_server(qwen3_dir, sae_jump[0], store_dir,
-                         tmp_path_factory.mktemp("sae-server-logs"))  # fmt: skip
+    process = sae_server(
+        qwen3_dir, sae_jump[0], store_dir, tmp_path_factory.mktemp("sae-server-logs")
+    )
     process.start()
     try:
         process.wait_ready(timeout=600)
@@ -255,9 +280,15 @@ def http(qwen3_dir, sae_jump, store_dir, tmp_path_factory):
 
 
 def body(positions="last", **kwargs):
-    out = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.0,
-               return_token_ids=True, sae_features={"top_k": TOP_K},
-               hidden_states_positions=positions)  # fmt: skip
+    out = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0.0,
+        return_token_ids=True,
+        sae_features={"top_k": TOP_K},
+        hidden_states_positions=positions,
+    )
     out.update(kwargs)
     return out
 
@@ -278,8 +309,9 @@ def test_http_features_match_reference(http, sae_jump, positions):
     assert f["shape"] == [n, TOP_K] and f["top_k"] == TOP_K
     assert f["layer"] == sae_jump[1].hf.num_layers  # -1, absolute
     span = slice(len(tokens) - n, None) if positions == "last" else slice(0, n)
-    sae_jump[1].check(np.asarray(f["ids"], np.int32), np.asarray(f["values"], np.float32),
-                      tokens, span, positions)  # fmt: skip
+    sae_jump[1].check(
+        np.asarray(f["ids"], np.int32), np.asarray(f["values"], np.float32), tokens, span, positions
+    )
 
 
 def test_http_streamed_per_chunk_and_chat_with_states(http, sae_jump, hf_qwen3):
@@ -301,9 +333,15 @@ def test_http_streamed_per_chunk_and_chat_with_states(http, sae_jump, hf_qwen3):
     values = np.concatenate([np.asarray(p["values"], np.float32) for p in parts])
     sae_jump[1].check(ids, values, list(prompt) + tokens, slice(0, None), "streamed")
 
-    chat = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-                temperature=0.0, return_hidden_states=True, hidden_states_layers=[-1],
-                sae_features={"top_k": 3})  # fmt: skip
+    chat = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0.0,
+        return_hidden_states=True,
+        hidden_states_layers=[-1],
+        sae_features={"top_k": 3},
+    )
     r = http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -312,8 +350,12 @@ def test_http_streamed_per_chunk_and_chat_with_states(http, sae_jump, hf_qwen3):
 
 
 def test_http_bad_sae_fields_are_400s_naming_what_is_allowed(http):
-    for bad, match in (({"top_k": 0}, "top_k"), ({"top_k": D_SAE + 1}, f"1..{D_SAE}"),
-                       ([3], "top_k"), ({"top_k": 2, "x": 1}, "top_k")):  # fmt: skip
+    for bad, match in (
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": D_SAE + 1}, f"1..{D_SAE}"),
+        ([3], "top_k"),
+        ({"top_k": 2, "x": 1}, "top_k"),
+    ):
         r = http.post("/v1/completions", json=body(sae_features=bad))
         assert r.status_code == 400, r.text
         assert match in r.json()["error"]["message"]
@@ -343,17 +385,32 @@ def test_activation_store_rows_land_with_the_schema(http, store_dir):
     wait_until(lambda: count() >= expected, "the request's rows in the activation store")
     assert count() == expected
     rel = duckdb.sql(f"SELECT * FROM {source} {where}")
-    assert {"request_id", "step", "token_position", "token_id", "created_at", "sae_release",
-            "sae_layer", "feature_id", "activation_value", "rank", "source_mode",
-            "model_id", "schema_version"} <= set(rel.columns)  # fmt: skip
+    assert {
+        "request_id",
+        "step",
+        "token_position",
+        "token_id",
+        "created_at",
+        "sae_release",
+        "sae_layer",
+        "feature_id",
+        "activation_value",
+        "rank",
+        "source_mode",
+        "model_id",
+        "schema_version",
+    } <= set(rel.columns)
     tokens = tokens_of(r.json(), choice)
     positions = duckdb.sql(f"SELECT DISTINCT token_position FROM {source} {where}").fetchall()
     assert {p for (p,) in positions} == set(range(len(tokens)))
-    meta = duckdb.sql(f"SELECT DISTINCT model_id, sae_release, sae_layer, source_mode "
-                      f"FROM {source} {where}").fetchall()  # fmt: skip
+    meta = duckdb.sql(
+        f"SELECT DISTINCT model_id, sae_release, sae_layer, source_mode FROM {source} {where}"
+    ).fetchall()
     assert meta == [(MODEL, "jump-final", choice["sae_features"]["layer"], "inline")]
-    top = duckdb.sql(f"SELECT feature_id, token_id, step FROM {source} {where} "
-                     "AND token_position = 3 AND rank = 0").fetchall()  # fmt: skip
+    top = duckdb.sql(
+        f"SELECT feature_id, token_id, step FROM {source} {where} "
+        "AND token_position = 3 AND rank = 0"
+    ).fetchall()
     assert top == [(choice["sae_features"]["ids"][3][0], tokens[3], 0)]
 
 
@@ -365,27 +422,41 @@ def test_store_query_by_the_response_id_finds_every_choice(http, store_dir, rout
 
     from vllm_hidden_states.tools.cli import main
 
-    common = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=7, n=2,
-                  return_token_ids=True, sae_features={"top_k": TOP_K},
-                  hidden_states_positions="all")  # fmt: skip
+    common = dict(
+        model=MODEL,
+        max_tokens=4,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        return_token_ids=True,
+        sae_features={"top_k": TOP_K},
+        hidden_states_positions="all",
+    )
     if route == "completions":
         r = http.post("/v1/completions", json={**common, "prompt": PROMPT})
     else:
-        r = http.post("/v1/chat/completions",
-                      json={**common, "messages": [{"role": "user", "content": PROMPT}]})
+        r = http.post(
+            "/v1/chat/completions",
+            json={**common, "messages": [{"role": "user", "content": PROMPT}]},
+        )
     assert r.status_code == 200, r.text
     response = r.json()
     request_id = response["id"]
     glob = str(store_dir / "sae_features" / "date=*" / "*.parquet")
 
-    expected = sum(int((np.asarray(c["sae_features"]["ids"]) >= 0).sum())
-                   for c in response["choices"])
+    expected = sum(
+        int((np.asarray(c["sae_features"]["ids"]) >= 0).sum()) for c in response["choices"]
+    )
 
     def landed():  # both choices' rows, under whatever id they were written
         try:
-            return duckdb.sql(f"SELECT count(*) FROM read_parquet('{glob}', union_by_name = true) "
-                              f"WHERE starts_with(request_id, '{request_id}')"
-                              ).fetchall()[0][0] >= expected  # fmt: skip
+            return (
+                duckdb.sql(
+                    f"SELECT count(*) FROM read_parquet('{glob}', union_by_name = true) "
+                    f"WHERE starts_with(request_id, '{request_id}')"
+                ).fetchall()[0][0]
+                >= expected
+            )
         except duckdb.IOException:  # no file yet
             return False
 
@@ -393,25 +464,44 @@ def test_store_query_by_the_response_id_finds_every_choice(http, store_dir, rout
     for choice in response["choices"]:
         prompt = choice.get("prompt_token_ids") or response["prompt_token_ids"]
         tokens = list(prompt) + list(choice["token_ids"])
-        argv = ["store", "query", str(store_dir), "deltas", "--request-id", request_id,
-                "--format", "json"]
+        argv = [
+            "store",
+            "query",
+            str(store_dir),
+            "deltas",
+            "--request-id",
+            request_id,
+            "--format",
+            "json",
+        ]
         if choice["index"]:
             argv += ["--choice-index", str(choice["index"])]
         assert main(argv) == 0
         rows = json.loads(capsys.readouterr().out)
         assert rows, f"no rows for --request-id {request_id} choice {choice['index']}"
-        assert {(row["token_position"], row["token_id"]) for row in rows} == set(
-            enumerate(tokens))  # fmt: skip
-    assert main(["store", "query", str(store_dir), "sql",
-                 f"SELECT DISTINCT request_id, choice_index FROM sae_features "
-                 f"WHERE request_id = '{request_id}' ORDER BY 2", "--format", "json"]) == 0
+        assert {(row["token_position"], row["token_id"]) for row in rows} == set(enumerate(tokens))
+    assert (
+        main(
+            [
+                "store",
+                "query",
+                str(store_dir),
+                "sql",
+                f"SELECT DISTINCT request_id, choice_index FROM sae_features "
+                f"WHERE request_id = '{request_id}' ORDER BY 2",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out) == [
         {"request_id": request_id, "choice_index": 0},
-        {"request_id": request_id, "choice_index": 1}]
+        {"request_id": request_id, "choice_index": 1},
+    ]
 
 
-def test_read_only_store_directory_is_logged_and_requests_are_served(
-        qwen3_dir, sae_jump, tmp_path):  # fmt: skip
+def test_read_only_store_directory_is_logged_and_requests_are_served(qwen3_dir, sae_jump, tmp_path):
     """As root (which ignores modes) the store directory is a read-only bind
     mount in a private mount namespace (``unshare -rm``); otherwise chmod 555."""
     store = tmp_path / "ro-store"
@@ -420,12 +510,19 @@ def test_read_only_store_directory_is_logged_and_requests_are_served(
     if os.geteuid() == 0:
         import shutil
 
-        if shutil.which("unshare") is None or subprocess.run(
-                ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        if (
+            shutil.which("unshare") is None
+            or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0
+        ):
             pytest.skip("running as root without unshare: cannot make a read-only directory")
-        wrap = ["unshare", "-rm", "sh", "-c",
-                f"mount --bind {store} {store} && mount -o remount,bind,ro {store} && "
-                'exec "$@"', "sh"]  # fmt: skip
+        wrap = [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f'mount --bind {store} {store} && mount -o remount,bind,ro {store} && exec "$@"',
+            "sh",
+        ]
     else:
         os.chmod(store, 0o555)
     process = sae_server(qwen3_dir, sae_jump[0], store, tmp_path, wrap)
@@ -438,8 +535,10 @@ def test_read_only_store_directory_is_logged_and_requests_are_served(
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["sae_features"]["shape"][1] == TOP_K
         # The store said so in the server log (through vLLM's logger).
-        wait_until(lambda: "is not writable" in process.log_path.read_text(errors="replace"),
-                   "the activation store's warning in the server log")  # fmt: skip
+        wait_until(
+            lambda: "is not writable" in process.log_path.read_text(errors="replace"),
+            "the activation store's warning in the server log",
+        )
     finally:
         process.stop()
         os.chmod(store, 0o755)

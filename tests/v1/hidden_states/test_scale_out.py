@@ -9,7 +9,6 @@
 Both servers start together (one module fixture) and are shared by the tests.
 """
 
-
 import httpx
 import openai
 import pytest
@@ -28,10 +27,16 @@ LAYERS = [0, 1, -2, -1]
 @pytest.fixture(scope="module")
 def scale_servers(qwen3_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("scale-out-logs")
-    common = ["--enable-hidden-states", "--max-model-len", "512",
-              "--max-num-batched-tokens", "64",
-              # /load and the gate, for the abort test
-              "--enable-server-load-tracking", *GATE_ARGS]  # fmt: skip
+    common = [
+        "--enable-hidden-states",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "64",
+        # /load and the gate, for the abort test
+        "--enable-server-load-tracking",
+        *GATE_ARGS,
+    ]
     dp2 = test_server_process(
         qwen3_dir, [*common, "--data-parallel-size", "2"], logs / "dp2.log", name=MODEL
     )
@@ -58,9 +63,15 @@ def api2(scale_servers):
 
 
 def body(prompt: str, **kwargs) -> dict:
-    out = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0,
-               return_token_ids=True, return_hidden_states=True,
-               hidden_states_layers=LAYERS)  # fmt: skip
+    out = dict(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0.0,
+        return_token_ids=True,
+        return_hidden_states=True,
+        hidden_states_layers=LAYERS,
+    )
     out.update(kwargs)
     return out
 
@@ -87,10 +98,12 @@ def check_choice(hf: HFReference, choice: dict, positions: str, layers=LAYERS):
 def served_by_engine(server) -> dict[str, float]:
     """Requests each engine ran to their end (stop or length)."""
     return {
-        e: sum(server.metric("vllm:request_success_total", engine=e, finished_reason=r)
-               for r in ("stop", "length"))
+        e: sum(
+            server.metric("vllm:request_success_total", engine=e, finished_reason=r)
+            for r in ("stop", "length")
+        )
         for e in ("0", "1")
-    }  # fmt: skip
+    }
 
 
 def nothing_held(server) -> bool:
@@ -110,16 +123,16 @@ def nothing_held(server) -> bool:
 PROMPTS = [f"Story {i}: once upon a time there was a robot who" for i in range(8)]
 
 
-def test_data_parallel_2_mixed_concurrent_requests_are_exact_on_both_engines(
-    dp2, hf_qwen3
-):
+def test_data_parallel_2_mixed_concurrent_requests_are_exact_on_both_engines(dp2, hf_qwen3):
     before = served_by_engine(dp2)
     # "last", "all", "prompt", n=2 (sampled) and streaming, all at once.
     jobs = [("last", body(p)) for p in PROMPTS[:4]]
-    jobs += [("all", body(PROMPTS[4], hidden_states_positions="all")),
-             ("all", body(PROMPTS[5], hidden_states_positions="all", max_tokens=3)),
-             ("prompt", body(PROMPTS[6], hidden_states_positions="prompt")),
-             ("last", body(PROMPTS[7], n=2, temperature=1.0, seed=7))]  # fmt: skip
+    jobs += [
+        ("all", body(PROMPTS[4], hidden_states_positions="all")),
+        ("all", body(PROMPTS[5], hidden_states_positions="all", max_tokens=3)),
+        ("prompt", body(PROMPTS[6], hidden_states_positions="prompt")),
+        ("last", body(PROMPTS[7], n=2, temperature=1.0, seed=7)),
+    ]
 
     results = post_concurrently(dp2.base_url, "/v1/completions", jobs)
     for positions, r in results:
@@ -138,9 +151,7 @@ def completed(server) -> float:
     return sum(served_by_engine(server).values())
 
 
-def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(
-    dp2, hf_qwen3, tmp_path
-):
+def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(dp2, hf_qwen3, tmp_path):
     """Streams closed by the client after their first token, while held there
     by construction (a :class:`Gate`), are aborted on the engine that runs them
     (else they would run to 480 tokens and count as completed); a request after
@@ -149,8 +160,14 @@ def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(
     with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
         for i in range(2):
             with Gate(tmp_path / f"hold-{i}") as gate:
-                long = body(PROMPTS[0], max_tokens=480, ignore_eos=True, stream=True,
-                            hidden_states_positions="all", vllm_xargs=gate.xargs)  # fmt: skip
+                long = body(
+                    PROMPTS[0],
+                    max_tokens=480,
+                    ignore_eos=True,
+                    stream=True,
+                    hidden_states_positions="all",
+                    vllm_xargs=gate.xargs,
+                )
                 with http.stream("POST", "/v1/completions", json=long) as r:
                     assert next(line for line in r.iter_lines() if line.startswith("data: {"))
                 # leaving the block closes the connection: the server aborts
@@ -184,16 +201,21 @@ def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
 def test_data_parallel_2_openai_client_and_hidden_states_route(dp2, hf_qwen3, qwen3_dir):
     client = openai.OpenAI(base_url=dp2.url("/v1"), api_key="unused")
     completion = client.completions.create(
-        model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0.0,
-        extra_body=dict(return_token_ids=True, return_hidden_states=True,
-                        hidden_states_layers=LAYERS),
-    )  # fmt: skip
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=4,
+        temperature=0.0,
+        extra_body=dict(
+            return_token_ids=True, return_hidden_states=True, hidden_states_layers=LAYERS
+        ),
+    )
     check_choice(hf_qwen3, completion.model_dump()["choices"][0], "last")
     # POST /v1/hidden_states: "prompt" captures, every position, per engine.
     with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
         for prompt, layer in ((PROMPTS[3], 0), (PROMPTS[4], -2), (PROMPTS[5], -1)):
-            r = http.post("/v1/hidden_states",
-                          json={"model": MODEL, "input": prompt, "layer": layer})  # fmt: skip
+            r = http.post(
+                "/v1/hidden_states", json={"model": MODEL, "input": prompt, "layer": layer}
+            )
             assert r.status_code == 200, r.text
             states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
             ref = hf_qwen3.states(hf_tokenize(qwen3_dir, prompt))[layer]
@@ -206,8 +228,10 @@ def test_api_server_count_2_is_exact_over_http(api2, hf_qwen3):
     dispatches its own requests' extracts. Enough concurrent requests that
     both processes serve some (the kernel spreads connections)."""
     jobs = [("last", body(p)) for p in PROMPTS[:6]]
-    jobs += [("all", body(PROMPTS[6], hidden_states_positions="all")),
-             ("prompt", body(PROMPTS[7], hidden_states_positions="prompt"))]  # fmt: skip
+    jobs += [
+        ("all", body(PROMPTS[6], hidden_states_positions="all")),
+        ("prompt", body(PROMPTS[7], hidden_states_positions="prompt")),
+    ]
 
     results = post_concurrently(api2.base_url, "/v1/completions", jobs)
     for positions, r in results:

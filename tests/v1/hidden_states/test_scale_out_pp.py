@@ -34,14 +34,28 @@ def pp2(qwen3_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("scale-out-pp-logs") / "pp2.log"
     server = ServerProcess(
         qwen3_dir,
-        ["--enable-hidden-states", "--pipeline-parallel-size", "2",
-         "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--seed", "0",
-         "--max-model-len", "512", "--max-num-batched-tokens", "64"],
+        [
+            "--enable-hidden-states",
+            "--pipeline-parallel-size",
+            "2",
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--seed",
+            "0",
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "64",
+        ],
         log,
-        env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-             "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        env={
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        },
         name=MODEL,
-    )  # fmt: skip
+    )
     server.start()
     try:
         yield server.wait_ready(timeout=1200)
@@ -69,15 +83,14 @@ def test_pipeline_parallel_2_every_layer_exact(pp2, hf_qwen3):
     jobs = [("last", body(p, hidden_states_layers=LAYERS)) for p in PROMPTS[:2]]
     jobs += [
         ("last", body(LONG, hidden_states_layers=LAYERS)),
-        ("all", body(PROMPTS[2], hidden_states_layers=LAYERS,
-                     hidden_states_positions="all")),
-        ("all", body(LONG, hidden_states_layers=LAYERS, hidden_states_positions="all",
-                     max_tokens=3)),
-        ("prompt", body(PROMPTS[3], hidden_states_layers=LAYERS,
-                        hidden_states_positions="prompt")),
-        ("prompt", body(LONG, hidden_states_layers=LAYERS,
-                        hidden_states_positions="prompt")),
-    ]  # fmt: skip
+        ("all", body(PROMPTS[2], hidden_states_layers=LAYERS, hidden_states_positions="all")),
+        (
+            "all",
+            body(LONG, hidden_states_layers=LAYERS, hidden_states_positions="all", max_tokens=3),
+        ),
+        ("prompt", body(PROMPTS[3], hidden_states_layers=LAYERS, hidden_states_positions="prompt")),
+        ("prompt", body(LONG, hidden_states_layers=LAYERS, hidden_states_positions="prompt")),
+    ]
     results = post_concurrently(pp2.base_url, "/v1/completions", jobs)
     for positions, r in results:
         assert r.status_code == 200, r.text
@@ -86,21 +99,20 @@ def test_pipeline_parallel_2_every_layer_exact(pp2, hf_qwen3):
     wait_until(lambda: nothing_held(pp2), "the engine to hold nothing")
 
 
-def test_pipeline_parallel_2_one_stage_layers_and_hidden_states_route(
-    pp2, hf_qwen3, qwen3_dir
-):
+def test_pipeline_parallel_2_one_stage_layers_and_hidden_states_route(pp2, hf_qwen3, qwen3_dir):
     """Requests whose layers all live on one stage (only the first stage's,
     which the last stage has no capture point for, only the last's) and
     ``POST /v1/hidden_states`` (every prompt position)."""
     with httpx.Client(base_url=pp2.base_url, timeout=600.0) as http:
         for layers in ([0, 1], [-2, -1], [1]):
-            r = http.post("/v1/completions", json=body(
-                PROMPTS[0], hidden_states_layers=layers, hidden_states_positions="all"))
+            r = http.post(
+                "/v1/completions",
+                json=body(PROMPTS[0], hidden_states_layers=layers, hidden_states_positions="all"),
+            )
             assert r.status_code == 200, r.text
             check_choice(hf_qwen3, r.json()["choices"][0], "all", layers)
         for layer in (0, 1, -1):
-            r = http.post("/v1/hidden_states",
-                          json={"model": MODEL, "input": LONG, "layer": layer})  # fmt: skip
+            r = http.post("/v1/hidden_states", json={"model": MODEL, "input": LONG, "layer": layer})
             assert r.status_code == 200, r.text
             states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
             ref = hf_qwen3.states(hf_tokenize(qwen3_dir, LONG))[layer]

@@ -38,11 +38,21 @@ def ray_head():
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths
     head = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
-         "--block", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp_dir}",
-         "--include-dashboard=false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            f"--temp-dir={temp_dir}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     address = f"127.0.0.1:{port}"
     try:
         wait_until(lambda: _ray_up(address, head), "the Ray head to answer", timeout=180)
@@ -61,25 +71,52 @@ def _ray_up(address: str, head: subprocess.Popen) -> bool:
     if head.poll() is not None:
         raise RuntimeError(f"ray start exited with {head.returncode}")
     probe = subprocess.run(
-        [sys.executable, "-c",
-         f"import ray; ray.init(address={address!r}); "
-         "print(int(ray.cluster_resources().get('CPU', 0)))"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"import ray; ray.init(address={address!r}); "
+            "print(int(ray.cluster_resources().get('CPU', 0)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return probe.returncode == 0 and probe.stdout.strip().endswith("2")
 
 
 def _plain_vllm(args: list[str], address: str, model) -> str:
     """``vllm serve`` without hidden states; its output once it exits."""
-    env = {**os.environ, "RAY_ADDRESS": address, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": address,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-         "--host", "127.0.0.1", "--port", str(free_port()), "--dtype", "float32",
-         "--enforce-eager", "--gpu-memory-utilization", "0.2",
-         "--max-model-len", "256", *args],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--max-model-len",
+            "256",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode != 0, "plain vLLM served with a Ray backend on CPU"
     return proc.stdout + proc.stderr
 
@@ -87,7 +124,8 @@ def _plain_vllm(args: list[str], address: str, model) -> str:
 def test_plain_vllm_cpu_cannot_run_the_ray_executor(ray_head, qwen3_dir):
     out = _plain_vllm(
         ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
-        ray_head, qwen3_dir,
+        ray_head,
+        qwen3_dir,
     )
     assert "ValueError: current platform cpu does not support ray." in out, out[-3000:]
 
@@ -95,7 +133,8 @@ def test_plain_vllm_cpu_cannot_run_the_ray_executor(ray_head, qwen3_dir):
 def test_plain_vllm_cpu_cannot_run_ray_data_parallel(ray_head, qwen3_dir):
     out = _plain_vllm(
         ["--data-parallel-size", "2", "--data-parallel-backend", "ray"],
-        ray_head, qwen3_dir,
+        ray_head,
+        qwen3_dir,
     )
     assert "AssertionError: No  found in Ray cluster." in out, out[-3000:]
 
@@ -103,17 +142,24 @@ def test_plain_vllm_cpu_cannot_run_ray_data_parallel(ray_head, qwen3_dir):
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        (dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
-         "distributed_executor_backend='ray'"),
-        (dict(data_parallel_size=2, data_parallel_backend="ray"),
-         "data_parallel_backend='ray'"),
+        (
+            dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
+            "distributed_executor_backend='ray'",
+        ),
+        (dict(data_parallel_size=2, data_parallel_backend="ray"), "data_parallel_backend='ray'"),
     ],
-)  # fmt: skip
+)
 def test_ray_backends_are_refused_at_start(qwen3_dir, kwargs, named):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=str(qwen3_dir), enable_hidden_states=True,
-                      enforce_eager=True, max_model_len=256, dtype="float32", **kwargs)
+    args = EngineArgs(
+        model=str(qwen3_dir),
+        enable_hidden_states=True,
+        enforce_eager=True,
+        max_model_len=256,
+        dtype="float32",
+        **kwargs,
+    )
     with pytest.raises(ValueError, match="the Ray backend") as err:
         args.create_engine_config()
     assert named in str(err.value)

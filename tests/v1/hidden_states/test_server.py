@@ -54,8 +54,10 @@ def servers(qwen3_dir, llama_dir, tmp_path_factory):
         qwen3_dir,
         [
             "--enable-hidden-states",
-            "--hidden-states-layers", CAPTURABLE,
-            "--max-model-len", str(MAX_MODEL_LEN),
+            "--hidden-states-layers",
+            CAPTURABLE,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
             # /load (in-flight HTTP requests) and the gate, for the disconnect test
             "--enable-server-load-tracking",
             *GATE_ARGS,
@@ -63,7 +65,7 @@ def servers(qwen3_dir, llama_dir, tmp_path_factory):
         logs / "main.log",
         env={"VLLM_HIDDEN_STATES_MAX_RESPONSE_MB": CAP_MB},
         name=MODEL,
-    )  # fmt: skip
+    )
     plain = test_server_process(
         llama_dir, ["--max-model-len", "256"], logs / "plain.log", name="tiny-llama"
     )
@@ -185,9 +187,7 @@ def test_completion_base64_is_float32_le_bytes_of_the_rows(http, hf_qwen3):
 
 
 def test_completion_n2_gives_each_choice_the_states_of_its_own_tokens(http, hf_qwen3):
-    body = completion_body(
-        n=2, temperature=1.0, seed=7, max_tokens=8, hidden_states_layers=[2, -1]
-    )
+    body = completion_body(n=2, temperature=1.0, seed=7, max_tokens=8, hidden_states_layers=[2, -1])
     choices = http.post("/v1/completions", json=body).json()["choices"]
     assert [c["index"] for c in choices] == [0, 1]
     assert choices[0]["token_ids"] != choices[1]["token_ids"]
@@ -207,9 +207,7 @@ def test_completion_with_echo_and_logprobs_keeps_last_token_states(http, hf_qwen
 
 def test_completion_two_prompts_n2_map_states_to_the_right_choices(http, hf_qwen3):
     prompts = [PROMPT, "Hello world! How are you today?"]
-    body = completion_body(
-        prompt=prompts, n=2, temperature=1.0, seed=3, hidden_states_layers=[-2]
-    )
+    body = completion_body(prompt=prompts, n=2, temperature=1.0, seed=3, hidden_states_layers=[-2])
     choices = http.post("/v1/completions", json=body).json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     for c in choices:
@@ -220,9 +218,13 @@ def test_completion_two_prompts_n2_map_states_to_the_right_choices(http, hf_qwen
 def test_completion_stream_puts_states_once_on_each_finish_chunk(http, hf_qwen3):
     prompts = [PROMPT, "What is the capital of France?"]
     body = completion_body(
-        prompt=prompts, n=2, temperature=1.0, seed=5, stream=True,
+        prompt=prompts,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        stream=True,
         hidden_states_layers=[-1, 2],
-    )  # fmt: skip
+    )
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         events = sse_events(r)
@@ -260,10 +262,16 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def test_chat_openai_client_extra_body_returns_float_states(oai, hf_qwen3):
     layers = [-2, -1, 0]
     r = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.0,
-        extra_body={"return_hidden_states": True, "hidden_states_layers": layers,
-                    "return_token_ids": True},
-    )  # fmt: skip
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0.0,
+        extra_body={
+            "return_hidden_states": True,
+            "hidden_states_layers": layers,
+            "return_token_ids": True,
+        },
+    )
     choice = r.choices[0]
     ids = r.prompt_token_ids + choice.token_ids
     assert_choice_matches_hf(hf_qwen3, choice.hidden_states, ids, layers)
@@ -271,11 +279,20 @@ def test_chat_openai_client_extra_body_returns_float_states(oai, hf_qwen3):
 
 def test_chat_openai_client_n2_with_logprobs(oai, hf_qwen3):
     r = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=1.0, seed=11,
-        logprobs=True, top_logprobs=2,
-        extra_body={"return_hidden_states": True, "hidden_states_layers": [3],
-                    "return_token_ids": True},
-    )  # fmt: skip
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={
+            "return_hidden_states": True,
+            "hidden_states_layers": [3],
+            "return_token_ids": True,
+        },
+    )
     assert len(r.choices) == 2
     for choice in r.choices:
         assert choice.logprobs.content
@@ -285,11 +302,20 @@ def test_chat_openai_client_n2_with_logprobs(oai, hf_qwen3):
 
 def test_chat_openai_client_stream_base64_once_per_choice(oai, hf_qwen3):
     stream = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=7, n=2, temperature=1.0, seed=2,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=7,
+        n=2,
+        temperature=1.0,
+        seed=2,
         stream=True,
-        extra_body={"return_hidden_states": True, "hidden_states_layers": [-1, 0],
-                    "hidden_states_format": "base64", "return_token_ids": True},
-    )  # fmt: skip
+        extra_body={
+            "return_hidden_states": True,
+            "hidden_states_layers": [-1, 0],
+            "hidden_states_format": "base64",
+            "return_token_ids": True,
+        },
+    )
     prompt_ids: list[int] = []
     ids: dict[int, list[int]] = {0: [], 1: []}
     states: dict[int, dict] = {}
@@ -309,9 +335,14 @@ def test_chat_openai_client_stream_base64_once_per_choice(oai, hf_qwen3):
 
 def test_chat_stream_non_finish_chunks_carry_no_states(http):
     body = dict(
-        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0.0, stream=True,
-        return_hidden_states=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0.0,
+        stream=True,
+        return_hidden_states=True,
+        stream_options={"include_usage": True},
+    )
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         events = sse_events(r)
     carrying = [c for e in events for c in e["choices"] if "hidden_states" in c]
@@ -326,9 +357,9 @@ def test_chat_stream_non_finish_chunks_carry_no_states(http):
 def test_client_decodes_both_encodings_of_both_endpoints(http, oai, hf_qwen3):
     body = completion_body(hidden_states_layers=[0, -1])
     f = http.post("/v1/completions", json=body).json()["choices"][0]
-    b = http.post(
-        "/v1/completions", json={**body, "hidden_states_format": "base64"}
-    ).json()["choices"][0]
+    b = http.post("/v1/completions", json={**body, "hidden_states_format": "base64"}).json()[
+        "choices"
+    ][0]
     np.testing.assert_array_equal(to_numpy(f), to_numpy(b))
     assert to_numpy(f["hidden_states"]).shape == (2, hf_qwen3.hidden_size)
     hf_f = http.post("/v1/hidden_states", json={"model": MODEL, "input": PROMPT}).json()
@@ -345,9 +376,11 @@ def test_client_decodes_both_encodings_of_both_endpoints(http, oai, hf_qwen3):
     ).json()
     assert [a.shape[0] for a in to_numpy(batch)] == [d["shape"][0] for d in batch["data"]]
     r = oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=2,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=2,
         extra_body={"return_hidden_states": True, "hidden_states_format": "base64"},
-    )  # fmt: skip
+    )
     assert to_numpy(r.choices[0]).shape == (1, hf_qwen3.hidden_size)
 
 
@@ -361,9 +394,7 @@ def hf_tokenize(qwen3_dir, text: str) -> list[int]:
     return AutoTokenizer.from_pretrained(qwen3_dir)(text)["input_ids"]
 
 
-def test_hidden_states_default_is_layer_minus_2_every_position_float(
-    http, hf_qwen3, qwen3_dir
-):
+def test_hidden_states_default_is_layer_minus_2_every_position_float(http, hf_qwen3, qwen3_dir):
     r = http.post("/v1/hidden_states", json={"model": MODEL, "input": ZIMAGE_PROMPT})
     assert r.status_code == 200, r.text
     data = r.json()
@@ -402,9 +433,7 @@ def test_hidden_states_max_length_keeps_the_first_tokens(http, hf_qwen3, qwen3_d
     assert_close(torch.tensor(data["hidden_states"]), hf_qwen3.states(ids)[2])
 
 
-def test_hidden_states_batch_returns_one_object_per_input_in_order(
-    http, hf_qwen3, qwen3_dir
-):
+def test_hidden_states_batch_returns_one_object_per_input_in_order(http, hf_qwen3, qwen3_dir):
     texts = [ZIMAGE_PROMPT, "Hi", PROMPT]
     body = {"model": MODEL, "input": texts, "layer": -1, "return_attention_mask": True}
     data = http.post("/v1/hidden_states", json=body).json()
@@ -414,18 +443,14 @@ def test_hidden_states_batch_returns_one_object_per_input_in_order(
         ids = hf_tokenize(qwen3_dir, text)
         assert item["shape"] == [len(ids), hf_qwen3.hidden_size]
         assert item["attention_mask"] == [1] * len(ids)
-        assert_close(
-            torch.tensor(item["hidden_states"]), hf_qwen3.states(ids)[-1], text
-        )
+        assert_close(torch.tensor(item["hidden_states"]), hf_qwen3.states(ids)[-1], text)
 
 
 def test_hidden_states_messages_apply_the_chat_template(http, hf_qwen3, qwen3_dir):
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "A beautiful sunset over the ocean"}]
-    data = http.post(
-        "/v1/hidden_states", json={"model": MODEL, "messages": messages}
-    ).json()
+    data = http.post("/v1/hidden_states", json={"model": MODEL, "messages": messages}).json()
     tok = AutoTokenizer.from_pretrained(qwen3_dir)
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -433,9 +458,7 @@ def test_hidden_states_messages_apply_the_chat_template(http, hf_qwen3, qwen3_di
     assert_close(torch.tensor(data["hidden_states"]), hf_qwen3.states(ids)[-2])
 
 
-def test_hidden_states_repeat_request_loses_no_position_to_prefix_cache(
-    http, hf_qwen3, qwen3_dir
-):
+def test_hidden_states_repeat_request_loses_no_position_to_prefix_cache(http, hf_qwen3, qwen3_dir):
     text = LONG_TEXT[:1200]  # a few hundred tokens: many full KV blocks
     ids = hf_tokenize(qwen3_dir, text)
     ref = hf_qwen3.states(ids)[3]
@@ -460,7 +483,7 @@ def test_hidden_states_repeat_request_loses_no_position_to_prefix_cache(
         ({"model": MODEL, "input": "x", "layer": "2"}, "invalid 'layer'", "layer"),
         ({"model": MODEL, "input": "x", "layers": [2]}, "unknown field 'layers'", "layers"),
     ],
-)  # fmt: skip
+)
 def test_hidden_states_missing_or_invalid_field_is_400(http, body, needle, param):
     error = assert_error(
         http.post("/v1/hidden_states", json=body), 400, "invalid_request_error", needle
@@ -514,9 +537,13 @@ def test_hidden_states_response_over_the_size_cap_is_400_with_its_size(http):
     body = {"model": MODEL, "input": LONG_TEXT, "max_length": 900}
     r = http.post("/v1/hidden_states", json=body)
     assert_error(
-        r, 400, "invalid_request_error", "would be about", "MB",
+        r,
+        400,
+        "invalid_request_error",
+        "would be about",
+        "MB",
         "VLLM_HIDDEN_STATES_MAX_RESPONSE_MB",
-    )  # fmt: skip
+    )
     assert_still_serving(http)
 
 
@@ -537,9 +564,11 @@ def test_completion_layer_out_of_range_is_400_even_when_streaming(http):
 
 def test_chat_layer_not_capturable_is_400(http):
     body = dict(
-        model=MODEL, messages=MESSAGES, return_hidden_states=True,
+        model=MODEL,
+        messages=MESSAGES,
+        return_hidden_states=True,
         hidden_states_layers=[1],
-    )  # fmt: skip
+    )
     r = http.post("/v1/chat/completions", json=body)
     assert_error(r, 400, "invalid_request_error", "not capturable")
     assert_still_serving(http)
@@ -569,9 +598,11 @@ def test_chat_layers_without_return_hidden_states_is_400(http):
 def test_openai_client_raises_bad_request_for_invalid_layer(oai):
     with pytest.raises(openai.BadRequestError, match="out of range"):
         oai.completions.create(
-            model=MODEL, prompt="x", max_tokens=1,
+            model=MODEL,
+            prompt="x",
+            max_tokens=1,
             extra_body={"return_hidden_states": True, "hidden_states_layers": [9]},
-        )  # fmt: skip
+        )
 
 
 def test_server_without_the_flag_says_how_to_enable(plain_server):
@@ -580,15 +611,24 @@ def test_server_without_the_flag_says_how_to_enable(plain_server):
             ("/v1/hidden_states", {"model": "tiny-llama", "input": "Hello"}),
             (
                 "/v1/chat/completions",
-                {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2,
-                 "return_hidden_states": True},
+                {
+                    "model": "tiny-llama",
+                    "messages": MESSAGES,
+                    "max_tokens": 2,
+                    "return_hidden_states": True,
+                },
             ),
             (
                 "/v1/completions",
-                {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2, "stream": True,
-                 "return_hidden_states": True},
+                {
+                    "model": "tiny-llama",
+                    "prompt": "Hi",
+                    "max_tokens": 2,
+                    "stream": True,
+                    "return_hidden_states": True,
+                },
             ),
-        ]:  # fmt: skip
+        ]:
             r = client.post(path, json=body)
             assert_error(r, 400, "invalid_request_error", "--enable-hidden-states")
         ok = client.post(
@@ -601,10 +641,7 @@ def test_server_without_the_flag_says_how_to_enable(plain_server):
 # Disconnects
 
 
-
-def test_client_disconnecting_mid_stream_leaves_nothing_held(
-    server, http, hf_qwen3, tmp_path
-):
+def test_client_disconnecting_mid_stream_leaves_nothing_held(server, http, hf_qwen3, tmp_path):
     """The client leaves while its request is still generating, by construction:
     both children are held after their first token (a :class:`Gate`), the client
     disconnects, and the engine goes on only once the server has closed the
@@ -612,8 +649,14 @@ def test_client_disconnecting_mid_stream_leaves_nothing_held(
     may stay held."""
     generated_before = num_generated(server)
     with Gate(tmp_path / "hold") as gate:
-        body = completion_body(max_tokens=900, ignore_eos=True, stream=True, n=2,
-                               temperature=1.0, vllm_xargs=gate.xargs)  # fmt: skip
+        body = completion_body(
+            max_tokens=900,
+            ignore_eos=True,
+            stream=True,
+            n=2,
+            temperature=1.0,
+            vllm_xargs=gate.xargs,
+        )
         with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
             with client.stream("POST", "/v1/completions", json=body) as r:
                 assert next(line for line in r.iter_lines() if line.startswith("data: {"))

@@ -46,15 +46,17 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
         qwen3_dir,
         [
             "--enable-hidden-states",
-            "--max-model-len", "512",
-            "--hidden-states-max-response-mb", str(CAP_MB),
+            "--max-model-len",
+            "512",
+            "--hidden-states-max-response-mb",
+            str(CAP_MB),
             # /load (in-flight HTTP requests) and the gate, for the disconnect test
             "--enable-server-load-tracking",
             *GATE_ARGS,
         ],
         logs / "server.log",
         name=MODEL,
-    )  # fmt: skip
+    )
     process.start()
     try:
         yield process.wait_ready(timeout=600)
@@ -75,9 +77,15 @@ def layers(hf_qwen3) -> list[int]:
 
 
 def body(**kwargs) -> dict:
-    out = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.0,
-               return_token_ids=True, return_hidden_states=True,
-               hidden_states_positions="all")  # fmt: skip
+    out = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.0,
+        return_token_ids=True,
+        return_hidden_states=True,
+        hidden_states_positions="all",
+    )
     out.update(kwargs)
     return out
 
@@ -150,8 +158,7 @@ def test_completion_all_positions_match_hf_at_every_position(http, hf_qwen3, lay
 
 
 def test_chat_all_positions_in_base64_match_hf(http, hf_qwen3, layers):
-    r = http.post(CH, json=chat_body(hidden_states_layers=layers,
-                                     hidden_states_format="base64"))  # fmt: skip
+    r = http.post(CH, json=chat_body(hidden_states_layers=layers, hidden_states_format="base64"))
     (choice,) = r.json()["choices"]
     ids = r.json()["prompt_token_ids"] + choice["token_ids"]
     assert_rows_match_hf(hf_qwen3, rows_of(choice["hidden_states"]), ids, layers)
@@ -181,8 +188,9 @@ def test_each_streamed_chunk_completes_the_rows_before_its_newest_token(http):
     """After each chunk the client holds the row of every position before the
     chunk's last token; the finish chunk adds the final token's row. So past
     the first chunk (the prompt's rows), a chunk has one row per token."""
-    events = stream(http, C, body(stream=True, hidden_states_stream=True,
-                                  max_tokens=7, ignore_eos=True))  # fmt: skip
+    events = stream(
+        http, C, body(stream=True, hidden_states_stream=True, max_tokens=7, ignore_eos=True)
+    )
     prompt_len = len(events[0]["choices"][0]["prompt_token_ids"])
     held = 0  # rows received so far
     seen = 0  # tokens received so far
@@ -205,8 +213,9 @@ def test_each_streamed_chunk_completes_the_rows_before_its_newest_token(http):
 
 
 def test_chat_streamed_rows_match_hf_and_skip_the_role_chunk(http, hf_qwen3, layers):
-    events = stream(http, CH, chat_body(stream=True, hidden_states_stream=True,
-                                        hidden_states_layers=layers))  # fmt: skip
+    events = stream(
+        http, CH, chat_body(stream=True, hidden_states_stream=True, hidden_states_layers=layers)
+    )
     role_chunk = events[0]["choices"][0]
     assert role_chunk["delta"].get("role") == "assistant"
     assert "hidden_states" not in role_chunk
@@ -216,18 +225,29 @@ def test_chat_streamed_rows_match_hf_and_skip_the_role_chunk(http, hf_qwen3, lay
 
 
 def test_each_of_n_streamed_choices_gets_the_rows_of_its_own_sequence(http, hf_qwen3):
-    events = stream(http, C, body(stream=True, hidden_states_stream=True, n=2,
-                                  temperature=1.0, seed=7, hidden_states_layers=[-1]))  # fmt: skip
-    prompt_ids = next(e["choices"][0]["prompt_token_ids"] for e in events
-                      if e["choices"] and e["choices"][0].get("prompt_token_ids"))  # fmt: skip
+    events = stream(
+        http,
+        C,
+        body(
+            stream=True,
+            hidden_states_stream=True,
+            n=2,
+            temperature=1.0,
+            seed=7,
+            hidden_states_layers=[-1],
+        ),
+    )
+    prompt_ids = next(
+        e["choices"][0]["prompt_token_ids"]
+        for e in events
+        if e["choices"] and e["choices"][0].get("prompt_token_ids")
+    )
     for index in (0, 1):
         objects, tokens = streamed_rows(events, index)
         assert_rows_match_hf(hf_qwen3, joined(objects), prompt_ids + tokens, [-1])
 
 
-def test_stream_without_hidden_states_stream_carries_every_row_on_the_finish_chunk(
-    http, hf_qwen3
-):
+def test_stream_without_hidden_states_stream_carries_every_row_on_the_finish_chunk(http, hf_qwen3):
     events = stream(http, C, body(stream=True, hidden_states_layers=[0, -1]))
     carrying = [c for e in events for c in e["choices"] if c.get("hidden_states")]
     assert len(carrying) == 1 and carrying[0]["finish_reason"] is not None
@@ -237,8 +257,9 @@ def test_stream_without_hidden_states_stream_carries_every_row_on_the_finish_chu
 
 
 def test_streamed_last_keeps_one_row_per_layer_on_the_finish_chunk(http, hf_qwen3):
-    events = stream(http, C, body(stream=True, hidden_states_positions="last",
-                                  hidden_states_layers=[-1]))  # fmt: skip
+    events = stream(
+        http, C, body(stream=True, hidden_states_positions="last", hidden_states_layers=[-1])
+    )
     carrying = [c for e in events for c in e["choices"] if c.get("hidden_states")]
     assert len(carrying) == 1 and carrying[0]["finish_reason"] is not None
     obj = carrying[0]["hidden_states"]
@@ -247,13 +268,29 @@ def test_streamed_last_keeps_one_row_per_layer_on_the_finish_chunk(http, hf_qwen
 
 def test_openai_client_streams_rows_via_extra_body(server, hf_qwen3):
     oai = openai.OpenAI(base_url=server.url("/v1"), api_key="unused")
-    chunks = list(oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.0, stream=True,
-        extra_body={"return_hidden_states": True, "hidden_states_positions": "all",
-                    "hidden_states_stream": True, "return_token_ids": True}))  # fmt: skip
-    parts = [to_numpy(c.choices[0].model_extra["hidden_states"])
-             for c in chunks if c.choices and c.choices[0].model_extra.get("hidden_states")]  # fmt: skip
-    tokens = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    chunks = list(
+        oai.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0.0,
+            stream=True,
+            extra_body={
+                "return_hidden_states": True,
+                "hidden_states_positions": "all",
+                "hidden_states_stream": True,
+                "return_token_ids": True,
+            },
+        )
+    )
+    parts = [
+        to_numpy(c.choices[0].model_extra["hidden_states"])
+        for c in chunks
+        if c.choices and c.choices[0].model_extra.get("hidden_states")
+    ]
+    tokens = [
+        t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])
+    ]
     prompt_ids = chunks[0].choices[0].model_extra["prompt_token_ids"]
     rows = np.concatenate(parts, axis=1)
     assert_rows_match_hf(hf_qwen3, rows, prompt_ids + tokens, [-1])
@@ -281,8 +318,9 @@ def test_hidden_states_stream_without_stream_true_is_a_400(http):
 
 
 def test_hidden_states_stream_with_last_positions_is_a_400(http):
-    r = http.post(C, json=body(stream=True, hidden_states_stream=True,
-                               hidden_states_positions="last"))  # fmt: skip
+    r = http.post(
+        C, json=body(stream=True, hidden_states_stream=True, hidden_states_positions="last")
+    )
     assert_error(r, 400, "hidden_states_stream", "'all'")
 
 
@@ -297,14 +335,23 @@ def test_all_positions_over_the_response_cap_are_refused_before_generation(
     per_position = len(layers) * hf_qwen3.hidden_size * 16  # float JSON bound
     max_tokens = int(CAP_MB * 2**20 / per_position) + 1  # over the cap alone
     before = prompt_tokens_total(server)
-    payload = body(max_tokens=max_tokens, hidden_states_layers=layers, stream=streamed,
-                   hidden_states_stream=streamed)  # fmt: skip
+    payload = body(
+        max_tokens=max_tokens,
+        hidden_states_layers=layers,
+        stream=streamed,
+        hidden_states_stream=streamed,
+    )
     r = http.post(C, json=payload)
     assert_error(r, 400, "max_tokens", "--hidden-states-max-response-mb", "max_tokens")
     assert prompt_tokens_total(server) == before
     # Base64 is 3x smaller: the same request fits then.
-    fits = dict(payload, max_tokens=max_tokens // 4, hidden_states_format="base64",
-                stream=False, hidden_states_stream=False)  # fmt: skip
+    fits = dict(
+        payload,
+        max_tokens=max_tokens // 4,
+        hidden_states_format="base64",
+        stream=False,
+        hidden_states_stream=False,
+    )
     assert http.post(C, json=fits).status_code == 200
 
 
@@ -312,18 +359,20 @@ def test_all_positions_over_the_response_cap_are_refused_before_generation(
 # disconnect
 
 
-
-def test_client_disconnecting_mid_stream_of_rows_leaves_nothing_held(
-    server, http, tmp_path
-):
+def test_client_disconnecting_mid_stream_of_rows_leaves_nothing_held(server, http, tmp_path):
     """The client leaves while rows are streaming, by construction: the request
     is held after its first chunk of rows (a :class:`Gate`), the client
     disconnects, and the engine goes on only once the server closed the stream."""
     generated_before = num_generated(server)
     with Gate(tmp_path / "hold") as gate:
-        payload = body(stream=True, hidden_states_stream=True, max_tokens=400,
-                       ignore_eos=True, hidden_states_format="base64",
-                       vllm_xargs=gate.xargs)  # fmt: skip
+        payload = body(
+            stream=True,
+            hidden_states_stream=True,
+            max_tokens=400,
+            ignore_eos=True,
+            hidden_states_format="base64",
+            vllm_xargs=gate.xargs,
+        )
         with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
             with client.stream("POST", C, json=payload) as r:
                 first = next(line for line in r.iter_lines() if "hidden_states" in line)
@@ -355,8 +404,16 @@ def test_binary_answer_equals_the_float_answer(http, hf_qwen3):
     assert r.headers["x-hidden-states-shape"] == f"{floats.shape[0]},{hf_qwen3.hidden_size}"
     assert r.headers["x-hidden-states-dtype"] == "float32"
     header, arrays = read_binary_header(r.content)
-    assert header["data"] == [{"index": 0, "embed_dtype": "float32", "endianness": "little",
-                               "start": 0, "end": floats.nbytes, "shape": list(floats.shape)}]  # fmt: skip
+    assert header["data"] == [
+        {
+            "index": 0,
+            "embed_dtype": "float32",
+            "endianness": "little",
+            "start": 0,
+            "end": floats.nbytes,
+            "shape": list(floats.shape),
+        }
+    ]
     assert np.array_equal(np.frombuffer(arrays, "<f4").reshape(floats.shape), floats)
     assert np.array_equal(to_numpy(r), floats)
 
@@ -401,8 +458,7 @@ def test_accept_that_allows_neither_json_nor_binary_is_a_406(http):
 
 
 def test_bytes_format_with_accept_json_only_is_a_406(http):
-    r = http.post(H, json=hs_body(encoding_format="bytes"),
-                  headers={"Accept": "application/json"})  # fmt: skip
+    r = http.post(H, json=hs_body(encoding_format="bytes"), headers={"Accept": "application/json"})
     assert_error(r, 406, "Accept", "application/octet-stream")
 
 
@@ -415,6 +471,12 @@ def test_binary_answer_over_the_response_cap_is_a_400(http, hf_qwen3):
     # 4 bytes per value; inputs of max_length positions, enough to pass the cap.
     max_length = 400
     inputs = int(CAP_MB * 2**20 / (4 * hf_qwen3.hidden_size * max_length)) + 1
-    r = http.post(H, json=hs_body(input=["word " * (2 * max_length)] * inputs,
-                                  max_length=max_length, encoding_format="bytes"))  # fmt: skip
+    r = http.post(
+        H,
+        json=hs_body(
+            input=["word " * (2 * max_length)] * inputs,
+            max_length=max_length,
+            encoding_format="bytes",
+        ),
+    )
     assert_error(r, 400, "max_length", "--hidden-states-max-response-mb")
