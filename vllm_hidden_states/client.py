@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import pybase64
 
+from vllm_hidden_states import bfloat16
+
 
 def _as_dict(obj: Any) -> dict[str, Any]:
     """A plain dict from a dict or a pydantic model (the openai client's types)."""
@@ -85,7 +87,7 @@ def _binary_item(arrays: memoryview, item: dict[str, Any]) -> np.ndarray:
         )
     array = np.frombuffer(arrays[start:end], dtype=dtype).reshape(item["shape"])
     if kind == "bfloat16":  # bf16 is float32's upper half: exact widening
-        return (array.astype(np.uint32) << 16).view(np.float32)
+        return bfloat16.widen(array)
     if dtype != np.dtype("<f4") and dtype != np.dtype("=f4"):
         return array.astype(np.float32)
     return array

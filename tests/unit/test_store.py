@@ -572,7 +572,8 @@ def test_store_cli_query_and_prune(tmp_path, capsys):
         main(["store", "query", str(tmp_path), "sql", "SELECT count(*) AS n FROM sae_features"])
         == 0
     )
-    assert capsys.readouterr().out.split() == ["n", "4"]
+    table = capsys.readouterr().out
+    assert " n " in table and " 4 " in table
     old = tmp_path / "sae_features" / "date=2000-01-01"
     old.mkdir()
     assert main(["store", "prune", str(tmp_path), "--days", "14"]) == 0

@@ -49,6 +49,8 @@ import orjson
 import pybase64
 import torch
 
+from vllm_hidden_states import bfloat16
+
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")
 # Binary answers (POST /v1/hidden_states only): vLLM's pooling names.
 EMBED_DTYPES: dict[str, torch.dtype] = {
@@ -72,16 +74,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 def as_float32(tensor: torch.Tensor) -> np.ndarray:
     """A C-contiguous little-endian float32 numpy view/copy of a CPU tensor.
 
-    bfloat16 is widened in numpy by moving its 16 bits to the top of a 32-bit
-    word: exact (bf16 is float32's upper half) and ~10x faster than torch's CPU
-    cast on a [512, 2560] array, which dominated the base64 encode time.
+    bfloat16 is widened in numpy (:func:`vllm_hidden_states.bfloat16.widen`):
+    exact, and ~10x faster than torch's CPU cast on a [512, 2560] array, which
+    dominated the base64 encode time.
     """
     tensor = tensor.detach().to(device="cpu").contiguous()
     if tensor.dtype == torch.bfloat16:
-        bits = tensor.view(torch.int16).numpy().view(np.uint16)
-        wide = np.empty(bits.shape, dtype=np.uint32)
-        np.left_shift(bits, 16, out=wide, dtype=np.uint32)
-        array = wide.view(np.float32)
+        array = bfloat16.widen(tensor.view(torch.int16).numpy().view(np.uint16))
     else:
         array = tensor.to(torch.float32).numpy()
     # x86 and aarch64 hosts are little-endian already: this is a no-op there.

@@ -623,17 +623,13 @@ def connect(root: str | Path):
     con = duckdb.connect()
     for table in (SAE_TABLE, HIDDEN_TABLE):
         if any((Path(root) / table).glob("date=*/*.parquet")):
-            path = _glob(root, table).replace("'", "''")
-            rel = f"read_parquet('{path}', hive_partitioning=true, union_by_name=true)"
-            cols = [d[0] for d in con.execute(f"SELECT * FROM {rel} LIMIT 0").description]
-            if "choice_index" in cols:
-                view = (
-                    f"SELECT * REPLACE (coalesce(choice_index, 0)::INTEGER AS "
-                    f"choice_index) FROM {rel}"
-                )
+            # A relation, not SQL text: the path needs no quoting.
+            rel = con.read_parquet(_glob(root, table), hive_partitioning=True, union_by_name=True)
+            if "choice_index" in rel.columns:
+                rel = rel.project("* REPLACE (coalesce(choice_index, 0)::INTEGER AS choice_index)")
             else:  # version-1 files only
-                view = f"SELECT *, 0::INTEGER AS choice_index FROM {rel}"
-            con.execute(f"CREATE VIEW {table} AS {view}")
+                rel = rel.project("*, 0::INTEGER AS choice_index")
+            rel.create_view(table)
     return con
 
 
@@ -689,10 +685,9 @@ def feature_deltas(
     and ``delta`` (change from the previous position; the first position's
     delta is its value). Returns a DuckDB relation (``.fetchall()``, ``.df()``,
     ``.arrow()``)."""
-    con = connect(root)
-    return con.execute(
+    return connect(root).sql(
         FEATURE_DELTAS_SQL,
-        {
+        params={
             "request_id": request_id,
             "layer": layer,
             "choice_index": int(choice_index),
@@ -712,10 +707,9 @@ def threshold_search(
     ``min_activation``, one row per choice: ``request_id, choice_index,
     model_id, sae_release, sae_layer, positions`` (how many positions),
     ``max_activation, first_position, created_at``, strongest first."""
-    con = connect(root)
-    return con.execute(
+    return connect(root).sql(
         THRESHOLD_SQL,
-        {
+        params={
             "feature_id": int(feature_id),
             "min_activation": float(min_activation),
             "since": since,

@@ -67,6 +67,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_hidden_states import bfloat16
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -167,24 +169,13 @@ class WriterStats:
     producer_wait_s: float = 0.0  # time submit() blocked on a full buffer
 
 
-def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = u + (np.uint32(0x7FFF) + ((u >> 16) & 1))
-    return (rounded >> 16).astype(np.uint16)
-
-
 def convert_vectors(doc: DocStates, dtype: str) -> np.ndarray:
     """``doc.vectors`` in the storage dtype (uint16 bits for bfloat16)."""
     v = doc.vectors
     if dtype == "bfloat16":
-        return v if doc.bf16_bits else _f32_to_bf16_bits(v)
+        return v if doc.bf16_bits else bfloat16.narrow(v)
     if doc.bf16_bits:
-        v = _bf16_bits_to_f32(v)
+        v = bfloat16.widen(v)
     return v.astype(np.float32 if dtype == "float32" else np.float16, copy=False)
 
 

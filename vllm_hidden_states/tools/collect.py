@@ -977,23 +977,23 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _print_relation(cursor, out_format: str) -> None:
-    cols = [c[0] for c in cursor.description]
-    rows = cursor.fetchall()
+TABLE_MAX_ROWS = 1_000_000  # --format table; csv and json print every row
+
+
+def _print_relation(rel, out_format: str) -> None:
+    """A DuckDB relation on stdout: DuckDB's own table, JSON records or CSV."""
+    if out_format == "table":
+        rel.show(max_rows=TABLE_MAX_ROWS, max_width=10_000)
+        return
+    cols, rows = rel.columns, rel.fetchall()
     if out_format == "json":
         print(json.dumps([dict(zip(cols, r)) for r in rows], default=str))
-    elif out_format == "csv":
+    else:
         import csv
 
         w = csv.writer(sys.stdout)
         w.writerow(cols)
         w.writerows(rows)
-    else:
-        text = [[str(v) for v in r] for r in rows]
-        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(cols)]
-        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-        for r in text:
-            print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
 def run_store(args: argparse.Namespace) -> int:
@@ -1016,6 +1016,6 @@ def run_store(args: argparse.Namespace) -> int:
             args.root, args.feature, args.min_activation, model_id=args.model_id
         )
     else:
-        cur = store.connect(args.root).execute(args.sql)
+        cur = store.connect(args.root).sql(args.sql)
     _print_relation(cur, args.out_format)
     return 0
