@@ -23,7 +23,7 @@ Z-Image reads from Qwen3-4B.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,7 +36,8 @@ DEFAULT_LAYERS: tuple[int, ...] = (-1,)
 
 # ``hidden_states_positions`` values. "last": the final token of prompt +
 # output; "all": every position; "prompt": every prompt position.
-POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
+Positions = Literal["last", "all", "prompt"]
+POSITIONS: tuple[Positions, ...] = get_args(Positions)
 # Positions served by a post-sampling HIDDEN_STATES_EXTRACT prefill. "prompt" is
 # captured during the request's own prefill instead: no extract, one pass.
 EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
@@ -52,6 +53,64 @@ REQUEST_FIELDS: tuple[str, ...] = (
     "hidden_states_stream",
     "sae_features",
 )
+
+# -- the request rules, one copy for both surfaces --------------------------
+# SamplingParams (frontend/validate.py) and the OpenAI fields
+# (server/openai_fields.py) call these; each surface turns the ValueError into
+# its own error (VLLMValidationError / HTTP 400) naming the field.
+
+
+def check_positions(value: Any) -> Positions:
+    """``hidden_states_positions``: one of :data:`POSITIONS`."""
+    if value not in POSITIONS:
+        raise ValueError(f"hidden_states_positions must be one of {list(POSITIONS)}, got {value!r}")
+    return value
+
+
+def check_layers(value: Any, features_only: bool) -> list[int]:
+    """``hidden_states_layers``: a non-empty list of integers (HF convention),
+    or None for the default (:data:`DEFAULT_LAYERS`; no full states when the
+    request asks for SAE features only, ``features_only``). Whether each
+    layer exists is :meth:`HiddenStatesConfig.resolve_all`'s check."""
+    if value is None:
+        return [] if features_only else list(DEFAULT_LAYERS)
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or any(isinstance(k, bool) or not isinstance(k, int) for k in value)
+    ):
+        leave_out = "; leave it out to receive sae_features only" if features_only else ""
+        raise ValueError(
+            "hidden_states_layers must be a non-empty list of integers (HF "
+            "convention: 0 = embeddings, -1 = final post-norm state), got "
+            f"{value!r}{leave_out}"
+        )
+    return [int(k) for k in value]
+
+
+SAE_HINT = "start it with sae=DIR (LLM / EngineArgs) or `vllm serve MODEL --sae DIR`"
+
+
+def check_sae_features(value: Any, d_sae: int | None = None) -> int:
+    """``k`` of ``sae_features={"top_k": k}``: an integer ``1 <= k <= d_sae``
+    (the bound is checked when ``d_sae`` is given)."""
+    k = value.get("top_k") if isinstance(value, dict) else None
+    bound = (
+        f"1..{d_sae} (the SAE's d_sae)" if d_sae is not None else ">= 1 (at most the SAE's d_sae)"
+    )
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"top_k"}
+        or isinstance(k, bool)
+        or not isinstance(k, int)
+        or k < 1
+        or (d_sae is not None and k > d_sae)
+    ):
+        raise ValueError(
+            f'sae_features must be {{"top_k": k}} with an integer k in {bound}, got {value!r}'
+        )
+    return k
+
 
 ENABLE_HINT = (
     "start the engine with enable_hidden_states=True (LLM / EngineArgs) "

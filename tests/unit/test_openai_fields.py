@@ -117,8 +117,9 @@ def test_format_without_return_hidden_states_true_is_rejected(flag):
 
 @pytest.mark.parametrize(
     "layers",
-    [-1, "-1", "-1,-2", (-1,), {"layer": -1}],
-    ids=["int", "str", "csv", "tuple", "dict"],
+    # (JSON has no tuple; the Python API takes a list or a tuple, by the same rule.)
+    [-1, "-1", "-1,-2", {"layer": -1}, [-1, True], [-1.0]],
+    ids=["int", "str", "csv", "dict", "bool", "float"],
 )
 def test_layers_must_be_a_list(layers):
     error = bad_request({"return_hidden_states": True, "hidden_states_layers": layers})

@@ -19,11 +19,13 @@ names what is allowed; the engine never sees it.
 from typing import TYPE_CHECKING
 
 from vllm_hidden_states.config import (
-    DEFAULT_LAYERS,
     ENABLE_HINT,
-    POSITIONS,
+    SAE_HINT,
     HiddenStatesConfig,
     captures_all_inline,
+    check_layers,
+    check_positions,
+    check_sae_features,
 )
 from vllm_hidden_states.wire import HiddenStatesSpec
 
@@ -77,31 +79,22 @@ def resolve_request(
             "supported yet; send token or text prompts",
             parameter="return_hidden_states",
         )
-    positions = params.hidden_states_positions
-    if positions not in POSITIONS:
-        raise VLLMValidationError(
-            f"hidden_states_positions must be one of {list(POSITIONS)}, got {positions!r}",
-            parameter="hidden_states_positions",
-        )
+    try:
+        positions = check_positions(params.hidden_states_positions)
+    except ValueError as e:
+        raise VLLMValidationError(str(e), parameter="hidden_states_positions") from None
     sae_top_k = 0
     if params.sae_features is not None:
         sae_top_k = sae_top_k_of(cfg, params.sae_features)
-    layers = params.hidden_states_layers
-    if layers is None:
-        # With sae_features, full states only for the layers named.
-        layers = [] if sae_top_k else list(DEFAULT_LAYERS)
-    if not isinstance(layers, (list, tuple)) or (not layers and not sae_top_k):
-        raise VLLMValidationError(
-            f"hidden_states_layers must be a non-empty list of integers, got {layers!r}",
-            parameter="hidden_states_layers",
-        )
     try:
+        # With sae_features, full states only for the layers named.
+        layers = check_layers(params.hidden_states_layers, features_only=bool(sae_top_k))
         abs_layers = cfg.resolve_all(layers)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
     inline = positions == "all" and captures_all_inline(vllm_config)
     spec = HiddenStatesSpec(
-        layers=[int(k) for k in layers],
+        layers=layers,
         abs_layers=abs_layers,
         positions=positions,
         inline=inline,
@@ -140,17 +133,9 @@ def sae_top_k_of(cfg: HiddenStatesConfig, sae_features) -> int:
 
     if cfg.sae is None:
         raise VLLMValidationError(
-            "sae_features needs an SAE on this engine; start it with "
-            "sae=DIR (LLM / EngineArgs) or `vllm serve MODEL --sae DIR`",
-            parameter="sae_features",
+            f"sae_features needs an SAE on this engine; {SAE_HINT}", parameter="sae_features"
         )
-    d_sae = cfg.sae["d_sae"]
-    k = sae_features.get("top_k") if isinstance(sae_features, dict) else None
-    extra = set(sae_features) - {"top_k"} if isinstance(sae_features, dict) else set()
-    if extra or isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d_sae:
-        raise VLLMValidationError(
-            f'sae_features must be {{"top_k": k}} with an integer k in 1..{d_sae} '
-            f"(the SAE's d_sae), got {sae_features!r}",
-            parameter="sae_features",
-        )
-    return k
+    try:
+        return check_sae_features(sae_features, cfg.sae["d_sae"])
+    except ValueError as e:
+        raise VLLMValidationError(str(e), parameter="sae_features") from None

@@ -83,7 +83,14 @@ import orjson
 from fastapi.responses import JSONResponse
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import DEFAULT_LAYERS, REQUEST_FIELDS
+from vllm_hidden_states.config import (
+    REQUEST_FIELDS,
+    SAE_HINT,
+    Positions,
+    check_layers,
+    check_positions,
+    check_sae_features,
+)
 from vllm_hidden_states.server.encoding import (
     ENCODING_FORMATS,
     ORJSON_OPTIONS,
@@ -96,9 +103,6 @@ from vllm_hidden_states.server.validation import validate_layers
 
 logger = init_logger(__name__)
 
-# Positions a chat/completions choice can carry.
-CHOICE_POSITIONS: tuple[str, ...] = ("last", "all", "prompt")
-
 
 @dataclass(frozen=True)
 class HiddenStatesAsk:
@@ -106,7 +110,7 @@ class HiddenStatesAsk:
 
     layers: tuple[int, ...]
     encoding_format: str
-    positions: str = "last"
+    positions: Positions = "last"
     stream: bool = False  # rows on every SSE chunk ("all" only)
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
 
@@ -114,20 +118,18 @@ class HiddenStatesAsk:
 def parse_sae_features(value: Any) -> int:
     """``k`` of ``sae_features: {"top_k": k}``; 400 naming what is allowed
     (the engine's ``d_sae`` bound is checked by :func:`validate_ask`)."""
-    k = value.get("top_k") if isinstance(value, dict) else None
-    if (
-        not isinstance(value, dict)
-        or set(value) != {"top_k"}
-        or isinstance(k, bool)
-        or not isinstance(k, int)
-        or k < 1
-    ):
-        raise invalid_request(
-            'sae_features must be an object {"top_k": k} with an integer k >= 1 '
-            f"(at most the SAE's d_sae), got {value!r}",
-            "sae_features",
-        )
-    return k
+    try:
+        return check_sae_features(value)
+    except ValueError as e:
+        raise invalid_request(str(e), "sae_features") from None
+
+
+def parse_sae_features_within(value: Any, d_sae: int) -> int:
+    """:func:`parse_sae_features`, with the engine SAE's ``d_sae`` bound."""
+    try:
+        return check_sae_features(value, d_sae)
+    except ValueError as e:
+        raise invalid_request(str(e), "sae_features") from None
 
 
 def _refuse_without_flag(extra: dict[str, Any]) -> None:
@@ -176,29 +178,20 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
     elif not flag:
         _refuse_without_flag(extra)
         return None
-    layers = extra.get("hidden_states_layers")
-    if layers is None:
+    try:
         # With sae_features, full states only for the layers named.
-        layers = [] if sae_top_k else list(DEFAULT_LAYERS)
-    elif sae_top_k and layers == []:
-        raise invalid_request(
-            "hidden_states_layers must be a non-empty list of integers; leave it "
-            "out to receive sae_features only",
-            "hidden_states_layers",
-        )
-    if (
-        not isinstance(layers, list)
-        or (not layers and not sae_top_k)
-        or any(isinstance(k, bool) or not isinstance(k, int) for k in layers)
-    ):
-        raise invalid_request(
-            "hidden_states_layers must be a non-empty list of integers (HF "
-            "convention: 0 = embeddings, -1 = final post-norm state), got "
-            f"{layers!r}",
-            "hidden_states_layers",
-        )
+        layers = check_layers(extra.get("hidden_states_layers"), features_only=bool(sae_top_k))
+    except ValueError as e:
+        raise invalid_request(str(e), "hidden_states_layers") from None
     fmt = _one_of(extra, "hidden_states_format", ENCODING_FORMATS)
-    positions = _one_of(extra, "hidden_states_positions", CHOICE_POSITIONS)
+    try:
+        positions = check_positions(
+            "last"
+            if extra.get("hidden_states_positions") is None
+            else extra["hidden_states_positions"]
+        )
+    except ValueError as e:
+        raise invalid_request(str(e), "hidden_states_positions") from None
     stream = extra.get("hidden_states_stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
@@ -234,18 +227,11 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         cfg = engine_config(engine_client)
         if cfg is None or cfg.sae is None:
             raise invalid_request(
-                "sae_features needs an SAE on this server; start it with "
-                "`vllm serve MODEL --sae DIR`",
-                "sae_features",
+                f"sae_features needs an SAE on this server; {SAE_HINT}", "sae_features"
             )
         global _sae_name
         _sae_name = cfg.sae["name"]
-        if ask.sae_top_k > cfg.sae["d_sae"]:
-            raise invalid_request(
-                f"sae_features top_k must be in 1..{cfg.sae['d_sae']} (the SAE's "
-                f"d_sae), got {ask.sae_top_k}",
-                "sae_features",
-            )
+        parse_sae_features_within(request.model_extra["sae_features"], cfg.sae["d_sae"])
     if ask.layers or not ask.sae_top_k:
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
     if getattr(request, "use_beam_search", False):
