@@ -181,31 +181,34 @@ def test_engine_refuses_sae_features_without_sae():
 
 
 def test_tracker_inline_features_cut_and_delta():
-    from vllm.v1.engine import HiddenStatesSpec
+    from vllm.v1.engine import CapturedRows, HiddenStatesSpec
     from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker
 
     spec = HiddenStatesSpec([], [], "all", inline=True, sae_top_k=2, sae_layer=3)
     t = HiddenStatesTracker(spec, None, 0)
 
     def feats(rows):
-        return torch.arange(rows * 2, dtype=torch.int32).reshape(rows, 2), torch.ones(rows, 2)
+        ids = torch.arange(rows * 2, dtype=torch.int32).reshape(rows, 2)
+        return CapturedRows(sae_ids=ids, sae_values=torch.ones(rows, 2))
 
-    t.receive(None, feats(4))
-    assert t.for_output(False, True) is None  # features only: no hidden states
-    first = t.sae_features_for_output(False, True)
-    assert first["layer"] == 3 and first["ids"].shape == (4, 2)
-    t.receive(None, feats(2))
+    t.receive(feats(4))
+    first = t.output_fields(False, True)
+    assert first["hidden_states"] is None  # features only: no hidden states
+    assert first["sae_features"]["layer"] == 3 and first["sae_features"]["ids"].shape == (4, 2)
+    t.receive(feats(2))
     # a stop string trimmed the sequence to 5 tokens: 4 inline rows + the final one
-    t.finish(None, 5, feats(1))
-    assert t.error is None and t.complete_features[0].shape == (5, 2)
-    last = t.sae_features_for_output(True, True)
+    t.finish(feats(1), 5)
+    assert t.error is None and t.complete.sae_ids.shape == (5, 2)
+    last = t.output_fields(True, True)["sae_features"]
     assert last["ids"].shape == (1, 2)
-    assert HiddenStatesTracker(spec, None, 0).sae_features_for_output(False, True) is None
+    assert HiddenStatesTracker(spec, None, 0).output_fields(False, True)["sae_features"] is None
 
 
 def test_tracker_of_a_request_without_sae_features_gives_none():
-    from vllm.v1.engine import HiddenStatesSpec
+    from vllm.v1.engine import CapturedRows, HiddenStatesSpec
     from vllm_hidden_states.frontend.dispatcher import HiddenStatesTracker
 
     t = HiddenStatesTracker(HiddenStatesSpec([-1], [4], "last"), None, 0)
-    assert t.sae_features_for_output(True, False) is None
+    t.finish(CapturedRows(hidden=torch.zeros(1, 1, 8)), 3)
+    fields = t.output_fields(True, False)
+    assert fields["sae_features"] is None and fields["hidden_states"][-1].shape == (1, 8)

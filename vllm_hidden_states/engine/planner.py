@@ -23,7 +23,7 @@ Each step, after vLLM built the ``SchedulerOutput`` and before it advances
 ``SchedulerOutput.capture_plan``: a :class:`CaptureStep` per scheduled capture,
 which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into rows.
 :meth:`CapturePlanner.attach` moves the captured tensors from
-``ModelRunnerOutput.captured_hidden_states`` onto the ``EngineCoreOutput`` s.
+``ModelRunnerOutput.captured`` onto the ``EngineCoreOutput`` s.
 
 KV hand-over: a finished "last" request's blocks are kept (:meth:`park`,
 called from ``_free_request``) until its extract arrives, which takes them over
@@ -40,6 +40,7 @@ from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.wire import (
     HiddenStatesExtractRequest,
     distinct_layers,
+    num_positions,
     original_id_of,
 )
 
@@ -253,25 +254,21 @@ class CapturePlanner:
         outputs: dict[int, list["EngineCoreOutput"]],
         model_runner_output: "ModelRunnerOutput",
     ) -> None:
-        """In ``update_from_output``: move captured tensors (and SAE
-        features) onto the outputs."""
-        captured = model_runner_output.captured_hidden_states or {}
-        features = getattr(model_runner_output, "captured_sae_features", None) or {}
-        if not captured and not features:
+        """In ``update_from_output``: move each request's captured rows onto
+        its output."""
+        captured = model_runner_output.captured
+        if not captured:
             return
         for client_outputs in outputs.values():
             for eco in client_outputs:
-                tensor = captured.get(eco.request_id)
-                pair = features.get(eco.request_id) if features else None
-                if tensor is None and pair is None:
+                rows = captured.get(eco.request_id)
+                if rows is None:
                     continue
-                eco.hidden_states = tensor
-                if pair is not None:
-                    eco.sae_feature_ids, eco.sae_feature_values = pair
+                eco.captured = rows
                 spec = self.active.get(eco.request_id)
                 if spec is not None and spec.num_tokens is None:
                     # inline: more to come
-                    spec.delivered += tensor.shape[1] if tensor is not None else len(pair[0])
+                    spec.delivered += num_positions(rows)
                 else:
                     # Delivered: a "prompt" capture must not run again if the
                     # request is preempted and recomputed later.

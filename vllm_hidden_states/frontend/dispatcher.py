@@ -23,19 +23,18 @@ Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
    ``HIDDEN_STATES_EXTRACT`` core request.
 4. The extract's ``EngineCoreOutput`` (id ``<request id>-hs``, which has no
    ``RequestState``) reaches :meth:`ExtractDispatcher.release`: its
-   ``hidden_states`` tensor goes onto the tracker, and the held emission goes
-   back to the OutputProcessor, which emits it unchanged. That output's
-   ``CompletionOutput.hidden_states`` is then ``{layer as requested: rows}``.
+   ``captured`` rows go onto the tracker, and the held emission goes back to
+   the OutputProcessor, which emits it unchanged. That output's
+   ``CompletionOutput.hidden_states`` is then ``{layer as requested: rows}``
+   (and ``sae_features`` the SAE's top-k, when asked).
 5. With ``RequestOutputKind.DELTA``, inline "all" outputs each carry the rows
-   that arrived since the previous output (:meth:`HiddenStatesTracker.for_output`);
-   concatenated, they are the final result of the same request.
+   that arrived since the previous output
+   (:meth:`HiddenStatesTracker.output_fields`); concatenated, they are the
+   final result of the same request.
 
-SAE features (``sae_top_k`` on the spec) travel beside the rows: ``(ids,
-values)`` from ``EngineCoreOutput.sae_feature_ids`` / ``sae_feature_values``,
-accumulated, cut and delta-emitted exactly like them; patch 0004 fills
-``CompletionOutput.sae_features`` from
-:meth:`HiddenStatesTracker.sae_features_for_output` as it fills
-``hidden_states`` from :meth:`HiddenStatesTracker.for_output`.
+Every kind of captured data (hidden states, SAE features) travels in one
+:class:`CapturedRows` and is accumulated, cut and delta-emitted by one path
+(:func:`vllm_hidden_states.wire.cat_rows` / ``slice_rows``).
 
 Requests that did not ask never reach this module.
 """
@@ -49,10 +48,14 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
 from vllm_hidden_states.wire import (
+    CapturedRows,
     HiddenStatesExtractRequest,
     HiddenStatesSpec,
+    cat_rows,
     distinct_layers,
     extract_id_for,
+    num_positions,
+    slice_rows,
 )
 
 if TYPE_CHECKING:
@@ -66,21 +69,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-# (ids int32 [positions, k], values float32 [positions, k])
-Features = tuple[torch.Tensor, torch.Tensor]
-
-
-def _cat_features(parts: list[Features]) -> Features:
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
-
-
-def features_of(engine_core_output: "EngineCoreOutput") -> Features | None:
-    ids = engine_core_output.sae_feature_ids
-    return None if ids is None else (ids, engine_core_output.sae_feature_values)
-
-
 @dataclass
 class HiddenStatesTracker:
     """One request's hidden-state bookkeeping, on ``RequestState.hidden_states_tracker``.
@@ -88,29 +76,22 @@ class HiddenStatesTracker:
     Attributes:
         spec: what the request asked for.
         cache_salt, priority: copied onto its extract.
-        chunks: inline "all": ``[num_distinct_layers, rows, hidden]`` tensors
-            in position order, as they arrived.
-        complete: every row the request gets, ``[num_distinct_layers,
-            positions, hidden]``, once known.
+        chunks: inline "all": the :class:`CapturedRows` that rode on the
+            request's own outputs, in position order.
+        complete: every position the request gets, once known.
         error: why the capture failed, if it did; the request then finishes
             with ``finish_reason`` "error" and this message in its
             ``stop_reason`` (HTTP: a 500).
-        feature_chunks, complete_features: the same for SAE features
-            (``sae_top_k``): ``(ids, values)`` pairs ``[rows, k]``.
     """
 
     spec: HiddenStatesSpec
     cache_salt: str | None
     priority: int
-    chunks: list[torch.Tensor] = field(default_factory=list)
-    complete: torch.Tensor | None = None
+    chunks: list[CapturedRows] = field(default_factory=list)
+    complete: CapturedRows | None = None
     error: str | None = None
     _emitted_chunks: int = 0  # DELTA: chunks already given to outputs
     _emitted_rows: int = 0
-    feature_chunks: list[Features] = field(default_factory=list)
-    complete_features: Features | None = None
-    _emitted_feature_chunks: int = 0
-    _emitted_feature_rows: int = 0
 
     def fail(self, reason: str) -> None:
         """The capture failed: the request finishes with an error that says
@@ -121,147 +102,117 @@ class HiddenStatesTracker:
     @property
     def has_everything(self) -> bool:
         """Every kind of data the request asked for is complete."""
-        return (not self.spec.layers or self.complete is not None) and (
-            not self.spec.sae_top_k or self.complete_features is not None
-        )
+        return self.complete is not None
 
     @property
     def states(self) -> dict[int, torch.Tensor] | None:
         """``{layer as requested: [positions, hidden_size]}`` once complete."""
-        return None if self.complete is None else self._keyed(self.complete)
+        return None if self.complete is None else self._keyed(self.complete.hidden)
 
-    def _keyed(self, data: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _keyed(self, data: torch.Tensor | None) -> dict[int, torch.Tensor] | None:
+        if data is None:
+            return None
         row = {k: i for i, k in enumerate(distinct_layers(self.spec))}
         return {key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)}
 
-    def receive(self, data: torch.Tensor | None, features: Features | None = None) -> None:
-        """Rows (and SAE features) that rode on one of the request's own outputs."""
-        if self.spec.inline:
-            if data is not None:
-                self.chunks.append(data)
-            if features is not None:
-                self.feature_chunks.append(features)
-        else:
-            self.complete = data  # "prompt": every prompt position at once
-            self.complete_features = features
+    def problem_with(self, rows: CapturedRows | None) -> str | None:
+        """What ``rows`` lacks of what the request asked for, or None."""
+        if rows is None:
+            return "no rows"
+        if self.spec.layers and (
+            rows.hidden is None or rows.hidden.shape[0] != len(distinct_layers(self.spec))
+        ):
+            return "no hidden states for the layers asked"
+        if self.spec.sae_top_k and rows.sae_ids is None:
+            return "no SAE features"
+        return None
 
-    def finish(
-        self, data: torch.Tensor | None, num_tokens: int, features: Features | None = None
-    ) -> None:
+    def receive(self, rows: CapturedRows) -> None:
+        """Rows that rode on one of the request's own outputs."""
+        if self.spec.inline:
+            self.chunks.append(rows)
+        else:
+            self.complete = rows  # "prompt": every prompt position at once
+
+    def finish(self, rows: CapturedRows, num_tokens: int) -> None:
         """The extract's rows: everything, or (inline) the final token's row,
         appended to the inline rows cut to ``num_tokens - 1`` positions (a
         stop string may have trimmed the output after they were computed)."""
         if not self.spec.inline:
-            self.complete = data
-            self.complete_features = features
+            self.complete = rows
             return
-        if features is not None:
-            ids, values = (
-                _cat_features(self.feature_chunks)
-                if self.feature_chunks
-                else (features[0][:0], features[1][:0])
-            )
-            if ids.shape[0] < num_tokens - 1:
-                self.fail(
-                    f"{ids.shape[0]} inline SAE positions arrived for a "
-                    f"sequence of {num_tokens} tokens"
-                )
-                return
-            self.complete_features = (
-                torch.cat([ids[: num_tokens - 1], features[0]]),
-                torch.cat([values[: num_tokens - 1], features[1]]),
-            )
-        if data is None:
-            return
-        earlier = torch.cat(self.chunks, dim=1) if self.chunks else data[:, :0]
-        if earlier.shape[1] < num_tokens - 1:
+        earlier = cat_rows(self.chunks) if self.chunks else slice_rows(rows, 0, 0)
+        if num_positions(earlier) < num_tokens - 1:
             self.fail(
-                f"{earlier.shape[1]} inline positions arrived for a sequence of {num_tokens} tokens"
+                f"{num_positions(earlier)} inline positions arrived for a sequence "
+                f"of {num_tokens} tokens"
             )
             return
-        self.complete = torch.cat([earlier[:, : num_tokens - 1], data], dim=1)
+        self.complete = cat_rows([slice_rows(earlier, 0, num_tokens - 1), rows])
 
-    def for_output(self, finished: bool, delta: bool):
-        """``CompletionOutput.hidden_states`` of the output being made.
+    def output_fields(self, finished: bool, delta: bool) -> dict[str, Any]:
+        """``CompletionOutput``'s ``hidden_states`` and ``sae_features`` for the
+        output being made (patch 0004).
 
         Cumulative and final-only outputs: everything, on the final output.
         DELTA outputs of inline "all": the rows that arrived since the previous
-        output (the final one: the rest, final token included). None for a
-        features-only request (``sae_top_k`` without layers).
+        output (the final one: the rest, final token included).
+        ``hidden_states``: ``{layer as requested: [positions, hidden]}``, None
+        for a features-only request; ``sae_features``: ``{"layer": absolute
+        layer, "ids": int32 [positions, k], "values": float32 [positions, k]}``,
+        None without ``sae_top_k``.
         """
-        return self._states_for_output(finished, delta) if self.spec.layers else None
+        rows = self._rows_for_output(finished, delta)
+        if rows is None:
+            return {"hidden_states": None, "sae_features": None}
+        features = None
+        if self.spec.sae_top_k and rows.sae_ids is not None:
+            features = {
+                "layer": self.spec.sae_layer,
+                "ids": rows.sae_ids,
+                "values": rows.sae_values,
+            }
+        states = self._keyed(rows.hidden) if self.spec.layers else None
+        return {"hidden_states": states, "sae_features": features}
 
-    def sae_features_for_output(self, finished: bool, delta: bool) -> dict[str, Any] | None:
-        """``CompletionOutput.sae_features`` of the output being made, the
-        same way: ``{"layer": absolute layer, "ids": int32 [positions, k],
-        "values": float32 [positions, k]}``, or None (also for requests
-        without ``sae_top_k``)."""
-        if not self.spec.sae_top_k:
-            return None
-        features = self._features_for_output(finished, delta)
-        if features is None:
-            return None
-        return {"layer": self.spec.sae_layer, "ids": features[0], "values": features[1]}
-
-    def _features_for_output(self, finished: bool, delta: bool) -> Features | None:
+    def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:
         if not delta or not self.spec.inline:
-            return self.complete_features if finished else None
-        if finished:
-            if self.complete_features is None:
-                return None
-            start = self._emitted_feature_rows
-            new = (self.complete_features[0][start:], self.complete_features[1][start:])
-        else:
-            pending = self.feature_chunks[self._emitted_feature_chunks :]
-            if not pending:
-                return None
-            new = _cat_features(pending)
-            self._emitted_feature_chunks = len(self.feature_chunks)
-        self._emitted_feature_rows += new[0].shape[0]
-        return new
-
-    def _states_for_output(self, finished: bool, delta: bool):
-        if not delta or not self.spec.inline:
-            return self.states if finished else None
+            return self.complete if finished else None
         if finished:
             if self.complete is None:
                 return None
-            new = self.complete[:, self._emitted_rows :]
+            new = slice_rows(self.complete, self._emitted_rows)
         else:
             pending = self.chunks[self._emitted_chunks :]
             if not pending:
                 return None
-            new = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
+            new = cat_rows(pending)
             self._emitted_chunks = len(self.chunks)
-        self._emitted_rows += new.shape[1]
-        return self._keyed(new)
+        self._emitted_rows += num_positions(new)
+        return new
+
+
+def _cat_output_field(ours: dict | None, theirs: dict | None) -> dict | None:
+    """One ``CompletionOutput`` capture field (``hidden_states`` or
+    ``sae_features``) of two consecutive DELTA outputs joined: tensors
+    concatenated along positions, other entries (``"layer"``) kept."""
+    if theirs is None:
+        return ours
+    if ours is None:
+        return theirs
+    return {
+        key: torch.cat([value, theirs[key]]) if isinstance(value, torch.Tensor) else value
+        for key, value in ours.items()
+    }
 
 
 def merge_delta(completion: Any, following: Any) -> None:
     """``RequestOutput.add`` (patch 0001), DELTA outputs merged because the
     consumer had not taken the first yet (vLLM's ``RequestOutputCollector``):
-    append ``following``'s rows and SAE features to ``completion``'s, so a
-    merged output still carries every position since the previous one."""
-    states = following.hidden_states
-    if states is not None:
-        if completion.hidden_states is None:
-            completion.hidden_states = states
-        else:
-            completion.hidden_states = {
-                key: torch.cat([rows, states[key]])
-                for key, rows in completion.hidden_states.items()
-            }
-    features = following.sae_features
-    if features is not None:
-        if completion.sae_features is None:
-            completion.sae_features = features
-        else:
-            ours = completion.sae_features
-            completion.sae_features = {
-                "layer": ours["layer"],
-                "ids": torch.cat([ours["ids"], features["ids"]]),
-                "values": torch.cat([ours["values"], features["values"]]),
-            }
+    append ``following``'s rows to ``completion``'s, so a merged output still
+    carries every position since the previous one."""
+    completion.hidden_states = _cat_output_field(completion.hidden_states, following.hidden_states)
+    completion.sae_features = _cat_output_field(completion.sae_features, following.sae_features)
 
 
 # RequestOutput.error.code of a request whose hidden states could not be captured.
@@ -336,10 +287,8 @@ class ExtractDispatcher:
         as a failure (:func:`failed_emission`), never with a silent None.
         """
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
-        if engine_core_output.hidden_states is not None or (
-            engine_core_output.sae_feature_ids is not None
-        ):
-            tracker.receive(engine_core_output.hidden_states, features_of(engine_core_output))
+        if engine_core_output.captured is not None:
+            tracker.receive(engine_core_output.captured)
         if emission.finish_reason is None:
             return emission
         if tracker.spec.positions == "prompt":
@@ -397,21 +346,18 @@ class ExtractDispatcher:
         if held is None:
             return None
         tracker: HiddenStatesTracker = held.req_state.hidden_states_tracker
-        data = engine_core_output.hidden_states
-        features = features_of(engine_core_output)
-        if (
-            tracker.spec.layers
-            and (data is None or data.shape[0] != len(distinct_layers(tracker.spec)))
-        ) or (tracker.spec.sae_top_k and features is None):
+        rows = engine_core_output.captured
+        if (problem := tracker.problem_with(rows)) is not None:
             reason = engine_core_output.stop_reason
             tracker.fail(
-                "hidden-state extraction failed in the engine "
-                f"(finish_reason={engine_core_output.finish_reason}"
+                f"hidden-state extraction failed in the engine ({problem}; "
+                f"finish_reason={engine_core_output.finish_reason}"
                 + (f": {reason}" if isinstance(reason, str) else "")
                 + ")"
             )
         else:
-            tracker.finish(data, held.num_tokens, features)
+            assert rows is not None  # problem_with(None) is not None
+            tracker.finish(rows, held.num_tokens)
         if tracker.error is not None:
             logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
             held.emission = failed_emission(held.emission, tracker.error)

@@ -25,13 +25,14 @@ The model runner calls it at four named points (patch 0008, one line each in
    stream order;
 4. once ``sample_tokens`` has built the ``ModelRunnerOutput``,
    :meth:`HiddenStatesCapture.attach` puts finished captures on
-   ``captured_hidden_states``.
+   ``ModelRunnerOutput.captured`` (one :class:`CapturedRows` per request).
 
 With ``--sae``, the SAE is loaded once here, on the runner's device. A step
 whose :class:`CaptureStep` has ``sae_top_k`` encodes the SAE layer's rows
 right after the forward, on the device (:func:`vllm_hidden_states.sae.
 encode_topk`), and only the ``k`` ids (int32) and ``k`` values (float32) per
-row are copied to the host, onto ``ModelRunnerOutput.captured_sae_features``;
+row are copied to the host, into the same ``CapturedRows`` (``sae_ids``,
+``sae_values``);
 the full rows are copied only for the layers in ``step.layers``.
 
 Pipeline parallelism: each stage captures the layers it owns (its capture
@@ -442,11 +443,7 @@ class HiddenStatesCapture:
         if not self._ready:
             return
         ready, self._ready = self._ready, {}
-        states = {r: rows.states for r, rows in ready.items() if rows.states is not None}
-        features = {r: rows.features for r, rows in ready.items() if rows.features is not None}
-        output.captured_hidden_states = states or None
-        if features:
-            output.captured_sae_features = features
+        output.captured = {req_id: rows.captured() for req_id, rows in ready.items()}
         if async_scheduling:
             self.copies.take_event()  # ordered by vLLM's copy stream instead
         else:

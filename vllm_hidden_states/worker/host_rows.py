@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_hidden_states.wire import CapturedRows
+
 
 class HostCopies:
     """Device-to-host copies of one model runner's captured rows."""
@@ -95,6 +97,14 @@ class HostRows:
                 copies.empty((num_rows, values.shape[-1]), values.dtype),
             )
         return cls(first, states, host_features)
+
+    def captured(self) -> CapturedRows:
+        """The rows as they leave the worker (``ModelRunnerOutput.captured``)."""
+        if self.features is None:
+            return CapturedRows(hidden=self.states)
+        return CapturedRows(
+            hidden=self.states, sae_ids=self.features[0], sae_values=self.features[1]
+        )
 
     @property
     def num_rows(self) -> int:

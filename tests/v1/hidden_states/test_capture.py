@@ -79,9 +79,9 @@ def test_all_capture_longer_than_the_buffers_is_split_over_steps(engine_core, hf
             break
     assert eco is not None
     ref = hf_qwen3.states(sequence)
-    assert eco.hidden_states.shape == (2, len(sequence), hf_qwen3.hidden_size)
-    assert_close(eco.hidden_states[0], ref[0], "layer 0")
-    assert_close(eco.hidden_states[1], ref[final], "layer L")
+    assert eco.captured.hidden.shape == (2, len(sequence), hf_qwen3.hidden_size)
+    assert_close(eco.captured.hidden[0], ref[0], "layer 0")
+    assert_close(eco.captured.hidden[1], ref[final], "layer L")
 
 
 def test_engine_without_the_flag_installs_no_capture_points(qwen3_dir, monkeypatch):

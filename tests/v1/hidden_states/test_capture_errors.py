@@ -33,8 +33,8 @@ def drop_rows(llm, monkeypatch):
         def lossy_get_output():
             outputs = get_output()
             for eco in outputs.outputs:
-                if eco.hidden_states is not None and pred(eco):
-                    eco.hidden_states = None
+                if eco.captured is not None and pred(eco):
+                    eco.captured = None
             return outputs
 
         monkeypatch.setattr(client, "get_output", lossy_get_output)

@@ -78,10 +78,10 @@ def test_extract_after_generation_returns_last_token_states(engine_core, hf_qwen
     engine_core.add_hidden_states_extracts([_extract("gen-1-hs", sequence, layers)])
     eco, _ = _run(engine_core, {"gen-1-hs"})["gen-1-hs"]
 
-    assert eco.hidden_states.shape == (3, 1, hf_qwen3.hidden_size)
+    assert eco.captured.hidden.shape == (3, 1, hf_qwen3.hidden_size)
     ref = hf_qwen3.states(sequence)
     for row, layer in enumerate(layers):
-        assert_close(eco.hidden_states[row], ref[layer][-1:], f"layer {layer}")
+        assert_close(eco.captured.hidden[row], ref[layer][-1:], f"layer {layer}")
 
 
 def test_extract_all_positions_spans_chunked_prefill(engine_core, hf_qwen3):
@@ -90,16 +90,16 @@ def test_extract_all_positions_spans_chunked_prefill(engine_core, hf_qwen3):
     engine_core.add_hidden_states_extracts([_extract("all-1", sequence, [1, final], "all")])
     eco, _ = _run(engine_core, {"all-1"})["all-1"]
 
-    assert eco.hidden_states.shape == (2, 150, hf_qwen3.hidden_size)
+    assert eco.captured.hidden.shape == (2, 150, hf_qwen3.hidden_size)
     ref = hf_qwen3.states(sequence)
-    assert_close(eco.hidden_states[0], ref[1], "layer 1")
-    assert_close(eco.hidden_states[1], ref[final], "layer L")
+    assert_close(eco.captured.hidden[0], ref[1], "layer 1")
+    assert_close(eco.captured.hidden[1], ref[final], "layer L")
 
 
 def test_extract_output_carries_no_tokens_for_plain_requests(engine_core):
     _add(engine_core, "plain-1", PROMPT, max_tokens=3)
     eco, _ = _run(engine_core, {"plain-1"})["plain-1"]
-    assert eco.hidden_states is None
+    assert eco.captured is None
 
 
 def test_extract_with_uncapturable_layer_raises_clear_error(engine_core, hf_qwen3):
@@ -134,7 +134,7 @@ def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
     final = hf_qwen3.num_layers
     engine_core.add_hidden_states_extracts([_extract("ok-3", PROMPT, [final])])
     eco, _ = _run(engine_core, {"ok-3"})["ok-3"]
-    assert_close(eco.hidden_states[0], hf_qwen3.last(PROMPT, final), "layer L")
+    assert_close(eco.captured.hidden[0], hf_qwen3.last(PROMPT, final), "layer L")
 
 
 def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf_qwen3):
@@ -153,8 +153,8 @@ def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf
     eco, _ = _run(engine_core, {"park-1-hs"})["park-1-hs"]
 
     ref = hf_qwen3.states(sequence)  # rows follow the extract's layer order
-    assert_close(eco.hidden_states[0], ref[final][-1:], "layer L")
-    assert_close(eco.hidden_states[1], ref[2][-1:], "layer 2")
+    assert_close(eco.captured.hidden[0], ref[final][-1:], "layer L")
+    assert_close(eco.captured.hidden[1], ref[2][-1:], "layer 2")
 
 
 def test_parked_blocks_without_an_extract_are_freed(engine_core, monkeypatch, hf_qwen3):
