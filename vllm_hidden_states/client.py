@@ -36,7 +36,7 @@ Example::
     states = to_numpy(r.choices[0])          # [2, hidden_size] float32
 """
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pybase64
@@ -78,7 +78,7 @@ def _binary_item(arrays: memoryview, item: dict[str, Any]) -> np.ndarray:
     kind = item.get("embed_dtype", "float32")
     if kind not in _BINARY_DTYPES:
         raise ValueError(f"unknown embed_dtype {kind!r}; expected one of {list(_BINARY_DTYPES)}")
-    dtype = np.dtype(_ORDER[item.get("endianness", "little")] + _BINARY_DTYPES[kind])
+    dtype: np.dtype = np.dtype(_ORDER[item.get("endianness", "little")] + _BINARY_DTYPES[kind])
     start, end = item["start"], item["end"]
     if not 0 <= start <= end <= len(arrays):
         raise ValueError(
@@ -145,7 +145,8 @@ def to_numpy(obj: Any) -> np.ndarray | list[np.ndarray]:
         return _from_response(obj)
     payload = _as_dict(obj)
     if payload.get("object") == "list":
-        return [to_numpy(item) for item in payload["data"]]
+        # Items of a list are single payloads: one array each.
+        return [cast(np.ndarray, to_numpy(item)) for item in payload["data"]]
     if "hidden_states" in payload and "shape" not in payload:
         # A choice (or a choice dumped from the openai client): unwrap it.
         inner = payload["hidden_states"]

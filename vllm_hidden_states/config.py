@@ -153,7 +153,7 @@ def additional_config_entry(
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
         raise ValueError(f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}")
-    entry = {
+    entry: dict[str, Any] = {
         "layers": parse_layers_arg(layers),
         "max_rows": None if max_rows is None else int(max_rows),
         "capture": CAPTURE_VERSION,
@@ -212,6 +212,7 @@ def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
     """Parse ``--hidden-states-layers`` (``"-1,-2,16"``, ``"all"``, or a list)."""
     if value is None:
         return None
+    items: list[Any]
     if isinstance(value, (list, tuple)):
         items = list(value)
     else:

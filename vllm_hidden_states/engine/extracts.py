@@ -104,6 +104,7 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
         problem = problem_with(planner, extract)
         if problem is None:
             request = make_extract_request(extract, engine_core.request_block_hasher)
+            assert planner is not None  # problem_with(None, ...) is not None
             planner.add_extract(engine_core.scheduler, request, extract)
             continue
         logger.error("Rejected hidden-states extract %s: %s", extract.request_id, problem)

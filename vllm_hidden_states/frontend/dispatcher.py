@@ -293,9 +293,10 @@ class ExtractDispatcher:
             return emission
         if tracker.spec.positions == "prompt":
             if emission.finish_reason != FinishReason.ABORT and not tracker.has_everything:
-                tracker.fail("the engine delivered no prompt rows for this request")
+                reason = "the engine delivered no prompt rows for this request"
+                tracker.fail(reason)
                 logger.error("Request %s: %s", req_state.request_id, tracker.error)
-                return failed_emission(emission, tracker.error)
+                return failed_emission(emission, tracker.error or reason)
             return emission
         self._hold(req_state, engine_core_output, emission)
         return None

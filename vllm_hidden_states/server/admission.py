@@ -33,6 +33,7 @@ not given, for servers configured before the flag existed.
 
 import os
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -80,15 +81,15 @@ def _positive(value: Any, name: str, cast=float):
     return number
 
 
-def limits_from(args: Any = None, environ: dict | None = None) -> Limits:
+def limits_from(args: Any = None, environ: Mapping[str, str] | None = None) -> Limits:
     """Limits from the parsed ``vllm serve`` arguments (None: defaults), with
     ``VLLM_HIDDEN_STATES_MAX_RESPONSE_MB`` as the response cap's fallback."""
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     mb = getattr(args, "hidden_states_max_response_mb", None)
     if mb is not None:
         mb = _positive(mb, RESPONSE_FLAG)
     else:
-        raw = environ.get(MAX_RESPONSE_ENV)
+        raw = env.get(MAX_RESPONSE_ENV)
         mb = DEFAULT_MAX_RESPONSE_MB if raw in (None, "") else _positive(raw, MAX_RESPONSE_ENV)
     batch = getattr(args, "hidden_states_max_batch", None)
     chars = getattr(args, "hidden_states_max_input_chars", None)

@@ -42,7 +42,7 @@ Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
 
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -112,7 +112,8 @@ def binary_array(tensor: torch.Tensor, embed_dtype: str, endianness: str) -> np.
     else:
         tensor = tensor.detach().to(device="cpu", dtype=EMBED_DTYPES[embed_dtype])
         array = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-    order = {"little": "<", "big": ">", "native": "="}[endianness]
+    orders: dict[str, Literal["<", ">", "="]] = {"little": "<", "big": ">", "native": "="}
+    order = orders[endianness]
     return array.astype(array.dtype.newbyteorder(order), copy=False)
 
 

@@ -135,7 +135,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     loc = error.get("loc") or ()
     field = str(loc[0]) if loc else None
     if error["type"] == "missing":
-        return f"missing required field {field!r}: {FIELD_HELP.get(field, '')}", field
+        return f"missing required field {field!r}: {FIELD_HELP.get(field or '', '')}", field
     if error["type"] == "extra_forbidden":
         return (
             f"unknown field {field!r}; allowed fields: {', '.join(FIELD_HELP)}",
@@ -238,6 +238,7 @@ def _check_model(state: Any, name: str):
 
 
 def _texts(request: HiddenStatesRequest) -> list[str]:
+    assert request.input is not None  # callers handle the messages form first
     return [request.input] if isinstance(request.input, str) else list(request.input)
 
 
@@ -463,7 +464,7 @@ async def _run_inputs(
     request: HiddenStatesRequest,
     inputs: list[list[int]],
     lora_request,
-) -> list[bytes]:
+) -> list[Any]:
     """Each input's serialized object (binary: its wire array), in order. At
     most ``ADMISSION_SLICE`` inputs of this request are in the engine at once, so requests arriving
     meanwhile are queued between its slices, not behind the whole batch; each
@@ -563,7 +564,7 @@ def _binary_response(
     }
     if isinstance(request.input, list):
         header["object"] = "list"
-    headers = {"X-Hidden-States-Dtype": request.embed_dtype}
+    headers: dict[str, str] = {"X-Hidden-States-Dtype": request.embed_dtype}
     if len(arrays) == 1:
         headers["X-Hidden-States-Shape"] = ",".join(map(str, arrays[0].shape))
     body = binary_body(arrays, items, header)

@@ -77,6 +77,7 @@ context-variable read at each other call-out.
 import contextvars
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -661,7 +662,7 @@ def _attach_to_choices(
         if missing and choice.finish_reason != "abort":
             raise ApiError(
                 "the engine returned no hidden states for this request (see the server log)",
-                status=500,
+                status=HTTPStatus.INTERNAL_SERVER_ERROR,
                 type="internal_error",
             )
         if ask.layers:

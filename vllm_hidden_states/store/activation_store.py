@@ -72,10 +72,10 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -267,7 +267,7 @@ def hidden_table(items: Sequence[_HiddenItem]):
 
 
 def _partition_dates(root: Path, table: str) -> list[tuple[dt.date, Path]]:
-    out = []
+    out: list[tuple[dt.date, Path]] = []
     base = root / table
     if not base.is_dir():
         return out
@@ -570,7 +570,8 @@ class ActivationStore:
                 continue
             nrows = 0
             try:
-                table = build(items)
+                # Each builder is paired with its own table's items.
+                table = cast(Callable[[Any], Any], build)(items)
                 nrows = table.num_rows
                 self._write_table(table_name, table)
                 self.stats.rows_written += nrows

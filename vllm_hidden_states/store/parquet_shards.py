@@ -121,6 +121,11 @@ class HarvestMeta:
         return d
 
 
+# The writer thread's queue item for "flush what you have": the producer
+# waits on a partial shard.
+_PARTIAL = object()
+
+
 @dataclass
 class DocStates:
     """One document's captured states, ready to write.
@@ -387,13 +392,14 @@ class ShardWriter:
                 with self._cond:
                     while not self._queue and not (self._producer_waiting and self._buf):
                         self._cond.wait()
-                    doc = self._queue.popleft() if self._queue else False
-                if doc is False:  # the producer waits on a partial shard
+                    doc = self._queue.popleft() if self._queue else _PARTIAL
+                if doc is _PARTIAL:  # the producer waits on a partial shard
                     self._flush()
                     continue
                 if doc is None:
                     self._flush()
                     return
+                assert isinstance(doc, DocStates)
                 vectors = convert_vectors(doc, self.meta.dtype)
                 self._buf.append((doc, vectors))
                 self._buf_rows += vectors.shape[0] * vectors.shape[1]

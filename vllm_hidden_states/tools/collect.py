@@ -65,7 +65,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -335,9 +335,9 @@ def _messages_prefix(
     with the same ``max_length`` tokens as the whole conversation's. None if
     none does short of the whole (or a content is not a string)."""
     want = full_ids[:max_length]
-    contents = [m.get("content") for m in messages]
-    if not all(isinstance(c, str) for c in contents):
+    if not all(isinstance(m.get("content"), str) for m in messages):
         return None
+    contents: list[str] = [m["content"] for m in messages]
     total = sum(map(len, contents))
     budget = _CHARS_PER_TOKEN * max_length + 64
     while budget < total:
@@ -524,6 +524,7 @@ class _ServerClient:
     def __init__(self, cfg: CollectConfig):
         import httpx
 
+        assert cfg.server_url is not None  # _ServerClient serves --server-url runs
         self.base = cfg.server_url.rstrip("/")
         self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0))
         models = self._json("GET", "/v1/models")["data"]
@@ -578,6 +579,7 @@ class _ServerClient:
             return _Prepared(
                 doc, doc.text if prefix is None else prefix, None, full[:max_length], True
             )
+        assert doc.messages is not None  # a document is text or messages
         try:
             full = _render_ids(self.tokenizer, doc.messages)
         except Exception:  # noqa: BLE001 - no chat template here: the server's decides
@@ -628,7 +630,10 @@ class _ServerClient:
                     "max_length": max_length,
                     "encoding_format": "base64",
                 }
-                out[id(p)] = to_numpy(self._json("POST", "/v1/hidden_states", body))
+                # One conversation per request: one array back.
+                out[id(p)] = cast(
+                    np.ndarray, to_numpy(self._json("POST", "/v1/hidden_states", body))
+                )
         return [out[id(p)] for p in docs]
 
     def _run(self, docs: list[_Prepared], layers: list[int], max_length: int):
@@ -694,7 +699,7 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
             fmt=cfg.fmt,
             model_dtype="float32 (HTTP)",
         )
-        refusals = _RefusalLog(cfg.out)
+        refusals = _RefusalLog(Path(cfg.out))
         with (
             ShardWriter(
                 cfg.out,

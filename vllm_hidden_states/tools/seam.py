@@ -264,7 +264,9 @@ def patch_sites(root: Path | None = None) -> list[PatchSite]:
             if line.startswith("+++ b/"):
                 current = line[len("+++ b/") :].split("\t")[0]
             elif line.startswith("@@") and current:
-                new_start = int(re.match(r"@@ -\d+(?:,\d+)? \+(\d+)", line).group(1))
+                header = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)", line)
+                assert header is not None, f"not a unified-diff hunk header: {line!r}"
+                new_start = int(header.group(1))
                 path = root.parent / current
                 symbol = _enclosing(path, new_start + 3) if path.is_file() else "?"
                 site = PatchSite(patch.name, current, symbol)

@@ -230,6 +230,7 @@ class HiddenStatesCapture:
         offset = inner_offset = 0
         all_done, any_sae = True, False
         self._armed = armed_list = []
+        assert self.plan is not None  # arm() arms only with a plan
         for req_id, step in self.plan.items():
             # Rows by sequence position: row0 holds position step.start. Rows
             # past the sequence (draft tokens of speculative decoding) are
@@ -269,6 +270,7 @@ class HiddenStatesCapture:
         # and the model output is gathered only if the final layer is asked.
         asked = set().union(*layer_sets)
         if any_sae:
+            assert self.sae_layer is not None  # steps ask for SAE features only with an SAE
             asked.add(self.sae_layer)
         self._wants_final = self.final_layer in asked
         # One layer set, every capture ending now, no SAE: the common decode
@@ -276,11 +278,13 @@ class HiddenStatesCapture:
         self._uniform = len(layer_sets) == 1 and all_done and not any_sae
         rows = _ranges(starts, counts)
         if inner_offset == offset:  # every row passes the buffers: reuse their index
+            assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows, asked)
             self._rows = self.points.rows[:offset]
             return
         self._rows = torch.from_numpy(rows).to(runner.device) if self._wants_final else None
         if inner_offset:
+            assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
 
     def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
@@ -309,9 +313,11 @@ class HiddenStatesCapture:
         may still be in flight). None when no row passes the buffers."""
         if not self._inner_count or not self.sent_layers:
             return None
-        own = [self.points.read(k) for k in self.points.layers]
+        points = self.points
+        own = [] if points is None else [points.read(k) for k in points.layers]
         if not self.carried_layers:
             return torch.stack(own)  # the first stage
+        assert self._carried is not None  # take_carried checked it arrived
         if not own:
             return self._carried.clone()  # a middle stage without capture points
         return torch.cat([self._carried, torch.stack(own)])
@@ -357,11 +363,7 @@ class HiddenStatesCapture:
 
             def rows_of(k: int, sl: slice = sl, inner: slice = inner) -> torch.Tensor:
                 # Called only in this iteration; the defaults bind its slices.
-                if k == self.final_layer:
-                    return final_rows[sl]
-                if k in carried:  # captured by an earlier pipeline stage
-                    return self._carried[carried[k]][inner]
-                return self.points.read(k)[inner]
+                return self._device_rows(k, final_rows, carried, sl, inner)
 
             step = armed.step
             # Device rows, one [rows, hidden] per layer; the host copies are
@@ -371,6 +373,7 @@ class HiddenStatesCapture:
             features = None
             if step.sae_top_k:
                 # On the device; only k ids + k values per row leave it.
+                assert self.sae is not None and self.sae_layer is not None  # asked only with an SAE
                 features = encode_topk(rows_of(self.sae_layer), self.sae, step.sae_top_k)
             if step.positions == "all" and step.start == 0:
                 self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
@@ -393,6 +396,26 @@ class HiddenStatesCapture:
         self._carried = None
         return None
 
+    def _device_rows(
+        self,
+        k: int,
+        final_rows: torch.Tensor | None,
+        carried: dict[int, int],
+        final: slice,
+        inner: slice,
+    ) -> torch.Tensor:
+        """This step's device rows of layer ``k``: ``final`` of the model
+        output's gathered rows (layer L), ``inner`` of an earlier stage's
+        rows (pipeline parallel) or of this stage's capture buffers."""
+        if k == self.final_layer:
+            assert final_rows is not None  # gathered whenever layer L is asked
+            return final_rows[final]
+        if k in carried:  # captured by an earlier pipeline stage
+            assert self._carried is not None
+            return self._carried[carried[k]][inner]
+        assert self.points is not None  # layers below L are read from capture points
+        return self.points.read(k)[inner]
+
     def _collect_as_one(
         self, model_output: torch.Tensor, final_rows: torch.Tensor | None, carried: dict[int, int]
     ) -> None:
@@ -407,13 +430,7 @@ class HiddenStatesCapture:
         inner = slice(0, self._inner_count)
         host = self.copies.empty((len(layers), count, model_output.shape[-1]), model_output.dtype)
         for i, k in enumerate(layers):
-            if k == self.final_layer:
-                rows = final_rows
-            elif k in carried:  # captured by an earlier pipeline stage
-                rows = self._carried[carried[k]][inner]
-            else:
-                rows = self.points.read(k)[inner]
-            self.copies.copy(host[i], rows)
+            self.copies.copy(host[i], self._device_rows(k, final_rows, carried, slice(None), inner))
         views = host.split([a.count for a in armed], dim=1)  # in armed order
         for a, rows in zip(armed, views):
             self._ready[a.req_id] = HostRows(a.step.first, rows, None)

@@ -42,7 +42,7 @@ resets the whole index), so that gather never reads past a smaller batch.
 """
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -198,10 +198,10 @@ class StreamArgs:
         return f"StreamArgs(hidden={self.hidden!r}, residual={self.residual!r})"
 
 
-_capturing_classes: dict[type, type] = {}
+_capturing_classes: dict[type[torch.nn.Module], type] = {}
 
 
-def _capturing_class(cls: type) -> type:
+def _capturing_class(cls: type[torch.nn.Module]) -> type:
     """``cls`` with a capture point before its forward (one subclass per class)."""
     if cls in _capturing_classes:
         return _capturing_classes[cls]
@@ -297,7 +297,7 @@ class CapturePoints:
                 max_rows,
             )
 
-    def arm(self, rows: np.ndarray, layers: "list[int] | None" = None) -> None:
+    def arm(self, rows: np.ndarray, layers: "Collection[int] | None" = None) -> None:
         """Capture batch rows ``rows`` (int64, at most ``max_rows``) in the
         next forward, at the capture points of ``layers`` (absolute indices;
         None: all of them)."""

@@ -121,7 +121,11 @@ class HostRows:
     ) -> None:
         """Copy one chunk whose row 0 is position ``first``: one contiguous
         copy per layer (a row range of one layer is contiguous on both sides)."""
-        count = layers[0].shape[0] if layers else features[0].shape[0]
+        if layers:
+            count = layers[0].shape[0]
+        else:
+            assert features is not None  # a chunk carries rows, features or both
+            count = features[0].shape[0]
         lo = first - self.first
         if lo < 0 or lo + count > self.num_rows:
             raise RuntimeError(
@@ -129,7 +133,9 @@ class HostRows:
                 f"the capture's positions {self.first}..{self.first + self.num_rows - 1}"
             )
         for i, rows in enumerate(layers):
+            assert self.states is not None  # allocated for the same layers
             copies.copy(self.states[i, lo : lo + count], rows)
         if features is not None:
+            assert self.features is not None  # allocated with features
             copies.copy(self.features[0][lo : lo + count], features[0])
             copies.copy(self.features[1][lo : lo + count], features[1])
