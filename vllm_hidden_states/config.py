@@ -127,9 +127,9 @@ ENABLE_HINT = (
 DEFAULT_MAX_ROWS = 512
 DEFAULT_BUFFER_MIB = 256
 # Bumped when what the compiled graph contains changes (2: capture points;
-# 3: a count per capture point), so a graph cached by an older version is
-# never reused.
-CAPTURE_VERSION = 3
+# 3: a count per capture point; 4: capture points as forward pre-hooks), so a
+# graph cached by an older version is never reused.
+CAPTURE_VERSION = 4
 
 
 def additional_config_entry(

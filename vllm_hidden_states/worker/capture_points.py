@@ -5,12 +5,13 @@ CUDA-graph replay alike.
 
 At model load (:meth:`CapturePoints.install`), the decoder-layer list is found
 generically (:func:`find_decoder_layers`: no per-architecture code) and each
-decoder layer ``k`` whose layer index is capturable gets a capture point: its
-class is swapped for a subclass whose ``forward`` first calls
+decoder layer ``k`` whose layer index is capturable gets a capture point: a
+forward pre-hook (PyTorch's ``register_forward_pre_hook``, traced by Dynamo
+into the compiled graph like the forward itself) that calls
 ``torch.ops.vllm.hidden_states_capture(hidden, residual, rows, counts, index,
-out)`` and then the original forward. Swapping the class (rather than wrapping the
-module) keeps parameter names, ``isinstance`` checks and attribute access
-intact, so weight loading, LoRA and reloads see the same model.
+out)`` before the layer's own forward. Nothing of the layer is replaced:
+parameter names, classes and forwards stay vLLM's, so weight loading, LoRA and
+reloads see the same model.
 
 The op writes ``(hidden + residual)[rows[:n]]`` into ``out[:n]``, ``n =
 counts[index]`` (``index``: the point's position among the capture points): the
@@ -198,40 +199,32 @@ class StreamArgs:
         return f"StreamArgs(hidden={self.hidden!r}, residual={self.residual!r})"
 
 
-_capturing_classes: dict[type[torch.nn.Module], type] = {}
+_stream_args: dict[type[nn.Module], StreamArgs] = {}
 
 
-def _capturing_class(cls: type[torch.nn.Module]) -> type:
-    """``cls`` with a capture point before its forward (one subclass per class)."""
-    if cls in _capturing_classes:
-        return _capturing_classes[cls]
-    original = cls.forward
-    stream = StreamArgs(original)
+def stream_args_of(cls: type[nn.Module]) -> StreamArgs:
+    """Where ``cls.forward`` takes the residual stream (read once per class)."""
+    if cls not in _stream_args:
+        _stream_args[cls] = StreamArgs(cls.forward)
+    return _stream_args[cls]
 
-    def forward(self, *args, **kwargs):
+
+def _capture_hook(stream: StreamArgs) -> Callable[..., None]:
+    """A forward pre-hook (PyTorch's own extension point; dynamo traces it into
+    the compiled graph) that captures the layer's input residual stream."""
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden, residual = stream.read(args, kwargs)
         torch.ops.vllm.hidden_states_capture(
-            hidden, residual, self._hs_rows, self._hs_counts, self._hs_index, self._hs_out
+            hidden, residual, module._hs_rows, module._hs_counts, module._hs_index, module._hs_out
         )
-        return original(self, *args, **kwargs)
 
-    subclass = type(
-        cls.__name__,  # logs, reprs and name-based checks stay the same
-        (cls,),
-        {
-            "forward": forward,
-            "_hs_stream_args": stream,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-        },
-    )
-    _capturing_classes[cls] = subclass
-    return subclass
+    return capture
 
 
 def has_capture_points(model: nn.Module) -> bool:
     """Whether any module of ``model`` carries a capture point."""
-    return any(type(m) in _capturing_classes.values() for m in model.modules())
+    return any(hasattr(m, "_hs_out") for m in model.modules())
 
 
 class CapturePoints:
@@ -278,11 +271,12 @@ class CapturePoints:
         for index, k in enumerate(owned_points):
             layer = decoder_layers[k]
             out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
-            layer.__class__ = _capturing_class(type(layer))
+            stream = stream_args_of(type(layer))
             layer._hs_index = index
             layer.register_buffer("_hs_rows", self.rows, persistent=False)
             layer.register_buffer("_hs_counts", self.counts, persistent=False)
             layer.register_buffer("_hs_out", out, persistent=False)
+            layer.register_forward_pre_hook(_capture_hook(stream), with_kwargs=True)
             self.buffers[k] = out
             self._index[k] = index
         self.layers = sorted(self.buffers)
@@ -293,7 +287,7 @@ class CapturePoints:
                 num_layers,
                 type(model).__name__,
                 self.layers_name,
-                type(decoder_layers[self.layers[0]])._hs_stream_args,
+                stream_args_of(type(decoder_layers[self.layers[0]])),
                 max_rows,
             )
 
