@@ -183,12 +183,18 @@ def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
     """A stop string is matched in the front-end, which aborts the engine
     request and sends the extract over the trimmed sequence: still exact, and
     still routed to the request's engine (no fallback logged)."""
+    # Both requests compute the whole prompt (their own cache salt: no prefix
+    # cache hit on either engine), so the greedy text is the same whichever
+    # engine serves each: with a random-weight model near-tied logits can flip
+    # between a cached and an uncached prefill, and the stop string is missed.
     with httpx.Client(base_url=dp2.base_url, timeout=300.0) as http:
-        free = http.post("/v1/completions", json=body(PROMPTS[2], max_tokens=8)).json()
+        probe = body(PROMPTS[2], max_tokens=8, cache_salt="stop-probe")
+        free = http.post("/v1/completions", json=probe).json()
         text = free["choices"][0]["text"]
         assert len(text) >= 4, text
         stop = text[len(text) // 2 : len(text) // 2 + 2]
-        r = http.post("/v1/completions", json=body(PROMPTS[2], max_tokens=8, stop=[stop]))
+        stopped = body(PROMPTS[2], max_tokens=8, stop=[stop], cache_salt="stop-request")
+        r = http.post("/v1/completions", json=stopped)
     assert r.status_code == 200, r.text
     (choice,) = r.json()["choices"]
     assert choice["finish_reason"] == "stop"
