@@ -161,8 +161,12 @@ def test_each_of_n_children_gets_its_own_sequences_states(llm, hf_gpu):
 
 
 def test_stop_string_trims_the_states_with_the_output(llm, hf_gpu):
+    # Own cache salts: every prefill computes the whole prompt, so the greedy
+    # text (random weights, near-tied logits) is the same in each request.
     (probe,) = llm.generate(
-        [PROMPT], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False
+        [{"prompt": PROMPT, "cache_salt": "stop-probe"}],
+        SamplingParams(max_tokens=12, temperature=0.0),
+        use_tqdm=False,
     )
     text = probe.outputs[0].text
     stop = text[len(text) // 2 :][:3]
@@ -170,7 +174,9 @@ def test_stop_string_trims_the_states_with_the_output(llm, hf_gpu):
         pytest.skip("greedy output has no usable stop string")  # depends on the weights
     for positions in ("last", "all"):
         (out,) = llm.generate(
-            [PROMPT], params(stop=[stop], hidden_states_positions=positions), use_tqdm=False
+            [{"prompt": PROMPT, "cache_salt": f"stop-{positions}"}],
+            params(stop=[stop], hidden_states_positions=positions),
+            use_tqdm=False,
         )
         assert out.outputs[0].finish_reason == "stop"
         check(hf_gpu, out, positions)

@@ -156,12 +156,16 @@ def test_finish_by_stop_token_ids_returns_state_of_the_stop_token(llm, hf_qwen3)
 
 
 def test_finish_by_stop_string_uses_the_trimmed_token_list(llm, hf_qwen3):
-    (free,) = generate(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=12))
+    # Own cache salts: both prefills compute the whole prompt, so the greedy
+    # text (random weights, near-tied logits) cannot differ between them.
+    probe = {"prompt": PROMPT, "cache_salt": "stop-probe"}
+    (free,) = generate(llm, [probe], SamplingParams(temperature=0.0, max_tokens=12))
     tokenizer = llm.get_tokenizer()
     # A stop string that ends inside the 6th generated token's text.
     text6 = tokenizer.decode(free.outputs[0].token_ids[:6])
     stop = text6[-3:] if len(text6) >= 3 else text6
-    (out,) = generate(llm, [PROMPT], greedy(stop=[stop], max_tokens=12))
+    stopped = {"prompt": PROMPT, "cache_salt": "stop-request"}
+    (out,) = generate(llm, [stopped], greedy(stop=[stop], max_tokens=12))
     completion = out.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert len(completion.token_ids) < len(free.outputs[0].token_ids)
