@@ -116,17 +116,10 @@ class HiddenStatesAsk:
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
 
 
-def parse_sae_features(value: Any) -> int:
-    """``k`` of ``sae_features: {"top_k": k}``; 400 naming what is allowed
-    (the engine's ``d_sae`` bound is checked by :func:`validate_ask`)."""
-    try:
-        return check_sae_features(value)
-    except ValueError as e:
-        raise invalid_request(str(e), "sae_features") from None
-
-
-def parse_sae_features_within(value: Any, d_sae: int) -> int:
-    """:func:`parse_sae_features`, with the engine SAE's ``d_sae`` bound."""
+def parse_sae_features(value: Any, d_sae: int | None = None) -> int:
+    """``k`` of ``sae_features: {"top_k": k}``; 400 naming what is allowed.
+    The engine SAE's ``d_sae`` bound is checked when given (by
+    :func:`validate_ask`, which knows the engine)."""
     try:
         return check_sae_features(value, d_sae)
     except ValueError as e:
@@ -232,7 +225,7 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
             )
         global _sae_name
         _sae_name = cfg.sae["name"]
-        parse_sae_features_within(request.model_extra["sae_features"], cfg.sae["d_sae"])
+        parse_sae_features(request.model_extra["sae_features"], cfg.sae["d_sae"])
     if ask.layers or not ask.sae_top_k:
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
     if getattr(request, "use_beam_search", False):
