@@ -20,8 +20,28 @@ Layer convention (the same as HF transformers ``output_hidden_states``), with
 Negative indices count from the end over those ``L + 1`` entries, so ``-2`` is
 ``L - 1``: the residual stream entering the last decoder layer, which is what
 Z-Image reads from Qwen3-4B.
+
+Point convention (``hidden_states_points``; SAELens / TransformerLens names):
+``blocks.{i}.hook_{kind}`` or ``{kind}.{i}``, ``i`` a decoder layer
+``0..L-1`` (negative counts from the end), ``kind`` one of :data:`POINT_KINDS`:
+
+* ``resid_pre.i``: the stream entering decoder layer ``i`` (HF layer ``i``);
+* ``attn_out.i``: the attention block's contribution to the stream (after any
+  post-attention norm: Gemma 2/3, OLMo 2);
+* ``resid_mid.i = resid_pre.i + attn_out.i``;
+* ``mlp_out.i``: the MLP (or MoE) block's contribution (after any
+  post-feed-forward norm);
+* ``resid_post.i = resid_mid.i + mlp_out.i`` (HF layer ``i + 1``, except
+  ``resid_post.(L-1)``: the pre-norm stream, where HF's layer ``L`` is
+  post-norm).
+
+Every capturable thing has one integer *capture id* (:func:`point_id`): ids
+``0..L`` are the HF layers, so everything downstream of the request (planner,
+worker buffers, wire rows) carries layers and points alike; ids past ``L`` are
+the points that are not an HF layer.
 """
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -48,6 +68,7 @@ EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
 REQUEST_FIELDS: tuple[str, ...] = (
     "return_hidden_states",
     "hidden_states_layers",
+    "hidden_states_points",
     "hidden_states_format",
     "hidden_states_positions",
     "hidden_states_stream",
@@ -67,13 +88,14 @@ def check_positions(value: Any) -> Positions:
     return value
 
 
-def check_layers(value: Any, features_only: bool) -> list[int]:
+def check_layers(value: Any, features_only: bool, points: bool = False) -> list[int]:
     """``hidden_states_layers``: a non-empty list of integers (HF convention),
-    or None for the default (:data:`DEFAULT_LAYERS`; no full states when the
-    request asks for SAE features only, ``features_only``). Whether each
-    layer exists is :meth:`HiddenStatesConfig.resolve_all`'s check."""
+    or None for the default (:data:`DEFAULT_LAYERS`; none when the request
+    asks for SAE features only, ``features_only``, or names ``points``).
+    Whether each layer exists is :meth:`HiddenStatesConfig.resolve_all`'s
+    check."""
     if value is None:
-        return [] if features_only else list(DEFAULT_LAYERS)
+        return [] if features_only or points else list(DEFAULT_LAYERS)
     if (
         not isinstance(value, (list, tuple))
         or not value
@@ -86,6 +108,191 @@ def check_layers(value: Any, features_only: bool) -> list[int]:
             f"{value!r}{leave_out}"
         )
     return [int(k) for k in value]
+
+
+# -- capture points (see the module doc) -------------------------------------
+
+PointKind = Literal["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+POINT_KINDS: tuple[PointKind, ...] = get_args(PointKind)
+# Kinds whose every layer has a capture id of its own past L, in id order.
+_OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
+# Kinds that exist only where the architecture's decoder layer is mapped
+# (ARCHITECTURE_POINTS); resid_pre and resid_post exist everywhere.
+_MAPPED_KINDS: tuple[PointKind, ...] = _OWN_ID_KINDS
+
+# How the points beyond resid_pre/resid_post are read in each architecture's
+# decoder layer (worker/capture_points.py has one reader per layout):
+# "fused": vLLM's fused-residual layer, (hidden, residual) in and out, an
+#   add-norm called with the residual after attention;
+# "granite": residual adds scaled by residual_multiplier;
+# "olmo2": post-norms on both blocks, plain adds (HF's layer on vLLM's
+#   Transformers backend).
+ARCHITECTURE_POINTS: dict[str, str] = {
+    "LlamaForCausalLM": "fused",
+    "MistralForCausalLM": "fused",
+    "Qwen2ForCausalLM": "fused",
+    "Qwen3ForCausalLM": "fused",
+    "Qwen3MoeForCausalLM": "fused",
+    "MixtralForCausalLM": "fused",
+    "Phi3ForCausalLM": "fused",
+    "Gemma2ForCausalLM": "fused",
+    "Gemma3ForCausalLM": "fused",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
+}
+
+_ADDRESS = re.compile(r"^(?:blocks\.(-?\d+)\.hook_([a-z_]+)|([a-z_]+)\.(-?\d+))$")
+
+
+def point_layout(architecture: str | None) -> str | None:
+    """The decoder-layer layout of an architecture (:data:`ARCHITECTURE_POINTS`),
+    None when it is not mapped (only resid_pre and resid_post then)."""
+    return ARCHITECTURE_POINTS.get(architecture or "")
+
+
+def point_kinds_for(architecture: str | None) -> tuple[PointKind, ...]:
+    """The kinds an architecture's points can be captured at."""
+    if point_layout(architecture) is not None:
+        return POINT_KINDS
+    return tuple(k for k in POINT_KINDS if k not in _MAPPED_KINDS)
+
+
+def missing_kind_reason(kind: str, architecture: str | None) -> str:
+    """Why ``kind`` cannot be captured on ``architecture``."""
+    mapped = ", ".join(sorted(ARCHITECTURE_POINTS))
+    return (
+        f"{kind} is not mapped in {architecture}'s decoder layer (vllm-hidden-states "
+        f"reads attn_out, resid_mid and mlp_out in: {mapped}); resid_pre and "
+        "resid_post work on every architecture"
+    )
+
+
+def address_help(num_layers: int) -> str:
+    return (
+        f"a point is '<kind>.<i>' or 'blocks.<i>.hook_<kind>' with kind one of "
+        f"{list(POINT_KINDS)} and i a decoder layer in "
+        f"{-num_layers}..{num_layers - 1}"
+    )
+
+
+def parse_point(address: Any, num_layers: int) -> tuple[PointKind, int]:
+    """``(kind, layer)`` of a point address, the layer absolute in
+    ``0..L-1``; ValueError naming the allowed forms."""
+    match = _ADDRESS.match(address) if isinstance(address, str) else None
+    if match is None:
+        raise ValueError(f"{address!r} is not a point address; {address_help(num_layers)}")
+    layer_text, kind = (match[1], match[2]) if match[1] is not None else (match[4], match[3])
+    if kind not in POINT_KINDS:
+        raise ValueError(f"{address!r}: unknown kind {kind!r}; {address_help(num_layers)}")
+    layer = int(layer_text)
+    if not -num_layers <= layer < num_layers:
+        raise ValueError(
+            f"{address!r}: layer {layer} is out of range for a {num_layers}-layer "
+            f"model; {address_help(num_layers)}"
+        )
+    return kind, layer % num_layers  # type: ignore[return-value]
+
+
+def point_id(kind: PointKind, layer: int, num_layers: int) -> int:
+    """The capture id of point ``kind.layer`` (``layer`` absolute): HF layer
+    ``layer`` for resid_pre, ``layer + 1`` for resid_post below the last
+    layer, else an id past ``L``."""
+    n = num_layers
+    if kind == "resid_pre":
+        return layer
+    if kind == "resid_post":
+        return layer + 1 if layer < n - 1 else n + 1 + len(_OWN_ID_KINDS) * n
+    return n + 1 + _OWN_ID_KINDS.index(kind) * n + layer
+
+
+def point_of_id(capture_id: int, num_layers: int) -> tuple[PointKind, int] | None:
+    """``(kind, layer)`` of a capture id past ``L``; None for an HF layer
+    ``0..L`` (resid_pre of it, or the final post-norm state)."""
+    n = num_layers
+    if capture_id <= n:
+        return None
+    offset = capture_id - (n + 1)
+    if offset == len(_OWN_ID_KINDS) * n:
+        return "resid_post", n - 1
+    return _OWN_ID_KINDS[offset // n], offset % n
+
+
+def layer_of_id(capture_id: int, num_layers: int) -> int:
+    """The decoder layer whose forward computes a capture id (for pipeline
+    stages): ``k`` for HF layer ``k < L`` (entering layer ``k``), the layer
+    of a point past ``L``, ``L`` for the final post-norm state."""
+    point = point_of_id(capture_id, num_layers)
+    return capture_id if point is None else point[1]
+
+
+def id_name(capture_id: int, num_layers: int) -> str:
+    """A capture id as users name it: the HF layer, or ``kind.i``."""
+    point = point_of_id(capture_id, num_layers)
+    return str(capture_id) if point is None else f"{point[0]}.{point[1]}"
+
+
+def check_points(value: Any) -> list[str]:
+    """``hidden_states_points``: None (none) or a non-empty list of address
+    strings; whether each exists is :meth:`HiddenStatesConfig.resolve_points`'s
+    check."""
+    if value is None:
+        return []
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or any(not isinstance(a, str) for a in value)
+    ):
+        raise ValueError(
+            "hidden_states_points must be a non-empty list of point addresses such "
+            f"as ['attn_out.3', 'blocks.5.hook_mlp_out'], got {value!r}"
+        )
+    return list(value)
+
+
+def parse_points_arg(value: str | list[str] | None) -> list[str] | None:
+    """Parse ``--hidden-states-points``: ``"all"``, kinds (every layer) and
+    addresses, comma separated (or a list); None = no points beyond the
+    layers. Checked against the model at start (:meth:`HiddenStatesConfig.
+    from_vllm_config`)."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) else str(value).split(",")
+    items = [str(x).strip() for x in items if str(x).strip()]
+    if not items or any(not isinstance(x, str) for x in items):
+        raise ValueError(
+            "--hidden-states-points (hidden_states_points) must be 'all', kinds "
+            f"such as 'attn_out,mlp_out' (every layer) or addresses such as "
+            f"'attn_out.3', got {value!r}"
+        )
+    return items
+
+
+def capturable_point_ids(
+    given: list[str], num_layers: int, architecture: str | None
+) -> tuple[int, ...]:
+    """The capture ids ``--hidden-states-points`` makes capturable; ValueError
+    for an unknown entry or a kind the architecture lacks."""
+    kinds = point_kinds_for(architecture)
+    ids: set[int] = set()
+    for item in given:
+        if item == "all":
+            wanted = [(k, i) for k in kinds for i in range(num_layers)]
+        elif item in POINT_KINDS:
+            wanted = [(item, i) for i in range(num_layers)]  # type: ignore[misc]
+        else:
+            try:
+                wanted = [parse_point(item, num_layers)]
+            except ValueError as e:
+                raise ValueError(
+                    f"--hidden-states-points entry {e} (or 'all', or a kind alone: every layer)"
+                ) from None
+        for kind, layer in wanted:
+            if kind not in kinds:
+                raise ValueError(
+                    f"--hidden-states-points {item!r}: {missing_kind_reason(kind, architecture)}"
+                )
+            ids.add(point_id(kind, layer, num_layers))
+    return tuple(sorted(ids))
 
 
 SAE_HINT = "start it with sae=DIR (LLM / EngineArgs) or `vllm serve MODEL --sae DIR`"
@@ -127,15 +334,17 @@ ENABLE_HINT = (
 DEFAULT_MAX_ROWS = 512
 DEFAULT_BUFFER_MIB = 256
 # Bumped when what the compiled graph contains changes (2: capture points;
-# 3: a count per capture point; 4: capture points as forward pre-hooks), so a
-# graph cached by an older version is never reused.
-CAPTURE_VERSION = 4
+# 3: a count per capture point; 4: capture points as forward pre-hooks; 5:
+# points past the residual stream, a scale argument), so a graph cached by an
+# older version is never reused.
+CAPTURE_VERSION = 5
 
 
 def additional_config_entry(
     layers: str | list[int] | None,
     max_rows: int | None = None,
     *,
+    points: str | list[str] | None = None,
     sae: str | None = None,
     sae_layer: int | None = None,
 ) -> dict[str, Any]:
@@ -148,6 +357,8 @@ def additional_config_entry(
         layers: ``EngineArgs.hidden_states_layers`` as given (a list, or the
             ``--hidden-states-layers`` string); None = every layer ``0..L``.
         max_rows: ``EngineArgs.hidden_states_max_rows``; None = the default.
+        points: ``EngineArgs.hidden_states_points`` (``--hidden-states-points``:
+            "all", kinds, addresses); None = none beyond the layers.
         sae, sae_layer: ``EngineArgs.sae`` (an SAELens directory) and
             ``sae_layer`` (None: from the SAE's config); see :func:`sae_entry`.
     """
@@ -155,6 +366,7 @@ def additional_config_entry(
         raise ValueError(f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}")
     entry: dict[str, Any] = {
         "layers": parse_layers_arg(layers),
+        "points": parse_points_arg(points),
         "max_rows": None if max_rows is None else int(max_rows),
         "capture": CAPTURE_VERSION,
     }
@@ -240,13 +452,17 @@ def _as_int(value: Any) -> int:
 
 @dataclass(frozen=True)
 class HiddenStatesConfig:
-    """Capturable layers of one engine.
+    """Capturable layers and points of one engine.
 
     Attributes:
         num_layers: ``L``, the model's ``num_hidden_layers``.
-        layers: capturable absolute indices in ``0..L``, sorted, distinct.
-        given: the capturable set as configured (``None`` = every layer), kept
-            only to phrase error messages the way the operator wrote them.
+        layers: capturable capture ids, sorted, distinct: HF layers in
+            ``0..L`` and the ids of points past ``L`` (:func:`point_id`).
+        given: the capturable layers as configured (``None`` = every layer),
+            kept only to phrase error messages the way the operator wrote them.
+        points_given: ``--hidden-states-points`` as configured (empty: none).
+        architecture: the model's architecture (``architectures[0]``), which
+            decides the point kinds it has (:data:`ARCHITECTURE_POINTS`).
         max_rows: rows of hidden states one forward can capture (the
             capture buffers' first dimension); captures are split over steps
             so that no step asks more.
@@ -259,6 +475,8 @@ class HiddenStatesConfig:
     # --sae: its :func:`sae_entry` and the absolute layer it reads (None: no SAE).
     sae: dict[str, Any] | None = None
     sae_layer: int | None = None
+    points_given: tuple[str, ...] = ()
+    architecture: str | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiddenStatesConfig | None":
@@ -269,21 +487,38 @@ class HiddenStatesConfig:
             return None
         num_layers = num_hidden_layers(vllm_config)
         given = entry.get("layers")
-        max_rows = entry.get("max_rows") or default_max_rows(vllm_config, num_layers, given)
+        architecture = (vllm_config.model_config.architectures or [None])[0]
+        # Raises for an unknown point or a kind the architecture lacks: at
+        # start, from validate_engine_config, before any process is made.
+        points = capturable_point_ids(entry.get("points") or [], num_layers, architecture)
+        layers = set(range(num_layers + 1)) if given is None else set()
+        layers |= {_absolute(k, num_layers) for k in given or ()} | set(points)
+        max_rows = entry.get("max_rows") or default_max_rows(vllm_config, num_layers, layers)
         sae = entry.get("sae")
         sae_layer = None
         if sae is not None and -(num_layers + 1) <= sae["layer"] <= num_layers:
             sae_layer = sae["layer"] % (num_layers + 1)  # else refused at start
-        if given is None:
-            return cls(num_layers, tuple(range(num_layers + 1)), None, max_rows, sae, sae_layer)
-        layers = sorted({_absolute(k, num_layers) for k in given})
-        return cls(num_layers, tuple(layers), tuple(given), max_rows, sae, sae_layer)
+        return cls(
+            num_layers,
+            tuple(sorted(layers)),
+            None if given is None else tuple(given),
+            max_rows,
+            sae,
+            sae_layer,
+            tuple(entry.get("points") or ()),
+            architecture,
+        )
 
     @property
     def inner_layers(self) -> tuple[int, ...]:
-        """Capturable layers ``k < L``: each has a capture point before decoder
-        layer ``k``. Layer ``L`` is the model's own (post-norm) output."""
-        return tuple(k for k in self.layers if k < self.num_layers)
+        """Capturable ids with a capture point in the model: HF layers
+        ``k < L`` and points past ``L``; the final layer ``L`` is the model's
+        own (post-norm) output. Ordered by the decoder layer that computes
+        them (:func:`layer_of_id`), then id: pipeline stages send their rows
+        on in this order."""
+        n = self.num_layers
+        inner = [k for k in self.layers if k != n]
+        return tuple(sorted(inner, key=lambda k: (layer_of_id(k, n), k)))
 
     def buffer_bytes(self, hidden_size: int, dtype_bytes: int) -> int:
         """Memory of the capture buffers: one ``[max_rows, hidden_size]`` per
@@ -294,6 +529,46 @@ class HiddenStatesConfig:
         if self.given is None:
             return f"all ({-(self.num_layers + 1)}..{self.num_layers})"
         return ", ".join(str(k) for k in self.given)
+
+    def describe_points(self) -> str:
+        """The capturable points, as the operator configured them."""
+        if not self.points_given:
+            return (
+                "none beyond the layers (start the engine with --hidden-states-points "
+                "all, kinds such as attn_out,mlp_out, or addresses)"
+            )
+        kinds = point_kinds_for(self.architecture)
+        return ", ".join(self.points_given) + f" (this model has: {', '.join(kinds)})"
+
+    def resolve_points(self, addresses: list[str]) -> list[int]:
+        """Capture ids of a request's point addresses (in order), each point
+        named once (``resid_post.i`` and ``resid_pre.(i+1)`` are two names of
+        one capture id: both may be asked); ValueError naming what is allowed."""
+        n = self.num_layers
+        seen: dict[tuple[str, int], str] = {}
+        ids = []
+        for address in addresses:
+            kind, layer = parse_point(address, n)
+            if kind not in point_kinds_for(self.architecture):
+                raise ValueError(
+                    f"hidden_states_points {address!r}: "
+                    f"{missing_kind_reason(kind, self.architecture)}"
+                )
+            capture_id = point_id(kind, layer, n)
+            if capture_id not in self.layers:
+                raise ValueError(
+                    f"hidden_states_points {address!r} is not capturable on this "
+                    f"engine; capturable points: {self.describe_points()} (fixed at "
+                    "engine start by --hidden-states-points)"
+                )
+            if (kind, layer) in seen:
+                raise ValueError(
+                    f"hidden_states_points names {kind}.{layer} twice "
+                    f"({seen[kind, layer]!r} and {address!r}); name each point once"
+                )
+            seen[kind, layer] = address
+            ids.append(capture_id)
+        return ids
 
     def resolve(self, layer: int) -> int:
         """Absolute index of a requested layer; ValueError naming what is allowed."""
@@ -341,12 +616,12 @@ def _absolute(layer: int, num_layers: int) -> int:
     return int(layer) % (num_layers + 1)
 
 
-def default_max_rows(vllm_config: "VllmConfig", num_layers: int, given: list[int] | None) -> int:
-    """``--hidden-states-max-rows`` left unset: see :data:`DEFAULT_BUFFER_MIB`."""
+def default_max_rows(vllm_config: "VllmConfig", num_layers: int, capturable: set[int]) -> int:
+    """``--hidden-states-max-rows`` left unset: see :data:`DEFAULT_BUFFER_MIB`.
+    ``capturable``: the engine's capture ids (one buffer each but ``L``)."""
     step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     model_config = vllm_config.model_config
-    layers = range(num_layers + 1) if given is None else given
-    num_buffers = len({_absolute(k, num_layers) for k in layers} - {num_layers})
+    num_buffers = len(capturable - {num_layers})
     row_bytes = num_buffers * model_config.get_hidden_size() * model_config.dtype.itemsize
     fits = DEFAULT_BUFFER_MIB * 2**20 // row_bytes if row_bytes else step_tokens
     return min(step_tokens, max(DEFAULT_MAX_ROWS, fits))
@@ -562,6 +837,17 @@ def add_cli_args(parser) -> None:
         "post-norm state), e.g. '-1,-2,16'. Default: every layer. Each layer "
         "but the last costs one capture buffer of --hidden-states-max-rows x "
         "hidden_size in the model dtype.",
+    )
+    group.add_argument(
+        "--hidden-states-points",
+        type=str,
+        default=None,
+        help="Capturable points beyond the layers: 'all', kinds (every layer) "
+        "such as 'attn_out,resid_mid,mlp_out,resid_post', or addresses such "
+        "as 'attn_out.3,blocks.5.hook_mlp_out'. Default: none (the residual "
+        "stream of --hidden-states-layers). Each point but resid_pre.i / "
+        "resid_post.i below the last layer costs one capture buffer of "
+        "--hidden-states-max-rows x hidden_size in the model dtype.",
     )
     group.add_argument(
         "--hidden-states-max-rows",

@@ -61,8 +61,15 @@ def original_id_of(extract_id: str) -> str:
     return extract_id.removesuffix(EXTRACT_ID_SUFFIX)
 
 
+def result_keys(spec: HiddenStatesSpec) -> list[int | str]:
+    """The keys of a request's ``hidden_states``: its layers as given, then
+    its point addresses as given (``spec.abs_layers`` holds their capture ids,
+    in the same order)."""
+    return [*spec.layers, *spec.points]
+
+
 def distinct_layers(spec: HiddenStatesSpec) -> list[int]:
-    """The absolute layers a capture produces, in result order (ascending)."""
+    """The capture ids a capture produces, in result order (ascending)."""
     return sorted(set(spec.abs_layers))
 
 

@@ -37,6 +37,7 @@ def fake_vllm_config(
     max_num_batched_tokens: int = 8192,
     hidden_size: int = 2560,
     dtype=None,
+    architecture: str = "Qwen3ForCausalLM",
 ):
     """Just the attributes ``HiddenStatesConfig.from_vllm_config`` reads
     (default: Qwen3-4B's shape in bf16)."""
@@ -47,6 +48,7 @@ def fake_vllm_config(
     return SimpleNamespace(
         additional_config=extra,
         model_config=SimpleNamespace(
+            architectures=[architecture],
             hf_text_config=text_config,
             get_hidden_size=lambda: hidden_size,
             dtype=dtype or torch.bfloat16,
@@ -369,9 +371,14 @@ def test_buffer_bytes_is_one_max_rows_by_hidden_buffer_per_inner_layer():
     assert cfg.buffer_bytes(hidden_size=2560, dtype_bytes=2) == 36 * 512 * 2560 * 2
 
 
-def test_additional_config_entry_keys_the_compile_cache_with_layers_rows_and_version():
-    entry = additional_config_entry("-1,-2", 128)
-    assert entry == {"layers": [-1, -2], "max_rows": 128, "capture": CAPTURE_VERSION}
+def test_additional_config_entry_keys_the_compile_cache_with_layers_points_rows_and_version():
+    entry = additional_config_entry("-1,-2", 128, points="attn_out, mlp_out.3")
+    assert entry == {
+        "layers": [-1, -2],
+        "points": ["attn_out", "mlp_out.3"],
+        "max_rows": 128,
+        "capture": CAPTURE_VERSION,
+    }
 
 
 @pytest.mark.parametrize("bad", [0, -3, True])

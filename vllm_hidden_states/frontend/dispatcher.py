@@ -55,6 +55,7 @@ from vllm_hidden_states.wire import (
     distinct_layers,
     extract_id_for,
     num_positions,
+    result_keys,
     slice_rows,
 )
 
@@ -105,21 +106,21 @@ class HiddenStatesTracker:
         return self.complete is not None
 
     @property
-    def states(self) -> dict[int, torch.Tensor] | None:
-        """``{layer as requested: [positions, hidden_size]}`` once complete."""
+    def states(self) -> dict[int | str, torch.Tensor] | None:
+        """``{layer or point as requested: [positions, hidden_size]}`` once complete."""
         return None if self.complete is None else self._keyed(self.complete.hidden)
 
-    def _keyed(self, data: torch.Tensor | None) -> dict[int, torch.Tensor] | None:
+    def _keyed(self, data: torch.Tensor | None) -> dict[int | str, torch.Tensor] | None:
         if data is None:
             return None
         row = {k: i for i, k in enumerate(distinct_layers(self.spec))}
-        return {key: data[row[k]] for key, k in zip(self.spec.layers, self.spec.abs_layers)}
+        return {key: data[row[k]] for key, k in zip(result_keys(self.spec), self.spec.abs_layers)}
 
     def problem_with(self, rows: CapturedRows | None) -> str | None:
         """What ``rows`` lacks of what the request asked for, or None."""
         if rows is None:
             return "no rows"
-        if self.spec.layers and (
+        if self.spec.abs_layers and (
             rows.hidden is None or rows.hidden.shape[0] != len(distinct_layers(self.spec))
         ):
             return "no hidden states for the layers asked"
@@ -172,7 +173,7 @@ class HiddenStatesTracker:
                 "ids": rows.sae_ids,
                 "values": rows.sae_values,
             }
-        states = self._keyed(rows.hidden) if self.spec.layers else None
+        states = self._keyed(rows.hidden) if self.spec.abs_layers else None
         return {"hidden_states": states, "sae_features": features}
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:

@@ -4,7 +4,8 @@
 Called from ``InputProcessor.process_inputs`` (patch 0004) for every request
 whose ``SamplingParams`` set any of the package's fields
 (``SamplingParams.asks_hidden_states``: ``return_hidden_states``,
-``hidden_states_layers``, ``sae_features``; the last implies the first),
+``hidden_states_layers``, ``hidden_states_points``, ``sae_features``; the
+last implies the first),
 before anything reaches the engine.
 
 ``sae_features={"top_k": k}`` (engine with ``--sae``) asks for the SAE's k
@@ -24,6 +25,7 @@ from vllm_hidden_states.config import (
     HiddenStatesConfig,
     captures_all_inline,
     check_layers,
+    check_points,
     check_positions,
     check_sae_features,
 )
@@ -52,12 +54,13 @@ def resolve_request(
     from vllm.exceptions import VLLMValidationError
 
     if not params.return_hidden_states and params.sae_features is None:
-        if params.hidden_states_layers is not None:
-            raise VLLMValidationError(
-                "hidden_states_layers was given but return_hidden_states is not "
-                "set; pass return_hidden_states=True",
-                parameter="hidden_states_layers",
-            )
+        for name in ("hidden_states_layers", "hidden_states_points"):
+            if getattr(params, name) is not None:
+                raise VLLMValidationError(
+                    f"{name} was given but return_hidden_states is not set; pass "
+                    "return_hidden_states=True",
+                    parameter=name,
+                )
         return None
 
     cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
@@ -87,19 +90,27 @@ def resolve_request(
     if params.sae_features is not None:
         sae_top_k = sae_top_k_of(cfg, params.sae_features)
     try:
-        # With sae_features, full states only for the layers named.
-        layers = check_layers(params.hidden_states_layers, features_only=bool(sae_top_k))
+        points = check_points(params.hidden_states_points)
+        point_ids = cfg.resolve_points(points)
+    except ValueError as e:
+        raise VLLMValidationError(str(e), parameter="hidden_states_points") from None
+    try:
+        # With sae_features or points, full states only for the layers named.
+        layers = check_layers(
+            params.hidden_states_layers, features_only=bool(sae_top_k), points=bool(points)
+        )
         abs_layers = cfg.resolve_all(layers)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
     inline = positions == "all" and captures_all_inline(vllm_config)
     spec = HiddenStatesSpec(
         layers=layers,
-        abs_layers=abs_layers,
+        abs_layers=abs_layers + point_ids,
         positions=positions,
         inline=inline,
         sae_top_k=sae_top_k,
         sae_layer=cfg.sae_layer if sae_top_k else 0,
+        points=points,
     )
 
     if positions == "prompt" or inline:

@@ -4,7 +4,7 @@
 The request and response follow the heylookitsanllm text-encoder contract (the
 Z-Image backend), plus a batch form and a ``messages`` form::
 
-    {"model": "m", "input": "<|im_start|>user\\n...", "layer": -2,
+    {"model": "m", "input": "<|im_start|>user\\n...", "layer": -2,   # or "point": "attn_out.3"
      "max_length": 512, "return_attention_mask": false,
      "encoding_format": "float" | "base64"}
     -> {"hidden_states": [[...], ...] | "<base64>", "shape": [seq_len, hidden],
@@ -67,7 +67,7 @@ from vllm_hidden_states.server.encoding import (
     encode_array,
     invalid_request,
 )
-from vllm_hidden_states.server.validation import validate_layers
+from vllm_hidden_states.server.validation import validate_layers, validate_points
 
 logger = init_logger(__name__)
 
@@ -81,6 +81,9 @@ class HiddenStatesRequest(BaseModel):
     input: StrictStr | list[StrictStr] | None = None
     messages: list[dict[str, Any]] | None = None
     layer: StrictInt = -2
+    # A capture point instead of a layer, e.g. "attn_out.3" (engine started
+    # with --hidden-states-points); the answer then names "point", not "layer".
+    point: StrictStr | None = None
     max_length: StrictInt = Field(512, ge=1)
     return_attention_mask: StrictBool = False
     encoding_format: Literal["float", "base64", "bytes"] = "float"
@@ -100,6 +103,11 @@ class HiddenStatesRequest(BaseModel):
             raise ValueError("'input' must not be an empty list")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        if self.point is not None and "layer" in self.model_fields_set:
+            raise ValueError(
+                "give one of 'layer' (a residual-stream layer) and 'point' (a "
+                "capture point such as 'attn_out.3'), not both"
+            )
         binary_only = {"embed_dtype", "endianness"} & self.model_fields_set
         if binary_only and self.encoding_format != "bytes":
             name = sorted(binary_only)[0]
@@ -119,6 +127,8 @@ FIELD_HELP = {
     "messages": "a list of chat messages ({'role': ..., 'content': ...})",
     "layer": "an integer layer index (0 = embeddings, -1 = final post-norm "
     "state, -2 = the one before; default -2)",
+    "point": "a capture point address such as 'attn_out.3' or "
+    "'blocks.3.hook_mlp_out' (instead of layer)",
     "max_length": "an integer >= 1 (default 512)",
     "return_attention_mask": "true or false",
     "encoding_format": "'float', 'base64' or 'bytes'",
@@ -408,8 +418,16 @@ def _check_limits(
     )
 
 
-async def _extract(engine_client: Any, ids: list[int], layer: int, request_id: str, lora_request):
-    """``[len(ids), hidden]`` states of every position of ``ids`` at ``layer``."""
+def _address(request: HiddenStatesRequest) -> dict[str, Any]:
+    """What the answer names: ``{"point": ...}`` or ``{"layer": ...}``."""
+    return {"layer": request.layer} if request.point is None else {"point": request.point}
+
+
+async def _extract(
+    engine_client: Any, ids: list[int], request: HiddenStatesRequest, request_id: str, lora_request
+):
+    """``[len(ids), hidden]`` states of every position of ``ids`` at the
+    request's layer or point."""
     from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -419,7 +437,8 @@ async def _extract(engine_client: Any, ids: list[int], layer: int, request_id: s
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
         return_hidden_states=True,
-        hidden_states_layers=[layer],
+        hidden_states_layers=None if request.point is not None else [request.layer],
+        hidden_states_points=None if request.point is None else [request.point],
         hidden_states_positions="prompt",
     )
     final = None
@@ -434,7 +453,7 @@ async def _extract(engine_client: Any, ids: list[int], layer: int, request_id: s
             HTTPStatus.INTERNAL_SERVER_ERROR,
             "internal_error",
         )
-    return states[layer]
+    return states[request.layer if request.point is None else request.point]
 
 
 def _input_binary(request: HiddenStatesRequest, rows) -> np.ndarray:
@@ -448,7 +467,7 @@ def _input_object_bytes(request: HiddenStatesRequest, rows) -> bytes:
         "hidden_states": encode_array(rows, request.encoding_format),
         "shape": list(rows.shape),
         "model": request.model,
-        "layer": request.layer,
+        **_address(request),
         "dtype": dtype_name(rows.dtype),
     }
     if request.encoding_format == "base64":
@@ -478,7 +497,7 @@ async def _run_inputs(
 
     async def one(i: int, ids: list[int]) -> None:
         async with window:
-            rows = await _extract(engine_client, ids, request.layer, f"{base_id}-{i}", lora_request)
+            rows = await _extract(engine_client, ids, request, f"{base_id}-{i}", lora_request)
         out[i] = await asyncio.to_thread(encode, request, rows)
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
@@ -508,7 +527,10 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
         request = negotiate(await _parse(body), raw_request.headers.get("accept"))
         lora_request = _check_model(state, request.model)
         engine_client = state.engine_client
-        validate_layers(engine_client, (request.layer,), "layer")
+        if request.point is None:
+            validate_layers(engine_client, (request.layer,), "layer")
+        else:
+            validate_points(engine_client, (request.point,), "point")
         _admit(engine_client, limits, request)
         inputs = await _token_ids(state, request)
         _check_limits(engine_client, limits, request, inputs)
@@ -559,7 +581,7 @@ def _binary_response(
             items[-1]["attention_mask"] = [1] * array.shape[0]
     header: dict[str, Any] = {
         "model": request.model,
-        "layer": request.layer,
+        **_address(request),
         "dtype": dtype_name(model_dtype),
     }
     if isinstance(request.input, list):

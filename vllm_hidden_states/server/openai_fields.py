@@ -9,6 +9,7 @@ Request fields (OpenAI extras; ``OpenAIBaseModel`` keeps unknown fields in
 
     return_hidden_states: bool            # default false
     hidden_states_layers: list[int]       # default [-1]; HF convention
+    hidden_states_points: list[str]       # e.g. ["attn_out.3"]; default none
     hidden_states_positions: "last" | "all" | "prompt"   # default "last"
     hidden_states_format: "float" | "base64"   # default "float"
     hidden_states_stream: bool            # default false; "all" + stream only
@@ -89,6 +90,7 @@ from vllm_hidden_states.config import (
     SAE_HINT,
     Positions,
     check_layers,
+    check_points,
     check_positions,
     check_sae_features,
 )
@@ -100,7 +102,7 @@ from vllm_hidden_states.server.encoding import (
     encode_array,
     invalid_request,
 )
-from vllm_hidden_states.server.validation import validate_layers
+from vllm_hidden_states.server.validation import validate_layers, validate_points
 
 logger = init_logger(__name__)
 
@@ -114,6 +116,12 @@ class HiddenStatesAsk:
     positions: Positions = "last"
     stream: bool = False  # rows on every SSE chunk ("all" only)
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
+    points: tuple[str, ...] = ()  # hidden_states_points, as given
+
+    @property
+    def keys(self) -> tuple[int | str, ...]:
+        """The rows of ``hidden_states``, in order: the layers, then the points."""
+        return (*self.layers, *self.points)
 
 
 def parse_sae_features(value: Any, d_sae: int | None = None) -> int:
@@ -173,8 +181,14 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
         _refuse_without_flag(extra)
         return None
     try:
-        # With sae_features, full states only for the layers named.
-        layers = check_layers(extra.get("hidden_states_layers"), features_only=bool(sae_top_k))
+        points = check_points(extra.get("hidden_states_points"))
+    except ValueError as e:
+        raise invalid_request(str(e), "hidden_states_points") from None
+    try:
+        # With sae_features or points, full states only for the layers named.
+        layers = check_layers(
+            extra.get("hidden_states_layers"), features_only=bool(sae_top_k), points=bool(points)
+        )
     except ValueError as e:
         raise invalid_request(str(e), "hidden_states_layers") from None
     fmt = _one_of(extra, "hidden_states_format", ENCODING_FORMATS)
@@ -200,7 +214,7 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             f"{positions!r})",
             "hidden_states_stream",
         )
-    return HiddenStatesAsk(tuple(layers), fmt, positions, stream, sae_top_k)
+    return HiddenStatesAsk(tuple(layers), fmt, positions, stream, sae_top_k, tuple(points))
 
 
 def ask_of(request: Any) -> HiddenStatesAsk | None:
@@ -226,8 +240,10 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         global _sae_name
         _sae_name = cfg.sae["name"]
         parse_sae_features(request.model_extra["sae_features"], cfg.sae["d_sae"])
-    if ask.layers or not ask.sae_top_k:
+    if ask.layers or not (ask.sae_top_k or ask.points):
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
+    if ask.points:
+        validate_points(engine_client, ask.points)
     if getattr(request, "use_beam_search", False):
         raise invalid_request(
             "return_hidden_states is not supported with use_beam_search",
@@ -264,7 +280,7 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         limits,
         results,
         1,
-        len(ask.layers),
+        len(ask.keys),
         engine_client.model_config.get_hidden_size(),
         ask.encoding_format,
         "hidden_states_layers",
@@ -297,7 +313,7 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         pricing.limits,
         1,
         pricing.spent_positions,
-        len(pricing.ask.layers),
+        len(pricing.ask.keys),
         pricing.hidden_size,
         pricing.ask.encoding_format,
         "max_tokens",
@@ -314,7 +330,7 @@ def _concat(chunks: list[dict[int, Any]], ask: HiddenStatesAsk) -> dict[int, Any
 
     if len(chunks) == 1:
         return chunks[0]
-    return {k: torch.cat([c[k] for c in chunks]) for k in ask.layers}
+    return {k: torch.cat([c[k] for c in chunks]) for k in ask.keys}
 
 
 def encode_choice_states(
@@ -332,12 +348,15 @@ def encode_choice_states(
         return None
     import torch
 
+    out: dict[str, Any] = {"layers": list(ask.layers)}
+    if ask.points:
+        out["points"] = list(ask.points)
     if ask.positions == "last":
-        rows = torch.cat([states[k][-1:] for k in ask.layers])  # [layers, hidden]
-        out: dict[str, Any] = {"layers": list(ask.layers), "positions": "last"}
+        rows = torch.cat([states[k][-1:] for k in ask.keys])  # [keys, hidden]
+        out["positions"] = "last"
     else:
-        rows = torch.stack([states[k] for k in ask.layers])  # [layers, pos, hidden]
-        out = {"layers": list(ask.layers), "positions": ask.positions, "start": start}
+        rows = torch.stack([states[k] for k in ask.keys])  # [keys, pos, hidden]
+        out.update(positions=ask.positions, start=start)
     out["shape"] = list(rows.shape)
     out["dtype"] = dtype_name(rows.dtype)
     out["encoding_format"] = ask.encoding_format
@@ -610,7 +629,7 @@ def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStat
                 continue
         elif not rows.finished:
             continue
-        if ask.layers:
+        if ask.keys:
             choice["hidden_states"] = rows.take(ask)
         if ask.sae_top_k:
             choice["sae_features"] = rows.take_features(ask)
@@ -651,14 +670,14 @@ def _attach_to_choices(
 ) -> None:
     features = features or [None] * len(choices)
     for choice, choice_states, choice_features in zip(choices, states, features):
-        missing = (ask.layers and choice_states is None) or (ask.sae_top_k and not choice_features)
+        missing = (ask.keys and choice_states is None) or (ask.sae_top_k and not choice_features)
         if missing and choice.finish_reason != "abort":
             raise ApiError(
                 "the engine returned no hidden states for this request (see the server log)",
                 status=HTTPStatus.INTERNAL_SERVER_ERROR,
                 type="internal_error",
             )
-        if ask.layers:
+        if ask.keys:
             choice.hidden_states = encode_choice_states(choice_states, ask)
         if ask.sae_top_k:
             choice.sae_features = encode_choice_features(choice_features, ask)
@@ -752,6 +771,7 @@ def ask_engine(params: Any) -> None:
     params.sae_features = extra.get("sae_features")
     # With sae_features alone, no full states (None: the engine's "no layers").
     params.hidden_states_layers = list(ask.layers) or None
+    params.hidden_states_points = list(ask.points) or None
     params.hidden_states_positions = ask.positions
 
 

@@ -36,3 +36,18 @@ def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> 
     if cfg is None:
         raise invalid_request(f"hidden states are not enabled on this server; {ENABLE_HINT}", param)
     check_layers(tuple(layers), cfg.num_layers, cfg.resolve, param)
+
+
+def validate_points(
+    engine_client: Any, points: tuple[str, ...], param: str = "hidden_states_points"
+) -> None:
+    """400 unless hidden states are enabled and every point address is
+    capturable on this engine, each named once (the rule of the Python API:
+    :meth:`HiddenStatesConfig.resolve_points`)."""
+    cfg = engine_config(engine_client)
+    if cfg is None:
+        raise invalid_request(f"hidden states are not enabled on this server; {ENABLE_HINT}", param)
+    try:
+        cfg.resolve_points(list(points))
+    except ValueError as e:
+        raise invalid_request(str(e), param) from None

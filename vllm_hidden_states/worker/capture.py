@@ -62,7 +62,7 @@ import torch
 from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
-from vllm_hidden_states.config import HiddenStatesConfig
+from vllm_hidden_states.config import HiddenStatesConfig, layer_of_id, point_layout
 from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.worker.capture_points import CapturePoints
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
@@ -155,7 +155,8 @@ class HiddenStatesCapture:
         return None if config is None else cls(config, runner)
 
     def _install(self, runner: Any) -> None:
-        """Capture points before each capturable decoder layer ``k < L``."""
+        """Capture points for each capturable id but ``L``: before decoder
+        layer ``k < L``, and the points past ``L`` where the layout reads them."""
         model = runner.get_model()
         inner = list(self.config.inner_layers)
         if not inner:
@@ -170,6 +171,7 @@ class HiddenStatesCapture:
                 max_rows=self.config.max_rows,
                 dtype=model_config.dtype,
                 device=runner.device,
+                layout=point_layout(self.config.architecture),
             )
         except LookupError as e:
             raise RuntimeError(
@@ -178,7 +180,8 @@ class HiddenStatesCapture:
                 "(the final post-norm state): start with --hidden-states-layers -1"
             ) from None
         start = self.points.start_layer
-        self.carried_layers = [k for k in inner if k < start]
+        n = self.config.num_layers
+        self.carried_layers = [k for k in inner if layer_of_id(k, n) < start]
         if not self.is_last_stage:
             self.sent_layers = self.carried_layers + self.points.layers
         if get_pp_group().world_size > 1:

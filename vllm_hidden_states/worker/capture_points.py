@@ -44,13 +44,15 @@ resets the whole index), so that gather never reads past a smaller batch.
 
 import inspect
 from collections.abc import Callable, Collection
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from vllm.logger import init_logger
+from vllm_hidden_states.config import point_of_id
 
 logger = init_logger(__name__)
 
@@ -74,15 +76,19 @@ def gather_rows(
     residual: torch.Tensor | None,
     index: torch.Tensor,
     target: torch.Tensor,
+    scale: float = 1.0,
 ) -> None:
-    """``target = (hidden + residual)[index]``: ``hidden``/``residual``
+    """``target = ((hidden + residual) * scale)[index]``: ``hidden``/``residual``
     ``[tokens, hidden_size]``, ``index`` int64 ``[n]`` (every entry
-    ``< tokens``), ``target`` ``[n, hidden_size]`` in the model dtype."""
+    ``< tokens``), ``target`` ``[n, hidden_size]`` in the model dtype. The
+    scale is applied to the gathered rows (the same products, elementwise)."""
     if residual is None:
         torch.index_select(hidden, 0, index, out=target)
     else:
         residual = residual.reshape(-1, residual.shape[-1])
         torch.add(hidden.index_select(0, index), residual.index_select(0, index), out=target)
+    if scale != 1.0:
+        target.mul_(scale)
 
 
 def _capture_rows(
@@ -92,14 +98,15 @@ def _capture_rows(
     counts: torch.Tensor,
     index: int,
     out: torch.Tensor,
+    scale: float,
 ) -> None:
-    """``out[:n] = (hidden + residual)[rows[:n]]`` with ``n = counts[index]``
-    (see module doc)."""
+    """``out[:n] = ((hidden + residual) * scale)[rows[:n]]`` with ``n =
+    counts[index]`` (see module doc)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if count_readable_on_host(hidden.device):
         n = int(counts[index])  # free on CPU; the op is opaque to Dynamo
         if n:
-            gather_rows(hidden, residual, rows[:n], out[:n])
+            gather_rows(hidden, residual, rows[:n], out[:n], scale)
         return
     # No host sync: gather the first min(max_rows, tokens) entries of the
     # persistent index (the rows armed for this forward are among them: at
@@ -108,7 +115,7 @@ def _capture_rows(
     # ``tokens`` is static per CUDA graph, so a decode step of batch b
     # gathers b rows, not max_rows.
     n = min(rows.shape[0], hidden.shape[0])
-    gather_rows(hidden, residual, rows[:n], out[:n])
+    gather_rows(hidden, residual, rows[:n], out[:n], scale)
 
 
 def _capture_rows_fake(
@@ -118,6 +125,7 @@ def _capture_rows_fake(
     counts: torch.Tensor,
     index: int,
     out: torch.Tensor,
+    scale: float,
 ) -> None:
     return None
 
@@ -195,6 +203,12 @@ class StreamArgs:
                 residual = kwargs.get(self.residual)
         return hidden, residual
 
+    def read_for_hook(
+        self, args: tuple, kwargs: dict, output: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`read` as a :data:`Reader` (a pre-hook has no output)."""
+        return self.read(args, kwargs)
+
     def __repr__(self) -> str:
         return f"StreamArgs(hidden={self.hidden!r}, residual={self.residual!r})"
 
@@ -209,36 +223,142 @@ def stream_args_of(cls: type[nn.Module]) -> StreamArgs:
     return _stream_args[cls]
 
 
-def _capture_hook(stream: StreamArgs) -> Callable[..., None]:
-    """A forward pre-hook (PyTorch's own extension point; dynamo traces it into
-    the compiled graph) that captures the layer's input residual stream."""
+# -- where each capture id is read --------------------------------------------
 
-    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden, residual = stream.read(args, kwargs)
-        torch.ops.vllm.hidden_states_capture(
-            hidden, residual, module._hs_rows, module._hs_counts, module._hs_index, module._hs_out
+Reader = Callable[[tuple, dict, Any], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class Tap:
+    """Where one capture id is read: a forward hook on ``module`` (``"pre"``:
+    before its forward, from its arguments; ``"post"``: after it, from its
+    output). ``read(args, kwargs, output)`` gives ``(a, b)``; the op writes
+    ``(a + b) * scale`` (``b`` None: ``a * scale``) at the armed rows."""
+
+    module: nn.Module
+    when: Literal["pre", "post"]
+    read: Reader
+    scale: float = 1.0
+
+
+def _first_arg(names: tuple[str, ...]) -> Reader:
+    """The module's first argument (positional, or the first of ``names``)."""
+
+    def read(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, None]:
+        if args:
+            return args[0], None
+        return next(kwargs[n] for n in names if n in kwargs), None
+
+    return read
+
+
+def _output_item(i: int) -> Reader:
+    """Item ``i`` of a module's tuple output."""
+
+    def read(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, None]:
+        return output[i], None
+
+    return read
+
+
+def _output_tensor(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, None]:
+    """A module's output tensor (the first item of a tuple output)."""
+    return (output[0] if isinstance(output, tuple) else output), None
+
+
+def _output_sum(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused-residual layer's ``(hidden, residual)`` output, to be added."""
+    return output[0], output[1]
+
+
+def _child(layer: nn.Module, name: str, point: str) -> nn.Module:
+    module = getattr(layer, name, None)
+    if not isinstance(module, nn.Module):
+        raise LookupError(f"{point}: decoder layer {type(layer).__name__} has no {name!r} module")
+    return module
+
+
+def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Tap:
+    """The tap of point ``kind`` (past ``L``) in decoder ``layer``, by the
+    architecture's layout (:data:`vllm_hidden_states.config.ARCHITECTURE_POINTS`).
+    Raises ``LookupError`` when the layer is not as the layout says."""
+    fused = layout == "fused"
+    if kind == "resid_post":  # the last layer's output: the pre-norm stream
+        return Tap(layer, "post", _output_sum if fused else _output_tensor)
+    if fused:
+        # (hidden, residual) in and out: the layer returns (mlp_out, resid_mid);
+        # the add-norm after attention (Gemma: after its post-attention norm)
+        # takes attn_out as its input.
+        if kind == "attn_out":
+            name = (
+                "pre_feedforward_layernorm"
+                if hasattr(layer, "pre_feedforward_layernorm")
+                else "post_attention_layernorm"
+            )
+            return Tap(_child(layer, name, point), "pre", _first_arg(("x", "hidden_states")))
+        return Tap(layer, "post", _output_item(1 if kind == "resid_mid" else 0))
+    if layout == "granite":
+        # resid + block(x) * residual_multiplier, twice.
+        scale = float(layer.residual_multiplier)
+        if kind == "attn_out":
+            return Tap(_child(layer, "self_attn", point), "post", _output_tensor, scale)
+        if kind == "mlp_out":
+            return Tap(_child(layer, "mlp", point), "post", _output_tensor, scale)
+        return Tap(
+            _child(layer, "post_attention_layernorm", point),
+            "pre",
+            _first_arg(("x", "hidden_states")),
         )
+    if layout == "olmo2":
+        # resid + post_norm(block(x)), twice; the MLP reads resid_mid unnormed.
+        if kind == "attn_out":
+            return Tap(_child(layer, "post_attention_layernorm", point), "post", _output_tensor)
+        if kind == "mlp_out":
+            return Tap(_child(layer, "post_feedforward_layernorm", point), "post", _output_tensor)
+        return Tap(_child(layer, "mlp", point), "pre", _first_arg(("hidden_states", "x")))
+    raise LookupError(f"{point}: no layout for {type(layer).__name__} (only resid_pre/resid_post)")
 
-    return capture
+
+def _hook(taps: list[tuple[Reader, str, int, float]], post: bool) -> Callable[..., None]:
+    """A forward hook (PyTorch's own extension point; Dynamo traces it into the
+    compiled graph like the forward) that captures the points read at one
+    module: ``(read, buffer name, index in counts, scale)`` each."""
+
+    def capture_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+        for read, out_name, index, scale in taps:
+            a, b = read(args, kwargs, output)
+            torch.ops.vllm.hidden_states_capture(
+                a, b, module._hs_rows, module._hs_counts, index, getattr(module, out_name), scale
+            )
+
+    if post:
+        return capture_points
+
+    def capture_points_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        capture_points(module, args, kwargs)
+
+    return capture_points_pre
 
 
 def has_capture_points(model: nn.Module) -> bool:
     """Whether any module of ``model`` carries a capture point."""
-    return any(hasattr(m, "_hs_out") for m in model.modules())
+    return any(hasattr(m, "_hs_rows") for m in model.modules())
 
 
 class CapturePoints:
     """The capture points of one model and their buffers.
 
     Attributes:
-        layers: absolute layer indices ``k < L`` with a capture point, ascending
-            (with pipeline parallelism: this stage's only).
+        layers: capture ids with a capture point, in the config's order
+            (:attr:`HiddenStatesConfig.inner_layers`; with pipeline
+            parallelism: this stage's only): HF layers ``k < L`` and points
+            past ``L``.
         start_layer, end_layer: the decoder layers this stage owns,
             ``[start_layer, end_layer)``.
-        buffers: ``{k: [max_rows, hidden_size]}`` in the model dtype.
+        buffers: ``{id: [max_rows, hidden_size]}`` in the model dtype.
         max_rows: rows one forward can capture.
-        count: rows armed for the next forward (the points of the layers
-            asked get it in the device ``counts`` tensor, the others 0).
+        count: rows armed for the next forward (the points of the ids asked
+            get it in the device ``counts`` tensor, the others 0).
     """
 
     def __init__(
@@ -250,6 +370,7 @@ class CapturePoints:
         max_rows: int,
         dtype: torch.dtype,
         device: torch.device,
+        layout: str | None = None,
     ):
         register_op()
         self.layers_name, decoder_layers = find_decoder_layers(model, num_layers)
@@ -262,32 +383,52 @@ class CapturePoints:
         self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.rows_host = torch.zeros(max_rows, dtype=torch.int64)
         self.count = 0
-        self._index: dict[int, int] = {}  # layer -> its position in counts
+        self._index: dict[int, int] = {}  # capture id -> its position in counts
         self.buffers: dict[int, torch.Tensor] = {}
-        # Another pipeline stage owns the placeholders' layers.
-        owned_points = [k for k in layers if not _is_pp_placeholder(decoder_layers[k])]
-        self.counts = torch.zeros(max(len(owned_points), 1), dtype=torch.int64, device=device)
+        taps: dict[int, Tap] = {}
+        for k in layers:
+            point = point_of_id(k, num_layers)
+            layer = decoder_layers[k if point is None else point[1]]
+            if _is_pp_placeholder(layer):
+                continue  # another pipeline stage owns it
+            if point is None:  # resid_pre: the stream entering layer k
+                stream = stream_args_of(type(layer))
+                taps[k] = Tap(layer, "pre", stream.read_for_hook)
+            else:
+                taps[k] = point_tap(layer, point[0], layout, f"{point[0]}.{point[1]}")
+        self.counts = torch.zeros(max(len(taps), 1), dtype=torch.int64, device=device)
         self.counts_host = torch.zeros_like(self.counts, device="cpu")
-        for index, k in enumerate(owned_points):
-            layer = decoder_layers[k]
+        # One hook per (module, pre/post), calling the op for each id read there.
+        hooks: dict[tuple[int, str], list[tuple[Reader, str, int, float]]] = {}
+        modules: dict[int, nn.Module] = {}
+        for index, (k, tap) in enumerate(taps.items()):
             out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
-            stream = stream_args_of(type(layer))
-            layer._hs_index = index
-            layer.register_buffer("_hs_rows", self.rows, persistent=False)
-            layer.register_buffer("_hs_counts", self.counts, persistent=False)
-            layer.register_buffer("_hs_out", out, persistent=False)
-            layer.register_forward_pre_hook(_capture_hook(stream), with_kwargs=True)
+            module = tap.module
+            if not hasattr(module, "_hs_rows"):
+                module.register_buffer("_hs_rows", self.rows, persistent=False)
+                module.register_buffer("_hs_counts", self.counts, persistent=False)
+            name = f"_hs_out_{index}"
+            module.register_buffer(name, out, persistent=False)
+            hooks.setdefault((id(module), tap.when), []).append((tap.read, name, index, tap.scale))
+            modules[id(module)] = module
             self.buffers[k] = out
             self._index[k] = index
-        self.layers = sorted(self.buffers)
+        for (module_id, when), module_taps in hooks.items():
+            module = modules[module_id]
+            if when == "pre":
+                module.register_forward_pre_hook(_hook(module_taps, False), with_kwargs=True)
+            else:
+                module.register_forward_hook(_hook(module_taps, True), with_kwargs=True)
+        self.layers = list(self.buffers)
         if self.layers:
             logger.info(
-                "Hidden states: capture points before %d of %d layers of %s.%s (%s), %d rows each",
+                "Hidden states: %d capture points in %d of %d layers of %s.%s (%s), %d rows each",
                 len(self.layers),
+                len({k if (p := point_of_id(k, num_layers)) is None else p[1] for k in taps}),
                 num_layers,
                 type(model).__name__,
                 self.layers_name,
-                stream_args_of(type(decoder_layers[self.layers[0]])),
+                layout or "resid_pre/resid_post only",
                 max_rows,
             )
 

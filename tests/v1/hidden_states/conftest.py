@@ -62,6 +62,55 @@ class HFReference:
         out = self.model(torch.tensor([token_ids]), output_hidden_states=True)
         return tuple(h[0] for h in out.hidden_states)
 
+    @torch.inference_mode()
+    def points(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Every point of every layer, ``{"kind.i": [len(token_ids), hidden]}``,
+        read by forward hooks on HF's own modules: ``attn_out`` / ``mlp_out``
+        as the block's output (after Gemma's / OLMo 2's post-norm, times
+        Granite's residual multiplier), ``resid_mid`` as the input of the
+        module that reads it (the pre-MLP norm; OLMo 2: the MLP),
+        ``resid_post`` as the layer's output, ``resid_pre`` from
+        ``output_hidden_states``."""
+        found: dict[str, torch.Tensor] = {}
+        handles = []
+
+        def first(x):
+            return x[0] if isinstance(x, tuple) else x
+
+        def output_of(name: str, module, scale: float = 1.0) -> None:
+            def hook(module, args, output, name=name, scale=scale):
+                found[name] = first(output)[0] * scale
+
+            handles.append(module.register_forward_hook(hook))
+
+        def input_of(name: str, module) -> None:
+            def hook(module, args, name=name):
+                found[name] = args[0][0].clone()
+
+            handles.append(module.register_forward_pre_hook(hook))
+
+        for i, layer in enumerate(self.model.model.layers):
+            scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
+            post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
+            attn = layer.post_attention_layernorm if post_norms else layer.self_attn
+            output_of(f"attn_out.{i}", attn, scale)
+            if hasattr(layer, "pre_feedforward_layernorm"):
+                input_of(f"resid_mid.{i}", layer.pre_feedforward_layernorm)
+            else:
+                input_of(
+                    f"resid_mid.{i}", layer.mlp if post_norms else layer.post_attention_layernorm
+                )
+            mlp = layer.post_feedforward_layernorm if post_norms else layer.mlp
+            output_of(f"mlp_out.{i}", mlp, scale)
+            output_of(f"resid_post.{i}", layer)
+        try:
+            states = self.states(token_ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+        found.update({f"resid_pre.{i}": states[i] for i in range(self.num_layers)})
+        return found
+
     def last(self, token_ids: list[int], layer: int) -> torch.Tensor:
         """``[1, hidden]``: the state of the final token at ``layer``."""
         return self.states(token_ids)[layer][-1:]

@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every layer, every position, on every supported architecture.
+"""Every layer and every capture point, every position, on every supported
+architecture.
 
 One tiny random-weight model per architecture
 (:func:`vllm_hidden_states.tools.tiny_models.build_tiny_model`), each on an
-engine with the default capturable set (every layer), compared with HF
-transformers' ``output_hidden_states`` on the same token ids: the states of the
-last token and of every position, at every layer ``0..L``. A representative
-subset also runs torch.compile'd.
+engine with every layer and every point capturable (``hidden_states_points=
+"all"``), compared with HF transformers on the same token ids: the states of
+the last token and of every position at every layer ``0..L``
+(``output_hidden_states``), and every point of every layer (forward hooks on
+HF's own modules, :meth:`HFReference.points`). The points also satisfy the
+residual identities among themselves. A representative subset also runs
+torch.compile'd.
 
 Engines are expensive on a 2-core CPU, so tests are grouped by architecture
 (the module-scoped ``arch`` fixture makes pytest run both tests of one
@@ -27,6 +31,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm_hidden_states.config import POINT_KINDS
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
@@ -87,6 +92,7 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
                 _Current.engine = LLM(
                     model=str(model_dir),
                     enable_hidden_states=True,
+                    hidden_states_points="all",
                     enforce_eager=not compiled,
                     **ENGINE_ARGS,
                 )
@@ -163,3 +169,81 @@ def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
     )
     for out, positions in zip(outs, ("last", "all")):
         assert_every_layer_matches_hf(out, hf, positions, f"compiled {compiled_arch}")
+
+
+# --------------------------------------------------------------------------
+# Capture points beyond the residual stream
+
+
+def every_point(hf: HFReference) -> list[str]:
+    """Every point of every layer, both address forms (SAELens' for odd layers)."""
+    return [
+        f"blocks.{i}.hook_{kind}" if i % 2 else f"{kind}.{i}"
+        for kind in POINT_KINDS
+        for i in range(hf.num_layers)
+    ]
+
+
+def _kind_layer(address: str) -> str:
+    """``blocks.3.hook_attn_out`` -> ``attn_out.3`` (the reference's keys)."""
+    if address.startswith("blocks."):
+        _, layer, hook = address.split(".")
+        return f"{hook.removeprefix('hook_')}.{layer}"
+    return address
+
+
+def points_of(llm: LLM, hf: HFReference, positions: str) -> tuple[dict, list[int]]:
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_points=every_point(hf),
+        hidden_states_positions=positions,
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    return out.outputs[0].hidden_states, token_ids_of(out)
+
+
+def assert_every_point_matches_hf(states, ids, hf: HFReference, positions: str, what: str):
+    reference = hf.points(ids)
+    assert list(states) == every_point(hf), what
+    for address, tensor in states.items():
+        expected = reference[_kind_layer(address)]
+        expected = expected if positions == "all" else expected[-1:]
+        assert tensor.dtype == torch.float32, (what, address, tensor.dtype)
+        assert_close(tensor, expected, f"{what} {positions} {address}")
+
+
+def test_every_point_of_the_last_token_matches_hf(arch):
+    llm, hf = engine_for(arch)
+    states, ids = points_of(llm, hf, "last")
+    assert_every_point_matches_hf(states, ids, hf, "last", arch)
+
+
+def test_every_point_of_every_position_matches_hf(arch):
+    llm, hf = engine_for(arch)
+    states, ids = points_of(llm, hf, "all")
+    assert_every_point_matches_hf(states, ids, hf, "all", arch)
+
+
+def test_points_satisfy_the_residual_identities(arch):
+    """resid_mid = resid_pre + attn_out, resid_post = resid_mid + mlp_out,
+    resid_post.i = resid_pre.(i+1) = HF layer i+1 below the last layer."""
+    llm, hf = engine_for(arch)
+    states, ids = points_of(llm, hf, "all")
+    by_name = {_kind_layer(a): t for a, t in states.items()}
+    layers = hf.states(ids)
+    for i in range(hf.num_layers):
+        pre, mid, post = (by_name[f"{k}.{i}"] for k in ("resid_pre", "resid_mid", "resid_post"))
+        assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
+        assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
+        assert_close(pre, layers[i], f"{arch} resid_pre.{i} = HF layer {i}")
+        if i < hf.num_layers - 1:
+            assert torch.equal(post, by_name[f"resid_pre.{i + 1}"]), (arch, i)
+
+
+def test_compiled_engine_matches_hf_at_every_point(compiled_arch):
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    for positions in ("last", "all"):
+        states, ids = points_of(llm, hf, positions)
+        assert_every_point_matches_hf(states, ids, hf, positions, f"compiled {compiled_arch}")

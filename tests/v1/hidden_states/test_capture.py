@@ -24,9 +24,14 @@ from .conftest import (
 PROMPT = "Once upon a time there was a small robot who loved to count"
 
 
+def _capture_buffers(module) -> list:
+    """The capture buffers a module's own hooks write."""
+    return [b for n, b in module.named_buffers(recurse=False) if n.startswith("_hs_out_")]
+
+
 def _capturing_layers(model, num_layers: int) -> list[int]:
     _, layers = find_decoder_layers(model, num_layers)
-    return [k for k, layer in enumerate(layers) if hasattr(layer, "_hs_out")]
+    return [k for k, layer in enumerate(layers) if _capture_buffers(layer)]
 
 
 def test_every_decoder_layer_gets_a_capture_point_when_every_layer_is_capturable(llm, hf_qwen3):
@@ -37,8 +42,9 @@ def test_every_decoder_layer_gets_a_capture_point_when_every_layer_is_capturable
 def test_capture_buffers_hold_max_rows_by_hidden_size_in_the_model_dtype(llm, hf_qwen3):
     _, layers = find_decoder_layers(model_of(llm), hf_qwen3.num_layers)
     for layer in layers:
-        assert tuple(layer._hs_out.shape) == (LLM_MAX_ROWS, hf_qwen3.hidden_size)
-        assert layer._hs_out.dtype == layer.input_layernorm.weight.dtype
+        (buffer,) = _capture_buffers(layer)
+        assert tuple(buffer.shape) == (LLM_MAX_ROWS, hf_qwen3.hidden_size)
+        assert buffer.dtype == layer.input_layernorm.weight.dtype
 
 
 def test_capture_points_keep_the_models_parameter_names(llm, hf_qwen3):

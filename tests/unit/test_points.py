@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Capture-point addresses, their capture ids and the capturable set
+(vllm_hidden_states.config): the rules both surfaces apply."""
+
+import pytest
+
+from vllm_hidden_states.config import (
+    POINT_KINDS,
+    HiddenStatesConfig,
+    additional_config_entry,
+    capturable_point_ids,
+    check_points,
+    id_name,
+    layer_of_id,
+    parse_point,
+    point_id,
+    point_kinds_for,
+    point_of_id,
+)
+
+from .test_config import fake_vllm_config
+
+L = 4  # a 4-layer model: HF layers 0..4, points at decoder layers 0..3
+
+
+def engine(points, layers=None, architecture="LlamaForCausalLM") -> HiddenStatesConfig:
+    entry = additional_config_entry(layers, points=points)
+    cfg = HiddenStatesConfig.from_vllm_config(
+        fake_vllm_config(entry, num_layers=L, architecture=architecture)
+    )
+    assert cfg is not None
+    return cfg
+
+
+# -- addresses --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address, expected",
+    [
+        ("attn_out.3", ("attn_out", 3)),
+        ("blocks.3.hook_attn_out", ("attn_out", 3)),
+        ("mlp_out.-1", ("mlp_out", L - 1)),
+        ("blocks.-4.hook_resid_mid", ("resid_mid", 0)),
+        ("resid_pre.0", ("resid_pre", 0)),
+    ],
+)
+def test_both_address_forms_name_a_kind_and_an_absolute_decoder_layer(address, expected):
+    assert parse_point(address, L) == expected
+
+
+@pytest.mark.parametrize("address", ["attn_out", "attn_out.x", "blocks.1.attn_out", 3, None])
+def test_a_malformed_address_names_both_forms_and_every_kind(address):
+    with pytest.raises(ValueError) as e:
+        parse_point(address, L)
+    assert "'<kind>.<i>' or 'blocks.<i>.hook_<kind>'" in str(e.value)
+    assert all(kind in str(e.value) for kind in POINT_KINDS)
+
+
+def test_an_unknown_kind_is_named_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown kind 'hook_z'.*attn_out"):
+        parse_point("blocks.1.hook_hook_z", L)
+
+
+@pytest.mark.parametrize("address", [f"attn_out.{L}", f"attn_out.{-L - 1}"])
+def test_a_layer_out_of_range_names_the_valid_range(address):
+    with pytest.raises(ValueError, match=rf"out of range.*{-L}\.\.{L - 1}"):
+        parse_point(address, L)
+
+
+@pytest.mark.parametrize("value", [[], "attn_out.1", [1], [None]])
+def test_hidden_states_points_must_be_a_non_empty_list_of_strings(value):
+    with pytest.raises(ValueError, match="non-empty list of point addresses"):
+        check_points(value)
+
+
+# -- capture ids ------------------------------------------------------------
+
+
+def test_resid_pre_is_the_hf_layer_and_resid_post_the_next_one():
+    assert [point_id("resid_pre", i, L) for i in range(L)] == list(range(L))
+    assert [point_id("resid_post", i, L) for i in range(L - 1)] == list(range(1, L))
+
+
+def test_the_last_resid_post_is_its_own_id_not_the_post_norm_layer():
+    assert point_id("resid_post", L - 1, L) > L
+    assert point_of_id(point_id("resid_post", L - 1, L), L) == ("resid_post", L - 1)
+
+
+def test_every_point_past_the_residual_stream_has_a_distinct_id_that_round_trips():
+    ids = {}
+    for kind in ("attn_out", "resid_mid", "mlp_out"):
+        for i in range(L):
+            capture_id = point_id(kind, i, L)
+            assert capture_id > L
+            assert point_of_id(capture_id, L) == (kind, i)
+            assert layer_of_id(capture_id, L) == i
+            assert id_name(capture_id, L) == f"{kind}.{i}"
+            ids[capture_id] = (kind, i)
+    assert len(ids) == 3 * L
+
+
+def test_hf_layers_are_their_own_names_and_layers():
+    assert point_of_id(L, L) is None
+    assert id_name(2, L) == "2"
+    assert layer_of_id(2, L) == 2
+
+
+# -- the capturable set -----------------------------------------------------
+
+
+def test_no_points_flag_keeps_todays_capturable_set():
+    cfg = engine(None)
+    assert cfg.layers == tuple(range(L + 1))
+
+
+def test_all_makes_every_kind_capturable_at_every_layer():
+    cfg = engine("all")
+    assert len(cfg.layers) == (L + 1) + 3 * L + 1  # HF layers, 3 kinds, the last resid_post
+
+
+def test_a_kind_alone_means_every_layer_of_it():
+    cfg = engine("attn_out", layers="-1")
+    assert set(cfg.layers) == {L} | {point_id("attn_out", i, L) for i in range(L)}
+
+
+def test_resid_post_below_the_last_layer_makes_the_next_hf_layer_capturable():
+    cfg = engine("resid_post.1", layers="-1")
+    assert set(cfg.layers) == {L, 2}
+
+
+def test_an_unmapped_architecture_has_only_resid_pre_and_resid_post():
+    assert point_kinds_for("GPTNeoXForCausalLM") == ("resid_pre", "resid_post")
+    assert engine("all", architecture="GPTNeoXForCausalLM").layers[-1] == point_id(
+        "resid_post", L - 1, L
+    )
+
+
+def test_a_kind_the_architecture_lacks_is_refused_at_start_naming_why():
+    with pytest.raises(ValueError, match=r"attn_out is not mapped in GPTNeoXForCausalLM"):
+        capturable_point_ids(["attn_out"], L, "GPTNeoXForCausalLM")
+
+
+def test_a_bad_points_flag_entry_is_refused_at_start_naming_the_forms():
+    with pytest.raises(ValueError, match=r"--hidden-states-points entry .*'all'"):
+        capturable_point_ids(["attn"], L, "LlamaForCausalLM")
+
+
+def test_inner_ids_are_ordered_by_the_decoder_layer_that_computes_them():
+    cfg = engine("all")
+    layers = [layer_of_id(k, L) for k in cfg.inner_layers]
+    assert layers == sorted(layers)
+    assert L not in cfg.inner_layers
+
+
+def test_the_capture_buffers_count_the_points():
+    cfg = engine("attn_out", layers="-1")
+    assert cfg.buffer_bytes(hidden_size=8, dtype_bytes=2) == L * cfg.max_rows * 8 * 2
+
+
+# -- a request's points -----------------------------------------------------
+
+
+def test_a_request_gets_the_capture_ids_of_its_points_in_order():
+    cfg = engine("all")
+    assert cfg.resolve_points(["mlp_out.1", "blocks.0.hook_attn_out"]) == [
+        point_id("mlp_out", 1, L),
+        point_id("attn_out", 0, L),
+    ]
+
+
+def test_two_names_of_one_capture_id_may_both_be_asked():
+    cfg = engine("all")
+    assert cfg.resolve_points(["resid_post.0", "resid_pre.1"]) == [1, 1]
+
+
+def test_the_same_point_twice_is_refused_naming_both_spellings():
+    cfg = engine("all")
+    with pytest.raises(ValueError, match=r"attn_out.2 twice \('attn_out.2' and 'blocks.2"):
+        cfg.resolve_points(["attn_out.2", "blocks.2.hook_attn_out"])
+
+
+def test_a_point_not_capturable_names_the_capturable_set_and_the_flag():
+    cfg = engine("attn_out.1")
+    with pytest.raises(ValueError) as e:
+        cfg.resolve_points(["mlp_out.1"])
+    assert "not capturable" in str(e.value)
+    assert "attn_out.1" in str(e.value) and "--hidden-states-points" in str(e.value)
+
+
+def test_an_engine_without_points_says_how_to_start_one():
+    with pytest.raises(ValueError, match="--hidden-states-points all"):
+        engine(None).resolve_points(["attn_out.0"])

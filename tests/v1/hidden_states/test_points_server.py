@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Capture points on the OpenAI server: ``hidden_states_points`` on
+/v1/completions and /v1/chat/completions (streamed or not, JSON or base64),
+``point`` on POST /v1/hidden_states, and the 400s for bad addresses.
+
+One real ``vllm serve`` on loopback: tiny Gemma 2 (post-attention and
+post-feed-forward norms, sliding window, soft-capping) with
+``--hidden-states-points attn_out,mlp_out,resid_mid.1 --hidden-states-layers
+-1``. Every returned vector is compared with HF transformers' forward hooks
+on the token ids the server reports, max|diff| / max|ref| < 1e-3.
+"""
+
+import httpx
+import openai
+import pytest
+import torch
+
+from vllm_hidden_states.client import from_bytes, read_binary_header
+from vllm_hidden_states.tools.tiny_models import build_tiny_model
+
+from .conftest import MODELS, HFReference, assert_close
+from .server_utils import ServerProcess, sse_events, test_server_process
+from .test_server import assert_error, decode_rows
+
+MODEL = "tiny-gemma2"
+POINTS_FLAG = "attn_out,mlp_out,resid_mid.1"
+PROMPT = "Once upon a time there was a small robot who loved to count"
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir():
+    return build_tiny_model(MODELS / "tiny-gemma2", arch="gemma2")
+
+
+@pytest.fixture(scope="module")
+def hf(gemma2_dir) -> HFReference:
+    reference = HFReference(gemma2_dir)
+    # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
+    reference.model.set_attn_implementation("eager")
+    return reference
+
+
+@pytest.fixture(scope="module")
+def server(gemma2_dir, tmp_path_factory):
+    process = test_server_process(
+        gemma2_dir,
+        [
+            "--enable-hidden-states",
+            "--hidden-states-layers",
+            "-1",
+            "--hidden-states-points",
+            POINTS_FLAG,
+            "--max-model-len",
+            "512",
+        ],
+        tmp_path_factory.mktemp("points-server") / "server.log",
+        name=MODEL,
+    )
+    process.start()
+    try:
+        yield process.wait_ready(timeout=600)
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess):
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
+        yield client
+
+
+def body(**kwargs) -> dict:
+    out = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0.0,
+        return_token_ids=True,
+        return_hidden_states=True,
+    )
+    out.update(kwargs)
+    return out
+
+
+def assert_rows_match_hf(hf: HFReference, obj: dict, ids: list[int], keys: list, last: bool):
+    """``obj``'s rows are HF's, key by key (layers first, then points)."""
+    rows = decode_rows(obj)
+    reference = hf.points(ids)
+    layers = hf.states(ids)
+    assert rows.shape[0] == len(keys)
+    for row, key in zip(rows, keys):
+        expected = layers[key] if isinstance(key, int) else reference[key]
+        if last:
+            row, expected = row[None], expected[-1:]
+        assert_close(row, expected, f"{key}")
+
+
+def test_completion_returns_the_points_asked_after_the_layers(http, hf):
+    points = ["attn_out.0", "blocks.1.hook_resid_mid", "mlp_out.-1"]
+    r = http.post(
+        "/v1/completions", json=body(hidden_states_layers=[-1], hidden_states_points=points)
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    obj = choice["hidden_states"]
+    assert obj["layers"] == [-1] and obj["points"] == points
+    assert obj["shape"] == [4, hf.hidden_size]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    keys = [hf.num_layers, "attn_out.0", "resid_mid.1", f"mlp_out.{hf.num_layers - 1}"]
+    assert_rows_match_hf(hf, obj, ids, keys, last=True)
+
+
+def test_points_alone_bring_no_default_layer(http, hf):
+    r = http.post("/v1/completions", json=body(hidden_states_points=["attn_out.1"]))
+    assert r.status_code == 200, r.text
+    obj = r.json()["choices"][0]["hidden_states"]
+    assert obj["layers"] == [] and obj["points"] == ["attn_out.1"]
+    assert obj["shape"] == [1, hf.hidden_size]
+
+
+def test_chat_openai_client_every_position_of_points_in_base64(server, hf):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused")
+    points = ["mlp_out.0", "attn_out.1"]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={
+            "return_hidden_states": True,
+            "hidden_states_points": points,
+            "hidden_states_positions": "all",
+            "hidden_states_format": "base64",
+            "return_token_ids": True,
+        },
+    )
+    choice = r.choices[0]
+    ids = r.prompt_token_ids + choice.token_ids
+    obj = choice.hidden_states
+    assert obj["points"] == points and obj["start"] == 0
+    assert obj["shape"] == [2, len(ids), hf.hidden_size]
+    assert_rows_match_hf(hf, obj, ids, points, last=False)
+
+
+def test_streamed_rows_of_points_concatenate_to_every_position(http, hf):
+    points = ["resid_mid.1", "attn_out.0"]
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json=body(
+            stream=True,
+            hidden_states_stream=True,
+            hidden_states_positions="all",
+            hidden_states_points=points,
+            max_tokens=6,
+        ),
+    ) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    ids: list[int] = []
+    chunks = []
+    for event in events:
+        for c in event["choices"]:
+            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
+            if c.get("hidden_states"):
+                assert c["hidden_states"]["points"] == points
+                chunks.append(c["hidden_states"])
+    rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
+    assert rows.shape == (2, len(ids), hf.hidden_size)
+    reference = hf.points(ids)
+    for row, key in zip(rows, points):
+        assert_close(row, reference[key], key)
+
+
+def test_hidden_states_route_answers_a_point_and_names_it(http, hf):
+    r = http.post(
+        "/v1/hidden_states",
+        json={"model": MODEL, "input": PROMPT, "point": "blocks.0.hook_mlp_out"},
+    )
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    assert obj["point"] == "blocks.0.hook_mlp_out" and "layer" not in obj
+    ids = hf_ids(http, PROMPT)
+    assert obj["shape"] == [len(ids), hf.hidden_size]
+    rows = decode_rows({**obj, "data": obj["hidden_states"], "encoding_format": "float"})
+    assert_close(rows, hf.points(ids)["mlp_out.0"], "mlp_out.0")
+
+
+def test_hidden_states_route_binary_header_names_the_point(http, hf):
+    r = http.post(
+        "/v1/hidden_states",
+        json={"model": MODEL, "input": [PROMPT], "point": "attn_out.1", "encoding_format": "bytes"},
+    )
+    assert r.status_code == 200, r.text
+    header, _ = read_binary_header(r.content)
+    assert header["point"] == "attn_out.1"
+    (array,) = from_bytes(r.content)
+    ids = hf_ids(http, PROMPT)
+    assert_close(torch.from_numpy(array.copy()), hf.points(ids)["attn_out.1"], "attn_out.1")
+
+
+def hf_ids(http, text: str) -> list[int]:
+    """The token ids the server encodes ``text`` to (as /v1/hidden_states does)."""
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+# -- bad addresses -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "points, needles",
+    [
+        (["attn_out"], ["'<kind>.<i>' or 'blocks.<i>.hook_<kind>'", "resid_mid"]),
+        (["blocks.1.hook_attn"], ["unknown kind 'attn'", "attn_out"]),
+        (["attn_out.9"], ["out of range", "-2..1"]),
+        (["resid_mid.0"], ["not capturable", POINTS_FLAG]),
+        (["attn_out.0", "blocks.0.hook_attn_out"], ["attn_out.0 twice"]),
+        ("attn_out.0", ["non-empty list of point addresses"]),
+    ],
+)
+def test_bad_points_are_a_400_naming_what_is_allowed(http, points, needles):
+    r = http.post("/v1/completions", json=body(hidden_states_points=points))
+    error = assert_error(r, 400, "invalid_request_error", *needles)
+    assert error["param"] == "hidden_states_points"
+
+
+def test_points_without_return_hidden_states_is_a_400(http):
+    r = http.post(
+        "/v1/completions",
+        json=body(return_hidden_states=None, hidden_states_points=["attn_out.0"]),
+    )
+    assert_error(r, 400, "invalid_request_error", "return_hidden_states")
+
+
+def test_hidden_states_route_refuses_layer_and_point_together(http):
+    r = http.post(
+        "/v1/hidden_states",
+        json={"model": MODEL, "input": "Hi", "layer": -1, "point": "attn_out.0"},
+    )
+    assert_error(r, 400, "invalid_request_error", "not both")
+
+
+def test_hidden_states_route_refuses_a_point_not_capturable(http):
+    r = http.post("/v1/hidden_states", json={"model": MODEL, "input": "Hi", "point": "resid_mid.0"})
+    error = assert_error(r, 400, "invalid_request_error", "not capturable")
+    assert error["param"] == "point"
