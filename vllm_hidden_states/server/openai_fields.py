@@ -325,7 +325,7 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     )
 
 
-def _concat(chunks: list[dict[int, Any]], ask: HiddenStatesAsk) -> dict[int, Any]:
+def _concat(chunks: list[dict[int | str, Any]], ask: HiddenStatesAsk) -> dict[int | str, Any]:
     import torch
 
     if len(chunks) == 1:
@@ -334,7 +334,7 @@ def _concat(chunks: list[dict[int, Any]], ask: HiddenStatesAsk) -> dict[int, Any
 
 
 def encode_choice_states(
-    states: dict[int, Any] | None, ask: HiddenStatesAsk, start: int = 0
+    states: dict[int | str, Any] | None, ask: HiddenStatesAsk, start: int = 0
 ) -> dict[str, Any] | None:
     """The ``hidden_states`` object of one choice (or of one streamed chunk).
 
@@ -492,7 +492,7 @@ class ChoiceRows:
     position of the first pending row.
     """
 
-    pending: list[dict[int, Any]] = field(default_factory=list)
+    pending: list[dict[int | str, Any]] = field(default_factory=list)
     start: int = 0
     finished: bool = False
     # SAE features, the same way (CompletionOutput.sae_features deltas).
@@ -505,7 +505,7 @@ class ChoiceRows:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     stored_features: list[dict[str, Any]] = field(default_factory=list)
-    stored_states: list[dict[int, Any]] = field(default_factory=list)
+    stored_states: list[dict[int | str, Any]] = field(default_factory=list)
 
     @property
     def owed(self) -> bool:
@@ -658,7 +658,7 @@ async def _inject(
         await inner.aclose()
 
 
-def _final_states(rows: ChoiceRows | None, ask: HiddenStatesAsk) -> dict[int, Any] | None:
+def _final_states(rows: ChoiceRows | None, ask: HiddenStatesAsk) -> dict[int | str, Any] | None:
     """A non-streamed choice's states: its one final output's."""
     if rows is None or not rows.pending:
         return None
