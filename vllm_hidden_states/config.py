@@ -538,7 +538,12 @@ class HiddenStatesConfig:
                 "all, kinds such as attn_out,mlp_out, or addresses)"
             )
         kinds = point_kinds_for(self.architecture)
-        return ", ".join(self.points_given) + f" (this model has: {', '.join(kinds)})"
+        return ", ".join(
+            (f"{', '.join(kinds)} (every layer)" if item == "all" else f"{item} (every layer)")
+            if item == "all" or item in POINT_KINDS
+            else item
+            for item in self.points_given
+        )
 
     def resolve_points(self, addresses: list[str]) -> list[int]:
         """Capture ids of a request's point addresses (in order), each point

@@ -214,8 +214,11 @@ def hf_ids(http, text: str) -> list[int]:
     [
         (["attn_out"], ["'<kind>.<i>' or 'blocks.<i>.hook_<kind>'", "resid_mid"]),
         (["blocks.1.hook_attn"], ["unknown kind 'attn'", "attn_out"]),
-        (["attn_out.9"], ["out of range", "-2..1"]),
-        (["resid_mid.0"], ["not capturable", POINTS_FLAG]),
+        (["attn_out.99"], ["layer 99 is out of range"]),
+        (
+            ["resid_mid.0"],
+            ["not capturable", "attn_out (every layer), mlp_out (every layer), resid_mid.1"],
+        ),
         (["attn_out.0", "blocks.0.hook_attn_out"], ["attn_out.0 twice"]),
         ("attn_out.0", ["non-empty list of point addresses"]),
     ],
@@ -224,6 +227,12 @@ def test_bad_points_are_a_400_naming_what_is_allowed(http, points, needles):
     r = http.post("/v1/completions", json=body(hidden_states_points=points))
     error = assert_error(r, 400, "invalid_request_error", *needles)
     assert error["param"] == "hidden_states_points"
+
+
+def test_an_out_of_range_point_names_the_models_decoder_layers(http, hf):
+    n = hf.num_layers
+    r = http.post("/v1/completions", json=body(hidden_states_points=[f"attn_out.{n}"]))
+    assert_error(r, 400, "invalid_request_error", f"a decoder layer in {-n}..{n - 1}")
 
 
 def test_points_without_return_hidden_states_is_a_400(http):
