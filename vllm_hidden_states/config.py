@@ -379,15 +379,23 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
     """``additional_config["hidden_states"]["sae"]``: what every process needs
     to know of ``--sae DIR`` without loading weights, read once at start from
     its ``cfg.json``: ``path`` (absolute), ``layer`` (HF convention as given
-    or from the config's hook name; None if neither says), ``d_in``,
-    ``d_sae``, ``name`` (the directory name, the store's ``sae_release``).
+    or from the config's hook name) or ``point`` (a capture point address
+    from the hook name, e.g. ``blocks.3.hook_attn_out`` -> ``"attn_out.3"``;
+    None when it reads a layer), ``d_in``, ``d_sae``, ``name`` (the directory
+    name, the store's ``sae_release``).
 
     Raises ValueError naming the problem and what is allowed.
     """
     import json
     from pathlib import Path
 
-    from vllm_hidden_states.sae import CFG_FILE, WEIGHTS_FILE, _cfg_value, layer_of_hook
+    from vllm_hidden_states.sae import (
+        CFG_FILE,
+        WEIGHTS_FILE,
+        _cfg_value,
+        layer_of_hook,
+        point_of_hook,
+    )
 
     root = Path(path).expanduser().resolve()
     for name in (CFG_FILE, WEIGHTS_FILE):
@@ -399,25 +407,45 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
     cfg = json.loads((root / CFG_FILE).read_text())
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
         raise ValueError(f"--sae-layer must be an integer (HF convention), got {layer!r}")
+    point = None
     if layer is None:
         layer = layer_of_hook(_cfg_value(cfg, "hook_name"))
-    if layer is None:
+        point = point_of_hook(_cfg_value(cfg, "hook_name"))
+    if layer is None and point is None:
         raise ValueError(
-            f"--sae {path}: its config names no residual-stream hook "
+            f"--sae {path}: its config names no hook this engine captures "
             f"(hook_name {_cfg_value(cfg, 'hook_name')!r}; understood: "
-            "blocks.<i>.hook_resid_pre / hook_resid_post); give the layer with "
-            "--sae-layer N (sae_layer=N)"
+            "blocks.<i>.hook_resid_pre / hook_resid_post / hook_resid_mid / "
+            "hook_attn_out / hook_mlp_out); give the layer with --sae-layer N "
+            "(sae_layer=N)"
         )
     for key in ("d_in", "d_sae"):
         if isinstance(cfg.get(key), bool) or not isinstance(cfg.get(key), int):
             raise ValueError(f"--sae {path}: {CFG_FILE} {key!r} must be an integer")
     return {
         "path": str(root),
-        "layer": int(layer),
+        "layer": None if layer is None else int(layer),
+        "point": point,
         "d_in": cfg["d_in"],
         "d_sae": cfg["d_sae"],
         "name": root.name,
     }
+
+
+def sae_capture_id(sae: dict[str, Any], num_layers: int, architecture: str | None) -> int | None:
+    """The capture id an SAE (:func:`sae_entry`) reads: its HF layer, or the
+    id of its point; None when the model has no such layer or point
+    (:func:`sae_problems` says why at start)."""
+    if sae.get("point") is None:
+        layer = sae["layer"]
+        return layer % (num_layers + 1) if -(num_layers + 1) <= layer <= num_layers else None
+    try:
+        kind, layer = parse_point(sae["point"], num_layers)
+    except ValueError:
+        return None
+    if kind not in point_kinds_for(architecture):
+        return None
+    return point_id(kind, layer, num_layers)
 
 
 def parse_layers_arg(value: str | list[int] | None) -> list[int] | None:
@@ -472,7 +500,8 @@ class HiddenStatesConfig:
     layers: tuple[int, ...]
     given: tuple[int, ...] | None = None
     max_rows: int = DEFAULT_MAX_ROWS
-    # --sae: its :func:`sae_entry` and the absolute layer it reads (None: no SAE).
+    # --sae: its :func:`sae_entry` and the capture id it reads (None: no SAE,
+    # or one whose layer or point is not on this model: refused at start).
     sae: dict[str, Any] | None = None
     sae_layer: int | None = None
     points_given: tuple[str, ...] = ()
@@ -495,9 +524,9 @@ class HiddenStatesConfig:
         layers |= {_absolute(k, num_layers) for k in given or ()} | set(points)
         max_rows = entry.get("max_rows") or default_max_rows(vllm_config, num_layers, layers)
         sae = entry.get("sae")
-        sae_layer = None
-        if sae is not None and -(num_layers + 1) <= sae["layer"] <= num_layers:
-            sae_layer = sae["layer"] % (num_layers + 1)  # else refused at start
+        sae_layer = None if sae is None else sae_capture_id(sae, num_layers, architecture)
+        if sae_layer is not None and sae.get("point") is not None:
+            layers.add(sae_layer)  # an SAE's point is capturable with it
         return cls(
             num_layers,
             tuple(sorted(layers)),
@@ -777,7 +806,14 @@ def sae_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
             f"--sae {sae['path']}: its d_in is {sae['d_in']} but the model's "
             f"hidden size is {hidden_size}; the SAE must be trained on this model"
         )
-    if cfg.sae_layer is None:
+    if cfg.sae_layer is None and sae.get("point") is not None:
+        try:
+            kind, _ = parse_point(sae["point"], n)
+            why = missing_kind_reason(kind, cfg.architecture)
+        except ValueError as e:
+            why = str(e)
+        problems.append(f"--sae reads point {sae['point']}: {why}")
+    elif cfg.sae_layer is None:
         problems.append(
             f"--sae layer {sae['layer']} is out of range for a {n}-layer model; "
             f"valid indices are {-(n + 1)}..{n} (HF convention; set --sae-layer)"

@@ -15,12 +15,14 @@ A directory holds ``cfg.json`` and ``sae_weights.safetensors`` (what SAELens's
   ``dtype``; where it reads from: ``hook_name`` / ``hook_layer`` at the top
   level (SAELens <= 5) or under ``metadata`` / ``meta`` (SAELens 6).
 
-**Layer.** SAELens names TransformerLens hooks. ``blocks.{i}.hook_resid_pre``
-is the residual stream entering block ``i``, HF ``output_hidden_states[i]``,
-so layer ``i`` here; ``blocks.{i}.hook_resid_post`` is the stream leaving it,
-layer ``i + 1``. Other hooks (attention or MLP outputs, ``hook_z``) are not
-residual-stream states this package captures, and need an explicit ``layer``
-only if you know they match. An explicit ``layer`` always wins.
+**Where it reads.** SAELens names TransformerLens hooks.
+``blocks.{i}.hook_resid_pre`` is the residual stream entering block ``i``,
+HF ``output_hidden_states[i]``, so layer ``i`` here; ``blocks.{i}.hook_resid_
+post`` is the stream leaving it, layer ``i + 1``. ``blocks.{i}.hook_attn_out``,
+``hook_mlp_out`` and ``hook_resid_mid`` are capture points
+(:mod:`vllm_hidden_states.config`): the engine captures the SAE's point
+(:func:`point_of_hook`). Other hooks (``hook_z``, per-head outputs) are not
+captured. An explicit ``layer`` always wins.
 
 **Encoding** (SAELens's ``encode``): ``x' = norm(x) - b_dec *
 apply_b_dec_to_input``; ``pre = x' @ W_enc + b_enc``; then ``standard``:
@@ -45,6 +47,7 @@ WEIGHTS_FILE = "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "jumprelu", "topk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 _HOOK_RE = re.compile(r"^blocks\.(\d+)\.hook_resid_(pre|post)$")
+_POINT_HOOK_RE = re.compile(r"^blocks\.(\d+)\.hook_(attn_out|mlp_out|resid_mid)$")
 
 
 @dataclass
@@ -117,6 +120,13 @@ def layer_of_hook(hook_name: str | None) -> int | None:
         return None
     block = int(m.group(1))
     return block if m.group(2) == "pre" else block + 1
+
+
+def point_of_hook(hook_name: str | None) -> str | None:
+    """The capture point (``"attn_out.3"``) of a TransformerLens hook name
+    that is not a residual-stream layer, else None."""
+    m = _POINT_HOOK_RE.match(hook_name or "")
+    return None if m is None else f"{m.group(2)}.{m.group(1)}"
 
 
 def load_sae(

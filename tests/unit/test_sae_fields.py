@@ -124,11 +124,18 @@ def test_sae_entry_reads_layer_from_hook_or_flag(tmp_path):
     assert entry == {
         "path": str(path.resolve()),
         "layer": 3,
+        "point": None,
         "d_in": 16,
         "d_sae": 8,
         "name": "my-sae",
     }
     assert sae_entry(str(path), -2)["layer"] == -2
+
+
+@pytest.mark.parametrize("kind", ["attn_out", "mlp_out", "resid_mid"])
+def test_sae_entry_reads_a_capture_point_from_its_hook(tmp_path, kind):
+    entry = sae_entry(str(write_sae(tmp_path, hook=f"blocks.2.hook_{kind}")))
+    assert entry["point"] == f"{kind}.2" and entry["layer"] is None
 
 
 def test_sae_entry_refusals_name_what_is_allowed(tmp_path):

@@ -310,6 +310,7 @@ def test_sae_rows_land_with_schema_and_partition(tmp_path):
         "created_at",
         "sae_release",
         "sae_layer",
+        "sae_point",
         "feature_id",
         "activation_value",
         "rank",
@@ -337,10 +338,11 @@ def test_sae_rows_land_with_schema_and_partition(tmp_path):
         r["token_id"],
         r["sae_release"],
         r["sae_layer"],
+        r["sae_point"],
         r["source_mode"],
         r["model_id"],
         r["schema_version"],
-    ) == ("r1", 100, "rel", 3, "inline", "tiny", store.SCHEMA_VERSION)
+    ) == ("r1", 100, "rel", 3, None, "inline", "tiny", store.SCHEMA_VERSION)
     assert r["created_at"] == dt.datetime(2030, 5, 17, 12, 0)
     assert s.stats.rows_written == 6 and s.stats.requests_dropped == 0
     s.close()
@@ -578,3 +580,36 @@ def test_store_cli_query_and_prune(tmp_path, capsys):
     old.mkdir()
     assert main(["store", "prune", str(tmp_path), "--days", "14"]) == 0
     assert not old.exists() and "deleted" in capsys.readouterr().out
+
+
+def test_an_sae_at_a_capture_point_and_point_states_name_the_point(tmp_path):
+    s = store.ActivationStore(tmp_path, flush_rows=1)
+    s.append_sae_features(
+        "cmpl-p",
+        model_id="tiny",
+        sae_release="attn-sae",
+        sae_layer=2,
+        sae_point="attn_out.2",
+        token_ids=[7],
+        feature_ids=np.array([[5]]),
+        values=np.array([[1.0]]),
+        prompt_len=1,
+    )
+    s.append_hidden_states(
+        "cmpl-p",
+        model_id="tiny",
+        token_ids=[7],
+        prompt_len=1,
+        states={-1: np.ones((1, 4)), "mlp_out.3": np.zeros((1, 4))},
+    )
+    s.close()
+    con = store.connect(tmp_path)
+    assert con.execute("SELECT sae_layer, sae_point FROM sae_features").fetchall() == [
+        (2, "attn_out.2")
+    ]
+    assert con.execute(
+        "SELECT layer, point FROM hidden_states ORDER BY point NULLS FIRST"
+    ).fetchall() == [
+        (-1, None),
+        (3, "mlp_out.3"),
+    ]

@@ -44,13 +44,13 @@ def test_rows_carry_the_choice_index_in_its_own_column(tmp_path):
         choice_index=1,
     )
     s.close()
-    assert store.SCHEMA_VERSION == 2
+    assert store.SCHEMA_VERSION == 3
     con = store.connect(tmp_path)
     rows = con.execute(
         "SELECT DISTINCT request_id, choice_index, feature_id, schema_version "
         "FROM sae_features ORDER BY 2"
     ).fetchall()
-    assert rows == [("cmpl-abc", 0, 5, 2), ("cmpl-abc", 1, 9, 2)]
+    assert rows == [("cmpl-abc", 0, 5, 3), ("cmpl-abc", 1, 9, 3)]
     assert con.execute("SELECT request_id, choice_index FROM hidden_states").fetchall() == [
         ("cmpl-abc", 1)
     ]

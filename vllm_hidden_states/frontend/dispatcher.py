@@ -160,7 +160,8 @@ class HiddenStatesTracker:
         output (the final one: the rest, final token included).
         ``hidden_states``: ``{layer as requested: [positions, hidden]}``, None
         for a features-only request; ``sae_features``: ``{"layer": absolute
-        layer, "ids": int32 [positions, k], "values": float32 [positions, k]}``,
+        layer (or "point": address, an SAE at a capture point), "ids": int32
+        [positions, k], "values": float32 [positions, k]}``,
         None without ``sae_top_k``.
         """
         rows = self._rows_for_output(finished, delta)
@@ -168,8 +169,10 @@ class HiddenStatesTracker:
             return {"hidden_states": None, "sae_features": None}
         features = None
         if self.spec.sae_top_k and rows.sae_ids is not None:
+            # Where the SAE reads: its point's address, or its HF layer.
+            reads = self.spec.sae_point or self.spec.sae_layer
             features = {
-                "layer": self.spec.sae_layer,
+                "point" if self.spec.sae_point else "layer": reads,
                 "ids": rows.sae_ids,
                 "values": rows.sae_values,
             }

@@ -111,6 +111,7 @@ def resolve_request(
         sae_top_k=sae_top_k,
         sae_layer=cfg.sae_layer if sae_top_k else 0,
         points=points,
+        sae_point=(cfg.sae.get("point") or "") if sae_top_k and cfg.sae else "",
     )
 
     if positions == "prompt" or inline:

@@ -93,6 +93,7 @@ from vllm_hidden_states.config import (
     check_points,
     check_positions,
     check_sae_features,
+    parse_point,
 )
 from vllm_hidden_states.server.encoding import (
     ENCODING_FORMATS,
@@ -229,6 +230,12 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
     if ask is None:
         return None
     engine_client = serving.engine_client
+    global _num_layers
+    if not _num_layers:
+        from vllm_hidden_states.server.validation import engine_config
+
+        cfg = engine_config(engine_client)
+        _num_layers = 0 if cfg is None else cfg.num_layers
     if ask.sae_top_k:
         from vllm_hidden_states.server.validation import engine_config
 
@@ -383,8 +390,9 @@ def encode_choice_features(
     values = torch.cat([p["values"] for p in parts]) if len(parts) > 1 else parts[0]["values"]
     if ask.positions == "last":
         ids, values = ids[-1:], values[-1:]
+    reads = "point" if "point" in parts[0] else "layer"
     out: dict[str, Any] = {
-        "layer": parts[0]["layer"],
+        reads: parts[0][reads],
         "top_k": ask.sae_top_k,
         "positions": ask.positions,
     }
@@ -402,6 +410,7 @@ def encode_choice_features(
 _store: Any = None  # ActivationStore, or False when the server has none
 _store_hidden = False
 _sae_name = ""  # the engine's SAE (its directory name), the store's sae_release
+_num_layers = 0  # the engine's L, to name points canonically in the store
 
 
 def store_of(raw_request: Any) -> Any:
@@ -436,6 +445,24 @@ def store_of(raw_request: Any) -> Any:
     return _store or None
 
 
+def point_layer(address: str) -> int:
+    """The decoder layer of a point address the engine accepted (absolute;
+    the SAE's point comes from its hook name)."""
+    assert _num_layers, "points are stored only after validate_ask saw the engine"
+    return parse_point(address, _num_layers)[1]
+
+
+def _canonical(states: dict[int | str, Any]) -> dict[int | str, Any]:
+    """Point addresses as ``"kind.i"`` with ``i`` absolute, for the store."""
+    out: dict[int | str, Any] = {}
+    for key, rows in states.items():
+        if isinstance(key, str):
+            kind, layer = parse_point(key, _num_layers)
+            key = f"{kind}.{layer}"
+        out[key] = rows
+    return out
+
+
 def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: str) -> None:
     """Append one finished choice's features (and opted-in states). Never raises."""
     try:
@@ -455,11 +482,13 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
             ids = torch.cat([p["ids"] for p in parts])[-len(positions) :]
             values = torch.cat([p["values"] for p in parts])[-len(positions) :]
             if ids.shape[0] == len(positions):
+                point = parts[0].get("point")
                 store.append_sae_features(
                     rows.request_id,
                     model_id=model,
                     sae_release=rows.sae_name,
-                    sae_layer=parts[0]["layer"],
+                    sae_layer=parts[0]["layer"] if point is None else point_layer(point),
+                    sae_point=point,
                     token_ids=tokens[positions],
                     feature_ids=ids.numpy(),
                     values=values.numpy(),
@@ -467,8 +496,8 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
                     positions=positions,
                     choice_index=rows.choice_index,
                 )
-        if _store_hidden and rows.stored_states and ask.layers:
-            states = _concat(rows.stored_states, ask)
+        if _store_hidden and rows.stored_states and ask.keys:
+            states = _canonical(_concat(rows.stored_states, ask))
             n = next(iter(states.values())).shape[0]
             store.append_hidden_states(
                 rows.request_id,
@@ -545,7 +574,7 @@ def _collect(
     """
     choices, ask = reply.choices, reply.ask
     store = _store or None
-    if not (ask.sae_top_k or (_store_hidden and ask.layers)):
+    if not (ask.sae_top_k or (_store_hidden and ask.keys)):
         store = None
 
     async def gen():

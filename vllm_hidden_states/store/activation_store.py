@@ -21,7 +21,10 @@ schema of seed 001 module 6 plus ``choice_index`` and ``schema_version``)::
     token_id          int32
     created_at        timestamp[us]  UTC (no zone attached), when the rows were queued
     sae_release       string    the SAE's name (directory name or release id)
-    sae_layer         int16     the model layer the SAE reads (HF indexing)
+    sae_layer         int16     the model layer the SAE reads (HF indexing);
+                                for an SAE at a capture point, its decoder layer
+    sae_point         string    the capture point the SAE reads ("attn_out.3"),
+                                null for an SAE on a residual-stream layer
     feature_id        int32
     activation_value  float32
     rank              int16     0 = strongest feature of that position
@@ -33,15 +36,18 @@ Slots the encoder left empty (feature id ``-1``: fewer than k features
 active) are not written.
 
 **``hidden_states`` rows** (opt-in): ``request_id, choice_index, step,
-token_position, token_id, created_at, layer (int16), vector (list<float32>),
-model_id, schema_version``. Adding it did not change ``sae_features`` (the
-"full vector migration path" of the seed: additive, versioned).
+token_position, token_id, created_at, layer (int16), point (string: the
+capture point, e.g. "mlp_out.3", with ``layer`` its decoder layer; null for
+a residual-stream layer), vector (list<float32>), model_id, schema_version``.
+Adding it did not change ``sae_features`` (the "full vector migration path"
+of the seed: additive, versioned).
 
 **Schema versions.** 1: ``request_id`` was vLLM's engine request id
 (``cmpl-<id>-<prompt>``, ``/<index>`` added for later choices), no
-``choice_index``. 2 (now): ``request_id`` is the response's id and
-``choice_index`` its own column. The query views read both (``union_by_name``;
-a version-1 row's ``choice_index`` reads as 0).
+``choice_index``. 2: ``request_id`` is the response's id and
+``choice_index`` its own column. 3 (now): ``sae_point`` and ``point`` (capture
+points). The query views read every version (``union_by_name``; a version-1
+row's ``choice_index`` reads as 0, older rows' points as null).
 
 **Off the serving path.** :meth:`ActivationStore.append_sae_features` and
 :meth:`~ActivationStore.append_hidden_states` copy nothing big and never
@@ -81,7 +87,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SAE_TABLE = "sae_features"
 HIDDEN_TABLE = "hidden_states"
 DEFAULT_RETENTION_DAYS = 14
@@ -110,6 +116,7 @@ def sae_schema():
             *_token_columns(pa),
             ("sae_release", pa.string()),
             ("sae_layer", pa.int16()),
+            ("sae_point", pa.string()),
             ("feature_id", pa.int32()),
             ("activation_value", pa.float32()),
             ("rank", pa.int16()),
@@ -128,6 +135,7 @@ def hidden_schema():
         [
             *_token_columns(pa),
             ("layer", pa.int16()),
+            ("point", pa.string()),
             ("vector", pa.list_(pa.float32())),
             ("model_id", pa.string()),
             ("schema_version", pa.int16()),
@@ -163,6 +171,7 @@ class _SaeItem:
     values: np.ndarray  # [n, k] float
     source_mode: str
     created_at: dt.datetime
+    sae_point: str | None = None
 
 
 @dataclass
@@ -173,8 +182,14 @@ class _HiddenItem:
     token_ids: np.ndarray
     positions: np.ndarray
     prompt_len: int
-    states: dict[int, np.ndarray]  # layer -> [n, hidden]
+    # HF layer, or a capture point's canonical address ("mlp_out.3") -> [n, hidden]
+    states: dict[int | str, np.ndarray]
     created_at: dt.datetime
+
+
+def _point_layer(address: str) -> int:
+    """The decoder layer of a canonical point address ``"kind.i"``."""
+    return int(address.rsplit(".", 1)[1])
 
 
 def _steps(positions: np.ndarray, prompt_len: int) -> np.ndarray:
@@ -204,6 +219,7 @@ def sae_table(items: Sequence[_SaeItem]):
         )
         cols["sae_release"].append(np.full(rows, it.sae_release, dtype=object))
         cols["sae_layer"].append(np.full(rows, it.sae_layer, dtype=np.int16))
+        cols["sae_point"].append(np.full(rows, it.sae_point, dtype=object))
         cols["feature_id"].append(ids[keep].astype(np.int32))
         cols["activation_value"].append(vals[keep])
         cols["rank"].append(np.tile(np.arange(k, dtype=np.int16), n).reshape(n, k)[keep])
@@ -226,7 +242,8 @@ def hidden_table(items: Sequence[_HiddenItem]):
     for it in items:
         pos = np.asarray(it.positions, dtype=np.int32)
         tok = np.asarray(it.token_ids, dtype=np.int32)
-        for layer, rows in it.states.items():
+        for key, rows in it.states.items():
+            layer, point = (key, None) if isinstance(key, int) else (_point_layer(key), key)
             rows = np.asarray(rows, dtype=np.float32)
             n = rows.shape[0]
             cols["request_id"].append(np.full(n, it.request_id, dtype=object))
@@ -238,6 +255,7 @@ def hidden_table(items: Sequence[_HiddenItem]):
                 np.full(n, np.datetime64(it.created_at.replace(tzinfo=None), "us"))
             )
             cols["layer"].append(np.full(n, layer, dtype=np.int16))
+            cols["point"].append(np.full(n, point, dtype=object))
             vec_chunks.append(rows)
             cols["model_id"].append(np.full(n, it.model_id, dtype=object))
             cols["schema_version"].append(np.full(n, SCHEMA_VERSION, dtype=np.int16))
@@ -376,8 +394,10 @@ class ActivationStore:
         positions: Sequence[int] | np.ndarray | None = None,
         source_mode: str = "inline",
         choice_index: int = 0,
+        sae_point: str | None = None,
     ) -> bool:
-        """Queue one request's top-k features; ``feature_ids``/``values`` are
+        """Queue one request's top-k features (``sae_point``: the capture
+        point the SAE reads, ``sae_layer`` then its decoder layer); ``feature_ids``/``values`` are
         ``[n, k]`` (int, float) for the positions ``positions`` (default
         ``0..n-1``) whose tokens are ``token_ids`` ``[n]``. ``request_id``:
         the response's id; ``choice_index``: the choice's index in it.
@@ -398,6 +418,7 @@ class ActivationStore:
                 np.asarray(values),
                 source_mode,
                 self._clock(),
+                sae_point,
             )
             if (
                 item.feature_ids.shape != item.values.shape
@@ -421,18 +442,21 @@ class ActivationStore:
         *,
         model_id: str,
         token_ids: Sequence[int] | np.ndarray,
-        states: dict[int, Any],
+        states: dict[int | str, Any],
         prompt_len: int,
         positions: Sequence[int] | np.ndarray | None = None,
         choice_index: int = 0,
     ) -> bool:
-        """Queue one request's hidden states ``{layer: [n, hidden]}`` (numpy or
-        CPU torch tensors of any float dtype); ``request_id`` and
+        """Queue one request's hidden states ``{layer or point: [n, hidden]}``
+        (numpy or CPU torch tensors of any float dtype; a point by its
+        canonical address ``"kind.i"``, ``i`` absolute); ``request_id`` and
         ``choice_index`` as in :meth:`append_sae_features`. Never raises."""
         try:
             n = len(token_ids)
             conv = {
-                int(k): np.asarray(v.float() if hasattr(v, "float") else v, dtype=np.float32)
+                (k if isinstance(k, str) else int(k)): np.asarray(
+                    v.float() if hasattr(v, "float") else v, dtype=np.float32
+                )
                 for k, v in states.items()
             }
             item = _HiddenItem(

@@ -140,10 +140,10 @@ class HiddenStatesCapture:
 
             self.sae = load_sae(config.sae["path"], layer=config.sae_layer, device=runner.device)
             logger.info(
-                "vllm-hidden-states: SAE %s (d_sae=%d) on layer %d, %s",
+                "vllm-hidden-states: SAE %s (d_sae=%d) on %s, %s",
                 config.sae["name"],
                 self.sae.d_sae,
-                self.sae_layer,
+                config.sae.get("point") or f"layer {self.sae_layer}",
                 runner.device,
             )
         self._install(runner)

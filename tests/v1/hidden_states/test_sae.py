@@ -50,14 +50,18 @@ def write_random_sae(path, d_in: int, hook: str, architecture: str = "standard",
 
 
 class Reference:
-    """The numpy reference encoder over HF states at the SAE's layer."""
+    """The numpy reference encoder over HF states at the SAE's layer, or at
+    its capture point (``"attn_out.1"``: HF forward hooks, :meth:`HFReference.points`)."""
 
-    def __init__(self, hf, layer: int, weights, cfg):
+    def __init__(self, hf, layer: int | str, weights, cfg):
         self.hf, self.layer, self.weights, self.cfg = hf, layer, weights, cfg
 
     def dense(self, token_ids: list[int]) -> np.ndarray:
         """Every feature's activation ``[positions, d_sae]`` (float64)."""
-        x = self.hf.states(token_ids)[self.layer].double().numpy()
+        if isinstance(self.layer, str):
+            x = self.hf.points(token_ids)[self.layer].double().numpy()
+        else:
+            x = self.hf.states(token_ids)[self.layer].double().numpy()
         ids, values = encode_topk_numpy(x, self.weights, self.cfg, D_SAE)
         dense = np.zeros((x.shape[0], D_SAE))
         rows = np.arange(x.shape[0])[:, None].repeat(D_SAE, 1)
@@ -85,6 +89,53 @@ class Reference:
         np.testing.assert_allclose(
             got[active], values[active], atol=REL_TOL * scale, rtol=0, err_msg=f"{what}: ids"
         )
+
+
+# --------------------------------------------------------------------------
+# An SAE at a capture point (its hook name says where): one engine each.
+
+
+@pytest.fixture(scope="module", params=["attn_out", "mlp_out"])
+def point_sae(request, tmp_path_factory, qwen3_dir, hf_qwen3):
+    from vllm import LLM
+
+    kind = request.param
+    path, weights, cfg = write_random_sae(
+        tmp_path_factory.mktemp("sae") / f"{kind}-1",
+        hf_qwen3.hidden_size,
+        f"blocks.1.hook_{kind}",
+    )
+    engine = LLM(
+        model=str(qwen3_dir),
+        sae=str(path),
+        enforce_eager=True,
+        max_model_len=512,
+        **COMMON_ENGINE_ARGS,
+    )
+    yield kind, engine, Reference(hf_qwen3, f"{kind}.1", weights, cfg)
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_an_sae_at_a_capture_point_matches_numpy_reference_on_hf_hooks(point_sae, positions):
+    kind, engine, reference = point_sae
+    (out,) = run(engine, sae_params(positions))
+    feats = out.outputs[0].sae_features
+    tokens = token_ids_of(out)
+    assert feats["point"] == f"{kind}.1" and "layer" not in feats
+    span = slice(len(tokens) - 1, None) if positions == "last" else slice(0, None)
+    reference.check(feats["ids"], feats["values"], tokens, span, f"{kind} {positions}")
+
+
+def test_an_sae_at_a_capture_point_makes_that_point_capturable(point_sae):
+    kind, engine, _ = point_sae
+    params = SamplingParams(
+        max_tokens=2, return_hidden_states=True, hidden_states_points=[f"{kind}.1"]
+    )
+    (out,) = run(engine, params)
+    assert list(out.outputs[0].hidden_states) == [f"{kind}.1"]
+    with pytest.raises(VLLMValidationError, match="not capturable"):
+        run(engine, SamplingParams(return_hidden_states=True, hidden_states_points=[f"{kind}.0"]))
 
 
 # --------------------------------------------------------------------------
