@@ -55,9 +55,25 @@ ADDITIONAL_CONFIG_KEY = "hidden_states"
 DEFAULT_LAYERS: tuple[int, ...] = (-1,)
 
 # ``hidden_states_positions`` values. "last": the final token of prompt +
-# output; "all": every position; "prompt": every prompt position.
-Positions = Literal["last", "all", "prompt"]
+# output; "all": every position; "prompt": every prompt position;
+# "generated": every output position; or a :class:`Window`.
+Positions = Literal["last", "all", "prompt", "generated"]
 POSITIONS: tuple[Positions, ...] = get_args(Positions)
+
+
+@dataclass(frozen=True)
+class Window:
+    """``hidden_states_positions: {"start": s, "end": e}``: positions
+    ``s .. e - 1`` of prompt + output (``end`` None: to the final token).
+    Captured like "all", but only the window's rows."""
+
+    start: int
+    end: int | None = None
+
+    def as_json(self) -> dict[str, int | None]:
+        return {"start": self.start, "end": self.end}
+
+
 # Positions served by a post-sampling HIDDEN_STATES_EXTRACT prefill. "prompt" is
 # captured during the request's own prefill instead: no extract, one pass.
 EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
@@ -81,11 +97,63 @@ REQUEST_FIELDS: tuple[str, ...] = (
 # its own error (VLLMValidationError / HTTP 400) naming the field.
 
 
-def check_positions(value: Any) -> Positions:
-    """``hidden_states_positions``: one of :data:`POSITIONS`."""
+def check_positions(value: Any) -> "Positions | Window":
+    """``hidden_states_positions``: one of :data:`POSITIONS`, or a window
+    ``{"start": s, "end": e}`` (integers, ``0 <= s < e``; ``end`` may be
+    left out or null: to the final token). Whether the window fits the
+    request is checked once its prompt is tokenized (:func:`window_problem`)."""
+    if isinstance(value, dict):
+        start: Any = value.get("start")
+        end: Any = value.get("end")
+        if (
+            set(value) - {"start", "end"}
+            or not _is_int(start)
+            or start < 0
+            or (end is not None and (not _is_int(end) or end <= start))
+        ):
+            raise ValueError(
+                'hidden_states_positions as a window must be {"start": s, "end": e} '
+                "with integers 0 <= s < e (end optional: to the final token), got "
+                f"{value!r}"
+            )
+        return Window(start, end)
     if value not in POSITIONS:
-        raise ValueError(f"hidden_states_positions must be one of {list(POSITIONS)}, got {value!r}")
+        raise ValueError(
+            f"hidden_states_positions must be one of {list(POSITIONS)} or a window "
+            f'{{"start": s, "end": e}}, got {value!r}'
+        )
     return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def window_of(positions: "Positions | Window", prompt_len: int) -> Window | None:
+    """The window an "all"-like request captures: "generated" is
+    ``{"start": prompt_len}``, "all" none (every position)."""
+    if isinstance(positions, Window):
+        return positions
+    return Window(prompt_len) if positions == "generated" else None
+
+
+def window_problem(window: Window, prompt_len: int, max_len: int) -> str | None:
+    """Why ``window`` cannot be served for a prompt of ``prompt_len`` tokens
+    whose sequence can reach ``max_len`` positions (prompt + max_tokens),
+    or None."""
+    if window.start >= max_len:
+        return (
+            f"the window starts at position {window.start}, past the last position "
+            f"this request can reach ({max_len - 1}: {prompt_len} prompt tokens + "
+            f"max_tokens); positions count over prompt + output from 0"
+        )
+    if window.end is not None and window.end > max_len:
+        return (
+            f"the window ends at {window.end}, past the {max_len} positions this "
+            f"request can reach ({prompt_len} prompt tokens + max_tokens); lower "
+            "end or leave it out (to the final token)"
+        )
+    return None
 
 
 def check_layers(value: Any, features_only: bool, points: bool = False) -> list[int]:

@@ -231,7 +231,27 @@ def test_parse_ask_accepts_each_choice_position_mode(positions):
 def test_unknown_positions_are_rejected_listing_the_modes(positions):
     error = bad_request({"return_hidden_states": True, "hidden_states_positions": positions})
     assert error.param == "hidden_states_positions"
-    assert "['last', 'all', 'prompt']" in error.message
+    assert "['last', 'all', 'prompt', 'generated']" in error.message
+    assert '{"start": s, "end": e}' in error.message
+
+
+@pytest.mark.parametrize(
+    "window",
+    [{"start": -1}, {"start": 3, "end": 3}, {"end": 4}, {"start": 1.5}, {"start": 0, "stop": 2}],
+)
+def test_a_malformed_window_is_rejected_naming_the_form(window):
+    error = bad_request({"return_hidden_states": True, "hidden_states_positions": window})
+    assert error.param == "hidden_states_positions"
+    assert "integers 0 <= s < e" in error.message
+
+
+def test_generated_and_windows_may_stream_every_row():
+    from vllm_hidden_states.config import Window
+
+    parsed = ask(hidden_states_positions={"start": 2, "end": 9}, hidden_states_stream=True)
+    assert parsed.positions == Window(2, 9) and parsed.stream
+    assert parsed.positions_json == {"start": 2, "end": 9}
+    assert ask(hidden_states_positions="generated", hidden_states_stream=True).stream
 
 
 def test_hidden_states_stream_with_all_positions_is_accepted():

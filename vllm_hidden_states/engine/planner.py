@@ -70,7 +70,10 @@ class CaptureSpec:
         positions: "last" (only position ``num_tokens - 1``) or "all".
         num_tokens: the capture ends once this many positions are computed;
             None for an inline capture (the sequence grows as it generates).
-        delivered: inline captures: positions ``< delivered`` were delivered.
+        delivered: inline captures: positions ``< delivered`` were delivered
+            (or lie before the request's window: it starts there).
+        end: inline captures of a window: positions ``>= end`` are not
+            captured (None: to the end).
         buffered: some layer is below the final one, so rows pass the capture
             buffers and count against ``max_rows``; the final layer's rows are
             read from the model's output, which holds every scheduled token.
@@ -84,6 +87,7 @@ class CaptureSpec:
     delivered: int = 0
     buffered: bool = True
     sae_top_k: int = 0
+    end: int | None = None
 
 
 @dataclass(slots=True)  # made per request per step: no frozen-dataclass setattr cost
@@ -103,6 +107,11 @@ class CaptureStep:
             states shipped) may then be empty.
         buffered: the rows pass the capture buffers (a layer below the final
             one is read); else they come from the model output alone.
+        stop: a window's end: positions from it on are not captured (None:
+            none). Rows are still delivered in the step that computes
+            position ``num_tokens - 1``: only a step with an output carries
+            them (a window that ends inside a chunked prefill is delivered
+            with the prefill's last chunk).
     """
 
     layers: tuple[int, ...]
@@ -112,6 +121,7 @@ class CaptureStep:
     first: int = 0
     sae_top_k: int = 0
     buffered: bool = True
+    stop: int | None = None
 
 
 class CapturePlanner:
@@ -175,7 +185,11 @@ class CapturePlanner:
                 layers, "all", request.num_prompt_tokens, spec.sae_top_k
             )
         elif spec.inline:
-            self.active[request.request_id] = self._spec(layers, "all", None, spec.sae_top_k)
+            capture = self._spec(layers, "all", None, spec.sae_top_k)
+            # A window ("generated", {"start", "end"}): nothing before its
+            # start is captured, nothing from its end on.
+            capture.delivered, capture.end = spec.start, spec.end
+            self.active[request.request_id] = capture
 
     def _spec(
         self, layers: tuple[int, ...], positions: str, num_tokens: int | None, sae_top_k: int = 0
@@ -211,9 +225,18 @@ class CapturePlanner:
                 self.rows_left -= 1
                 return num_new_tokens
             return num_new_tokens - 1
-        num_new_tokens = min(num_new_tokens, self.rows_left)
-        self.rows_left -= num_new_tokens
-        return num_new_tokens
+        # "all": a row per scheduled position not yet delivered and inside the
+        # window; positions before them are scheduled freely.
+        computed = request.num_computed_tokens
+        first = max(computed, spec.delivered)
+        stop = computed + num_new_tokens
+        rows = max(0, (stop if spec.end is None else min(stop, spec.end)) - first)
+        if rows <= self.rows_left:
+            self.rows_left -= rows
+            return num_new_tokens
+        allowed = max(first - computed, 0) + self.rows_left
+        self.rows_left = 0
+        return allowed
 
     def plan_step(self, scheduler: "Scheduler", output: "SchedulerOutput") -> None:
         """After the SchedulerOutput is built and before ``_update_after_schedule``
@@ -245,6 +268,7 @@ class CapturePlanner:
                     max(start, spec.delivered),
                     spec.sae_top_k,
                     spec.buffered,
+                    spec.end,
                 )
         if steps:
             output.capture_plan = steps
@@ -267,8 +291,10 @@ class CapturePlanner:
                 eco.captured = rows
                 spec = self.active.get(eco.request_id)
                 if spec is not None and spec.num_tokens is None:
-                    # inline: more to come
+                    # inline: more to come (unless its window is complete)
                     spec.delivered += num_positions(rows)
+                    if spec.end is not None and spec.delivered >= spec.end:
+                        self.active.pop(eco.request_id, None)
                 else:
                     # Delivered: a "prompt" capture must not run again if the
                     # request is preempted and recomputed later.

@@ -135,21 +135,55 @@ class HiddenStatesTracker:
         else:
             self.complete = rows  # "prompt": every prompt position at once
 
+    def _inline_rows_owed(self, num_tokens: int) -> int:
+        """Inline rows the request is owed before its final token: positions
+        ``spec.start .. min(spec.end, num_tokens - 1) - 1``."""
+        stop = num_tokens - 1 if self.spec.end is None else min(self.spec.end, num_tokens - 1)
+        return max(stop - self.spec.start, 0)
+
+    def needs_final_token(self, num_tokens: int) -> bool:
+        """Whether the final token (position ``num_tokens - 1``, which only an
+        extract computes) is in what the request asked. Inline windows that
+        end before it complete from their inline rows alone."""
+        if not self.spec.inline or self.spec.end is None or self.spec.end >= num_tokens:
+            return True
+        return not self.chunks  # no rows to cut from: the extract gives the shape
+
+    def finish_inline(self, num_tokens: int) -> None:
+        """An inline window that ends before the final token: its rows, cut to
+        the window (a stop string may have trimmed the output)."""
+        self._take_inline(None, num_tokens)
+
     def finish(self, rows: CapturedRows, num_tokens: int) -> None:
-        """The extract's rows: everything, or (inline) the final token's row,
-        appended to the inline rows cut to ``num_tokens - 1`` positions (a
-        stop string may have trimmed the output after they were computed)."""
+        """The extract's rows: everything (cut to the window, if any), or
+        (inline) the final token's row, appended to the inline rows cut to
+        the positions before it (a stop string may have trimmed the output
+        after they were computed)."""
         if not self.spec.inline:
-            self.complete = rows
+            stop = self.spec.end if self.spec.end is None else min(self.spec.end, num_tokens)
+            start = min(self.spec.start, num_tokens)
+            self.complete = rows if (start, stop) == (0, None) else slice_rows(rows, start, stop)
             return
-        earlier = cat_rows(self.chunks) if self.chunks else slice_rows(rows, 0, 0)
-        if num_positions(earlier) < num_tokens - 1:
+        self._take_inline(rows, num_tokens)
+
+    def _take_inline(self, final: CapturedRows | None, num_tokens: int) -> None:
+        owed = self._inline_rows_owed(num_tokens)
+        if self.chunks:
+            earlier = cat_rows(self.chunks)
+        else:
+            assert final is not None  # needs_final_token without chunks
+            earlier = slice_rows(final, 0, 0)
+        if num_positions(earlier) < owed:
             self.fail(
                 f"{num_positions(earlier)} inline positions arrived for a sequence "
-                f"of {num_tokens} tokens"
+                f"of {num_tokens} tokens ({owed} owed from position {self.spec.start})"
             )
             return
-        self.complete = cat_rows([slice_rows(earlier, 0, num_tokens - 1), rows])
+        parts = [slice_rows(earlier, 0, owed)]
+        in_window = self.spec.end is None or self.spec.end >= num_tokens
+        if final is not None and in_window and self.spec.start <= num_tokens - 1:
+            parts.append(final)
+        self.complete = cat_rows(parts)
 
     def output_fields(self, finished: bool, delta: bool) -> dict[str, Any]:
         """``CompletionOutput``'s ``hidden_states`` and ``sae_features`` for the
@@ -238,6 +272,12 @@ def failed_emission(emission: "OutputEmission", reason: str) -> "OutputEmission"
     )
 
 
+def _sequence(req_state: "RequestState") -> list[int]:
+    """The sequence as vLLM reports it: prompt + output after stop trimming."""
+    assert req_state.detokenizer is not None
+    return list(req_state.prompt_token_ids) + list(req_state.detokenizer.output_token_ids)
+
+
 @dataclass
 class HeldOutput:
     """A finished request's final output, held until its hidden states arrive."""
@@ -302,7 +342,17 @@ class ExtractDispatcher:
                 logger.error("Request %s: %s", req_state.request_id, tracker.error)
                 return failed_emission(emission, tracker.error or reason)
             return emission
-        self._hold(req_state, engine_core_output, emission)
+        token_ids = _sequence(req_state)
+        if emission.finish_reason != FinishReason.ABORT and not tracker.needs_final_token(
+            len(token_ids)
+        ):
+            # An inline window that ended before the final token: no extract.
+            tracker.finish_inline(len(token_ids))
+            if tracker.error is not None:
+                logger.error("Request %s: %s", req_state.request_id, tracker.error)
+                return failed_emission(emission, tracker.error)
+            return emission
+        self._hold(req_state, engine_core_output, emission, token_ids)
         return None
 
     def _hold(
@@ -310,11 +360,9 @@ class ExtractDispatcher:
         req_state: "RequestState",
         engine_core_output: "EngineCoreOutput",
         emission: "OutputEmission",
+        token_ids: list[int],
     ) -> None:
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
-        assert req_state.detokenizer is not None
-        # The sequence as vLLM reports it: prompt + output after stop trimming.
-        token_ids = list(req_state.prompt_token_ids) + list(req_state.detokenizer.output_token_ids)
         extract_id = extract_id_for(req_state.request_id)
         self._held[extract_id] = HeldOutput(req_state, engine_core_output, emission, len(token_ids))
         self._outgoing.append(

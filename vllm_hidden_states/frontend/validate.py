@@ -28,6 +28,8 @@ from vllm_hidden_states.config import (
     check_points,
     check_positions,
     check_sae_features,
+    window_of,
+    window_problem,
 )
 from vllm_hidden_states.wire import HiddenStatesSpec
 
@@ -102,23 +104,28 @@ def resolve_request(
         abs_layers = cfg.resolve_all(layers)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
-    inline = positions == "all" and captures_all_inline(vllm_config)
+    # "generated" and windows are "all" over part of the positions.
+    window = window_of(positions, prompt_len)
+    kind = "all" if window is not None else positions
+    inline = kind == "all" and captures_all_inline(vllm_config)
     spec = HiddenStatesSpec(
         layers=layers,
         abs_layers=abs_layers + point_ids,
-        positions=positions,
+        positions=kind,
         inline=inline,
         sae_top_k=sae_top_k,
         sae_layer=cfg.sae_layer if sae_top_k else 0,
         points=points,
         sae_point=(cfg.sae.get("point") or "") if sae_top_k and cfg.sae else "",
+        start=0 if window is None else window.start,
+        end=None if window is None else window.end,
     )
 
-    if positions == "prompt" or inline:
+    if kind == "prompt" or (inline and spec.start < prompt_len):
         # Captured during the request's own prefill, so every prompt position
-        # must be computed there: cached blocks hold KV, not hidden states.
+        # asked must be computed there: cached blocks hold KV, not hidden states.
         params.skip_reading_prefix_cache = True
-    if positions == "prompt":
+    if kind == "prompt":
         return spec
 
     max_model_len = vllm_config.model_config.max_model_len
@@ -135,6 +142,10 @@ def resolve_request(
         # which needs that token's position to exist: cap output one short of
         # max_model_len rather than return a state for the wrong token.
         params.max_tokens = room
+    if window is not None:
+        reach = prompt_len + (room if params.max_tokens is None else params.max_tokens)
+        if (problem := window_problem(window, prompt_len, reach)) is not None:
+            raise VLLMValidationError(problem, parameter="hidden_states_positions")
     return spec
 
 

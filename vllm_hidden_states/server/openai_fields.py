@@ -89,11 +89,13 @@ from vllm_hidden_states.config import (
     REQUEST_FIELDS,
     SAE_HINT,
     Positions,
+    Window,
     check_layers,
     check_points,
     check_positions,
     check_sae_features,
     parse_point,
+    window_problem,
 )
 from vllm_hidden_states.server.encoding import (
     ENCODING_FORMATS,
@@ -114,10 +116,27 @@ class HiddenStatesAsk:
 
     layers: tuple[int, ...]
     encoding_format: str
-    positions: Positions = "last"
-    stream: bool = False  # rows on every SSE chunk ("all" only)
+    positions: "Positions | Window" = "last"
+    stream: bool = False  # rows on every SSE chunk ("all", "generated", windows)
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
     points: tuple[str, ...] = ()  # hidden_states_points, as given
+
+    @property
+    def positions_json(self) -> Any:
+        """``positions`` as the response names it."""
+        return self.positions.as_json() if isinstance(self.positions, Window) else self.positions
+
+    @property
+    def every_position(self) -> bool:
+        """Rows of every position asked ("all", "generated", a window), not
+        one ("last") nor the prompt's only."""
+        return self.positions not in ("last", "prompt")
+
+    def first_position(self, prompt_len: int) -> int:
+        """The position of a choice's first row."""
+        if isinstance(self.positions, Window):
+            return self.positions.start
+        return prompt_len if self.positions == "generated" else 0
 
     @property
     def keys(self) -> tuple[int | str, ...]:
@@ -208,11 +227,11 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             f"hidden_states_stream must be true or false, got {stream!r}",
             "hidden_states_stream",
         )
-    if stream and positions != "all":
+    if stream and positions in ("last", "prompt"):
         raise invalid_request(
             "hidden_states_stream streams the rows of every position as they "
-            "are computed, so it needs hidden_states_positions: 'all' (got "
-            f"{positions!r})",
+            "are computed, so it needs hidden_states_positions 'all', "
+            f"'generated' or a window (got {positions!r})",
             "hidden_states_stream",
         )
     return HiddenStatesAsk(tuple(layers), fmt, positions, stream, sae_top_k, tuple(points))
@@ -314,7 +333,20 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     the whole response would pass the cap."""
     from vllm_hidden_states.server import admission
 
-    per_choice = prompt_len if pricing.ask.positions == "prompt" else prompt_len + max_tokens
+    positions = pricing.ask.positions
+    if isinstance(positions, Window):
+        problem = window_problem(positions, prompt_len, prompt_len + max_tokens)
+        if problem is not None:
+            raise invalid_request(problem, "hidden_states_positions")
+    if positions == "prompt":
+        per_choice = prompt_len
+    elif positions == "generated":
+        per_choice = max_tokens
+    elif isinstance(positions, Window):
+        reach = prompt_len + max_tokens
+        per_choice = max(min(reach, positions.end or reach) - positions.start, 0)
+    else:
+        per_choice = prompt_len + max_tokens
     pricing.spent_positions += pricing.n * per_choice
     admission.check_response(
         pricing.limits,
@@ -363,7 +395,7 @@ def encode_choice_states(
         out["positions"] = "last"
     else:
         rows = torch.stack([states[k] for k in ask.keys])  # [keys, pos, hidden]
-        out.update(positions=ask.positions, start=start)
+        out.update(positions=ask.positions_json, start=start)
     out["shape"] = list(rows.shape)
     out["dtype"] = dtype_name(rows.dtype)
     out["encoding_format"] = ask.encoding_format
@@ -394,7 +426,7 @@ def encode_choice_features(
     out: dict[str, Any] = {
         reads: parts[0][reads],
         "top_k": ask.sae_top_k,
-        "positions": ask.positions,
+        "positions": ask.positions_json,
     }
     if ask.positions != "last":
         out["start"] = start
@@ -476,7 +508,9 @@ def _store_choice(store: Any, rows: "ChoiceRows", ask: HiddenStatesAsk, model: s
         elif ask.positions == "prompt":
             positions = np.arange(n_prompt)
         else:
-            positions = np.arange(len(tokens))
+            end = ask.positions.end if isinstance(ask.positions, Window) else None
+            stop = len(tokens) if end is None else min(end, len(tokens))
+            positions = np.arange(min(ask.first_position(n_prompt), stop), stop)
         if rows.stored_features:
             parts = rows.stored_features
             ids = torch.cat([p["ids"] for p in parts])[-len(positions) :]
@@ -560,6 +594,18 @@ class ChoiceRows:
         return obj
 
 
+def _choice_rows(
+    choices: dict[int, ChoiceRows], index: int, res: Any, ask: HiddenStatesAsk
+) -> ChoiceRows:
+    """Choice ``index``'s rows, made on its first output: its first row is at
+    the window's start ("generated": after the prompt)."""
+    rows = choices.get(index)
+    if rows is None:
+        first = ask.first_position(len(res.prompt_token_ids or ()))
+        rows = choices[index] = ChoiceRows(start=first, feature_start=first)
+    return rows
+
+
 def _collect(
     source: AsyncIterator[Any],
     index_of: Callable[[Any], tuple[Any, int]],
@@ -583,7 +629,7 @@ def _collect(
                 res, offset = index_of(item)
                 for output in res.outputs:
                     if store is not None:
-                        rows = choices.setdefault(offset + output.index, ChoiceRows())
+                        rows = _choice_rows(choices, offset + output.index, res, ask)
                         _track_for_store(rows, res, output, offset + output.index)
                     elif (
                         output.hidden_states is None
@@ -591,7 +637,7 @@ def _collect(
                         and output.finish_reason is None
                     ):
                         continue
-                    rows = choices.setdefault(offset + output.index, ChoiceRows())
+                    rows = _choice_rows(choices, offset + output.index, res, ask)
                     if output.hidden_states is not None:
                         rows.pending.append(output.hidden_states)
                     if output.sae_features is not None:
@@ -695,10 +741,15 @@ def _final_states(rows: ChoiceRows | None, ask: HiddenStatesAsk) -> dict[int | s
 
 
 def _attach_to_choices(
-    choices: list, states: list, ask: HiddenStatesAsk, features: list | None = None
+    choices: list,
+    states: list,
+    ask: HiddenStatesAsk,
+    features: list | None = None,
+    starts: list[int] | None = None,
 ) -> None:
     features = features or [None] * len(choices)
-    for choice, choice_states, choice_features in zip(choices, states, features):
+    starts = starts or [0] * len(choices)
+    for choice, choice_states, choice_features, start in zip(choices, states, features, starts):
         missing = (ask.keys and choice_states is None) or (ask.sae_top_k and not choice_features)
         if missing and choice.finish_reason != "abort":
             raise ApiError(
@@ -707,9 +758,9 @@ def _attach_to_choices(
                 type="internal_error",
             )
         if ask.keys:
-            choice.hidden_states = encode_choice_states(choice_states, ask)
+            choice.hidden_states = encode_choice_states(choice_states, ask, start)
         if ask.sae_top_k:
-            choice.sae_features = encode_choice_features(choice_features, ask)
+            choice.sae_features = encode_choice_features(choice_features, ask, start)
 
 
 # --------------------------------------------------------------------------
@@ -801,7 +852,7 @@ def ask_engine(params: Any) -> None:
     # With sae_features alone, no full states (None: the engine's "no layers").
     params.hidden_states_layers = list(ask.layers) or None
     params.hidden_states_points = list(ask.points) or None
-    params.hidden_states_positions = ask.positions
+    params.hidden_states_positions = ask.positions_json
 
 
 def _completion_index(choices_per_prompt: int) -> Callable[[Any], tuple[Any, int]]:
@@ -844,6 +895,7 @@ def finish(reply: HiddenStatesReply | None, response: Any) -> Any:
         [_final_states(r, reply.ask) for r in rows],
         reply.ask,
         [r.features if r is not None else None for r in rows],
+        [r.start if r is not None else 0 for r in rows],
     )
     return response
 

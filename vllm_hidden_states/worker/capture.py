@@ -247,9 +247,15 @@ class HiddenStatesCapture:
                 first_row, count = row0 + end - 1 - step.start, 1
             else:
                 # From ``first``: earlier positions were delivered before a
-                # preemption made the request recompute them.
-                first_row, count = row0 + step.first - step.start, end - step.first
+                # preemption made the request recompute them (or lie before
+                # its window); up to the window's stop, if any.
+                stop = end if step.stop is None else min(end, step.stop)
+                first_row, count = row0 + step.first - step.start, stop - step.first
             if count <= 0:
+                if done and req_id in self._partial:
+                    # A window that ended in an earlier chunk: deliver it now,
+                    # with an output to ride on.
+                    self._ready[req_id] = self._partial.pop(req_id)
                 continue  # nothing of this capture in this step's tokens
             armed = _Armed(req_id, step, offset, count, done)
             # Only rows of a layer below the final one pass the capture
@@ -385,7 +391,8 @@ class HiddenStatesCapture:
                 # "all" over several steps (a chunked prefill) gets room for
                 # every position up front; else this chunk is the capture.
                 spans = step.positions == "all" and not armed.done
-                num_rows = step.num_tokens - step.first if spans else armed.count
+                last = step.num_tokens if step.stop is None else min(step.num_tokens, step.stop)
+                num_rows = last - step.first if spans else armed.count
                 rows = HostRows.allocate(self.copies, step.first, num_rows, layers, features)
                 if spans:
                     self._partial[armed.req_id] = rows

@@ -255,3 +255,67 @@ def test_hidden_states_route_refuses_a_point_not_capturable(http):
     r = http.post("/v1/hidden_states", json={"model": MODEL, "input": "Hi", "point": "resid_mid.0"})
     error = assert_error(r, 400, "invalid_request_error", "not capturable")
     assert error["param"] == "point"
+
+
+# -- "generated" and windows -------------------------------------------------
+
+
+def test_streamed_generated_rows_of_a_point_start_after_the_prompt(http, hf):
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json=body(
+            stream=True,
+            hidden_states_stream=True,
+            hidden_states_positions="generated",
+            hidden_states_points=["mlp_out.1"],
+            max_tokens=5,
+            ignore_eos=True,
+        ),
+    ) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    ids: list[int] = []
+    prompt_len = 0
+    chunks = []
+    for event in events:
+        for c in event["choices"]:
+            prompt_len += len(c.get("prompt_token_ids") or [])
+            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
+            if c.get("hidden_states"):
+                assert c["hidden_states"]["positions"] == "generated"
+                chunks.append(c["hidden_states"])
+    assert chunks[0]["start"] == prompt_len
+    rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
+    assert rows.shape == (1, len(ids) - prompt_len, hf.hidden_size)
+    assert_close(rows[0], hf.points(ids)["mlp_out.1"][prompt_len:], "generated mlp_out.1")
+
+
+def test_a_window_of_layers_and_points_names_itself_and_its_start(http, hf):
+    window = {"start": 3, "end": 9}
+    r = http.post(
+        "/v1/completions",
+        json=body(
+            hidden_states_layers=[-1],
+            hidden_states_points=["attn_out.0"],
+            hidden_states_positions=window,
+        ),
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    obj = choice["hidden_states"]
+    assert obj["positions"] == window and obj["start"] == 3
+    assert obj["shape"] == [2, 6, hf.hidden_size]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    rows = decode_rows(obj)
+    assert_close(rows[0], hf.states(ids)[hf.num_layers][3:9], "layer -1")
+    assert_close(rows[1], hf.points(ids)["attn_out.0"][3:9], "attn_out.0")
+
+
+def test_a_window_past_what_max_tokens_allows_is_a_400(http):
+    r = http.post(
+        "/v1/completions",
+        json=body(hidden_states_positions={"start": 400}, hidden_states_layers=[-1]),
+    )
+    error = assert_error(r, 400, "invalid_request_error", "past the last position")
+    assert error["param"] == "hidden_states_positions"
