@@ -203,7 +203,7 @@ def test_bad_positions_value_is_rejected(llm):
     with pytest.raises(
         VLLMValidationError,
         match=r"hidden_states_positions must be one of "
-        r"\['last', 'all', 'prompt'\]",
+        r"\['last', 'all', 'prompt', 'generated'\] or a window",
     ):
         generate(llm, [PROMPT], greedy(hidden_states_positions="first"))
 
