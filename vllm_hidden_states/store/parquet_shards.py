@@ -10,12 +10,15 @@ converts, writes and records. Layout of ``out_dir``::
     shard-00001.parquet
     ...
 
-**Parquet rows**: one per token per layer::
+**Parquet rows**: one per token per layer (or capture point)::
 
     doc_id    string            the dataset's id of the document
     position  int32             index in the document's token ids (0-based)
     token_id  int32             the token at that position
-    layer     int16             the layer as the harvest named it (-2, 16, ...)
+    layer     int16             the layer as the harvest named it (-2, 16, ...);
+                                for a point, its decoder layer as named
+    point     string            the capture point as the harvest named it
+                                ("attn_out.3"); null for a layer
     vector    fixed_size_list<T>[hidden_size]
 
 ``T`` is the storage dtype: ``float32`` (default; exact for float32, float16
@@ -30,7 +33,8 @@ shards directly: ``SELECT ... FROM 'out_dir/shard-*.parquet'``.
 **safetensors shards** (``fmt="safetensors"``) hold the same rows as tensors
 ``vectors [rows, hidden]`` (the storage dtype, bfloat16 native), ``doc_index
 int64 [rows]`` (index into the JSON list in the file's ``doc_ids`` metadata),
-``position int32``, ``token_id int32``, ``layer int16``.
+``position int32``, ``token_id int32``, ``layer int16``, ``point_index int16``
+(-1 for a layer, else an index into the JSON list in the ``points`` metadata).
 
 **Manifest and resume.** A document's rows never span two shards. A shard is
 written to ``<name>.tmp`` and renamed into place; only then is the manifest
@@ -91,6 +95,8 @@ class HarvestMeta:
         dtype: storage dtype, one of :data:`STORAGE_DTYPES`.
         fmt: ``"parquet"`` or ``"safetensors"``.
         model_dtype: the engine's dtype (informational, not compared).
+        points: capture points as requested (``"attn_out.3"``), after the
+            layers in each document's vectors.
     """
 
     model: str
@@ -100,6 +106,12 @@ class HarvestMeta:
     dtype: str = "float32"
     fmt: str = "parquet"
     model_dtype: str = ""
+    points: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[int | str, ...]:
+        """What each document's vectors hold, in order: layers, then points."""
+        return (*self.layers, *self.points)
 
     def __post_init__(self):
         if self.dtype not in STORAGE_DTYPES:
@@ -111,14 +123,26 @@ class HarvestMeta:
             raise ValueError(
                 f"format {self.fmt!r} is not supported; use one of {', '.join(FORMATS)}"
             )
-        if not self.layers:
-            raise ValueError("layers must name at least one layer")
+        if not self.layers and not self.points:
+            raise ValueError("layers or points must name at least one layer or point")
 
     def compared(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("model_dtype")
         d["layers"] = list(self.layers)
+        if self.points:
+            d["points"] = list(self.points)
+        else:
+            d.pop("points")  # manifests written before points compare equal
         return d
+
+
+def _point_layer(address: str) -> int:
+    """The decoder layer of a point address as named (``"attn_out.-1"`` -> -1,
+    ``"blocks.3.hook_mlp_out"`` -> 3)."""
+    if address.startswith("blocks."):
+        return int(address.split(".")[1])
+    return int(address.rsplit(".", 1)[1])
 
 
 # The writer thread's queue item for "flush what you have": the producer
@@ -134,8 +158,8 @@ class DocStates:
         doc_id: the dataset's id (string).
         token_ids: ``[n]`` int, the document's token ids (prompt, plus output
             tokens with positions "all").
-        vectors: ``[num_layers, n, hidden]``, layers in :attr:`HarvestMeta.layers`
-            order; float32/float16 numpy, or uint16 holding bfloat16 bits
+        vectors: ``[num_keys, n, hidden]``, in :attr:`HarvestMeta.keys`
+            order (layers, then points); float32/float16 numpy, or uint16 holding bfloat16 bits
             (then ``bf16_bits=True``).
         bf16_bits: ``vectors`` is bfloat16 as uint16 bit patterns.
     """
@@ -321,7 +345,7 @@ class ShardWriter:
         """Queue one document. Returns at once unless the pending bytes exceed
         ``max_pending_bytes`` (then waits for the writer). Raises
         :class:`WriterError` if the writer thread has failed."""
-        n_layers = len(self.meta.layers)
+        n_layers = len(self.meta.keys)
         if (
             doc.vectors.ndim != 3
             or doc.vectors.shape[0] != n_layers
@@ -329,7 +353,7 @@ class ShardWriter:
         ):
             raise ValueError(
                 f"document {doc.doc_id!r}: vectors have shape {tuple(doc.vectors.shape)}; "
-                f"expected [{n_layers} layers, tokens, {self.meta.hidden_size}]"
+                f"expected [{n_layers} layers and points, tokens, {self.meta.hidden_size}]"
             )
         if len(doc.token_ids) != doc.vectors.shape[1]:
             raise ValueError(
@@ -442,20 +466,26 @@ class ShardWriter:
             self._cond.notify_all()
 
     def _columns(self):
-        layers = np.asarray(self.meta.layers, dtype=np.int16)
-        doc_idx, pos, tok, lay, vecs = [], [], [], [], []
+        meta = self.meta
+        layers = np.asarray([*meta.layers, *(_point_layer(p) for p in meta.points)], dtype=np.int16)
+        point_ids = np.asarray(
+            [-1] * len(meta.layers) + list(range(len(meta.points))), dtype=np.int16
+        )
+        doc_idx, pos, tok, lay, pts, vecs = [], [], [], [], [], []
         for i, (doc, v) in enumerate(self._buf):
             n_layers, n = v.shape[0], v.shape[1]
             doc_idx.append(np.full(n_layers * n, i, dtype=np.int64))
             pos.append(np.tile(np.arange(n, dtype=np.int32), n_layers))
             tok.append(np.tile(np.asarray(doc.token_ids, dtype=np.int32), n_layers))
             lay.append(np.repeat(layers, n))
+            pts.append(np.repeat(point_ids, n))
             vecs.append(v.reshape(n_layers * n, v.shape[2]))
         return (
             np.concatenate(doc_idx),
             np.concatenate(pos),
             np.concatenate(tok),
             np.concatenate(lay),
+            np.concatenate(pts),
             np.concatenate(vecs),
         )
 
@@ -463,8 +493,10 @@ class ShardWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        doc_idx, pos, tok, lay, vecs = self._columns()
+        doc_idx, pos, tok, lay, pts, vecs = self._columns()
         ids = pa.array([d.doc_id for d, _ in self._buf], pa.string())
+        names = pa.array([None, *self.meta.points], pa.string())
+        point = names.take(pa.array(pts.astype(np.int32) + 1))
         doc_col = pa.DictionaryArray.from_arrays(pa.array(doc_idx.astype(np.int32)), ids)
         hidden = self.meta.hidden_size
         flat = pa.array(vecs.reshape(-1))
@@ -476,12 +508,13 @@ class ShardWriter:
                 pa.field("position", pa.int32()),
                 pa.field("token_id", pa.int32()),
                 pa.field("layer", pa.int16()),
+                pa.field("point", pa.string()),
                 pa.field("vector", vector.type, metadata=vmeta),
             ],
             metadata={"vllm_hidden_states": json.dumps(self.meta.compared())},
         )
         table = pa.Table.from_arrays(
-            [doc_col, pa.array(pos), pa.array(tok), pa.array(lay), vector], schema=schema
+            [doc_col, pa.array(pos), pa.array(tok), pa.array(lay), point, vector], schema=schema
         )
         pq.write_table(
             table,
@@ -494,7 +527,7 @@ class ShardWriter:
         import torch
         from safetensors.torch import save_file
 
-        doc_idx, pos, tok, lay, vecs = self._columns()
+        doc_idx, pos, tok, lay, pts, vecs = self._columns()
         v = torch.from_numpy(np.ascontiguousarray(vecs))
         if self.meta.dtype == "bfloat16":
             v = v.view(torch.int16).view(torch.bfloat16)
@@ -504,9 +537,11 @@ class ShardWriter:
             "position": torch.from_numpy(pos),
             "token_id": torch.from_numpy(tok),
             "layer": torch.from_numpy(lay),
+            "point_index": torch.from_numpy(pts),
         }
         metadata = {
             "doc_ids": json.dumps([d.doc_id for d, _ in self._buf]),
+            "points": json.dumps(list(self.meta.points)),
             "vllm_hidden_states": json.dumps(self.meta.compared()),
         }
         save_file(tensors, str(tmp), metadata=metadata)

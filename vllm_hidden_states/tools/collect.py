@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-hidden-states collect``: harvest hidden states of a dataset to shards.
 
-    vllm-hidden-states collect DATASET OUT --model M [--layers -2] [--positions prompt]
+    vllm-hidden-states collect DATASET OUT --model M [--layers -2] [--points attn_out.3]
+                                            [--positions prompt]
     vllm-hidden-states collect DATASET OUT --server-url http://host:8000 [--layers -2]
 
 **Datasets** (read lazily, one batch at a time; document ids must be unique):
@@ -174,6 +175,8 @@ class CollectConfig:
         server_url: base URL of a running server (``http://host:port``).
         served_model: the server's model name (default: its first model).
         layers: layer indices (HF ``output_hidden_states`` indexing).
+        points: capture points (``"attn_out.3"``, ``"blocks.3.hook_mlp_out"``),
+            stored after the layers (``point`` column).
         positions: ``"prompt"`` or ``"all"``.
         max_tokens: generated tokens per document with ``"all"``.
         max_length: prompt tokens kept per document (the first ones).
@@ -193,6 +196,7 @@ class CollectConfig:
     served_model: str | None = None
     tokenizer: str | None = None
     layers: list[int] = field(default_factory=lambda: [-2])
+    points: list[str] = field(default_factory=list)
     positions: str = "prompt"
     max_tokens: int = 16
     max_length: int = 512
@@ -216,8 +220,12 @@ class CollectConfig:
                 "--server-url collects prompt positions only (POST "
                 "/v1/hidden_states); use --model for --positions all"
             )
-        if not self.layers or len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"--layers {self.layers}: name at least one layer, each once")
+        if len(set(self.layers)) != len(self.layers) or len(set(self.points)) != len(self.points):
+            raise ValueError(
+                f"--layers {self.layers} / --points {self.points}: name each layer and point once"
+            )
+        if not self.layers and not self.points:
+            raise ValueError("name at least one layer (--layers) or point (--points)")
         for name in ("batch_size", "max_length", "max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -400,7 +408,8 @@ def _collect_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
         llm = LLM(
             model=cfg.model,
             enable_hidden_states=True,
-            hidden_states_layers=list(cfg.layers),
+            hidden_states_layers=list(cfg.layers) or [-1],
+            hidden_states_points=list(cfg.points) or None,
             **kwargs,
         )
         try:
@@ -422,6 +431,7 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
     meta = HarvestMeta(
         model=str(cfg.model),
         layers=tuple(cfg.layers),
+        points=tuple(cfg.points),
         positions=cfg.positions,
         hidden_size=model_config.get_hidden_size(),
         dtype=cfg.dtype,
@@ -436,7 +446,8 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
         temperature=0.0,
         detokenize=False,
         return_hidden_states=True,
-        hidden_states_layers=list(cfg.layers),
+        hidden_states_layers=list(cfg.layers) or None,
+        hidden_states_points=list(cfg.points) or None,
         hidden_states_positions=cfg.positions,
     )
     with ShardWriter(
@@ -471,7 +482,8 @@ def _run_offline(cfg: CollectConfig, llm, result: CollectResult) -> None:
                     raise RuntimeError(
                         f"document {doc.doc_id!r}: the engine returned no hidden states"
                     )
-                vectors, bf16 = _to_numpy(torch.stack([states[layer] for layer in cfg.layers]))
+                keys = [*cfg.layers, *cfg.points]
+                vectors, bf16 = _to_numpy(torch.stack([states[key] for key in keys]))
                 writer.submit(
                     DocStates(doc.doc_id, np.asarray(token_ids, dtype=np.int32), vectors, bf16)
                 )
@@ -605,8 +617,9 @@ class _ServerClient:
             p.truncated = len(ids) > max_length
         return ids[:max_length]
 
-    def states(self, docs: list[_Prepared], layer: int, max_length: int) -> list[np.ndarray]:
-        """``[n_i, hidden]`` float32 per document at ``layer``."""
+    def states(self, docs: list[_Prepared], layer: int | str, max_length: int) -> list[np.ndarray]:
+        """``[n_i, hidden]`` float32 per document at ``layer`` (a point: its address)."""
+        address = {"point": layer} if isinstance(layer, str) else {"layer": layer}
         from vllm_hidden_states.client import to_numpy
 
         texts = [p for p in docs if p.text is not None]
@@ -615,7 +628,7 @@ class _ServerClient:
             body = {
                 "model": self.model,
                 "input": [p.text for p in texts],
-                "layer": layer,
+                **address,
                 "max_length": max_length,
                 "encoding_format": "base64",
             }
@@ -626,7 +639,7 @@ class _ServerClient:
                 body = {
                     "model": self.model,
                     "messages": p.messages,
-                    "layer": layer,
+                    **address,
                     "max_length": max_length,
                     "encoding_format": "base64",
                 }
@@ -636,7 +649,7 @@ class _ServerClient:
                 )
         return [out[id(p)] for p in docs]
 
-    def _run(self, docs: list[_Prepared], layers: list[int], max_length: int):
+    def _run(self, docs: list[_Prepared], layers: list[int | str], max_length: int):
         per_layer = [self.states(docs, layer, max_length) for layer in layers]
         results = []
         for i, p in enumerate(docs):
@@ -660,7 +673,7 @@ class _ServerClient:
             )
         return results
 
-    def batch(self, docs: list[Doc], layers: list[int], max_length: int):
+    def batch(self, docs: list[Doc], layers: list[int | str], max_length: int):
         """``(doc, (token_ids [n], vectors [layers, n, hidden], truncated))``
         per document, or ``(doc, _Refused)`` for one the server refused (a
         refused batch is retried one document at a time to find which)."""
@@ -684,7 +697,7 @@ class _ServerClient:
 
 def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
     client = _ServerClient(cfg)
-    layers = list(cfg.layers)
+    layers: list[int | str] = [*cfg.layers, *cfg.points]
     try:
         # One small request per layer: a layer or setting the server refuses
         # ends the run here, not as one refusal per document.
@@ -692,7 +705,8 @@ def _collect_server(cfg: CollectConfig, result: CollectResult) -> None:
         hidden = [int(client.states(probe, layer, 8)[0].shape[1]) for layer in layers]
         meta = HarvestMeta(
             model=f"{client.base}#{client.model}",
-            layers=tuple(layers),
+            layers=tuple(cfg.layers),
+            points=tuple(cfg.points),
             positions="prompt",
             hidden_size=hidden[0],
             dtype=cfg.dtype,
@@ -821,6 +835,10 @@ def collect(cfg: CollectConfig, llm=None) -> CollectResult:
 # -- command line ------------------------------------------------------------------
 
 
+def _points(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
 def _layers(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -844,7 +862,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="server mode: tokenizer for token ids (default: the "
         "server's model root, else the server's /tokenize)",
     )
-    p.add_argument("--layers", type=_layers, default=[-2], help="comma-separated (default -2)")
+    p.add_argument(
+        "--layers",
+        type=_layers,
+        default=None,
+        help="comma-separated (default -2, none with --points)",
+    )
+    p.add_argument(
+        "--points",
+        type=_points,
+        default=[],
+        help="capture points, comma-separated, e.g. attn_out.3,blocks.3.hook_mlp_out "
+        "(offline: made capturable; server: started with --hidden-states-points)",
+    )
     p.add_argument("--positions", choices=POSITIONS, default="prompt")
     p.add_argument(
         "--max-tokens", type=int, default=16, help="generated tokens with --positions all"
@@ -896,7 +926,8 @@ def run(args: argparse.Namespace) -> int:
         server_url=args.server_url,
         served_model=args.served_model,
         tokenizer=args.tokenizer,
-        layers=args.layers,
+        layers=args.layers if args.layers is not None else ([] if args.points else [-2]),
+        points=args.points,
         positions=args.positions,
         max_tokens=args.max_tokens,
         max_length=args.max_length,

@@ -135,6 +135,39 @@ def test_prompt_positions_of_text_and_chat_documents_match_hf(llm, hf_qwen3, qwe
     assert (doc_id, position) == max(norms, key=norms.get)
 
 
+def test_points_are_stored_after_the_layers_with_their_address(hf_qwen3, qwen3_dir, tmp_path):
+    """``--points`` on an offline engine of its own (the points capturable):
+    each point's rows carry its address in ``point`` and its decoder layer in
+    ``layer``, and equal HF's forward-hook values."""
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", [{"id": f"t{i}", "text": t} for i, t in enumerate(TEXTS[:3])]
+    )
+    points = ["attn_out.1", "blocks.2.hook_mlp_out"]
+    cfg = CollectConfig(
+        dataset=str(dataset),
+        out=str(tmp_path / "out"),
+        model=str(qwen3_dir),
+        layers=[-2],
+        points=points,
+        progress=False,
+        engine_kwargs=dict(dtype="float32", max_model_len=512, enforce_eager=True),
+    )
+    assert collect(cfg).docs == 3
+    glob = str(tmp_path / "out" / "shard-*.parquet")
+    stored = duckdb.sql(
+        f"SELECT doc_id, point, any_value(layer), list(token_id ORDER BY position), "
+        f"list(vector ORDER BY position) FROM '{glob}' WHERE point IS NOT NULL "
+        "GROUP BY doc_id, point"
+    ).fetchall()
+    assert len(stored) == 3 * len(points)
+    for doc_id, point, layer, token_ids, vectors in stored:
+        assert layer == {"attn_out.1": 1, "blocks.2.hook_mlp_out": 2}[point]
+        reference = hf_qwen3.points(token_ids)["attn_out.1" if layer == 1 else "mlp_out.2"]
+        assert_close(torch.tensor(np.asarray(vectors)), reference, f"{doc_id} {point}")
+    ((layer_rows,),) = duckdb.sql(f"SELECT count(*) FROM '{glob}' WHERE point IS NULL").fetchall()
+    assert layer_rows == sum(len(t) for *_, t, _ in stored) // len(points)
+
+
 def test_all_positions_cover_prompt_and_generated_tokens(llm, hf_qwen3, qwen3_dir, tmp_path):
     dataset = tmp_path / "d.txt"
     dataset.write_text("\n".join(TEXTS[:3]) + "\n")
