@@ -126,7 +126,7 @@ def test_other_settings_in_same_directory_are_refused(tmp_path):
 def test_submit_rejects_wrong_shapes(tmp_path):
     with ShardWriter(tmp_path, meta()) as w:
         bad = make_doc(0)
-        with pytest.raises(ValueError, match=r"expected \[2 layers, tokens, 16\]"):
+        with pytest.raises(ValueError, match=r"expected \[2 layers and points, tokens, 16\]"):
             w.submit(DocStates("x", bad.token_ids, bad.vectors[:1]))
         with pytest.raises(ValueError, match="token ids for"):
             w.submit(DocStates("x", bad.token_ids[:-1], bad.vectors))
