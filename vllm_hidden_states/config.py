@@ -180,13 +180,22 @@ def check_layers(value: Any, features_only: bool, points: bool = False) -> list[
 
 # -- capture points (see the module doc) -------------------------------------
 
-PointKind = Literal["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+PointKind = Literal["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "attn_pattern"]
 POINT_KINDS: tuple[PointKind, ...] = get_args(PointKind)
+# Attention patterns: [heads, query positions, key positions] per layer, not
+# a row of the residual stream (CapturedRows.patterns, not .hidden).
+PATTERN_KIND: PointKind = "attn_pattern"
+# Longest sequence an attention-pattern request may reach: its answer is
+# [heads, positions, keys] per point, square in the length.
+MAX_PATTERN_POSITIONS = 4096
+# Layouts whose decoder layer calls vLLM's Attention at self_attn.attn, where
+# the queries and keys are read (after rotary embedding and q/k norms).
+_PATTERN_LAYOUTS = ("fused", "granite")
 # Kinds whose every layer has a capture id of its own past L, in id order.
 _OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
 # Kinds that exist only where the architecture's decoder layer is mapped
 # (ARCHITECTURE_POINTS); resid_pre and resid_post exist everywhere.
-_MAPPED_KINDS: tuple[PointKind, ...] = _OWN_ID_KINDS
+_MAPPED_KINDS: tuple[PointKind, ...] = (*_OWN_ID_KINDS, PATTERN_KIND)
 
 # How the points beyond resid_pre/resid_post are read in each architecture's
 # decoder layer (worker/capture_points.py has one reader per layout):
@@ -210,6 +219,8 @@ ARCHITECTURE_POINTS: dict[str, str] = {
 }
 
 _ADDRESS = re.compile(r"^(?:blocks\.(-?\d+)\.hook_([a-z_]+)|([a-z_]+)\.(-?\d+))$")
+# TransformerLens' own name of the pattern hook: blocks.{i}.attn.hook_pattern.
+_TL_PATTERN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_pattern$")
 
 
 def point_layout(architecture: str | None) -> str | None:
@@ -220,14 +231,22 @@ def point_layout(architecture: str | None) -> str | None:
 
 def point_kinds_for(architecture: str | None) -> tuple[PointKind, ...]:
     """The kinds an architecture's points can be captured at."""
-    if point_layout(architecture) is not None:
-        return POINT_KINDS
-    return tuple(k for k in POINT_KINDS if k not in _MAPPED_KINDS)
+    layout = point_layout(architecture)
+    if layout is None:
+        return tuple(k for k in POINT_KINDS if k not in _MAPPED_KINDS)
+    if layout not in _PATTERN_LAYOUTS:
+        return tuple(k for k in POINT_KINDS if k != PATTERN_KIND)
+    return POINT_KINDS
 
 
 def missing_kind_reason(kind: str, architecture: str | None) -> str:
     """Why ``kind`` cannot be captured on ``architecture``."""
     mapped = ", ".join(sorted(ARCHITECTURE_POINTS))
+    if kind == PATTERN_KIND and point_layout(architecture) is not None:
+        return (
+            f"attn_pattern needs vLLM's own attention module in the decoder layer "
+            f"(self_attn.attn); {architecture} runs on vLLM's Transformers backend"
+        )
     return (
         f"{kind} is not mapped in {architecture}'s decoder layer (vllm-hidden-states "
         f"reads attn_out, resid_mid and mlp_out in: {mapped}); resid_pre and "
@@ -246,10 +265,18 @@ def address_help(num_layers: int) -> str:
 def parse_point(address: Any, num_layers: int) -> tuple[PointKind, int]:
     """``(kind, layer)`` of a point address, the layer absolute in
     ``0..L-1``; ValueError naming the allowed forms."""
+    tl = _TL_PATTERN.match(address) if isinstance(address, str) else None
     match = _ADDRESS.match(address) if isinstance(address, str) else None
-    if match is None:
+    if match is None and tl is None:
         raise ValueError(f"{address!r} is not a point address; {address_help(num_layers)}")
-    layer_text, kind = (match[1], match[2]) if match[1] is not None else (match[4], match[3])
+    kind: str
+    if tl is not None:
+        layer_text, kind = tl[1], PATTERN_KIND
+    elif match is not None and match[1] is not None:
+        layer_text, kind = match[1], match[2]
+    else:
+        assert match is not None
+        layer_text, kind = match[4], match[3]
     if kind not in POINT_KINDS:
         raise ValueError(f"{address!r}: unknown kind {kind!r}; {address_help(num_layers)}")
     layer = int(layer_text)
@@ -270,6 +297,8 @@ def point_id(kind: PointKind, layer: int, num_layers: int) -> int:
         return layer
     if kind == "resid_post":
         return layer + 1 if layer < n - 1 else n + 1 + len(_OWN_ID_KINDS) * n
+    if kind == PATTERN_KIND:
+        return n + 2 + len(_OWN_ID_KINDS) * n + layer
     return n + 1 + _OWN_ID_KINDS.index(kind) * n + layer
 
 
@@ -282,7 +311,24 @@ def point_of_id(capture_id: int, num_layers: int) -> tuple[PointKind, int] | Non
     offset = capture_id - (n + 1)
     if offset == len(_OWN_ID_KINDS) * n:
         return "resid_post", n - 1
+    if offset > len(_OWN_ID_KINDS) * n:
+        return PATTERN_KIND, offset - len(_OWN_ID_KINDS) * n - 1
     return _OWN_ID_KINDS[offset // n], offset % n
+
+
+def is_pattern_id(capture_id: int, num_layers: int) -> bool:
+    """Whether a capture id is an attention pattern (not a residual row)."""
+    point = point_of_id(capture_id, num_layers)
+    return point is not None and point[0] == PATTERN_KIND
+
+
+def is_pattern_address(address: str) -> bool:
+    """Whether a (well-formed) point address names an attention pattern,
+    without knowing the model (the server splits a request's points)."""
+    if _TL_PATTERN.match(address):
+        return True
+    match = _ADDRESS.match(address)
+    return match is not None and PATTERN_KIND in (match[2], match[3])
 
 
 def layer_of_id(capture_id: int, num_layers: int) -> int:

@@ -88,6 +88,11 @@ class CaptureSpec:
     buffered: bool = True
     sae_top_k: int = 0
     end: int | None = None
+    # Attention patterns (capture ids) and their query window, for an
+    # extract that recomputes every position.
+    patterns: tuple[int, ...] = ()
+    query_start: int = 0
+    query_stop: int | None = None
 
 
 @dataclass(slots=True)  # made per request per step: no frozen-dataclass setattr cost
@@ -112,6 +117,10 @@ class CaptureStep:
             position ``num_tokens - 1``: only a step with an output carries
             them (a window that ends inside a chunked prefill is delivered
             with the prefill's last chunk).
+        patterns: attention patterns (capture ids) to compute once the
+            capture is done, for query positions ``query_start ..
+            query_stop - 1`` (None: to the end) over every key; the capture's
+            rows are then cut to those positions too.
     """
 
     layers: tuple[int, ...]
@@ -122,6 +131,9 @@ class CaptureStep:
     sae_top_k: int = 0
     buffered: bool = True
     stop: int | None = None
+    patterns: tuple[int, ...] = ()
+    query_start: int = 0
+    query_stop: int | None = None
 
 
 class CapturePlanner:
@@ -158,12 +170,15 @@ class CapturePlanner:
         from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
         self._adopt_parked(scheduler, request, extract)
-        self.active[request.request_id] = self._spec(
+        spec = self._spec(
             tuple(extract.layers),
             extract.positions,
             len(extract.token_ids),
             extract.sae_top_k,
+            tuple(extract.patterns),
         )
+        spec.query_start, spec.query_stop = extract.start, extract.end
+        self.active[request.request_id] = spec
         scheduler.add_request(request)
         waiting = scheduler.waiting
         if isinstance(waiting, FCFSRequestQueue) and waiting and waiting[-1] is request:
@@ -192,7 +207,12 @@ class CapturePlanner:
             self.active[request.request_id] = capture
 
     def _spec(
-        self, layers: tuple[int, ...], positions: str, num_tokens: int | None, sae_top_k: int = 0
+        self,
+        layers: tuple[int, ...],
+        positions: str,
+        num_tokens: int | None,
+        sae_top_k: int = 0,
+        patterns: tuple[int, ...] = (),
     ):
         final = self.config.num_layers
         read = (*layers, self.config.sae_layer) if sae_top_k else layers
@@ -201,7 +221,8 @@ class CapturePlanner:
             positions,
             num_tokens,
             sae_top_k=sae_top_k,
-            buffered=any(k != final for k in read),
+            buffered=bool(patterns) or any(k != final for k in read),
+            patterns=patterns,
         )
 
     # -- each step -------------------------------------------------------------
@@ -269,6 +290,9 @@ class CapturePlanner:
                     spec.sae_top_k,
                     spec.buffered,
                     spec.end,
+                    spec.patterns,
+                    spec.query_start,
+                    spec.query_stop,
                 )
         if steps:
             output.capture_plan = steps
@@ -321,6 +345,7 @@ class CapturePlanner:
         if (
             spec is None
             or not (spec.positions == "last" or spec.inline)
+            or spec.pattern_ids  # its extract recomputes every key
             or request.status
             not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
             or not self._hand_over_supported(scheduler)

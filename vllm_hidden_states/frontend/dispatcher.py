@@ -124,6 +124,10 @@ class HiddenStatesTracker:
             rows.hidden is None or rows.hidden.shape[0] != len(distinct_layers(self.spec))
         ):
             return "no hidden states for the layers asked"
+        if self.spec.pattern_ids and (
+            rows.patterns is None or rows.patterns.shape[0] != len(self.spec.pattern_ids)
+        ):
+            return "no attention patterns"
         if self.spec.sae_top_k and rows.sae_ids is None:
             return "no SAE features"
         return None
@@ -140,6 +144,19 @@ class HiddenStatesTracker:
         ``spec.start .. min(spec.end, num_tokens - 1) - 1``."""
         stop = num_tokens - 1 if self.spec.end is None else min(self.spec.end, num_tokens - 1)
         return max(stop - self.spec.start, 0)
+
+    def extract_window(self, num_tokens: int) -> tuple[str, int, int | None]:
+        """``(positions, start, end)`` of the request's extract over
+        ``num_tokens`` positions. Attention patterns need every key, so their
+        extract recomputes every position ("all") and returns the query
+        window asked ("last": the final position)."""
+        spec = self.spec
+        if spec.pattern_ids:
+            if spec.positions == "last":
+                return "all", num_tokens - 1, None
+            return "all", min(spec.start, num_tokens), spec.end
+        # Inline "all" misses only the final token.
+        return ("last" if spec.inline else spec.positions), 0, None
 
     def needs_final_token(self, num_tokens: int) -> bool:
         """Whether the final token (position ``num_tokens - 1``, which only an
@@ -159,6 +176,9 @@ class HiddenStatesTracker:
         (inline) the final token's row, appended to the inline rows cut to
         the positions before it (a stop string may have trimmed the output
         after they were computed)."""
+        if self.spec.pattern_ids:
+            self.complete = rows  # the extract cut every row to the window
+            return
         if not self.spec.inline:
             stop = self.spec.end if self.spec.end is None else min(self.spec.end, num_tokens)
             start = min(self.spec.start, num_tokens)
@@ -211,6 +231,9 @@ class HiddenStatesTracker:
                 "values": rows.sae_values,
             }
         states = self._keyed(rows.hidden) if self.spec.abs_layers else None
+        if self.spec.patterns and rows.patterns is not None:
+            # {address: [heads, queries, keys]}, beside the rows' keys.
+            states = {**(states or {}), **dict(zip(self.spec.patterns, rows.patterns))}
         return {"hidden_states": states, "sae_features": features}
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:
@@ -365,18 +388,21 @@ class ExtractDispatcher:
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
         extract_id = extract_id_for(req_state.request_id)
         self._held[extract_id] = HeldOutput(req_state, engine_core_output, emission, len(token_ids))
+        positions, start, end = tracker.extract_window(len(token_ids))
         self._outgoing.append(
             HiddenStatesExtractRequest(
                 request_id=extract_id,
                 token_ids=token_ids,
                 layers=distinct_layers(tracker.spec),
-                # Inline "all" misses only the final token.
-                positions="last" if tracker.spec.inline else tracker.spec.positions,
+                positions=positions,
                 arrival_time=time.time(),
                 lora_request=req_state.lora_request,
                 cache_salt=tracker.cache_salt,
                 priority=tracker.priority,
                 sae_top_k=tracker.spec.sae_top_k,
+                patterns=list(tracker.spec.pattern_ids),
+                start=start,
+                end=end,
             )
         )
 

@@ -23,11 +23,13 @@ from vllm_hidden_states.config import (
     ENABLE_HINT,
     SAE_HINT,
     HiddenStatesConfig,
+    Window,
     captures_all_inline,
     check_layers,
     check_points,
     check_positions,
     check_sae_features,
+    is_pattern_id,
     window_of,
     window_problem,
 )
@@ -92,22 +94,31 @@ def resolve_request(
     if params.sae_features is not None:
         sae_top_k = sae_top_k_of(cfg, params.sae_features)
     try:
-        points = check_points(params.hidden_states_points)
-        point_ids = cfg.resolve_points(points)
+        asked = check_points(params.hidden_states_points)
+        asked_ids = cfg.resolve_points(asked)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_points") from None
+    # Attention patterns travel apart from the residual rows.
+    n = cfg.num_layers
+    points = [a for a, k in zip(asked, asked_ids) if not is_pattern_id(k, n)]
+    point_ids = [k for k in asked_ids if not is_pattern_id(k, n)]
+    patterns = [a for a, k in zip(asked, asked_ids) if is_pattern_id(k, n)]
+    pattern_ids = [k for k in asked_ids if is_pattern_id(k, n)]
     try:
         # With sae_features or points, full states only for the layers named.
         layers = check_layers(
-            params.hidden_states_layers, features_only=bool(sae_top_k), points=bool(points)
+            params.hidden_states_layers, features_only=bool(sae_top_k), points=bool(asked)
         )
         abs_layers = cfg.resolve_all(layers)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_layers") from None
     # "generated" and windows are "all" over part of the positions.
     window = window_of(positions, prompt_len)
+    if patterns and positions == "prompt":
+        window = Window(0, prompt_len)  # served by the recomputing extract
     kind = "all" if window is not None else positions
-    inline = kind == "all" and captures_all_inline(vllm_config)
+    # Patterns need every key: one extract recomputes every position.
+    inline = kind == "all" and captures_all_inline(vllm_config) and not patterns
     spec = HiddenStatesSpec(
         layers=layers,
         abs_layers=abs_layers + point_ids,
@@ -119,8 +130,12 @@ def resolve_request(
         sae_point=(cfg.sae.get("point") or "") if sae_top_k and cfg.sae else "",
         start=0 if window is None else window.start,
         end=None if window is None else window.end,
+        patterns=patterns,
+        pattern_ids=pattern_ids,
     )
 
+    if patterns:
+        _check_pattern_budget(params, prompt_len)
     if kind == "prompt" or (inline and spec.start < prompt_len):
         # Captured during the request's own prefill, so every prompt position
         # asked must be computed there: cached blocks hold KV, not hidden states.
@@ -162,3 +177,21 @@ def sae_top_k_of(cfg: HiddenStatesConfig, sae_features) -> int:
         return check_sae_features(sae_features, cfg.sae["d_sae"])
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="sae_features") from None
+
+
+def _check_pattern_budget(params, prompt_len: int) -> None:
+    """Refuse a pattern request whose sequence could pass
+    :data:`vllm_hidden_states.config.MAX_PATTERN_POSITIONS`: a pattern is
+    ``[heads, positions, keys]``, square in the sequence length."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm_hidden_states.config import MAX_PATTERN_POSITIONS
+
+    reach = prompt_len + (params.max_tokens or 0) + 1
+    if reach > MAX_PATTERN_POSITIONS:
+        raise VLLMValidationError(
+            f"attention patterns are at most {MAX_PATTERN_POSITIONS} positions long "
+            f"([heads, positions, positions] per point); this request reaches "
+            f"{reach} (prompt {prompt_len} + max_tokens); lower max_tokens or shorten "
+            "the prompt",
+            parameter="hidden_states_points",
+        )

@@ -64,8 +64,10 @@ from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm_hidden_states.config import HiddenStatesConfig, layer_of_id, point_layout
 from vllm_hidden_states.sae import encode_topk
+from vllm_hidden_states.wire import slice_rows
 from vllm_hidden_states.worker.capture_points import CapturePoints
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
+from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 
 if TYPE_CHECKING:
     from vllm_hidden_states.engine.planner import CaptureStep
@@ -132,6 +134,11 @@ class HiddenStatesCapture:
         self._num_scheduled: dict[str, int] = {}
         self._partial: dict[str, HostRows] = {}
         self._ready: dict[str, HostRows] = {}
+        # Attention patterns: queries and keys of captures still running, on
+        # the device; finished patterns (host tensor [P, heads, q, k]) with
+        # their query window, attached with the rows.
+        self._pattern_history: dict[str, PatternHistory] = {}
+        self._ready_patterns: dict[str, tuple[torch.Tensor, int, int]] = {}
         self.copies = HostCopies(runner.device)
         self.sae = None
         self.sae_layer = config.sae_layer
@@ -203,7 +210,9 @@ class HiddenStatesCapture:
         """At the start of ``execute_model``: this step's plan, if any, and
         (pipeline parallel) earlier stages' rows off the received tensors,
         before vLLM copies the model's own entries into its buffers."""
-        if scheduler_output.finished_req_ids and (self._partial or self._ready):
+        if scheduler_output.finished_req_ids and (
+            self._partial or self._ready or self._pattern_history
+        ):
             self.forget(scheduler_output.finished_req_ids)
         self.plan = scheduler_output.capture_plan or None
         self._carried = None
@@ -268,6 +277,9 @@ class HiddenStatesCapture:
             counts.append(count)
             buffered.append(step.buffered)
             layer_sets.add(step.layers)
+            if step.patterns:
+                layer_sets.add(step.patterns)  # their capture points write rows
+                all_done = False  # not the one-copy path: patterns are computed
             all_done &= done
             any_sae |= bool(step.sae_top_k)
             offset += count
@@ -375,6 +387,8 @@ class HiddenStatesCapture:
                 return self._device_rows(k, final_rows, carried, sl, inner)
 
             step = armed.step
+            if step.patterns:
+                self._keep_pattern_rows(armed, inner)
             # Device rows, one [rows, hidden] per layer; the host copies are
             # not waited on (see host_rows), and the next forward rewrites the
             # buffers only after them, in stream order.
@@ -396,7 +410,8 @@ class HiddenStatesCapture:
                 rows = HostRows.allocate(self.copies, step.first, num_rows, layers, features)
                 if spans:
                     self._partial[armed.req_id] = rows
-            rows.write(self.copies, step.first, layers, features)
+            if layers or features is not None:
+                rows.write(self.copies, step.first, layers, features)
             if armed.done:
                 self._partial.pop(armed.req_id, None)
                 self._ready[armed.req_id] = rows
@@ -449,11 +464,46 @@ class HiddenStatesCapture:
         self._rows = None
         self._carried = None
 
+    def _keep_pattern_rows(self, armed: _Armed, inner: slice) -> None:
+        """A pattern capture's queries and keys of this forward into its
+        device history; once its last position is computed, the patterns of
+        its query window, copied to the host (not waited on)."""
+        step = armed.step
+        assert self.points is not None  # pattern ids have capture points
+        history = self._pattern_history.get(armed.req_id)
+        if history is None or step.start == 0:  # fresh (or recomputed) capture
+            history = self._pattern_history[armed.req_id] = PatternHistory(step.num_tokens)
+        for k in step.patterns:
+            q, key = self.points.read_pattern(k)
+            history.write(k, step.first, q[inner], key[inner])
+        if not armed.done:
+            return
+        del self._pattern_history[armed.req_id]
+        n = step.num_tokens
+        lo = step.query_start
+        hi = n if step.query_stop is None else min(step.query_stop, n)
+        patterns = torch.stack(
+            [
+                attention_pattern(
+                    history.queries[k][lo:hi],
+                    history.keys[k],
+                    self.points.pattern_modules[k],
+                    lo,
+                )
+                for k in step.patterns
+            ]
+        )
+        host = self.copies.empty(tuple(patterns.shape), patterns.dtype)
+        self.copies.copy(host, patterns)
+        self._ready_patterns[armed.req_id] = (host, lo - step.first, hi - step.first)
+
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
         for req_id in req_ids:
             self._partial.pop(req_id, None)
             self._ready.pop(req_id, None)
+            self._pattern_history.pop(req_id, None)
+            self._ready_patterns.pop(req_id, None)
 
     def attach(self, output: Any, async_scheduling: bool) -> None:
         """Once ``sample_tokens`` built the ``ModelRunnerOutput``: put the
@@ -471,6 +521,12 @@ class HiddenStatesCapture:
             return
         ready, self._ready = self._ready, {}
         output.captured = {req_id: rows.captured() for req_id, rows in ready.items()}
+        for req_id, (patterns, lo, hi) in self._ready_patterns.items():
+            # A pattern capture's rows are cut to its query window.
+            captured = slice_rows(output.captured[req_id], lo, hi)
+            captured.patterns = patterns
+            output.captured[req_id] = captured
+        self._ready_patterns = {}
         if async_scheduling:
             self.copies.take_event()  # ordered by vLLM's copy stream instead
         else:

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import point_of_id
+from vllm_hidden_states.config import PATTERN_KIND, point_of_id
 
 logger = init_logger(__name__)
 
@@ -252,6 +252,15 @@ def _first_arg(names: tuple[str, ...]) -> Reader:
     return read
 
 
+def _arg(i: int, name: str) -> Reader:
+    """The module's argument ``i`` (positional, or keyword ``name``)."""
+
+    def read(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, None]:
+        return (args[i] if len(args) > i else kwargs[name]), None
+
+    return read
+
+
 def _output_item(i: int) -> Reader:
     """Item ``i`` of a module's tuple output."""
 
@@ -386,12 +395,19 @@ class CapturePoints:
         self._index: dict[int, int] = {}  # capture id -> its position in counts
         self.buffers: dict[int, torch.Tensor] = {}
         taps: dict[int, Tap] = {}
+        # Attention patterns: vLLM's Attention module per pattern id.
+        self.pattern_modules: dict[int, nn.Module] = {}
         for k in layers:
             point = point_of_id(k, num_layers)
             layer = decoder_layers[k if point is None else point[1]]
             if _is_pp_placeholder(layer):
                 continue  # another pipeline stage owns it
-            if point is None:  # resid_pre: the stream entering layer k
+            if point is not None and point[0] == PATTERN_KIND:
+                name = f"{PATTERN_KIND}.{point[1]}"
+                attn = _child(_child(layer, "self_attn", name), "attn", name)
+                self.pattern_modules[k] = attn
+                taps[k] = Tap(attn, "pre", _arg(0, "query"))
+            elif point is None:  # resid_pre: the stream entering layer k
                 stream = stream_args_of(type(layer))
                 taps[k] = Tap(layer, "pre", stream.read_for_hook)
             else:
@@ -401,18 +417,34 @@ class CapturePoints:
         # One hook per (module, pre/post), calling the op for each id read there.
         hooks: dict[tuple[int, str], list[tuple[Reader, str, int, float]]] = {}
         modules: dict[int, nn.Module] = {}
+        # Pattern ids: their queries and keys, [max_rows, heads x head_size].
+        self.pattern_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, (k, tap) in enumerate(taps.items()):
-            out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
             module = tap.module
             if not hasattr(module, "_hs_rows"):
                 module.register_buffer("_hs_rows", self.rows, persistent=False)
                 module.register_buffer("_hs_counts", self.counts, persistent=False)
+            hooked = hooks.setdefault((id(module), tap.when), [])
+            modules[id(module)] = module
+            self._index[k] = index
+            if k in self.pattern_modules:
+                # Two writes at one index: the query and the key rows.
+                attn = self.pattern_modules[k]
+                widths = (attn.num_heads * attn.head_size, attn.num_kv_heads * attn.head_size)
+                outs = []
+                for part, width, read in zip(("q", "k"), widths, (tap.read, _arg(1, "key"))):
+                    out = torch.zeros(max_rows, width, dtype=dtype, device=device)
+                    name = f"_hs_out_{index}_{part}"
+                    module.register_buffer(name, out, persistent=False)
+                    hooked.append((read, name, index, 1.0))
+                    outs.append(out)
+                self.pattern_buffers[k] = (outs[0], outs[1])
+                continue
+            out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
             name = f"_hs_out_{index}"
             module.register_buffer(name, out, persistent=False)
-            hooks.setdefault((id(module), tap.when), []).append((tap.read, name, index, tap.scale))
-            modules[id(module)] = module
+            hooked.append((tap.read, name, index, tap.scale))
             self.buffers[k] = out
-            self._index[k] = index
         for (module_id, when), module_taps in hooks.items():
             module = modules[module_id]
             if when == "pre":
@@ -467,3 +499,8 @@ class CapturePoints:
     def read(self, k: int) -> torch.Tensor:
         """``[count, hidden_size]``: layer ``k``'s rows of the last forward (a view)."""
         return self.buffers[k][: self.count]
+
+    def read_pattern(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pattern id ``k``'s query and key rows of the last forward (views)."""
+        q, key = self.pattern_buffers[k]
+        return q[: self.count], key[: self.count]

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Attention patterns from captured queries and keys.
+
+vLLM's paged attention kernels never materialize the attention weights, and
+this package does not read the paged KV cache (its layout is each backend's
+own). Instead, a pattern point (``attn_pattern.i``) is a capture point on
+vLLM's ``Attention`` module of layer ``i`` (``self_attn.attn``, a forward
+pre-hook) that writes the rows of its ``query`` and ``key`` arguments (after
+rotary embedding and any q/k norm) into two persistent buffers, like any
+other point. A request asking for a pattern is served by an extract that
+recomputes every position, so the worker sees every key; :class:`PatternHistory`
+keeps them (and the queries) on the device across chunks, and once the last
+chunk is computed :func:`attention_pattern` turns them into the weights,
+exactly as the textbook (HF "eager") attention does: ``softmax(scale * q k^T)``
+per query head with grouped key heads repeated, the model's logit
+soft-capping, causal and sliding-window masks. Only the query rows asked
+leave the device: ``[heads, queries, keys]`` float32.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PatternHistory:
+    """One request's queries and keys at its pattern points, on the device.
+
+    Attributes:
+        num_tokens: positions of the sequence (rows of each tensor).
+        queries, keys: capture id -> ``[num_tokens, heads x head_size]`` /
+            ``[num_tokens, kv_heads x head_size]`` in the model dtype.
+    """
+
+    num_tokens: int
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def write(self, capture_id: int, first: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rows of positions ``first .. first + len(q) - 1`` (device to device)."""
+        if capture_id not in self.queries:
+            self.queries[capture_id] = q.new_empty((self.num_tokens, q.shape[-1]))
+            self.keys[capture_id] = k.new_empty((self.num_tokens, k.shape[-1]))
+        self.queries[capture_id][first : first + q.shape[0]].copy_(q)
+        self.keys[capture_id][first : first + k.shape[0]].copy_(k)
+
+
+def attention_pattern(
+    q: torch.Tensor, k: torch.Tensor, attn: nn.Module, first_query: int
+) -> torch.Tensor:
+    """Attention weights of query rows ``q`` (positions ``first_query ..``)
+    over keys ``k`` (positions ``0 .. len(k) - 1``): float32 ``[heads,
+    len(q), len(k)]``.
+
+    ``attn`` is vLLM's ``Attention`` module of the layer: head counts, head
+    size and sliding window from it, scale and logit soft-cap from its
+    backend implementation (every backend keeps both).
+    """
+    heads, kv_heads, head_size = attn.num_heads, attn.num_kv_heads, attn.head_size
+    nq, nk = q.shape[0], k.shape[0]
+    queries = q.float().view(nq, heads, head_size)
+    keys = k.float().view(nk, kv_heads, head_size).repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", queries, keys) * float(attn.impl.scale)
+    cap = getattr(attn.impl, "logits_soft_cap", None)
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    q_pos = torch.arange(first_query, first_query + nq, device=q.device)[:, None]
+    k_pos = torch.arange(nk, device=q.device)[None, :]
+    hidden = k_pos > q_pos  # causal
+    window = getattr(attn, "sliding_window", None)
+    if window:
+        hidden |= q_pos - k_pos >= window
+    scores.masked_fill_(hidden, float("-inf"))
+    return scores.softmax(dim=-1)
