@@ -902,6 +902,14 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "Model Runner V2 capture is not implemented yet; unset "
             "VLLM_USE_V2_MODEL_RUNNER (the V1 runner is chosen automatically)"
         )
+    patterns = [k for k in cfg.layers if is_pattern_id(k, cfg.num_layers)]
+    if patterns and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
+        problems.append(
+            "attention patterns (attn_pattern in --hidden-states-points) are not "
+            "supported with tensor or pipeline parallelism yet (each rank holds "
+            "only its heads / layers); name the other kinds instead of 'all', "
+            "e.g. --hidden-states-points attn_out,resid_mid,mlp_out,resid_post"
+        )
     problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
     if problems:
         raise ValueError(

@@ -166,16 +166,20 @@ def check_response(
     advice: str,
     embed_dtype: str = "float32",
     sae_top_k: int = 0,
+    pattern_values: int = 0,
 ) -> None:
     """400 when ``results x positions x layers x hidden`` values, plus
-    ``sae_top_k`` SAE features per position, would make a response over the
-    cap (``positions`` may be an upper bound)."""
+    ``sae_top_k`` SAE features per position and ``pattern_values``
+    attention-pattern weights, would make a response over the cap
+    (``positions`` may be an upper bound)."""
     values = results * positions * layers * hidden_size
-    size = values * value_bytes(encoding_format, embed_dtype)
+    size = (values + pattern_values) * value_bytes(encoding_format, embed_dtype)
     features = ""
     if sae_top_k:
         size += results * positions * sae_top_k * SAE_FEATURE_BYTES
         features = f", plus top-{sae_top_k} SAE features per position"
+    if pattern_values:
+        features += f", plus {pattern_values} attention-pattern weights"
     if size > limits.max_response_bytes:
         raise invalid_request(
             f"the response would be about {size / 2**20:.1f} MB ({results} results x "

@@ -56,6 +56,7 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
+from vllm_hidden_states.config import is_pattern_address
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,
@@ -531,6 +532,13 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
             validate_layers(engine_client, (request.layer,), "layer")
         else:
             validate_points(engine_client, (request.point,), "point")
+            if is_pattern_address(request.point):
+                raise invalid_request(
+                    f"{request.point} is an attention pattern, not a state per "
+                    "position; ask for it on /v1/completions or /v1/chat/completions "
+                    "(hidden_states_points)",
+                    "point",
+                )
         _admit(engine_client, limits, request)
         inputs = await _token_ids(state, request)
         _check_limits(engine_client, limits, request, inputs)

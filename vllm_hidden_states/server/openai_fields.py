@@ -94,6 +94,7 @@ from vllm_hidden_states.config import (
     check_points,
     check_positions,
     check_sae_features,
+    is_pattern_address,
     parse_point,
     window_problem,
 )
@@ -119,7 +120,8 @@ class HiddenStatesAsk:
     positions: "Positions | Window" = "last"
     stream: bool = False  # rows on every SSE chunk ("all", "generated", windows)
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
-    points: tuple[str, ...] = ()  # hidden_states_points, as given
+    points: tuple[str, ...] = ()  # hidden_states_points, as given (rows)
+    patterns: tuple[str, ...] = ()  # hidden_states_points of attention patterns
 
     @property
     def positions_json(self) -> Any:
@@ -234,7 +236,22 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             f"'generated' or a window (got {positions!r})",
             "hidden_states_stream",
         )
-    return HiddenStatesAsk(tuple(layers), fmt, positions, stream, sae_top_k, tuple(points))
+    patterns = tuple(p for p in points if is_pattern_address(p))
+    if patterns and stream:
+        raise invalid_request(
+            "attention patterns come once, on the finish chunk: drop "
+            "hidden_states_stream, or ask for the patterns in a separate request",
+            "hidden_states_stream",
+        )
+    return HiddenStatesAsk(
+        tuple(layers),
+        fmt,
+        positions,
+        stream,
+        sae_top_k,
+        tuple(p for p in points if p not in patterns),
+        patterns,
+    )
 
 
 def ask_of(request: Any) -> HiddenStatesAsk | None:
@@ -268,8 +285,8 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         parse_sae_features(request.model_extra["sae_features"], cfg.sae["d_sae"])
     if ask.layers or not (ask.sae_top_k or ask.points):
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
-    if ask.points:
-        validate_points(engine_client, ask.points)
+    if ask.points or ask.patterns:
+        validate_points(engine_client, (*ask.points, *ask.patterns))
     if getattr(request, "use_beam_search", False):
         raise invalid_request(
             "return_hidden_states is not supported with use_beam_search",
@@ -326,6 +343,8 @@ class PositionPricing:
     n: int
     hidden_size: int
     spent_positions: int = 0
+    heads: int = 0  # query heads: an attention pattern is [heads, queries, keys]
+    spent_pattern_values: int = 0
 
 
 def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) -> None:
@@ -338,7 +357,9 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         problem = window_problem(positions, prompt_len, prompt_len + max_tokens)
         if problem is not None:
             raise invalid_request(problem, "hidden_states_positions")
-    if positions == "prompt":
+    if positions == "last":
+        per_choice = 1
+    elif positions == "prompt":
         per_choice = prompt_len
     elif positions == "generated":
         per_choice = max_tokens
@@ -348,6 +369,12 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     else:
         per_choice = prompt_len + max_tokens
     pricing.spent_positions += pricing.n * per_choice
+    if pricing.ask.patterns:
+        # [heads, queries, keys] per pattern point, keys up to the whole sequence.
+        keys = prompt_len + max_tokens
+        pricing.spent_pattern_values += (
+            pricing.n * len(pricing.ask.patterns) * pricing.heads * per_choice * keys
+        )
     admission.check_response(
         pricing.limits,
         1,
@@ -361,6 +388,7 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         "or choices or a smaller top_k, use hidden_states_format 'base64', or "
         "raise the cap",
         sae_top_k=pricing.ask.sae_top_k,
+        pattern_values=pricing.spent_pattern_values,
     )
 
 
@@ -401,6 +429,28 @@ def encode_choice_states(
     out["encoding_format"] = ask.encoding_format
     out["data"] = encode_array(rows, ask.encoding_format)
     return out
+
+
+def encode_choice_patterns(
+    states: dict[int | str, Any] | None, ask: HiddenStatesAsk, start: int = 0
+) -> dict[str, Any] | None:
+    """The ``attention_patterns`` object of one choice: ``[points, heads,
+    queries, keys]`` float32, the query rows of the positions asked (from
+    ``start``) over every key up to them."""
+    if states is None:
+        return None
+    import torch
+
+    rows = torch.stack([states[p] for p in ask.patterns])
+    return {
+        "points": list(ask.patterns),
+        "positions": ask.positions_json,
+        "start": start,
+        "shape": list(rows.shape),
+        "dtype": dtype_name(rows.dtype),
+        "encoding_format": ask.encoding_format,
+        "data": encode_array(rows, ask.encoding_format),
+    }
 
 
 def encode_choice_features(
@@ -584,6 +634,15 @@ class ChoiceRows:
         self.pending = []
         return obj
 
+    def take_patterns(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
+        """The attention patterns (on the final output's states) as an
+        ``attention_patterns`` object; the rows stay pending for :meth:`take`."""
+        final = next((p for p in reversed(self.pending) if ask.patterns[0] in p), None)
+        obj = encode_choice_patterns(final, ask, self.start)
+        if not ask.keys:
+            self.pending = []
+        return obj
+
     def take_features(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
         """The pending SAE features as a ``sae_features`` object, emptied."""
         if not self.features:
@@ -704,6 +763,8 @@ def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStat
                 continue
         elif not rows.finished:
             continue
+        if ask.patterns:
+            choice["attention_patterns"] = rows.take_patterns(ask)
         if ask.keys:
             choice["hidden_states"] = rows.take(ask)
         if ask.sae_top_k:
@@ -750,7 +811,9 @@ def _attach_to_choices(
     features = features or [None] * len(choices)
     starts = starts or [0] * len(choices)
     for choice, choice_states, choice_features, start in zip(choices, states, features, starts):
-        missing = (ask.keys and choice_states is None) or (ask.sae_top_k and not choice_features)
+        missing = ((ask.keys or ask.patterns) and choice_states is None) or (
+            ask.sae_top_k and not choice_features
+        )
         if missing and choice.finish_reason != "abort":
             raise ApiError(
                 "the engine returned no hidden states for this request (see the server log)",
@@ -759,6 +822,8 @@ def _attach_to_choices(
             )
         if ask.keys:
             choice.hidden_states = encode_choice_states(choice_states, ask, start)
+        if ask.patterns:
+            choice.attention_patterns = encode_choice_patterns(choice_states, ask, start)
         if ask.sae_top_k:
             choice.sae_features = encode_choice_features(choice_features, ask, start)
 
@@ -813,14 +878,16 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
         store_of(raw_request)
     n = getattr(request, "n", None) or 1
     pricing = None
-    if ask.positions != "last":
+    if ask.positions != "last" or ask.patterns:
         from vllm_hidden_states.server import admission
 
+        model_config = serving.engine_client.model_config
         pricing = PositionPricing(
             admission.limits_of(raw_request),
             ask,
             n,
-            serving.engine_client.model_config.get_hidden_size(),
+            model_config.get_hidden_size(),
+            heads=int(model_config.hf_text_config.num_attention_heads),
         )
     _reply.set(HiddenStatesReply(ask, request, n, pricing))
     return None

@@ -495,7 +495,7 @@ class HiddenStatesCapture:
         )
         host = self.copies.empty(tuple(patterns.shape), patterns.dtype)
         self.copies.copy(host, patterns)
-        self._ready_patterns[armed.req_id] = (host, lo - step.first, hi - step.first)
+        self._ready_patterns[armed.req_id] = (host, lo, hi)  # positions
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
@@ -523,7 +523,8 @@ class HiddenStatesCapture:
         output.captured = {req_id: rows.captured() for req_id, rows in ready.items()}
         for req_id, (patterns, lo, hi) in self._ready_patterns.items():
             # A pattern capture's rows are cut to its query window.
-            captured = slice_rows(output.captured[req_id], lo, hi)
+            first = ready[req_id].first
+            captured = slice_rows(output.captured[req_id], lo - first, hi - first)
             captured.patterns = patterns
             output.captured[req_id] = captured
         self._ready_patterns = {}
