@@ -442,6 +442,8 @@ def encode_choice_patterns(
     import torch
 
     rows = torch.stack([states[p] for p in ask.patterns])
+    if ask.positions == "last":
+        start = rows.shape[-1] - 1  # the final position's row, over every key
     return {
         "points": list(ask.patterns),
         "positions": ask.positions_json,
@@ -918,7 +920,7 @@ def ask_engine(params: Any) -> None:
     params.sae_features = extra.get("sae_features")
     # With sae_features alone, no full states (None: the engine's "no layers").
     params.hidden_states_layers = list(ask.layers) or None
-    params.hidden_states_points = list(ask.points) or None
+    params.hidden_states_points = [*ask.points, *ask.patterns] or None
     params.hidden_states_positions = ask.positions_json
 
 

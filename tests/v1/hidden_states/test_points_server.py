@@ -20,10 +20,11 @@ from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
 from .conftest import MODELS, HFReference, assert_close
 from .server_utils import ServerProcess, sse_events, test_server_process
+from .test_patterns import hf_patterns
 from .test_server import assert_error, decode_rows
 
 MODEL = "tiny-gemma2"
-POINTS_FLAG = "attn_out,mlp_out,resid_mid.1"
+POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1"
 PROMPT = "Once upon a time there was a small robot who loved to count"
 
 
@@ -319,3 +320,69 @@ def test_a_window_past_what_max_tokens_allows_is_a_400(http):
     )
     error = assert_error(r, 400, "invalid_request_error", "past the last position")
     assert error["param"] == "hidden_states_positions"
+
+
+# -- attention patterns ------------------------------------------------------
+
+
+def test_completion_attention_pattern_of_every_position_matches_hf_eager(http, hf):
+    r = http.post(
+        "/v1/completions",
+        json=body(
+            hidden_states_points=["attn_out.0", "attn_pattern.1"],
+            hidden_states_positions="all",
+            hidden_states_format="base64",
+        ),
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    states, patterns = choice["hidden_states"], choice["attention_patterns"]
+    assert states["points"] == ["attn_out.0"]
+    assert patterns["points"] == ["attn_pattern.1"] and patterns["start"] == 0
+    assert patterns["shape"] == [1, hf.model.config.num_attention_heads, len(ids), len(ids)]
+    got = decode_rows(patterns)[0]
+    assert_close(got, hf_patterns(hf, ids)[1], "attn_pattern.1")
+    assert_close(decode_rows(states)[0], hf.points(ids)["attn_out.0"], "attn_out.0")
+
+
+def test_streamed_attention_pattern_of_the_last_token_is_on_the_finish_chunk(http, hf):
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json=body(stream=True, hidden_states_points=["blocks.1.attn.hook_pattern"]),
+    ) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    ids: list[int] = []
+    found = []
+    for event in events:
+        for c in event["choices"]:
+            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
+            if c.get("attention_patterns"):
+                assert c["finish_reason"] is not None
+                found.append(c["attention_patterns"])
+    (patterns,) = found
+    assert patterns["start"] == len(ids) - 1
+    assert_close(decode_rows(patterns)[0], hf_patterns(hf, ids)[1][:, -1:], "last row")
+
+
+def test_attention_patterns_refuse_per_token_streaming(http):
+    r = http.post(
+        "/v1/completions",
+        json=body(
+            stream=True,
+            hidden_states_stream=True,
+            hidden_states_positions="all",
+            hidden_states_points=["attn_pattern.1"],
+        ),
+    )
+    error = assert_error(r, 400, "invalid_request_error", "finish chunk")
+    assert error["param"] == "hidden_states_stream"
+
+
+def test_hidden_states_route_sends_patterns_to_the_completion_routes(http):
+    r = http.post(
+        "/v1/hidden_states", json={"model": MODEL, "input": "Hi", "point": "attn_pattern.1"}
+    )
+    assert_error(r, 400, "invalid_request_error", "hidden_states_points")
