@@ -11,6 +11,8 @@ from vllm_hidden_states.config import (
     capturable_point_ids,
     check_points,
     id_name,
+    is_pattern_address,
+    is_pattern_id,
     layer_of_id,
     parse_point,
     point_id,
@@ -116,7 +118,26 @@ def test_no_points_flag_keeps_todays_capturable_set():
 
 def test_all_makes_every_kind_capturable_at_every_layer():
     cfg = engine("all")
-    assert len(cfg.layers) == (L + 1) + 3 * L + 1  # HF layers, 3 kinds, the last resid_post
+    # HF layers, 3 row kinds, the last resid_post, a pattern per layer
+    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L
+
+
+@pytest.mark.parametrize(
+    "address", ["attn_pattern.2", "blocks.2.hook_attn_pattern", "blocks.2.attn.hook_pattern"]
+)
+def test_attention_pattern_addresses_name_one_pattern_id(address):
+    kind, layer = parse_point(address, L)
+    assert (kind, layer) == ("attn_pattern", 2)
+    capture_id = point_id(kind, layer, L)
+    assert is_pattern_id(capture_id, L) and is_pattern_address(address)
+    assert point_of_id(capture_id, L) == ("attn_pattern", 2)
+    assert not is_pattern_address("attn_out.2")
+
+
+def test_olmo2_on_the_transformers_backend_has_no_attention_patterns():
+    assert "attn_pattern" not in point_kinds_for("Olmo2ForCausalLM")
+    with pytest.raises(ValueError, match="Transformers backend"):
+        capturable_point_ids(["attn_pattern"], L, "Olmo2ForCausalLM")
 
 
 def test_a_kind_alone_means_every_layer_of_it():
