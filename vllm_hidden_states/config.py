@@ -88,6 +88,7 @@ REQUEST_FIELDS: tuple[str, ...] = (
     "hidden_states_format",
     "hidden_states_positions",
     "hidden_states_stream",
+    "hidden_states_heads",
     "sae_features",
 )
 

@@ -13,6 +13,7 @@ Request fields (OpenAI extras; ``OpenAIBaseModel`` keeps unknown fields in
     hidden_states_positions: "last" | "all" | "prompt"   # default "last"
     hidden_states_format: "float" | "base64"   # default "float"
     hidden_states_stream: bool            # default false; "all" + stream only
+    hidden_states_heads: list[int]        # attention patterns: these query heads only
 
 Each choice of such a request then carries one ``hidden_states`` object:
 
@@ -122,6 +123,7 @@ class HiddenStatesAsk:
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
     points: tuple[str, ...] = ()  # hidden_states_points, as given (rows)
     patterns: tuple[str, ...] = ()  # hidden_states_points of attention patterns
+    heads: tuple[int, ...] | None = None  # hidden_states_heads; None = every head
 
     @property
     def positions_json(self) -> Any:
@@ -243,6 +245,25 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
             "hidden_states_stream, or ask for the patterns in a separate request",
             "hidden_states_stream",
         )
+    heads = extra.get("hidden_states_heads")
+    if heads is not None:
+        if (
+            not isinstance(heads, list)
+            or not heads
+            or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in heads)
+            or len(set(heads)) != len(heads)
+        ):
+            raise invalid_request(
+                "hidden_states_heads must be a non-empty list of distinct query-head "
+                f"indices (integers >= 0), got {heads!r}",
+                "hidden_states_heads",
+            )
+        if not patterns:
+            raise invalid_request(
+                "hidden_states_heads selects the query heads of attention patterns; "
+                "ask for one in hidden_states_points (e.g. 'attn_pattern.3')",
+                "hidden_states_heads",
+            )
     return HiddenStatesAsk(
         tuple(layers),
         fmt,
@@ -251,6 +272,7 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
         sae_top_k,
         tuple(p for p in points if p not in patterns),
         patterns,
+        None if heads is None else tuple(heads),
     )
 
 
@@ -287,6 +309,14 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
     if ask.points or ask.patterns:
         validate_points(engine_client, (*ask.points, *ask.patterns))
+    if ask.heads is not None:
+        num_heads = int(engine_client.model_config.hf_text_config.num_attention_heads)
+        if max(ask.heads) >= num_heads:
+            raise invalid_request(
+                f"hidden_states_heads {list(ask.heads)}: this model has {num_heads} "
+                f"query heads (0..{num_heads - 1})",
+                "hidden_states_heads",
+            )
     if getattr(request, "use_beam_search", False):
         raise invalid_request(
             "return_hidden_states is not supported with use_beam_search",
@@ -373,7 +403,11 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         # [heads, queries, keys] per pattern point, keys up to the whole sequence.
         keys = prompt_len + max_tokens
         pricing.spent_pattern_values += (
-            pricing.n * len(pricing.ask.patterns) * pricing.heads * per_choice * keys
+            pricing.n
+            * len(pricing.ask.patterns)
+            * (pricing.heads if pricing.ask.heads is None else len(pricing.ask.heads))
+            * per_choice
+            * keys
         )
     admission.check_response(
         pricing.limits,
@@ -442,10 +476,13 @@ def encode_choice_patterns(
     import torch
 
     rows = torch.stack([states[p] for p in ask.patterns])
+    if ask.heads is not None:
+        rows = rows[:, list(ask.heads)]
     if ask.positions == "last":
         start = rows.shape[-1] - 1  # the final position's row, over every key
     return {
         "points": list(ask.patterns),
+        **({} if ask.heads is None else {"heads": list(ask.heads)}),
         "positions": ask.positions_json,
         "start": start,
         "shape": list(rows.shape),

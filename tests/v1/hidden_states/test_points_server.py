@@ -386,3 +386,30 @@ def test_hidden_states_route_sends_patterns_to_the_completion_routes(http):
         "/v1/hidden_states", json={"model": MODEL, "input": "Hi", "point": "attn_pattern.1"}
     )
     assert_error(r, 400, "invalid_request_error", "hidden_states_points")
+
+
+def test_a_heads_selector_limits_the_patterns_to_those_heads(http, hf):
+    r = http.post(
+        "/v1/completions",
+        json=body(hidden_states_points=["attn_pattern.1"], hidden_states_heads=[1]),
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    patterns = choice["attention_patterns"]
+    assert patterns["heads"] == [1] and patterns["shape"] == [1, 1, 1, len(ids)]
+    assert_close(decode_rows(patterns)[0], hf_patterns(hf, ids)[1][1:2, -1:], "head 1")
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"hidden_states_heads": [0]}, "ask for one in hidden_states_points"),
+        ({"hidden_states_heads": [0, 0], "hidden_states_points": ["attn_pattern.1"]}, "distinct"),
+        ({"hidden_states_heads": [9], "hidden_states_points": ["attn_pattern.1"]}, "query heads"),
+    ],
+)
+def test_bad_heads_selectors_are_400s(http, extra, needle):
+    r = http.post("/v1/completions", json=body(**extra))
+    error = assert_error(r, 400, "invalid_request_error", needle)
+    assert error["param"] == "hidden_states_heads"
