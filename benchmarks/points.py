@@ -8,8 +8,9 @@ work shows. Workload: 24 requests x (48 prompt + 64 generated tokens), fresh
 random prompts per measurement, greedy, ``ignore_eos``. Baseline: plain
 requests on an engine started without hidden states. Variants, on an engine
 with ``--hidden-states-points all`` (every layer and every point of every
-layer capturable: 5 x 5 capture points): nobody asks; "last" at one point of
-each kind (layer 2) on every request. All engines live in this process and
+layer capturable: 5 x 6 capture points): nobody asks; "last" at one point of
+each kind (layer 2) on every request, and "last" at an attention pattern
+(reported, no target: it recomputes every position of the request). All engines live in this process and
 the variants alternate round by round.
 
 Targets (issue 19): enabled but unused, every point capturable >= 0.99;
@@ -39,7 +40,7 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     points = LLM(model=str(model), enable_hidden_states=True, hidden_states_points="all", **args)
     for llm in (plain, points):  # warm-up (compilation, caches)
         _throughput(llm, prompts(2), max_tokens=4)
-    for kind in KINDS:
+    for kind in (*KINDS, "attn_pattern"):
         _throughput(
             points,
             prompts(2),
@@ -81,6 +82,9 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
                 points, prompts(), max_tokens=MAX_TOKENS
             ),
             **{f"last, {kind}.{LAYER}": one_point(kind) for kind in KINDS},
+            # The cost of a pattern: one extra prefill of the whole sequence
+            # (no KV hand-over) and the weights computed on the device.
+            f"last, attn_pattern.{LAYER}": one_point("attn_pattern"),
         },
         rounds,
         progress,

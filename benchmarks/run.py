@@ -16,7 +16,10 @@ throughput), scale_out (DP=2 vs DP=1 with "last" on every request, beside
 plain vLLM's own DP=2 vs DP=1), capture_op (the capture op alone on a layer
 stack, 0/1/64/1024 rows, with and without the host copy: the GPU
 micro-benchmark, a smoke test on CPU), small_model (a 5 x 256 Llama where the
-per-step host work shows: nobody asks, "last", "all" vs plain vLLM).
+per-step host work shows: nobody asks, "last", "all" vs plain vLLM),
+points_peers (attn_out, resid_mid, mlp_out at layer 2 on the same prompts:
+ours vs HF hooks, nnsight and interp-engine's eager backend, each checked
+against HF before it is timed).
 """
 
 import argparse
@@ -33,6 +36,7 @@ SECTIONS = (
     "capture_op",
     "small_model",
     "points",
+    "points_peers",
     "offline",
     "server",
     "prompt",
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "server": "benchmarks.server_throughput",
                         "small_model": "benchmarks.small_model",
                         "points": "benchmarks.points",
+                        "points_peers": "benchmarks.points_peers",
                         "prompt": "benchmarks.prompt_states",
                         "peers": "benchmarks.peers",
                         "harvest": "benchmarks.harvest",
