@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.v1.hidden_states.conftest import HFReference
+
 REPO = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("VLLM_HIDDEN_STATES_MODELS", REPO / ".models"))
 GPU_REL_TOL = 1e-2
@@ -74,6 +76,20 @@ class HFOnGPU:
     def states(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
         out = self.model(torch.tensor([token_ids], device="cuda"), output_hidden_states=True)
         return tuple(h[0].cpu() for h in out.hidden_states)
+
+    # Every capture point by forward hooks on HF's modules (the CPU suite's
+    # reference, here on the GPU).
+    points = HFReference.points
+
+    @torch.inference_mode()
+    def patterns(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """HF eager attention weights, one ``[heads, n, n]`` per layer."""
+        self.model.set_attn_implementation("eager")
+        try:
+            out = self.model(torch.tensor([token_ids], device="cuda"), output_attentions=True)
+        finally:
+            self.model.set_attn_implementation("sdpa")
+        return tuple(a[0].cpu() for a in out.attentions)
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,8 @@ def make_llm(model_dir, *, eager: bool, async_on: bool, **kwargs):
             enable_hidden_states=True,
             enforce_eager=eager,
             hidden_states_max_rows=24,
+            # Every point's hook is in the compiled graph and the CUDA graphs.
+            hidden_states_points="all",
             async_scheduling=True if async_on else None,
             **{**ENGINE_ARGS, **kwargs},
         )
@@ -105,6 +107,56 @@ def check(hf, out, positions: str, layers=LAYERS, index: int = 0):
     for layer in layers:
         assert_close_gpu(
             completion.hidden_states[layer], ref[layer][want], f"{positions} layer {layer}"
+        )
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_every_capture_point_matches_hf_hooks(llm, hf_gpu, positions):
+    from vllm_hidden_states.config import POINT_KINDS
+
+    points = [
+        f"{kind}.{i}"
+        for kind in POINT_KINDS
+        if kind != "attn_pattern"
+        for i in range(hf_gpu.num_layers)
+    ]
+    (out,) = llm.generate(
+        [PROMPT],
+        params(
+            hidden_states_layers=None,
+            hidden_states_points=points,
+            hidden_states_positions=positions,
+        ),
+        use_tqdm=False,
+    )
+    ids = sequence_of(out)
+    reference = hf_gpu.points(ids)
+    rows = slice(None) if positions == "all" else slice(-1, None)
+    for address in points:
+        assert_close_gpu(
+            out.outputs[0].hidden_states[address],
+            reference[address][rows],
+            f"{positions} {address}",
+        )
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_attention_patterns_match_hf_eager(llm, hf_gpu, positions):
+    patterns = [f"attn_pattern.{i}" for i in range(hf_gpu.num_layers)]
+    (out,) = llm.generate(
+        [LONG_PROMPT],
+        params(
+            hidden_states_layers=None,
+            hidden_states_points=patterns,
+            hidden_states_positions=positions,
+        ),
+        use_tqdm=False,
+    )
+    reference = hf_gpu.patterns(sequence_of(out))
+    rows = slice(None) if positions == "all" else slice(-1, None)
+    for i, address in enumerate(patterns):
+        assert_close_gpu(
+            out.outputs[0].hidden_states[address], reference[i][:, rows], f"{positions} {address}"
         )
 
 

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.config import POINT_KINDS
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
@@ -252,3 +253,27 @@ def test_compiled_engine_matches_hf_at_every_point(compiled_arch):
     for positions in ("last", "all"):
         states, ids = points_of(llm, hf, positions)
         assert_every_point_matches_hf(states, ids, hf, positions, f"compiled {compiled_arch}")
+
+
+def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
+    """The pattern point's query/key capture inside the compiled graph (OLMo 2,
+    on vLLM's Transformers backend, has no vLLM attention module: refused)."""
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_points=[f"attn_pattern.{i}" for i in range(hf.num_layers)],
+        hidden_states_positions="all",
+    )
+    if compiled_arch == "olmo2":
+        with pytest.raises(VLLMValidationError, match="Transformers backend"):
+            llm.generate([PROMPT], params, use_tqdm=False)
+        return
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    ids = token_ids_of(out)
+    with torch.inference_mode():
+        reference = hf.model(torch.tensor([ids]), output_attentions=True).attentions
+    for i in range(hf.num_layers):
+        got = out.outputs[0].hidden_states[f"attn_pattern.{i}"]
+        assert_close(got, reference[i][0], f"compiled {compiled_arch} attn_pattern.{i}")
