@@ -10,8 +10,8 @@ requests on an engine started without hidden states. Variants, on an engine
 with ``--hidden-states-points all`` (every layer and every point of every
 layer capturable: 5 x 6 capture points): nobody asks; "last" at one point of
 each kind (layer 2) on every request, and "last" at an attention pattern
-(reported, no target: it recomputes every position of the request). All engines live in this process and
-the variants alternate round by round.
+(reported, no target: it recomputes every position of the request). All
+engines live in this process and the variants alternate round by round.
 
 Targets (issue 19): enabled but unused, every point capturable >= 0.99;
 "last" at one point of each kind >= 0.97.
