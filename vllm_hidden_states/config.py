@@ -181,11 +181,18 @@ def check_layers(value: Any, features_only: bool, points: bool = False) -> list[
 
 # -- capture points (see the module doc) -------------------------------------
 
-PointKind = Literal["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "attn_pattern"]
+PointKind = Literal[
+    "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post"
+]
 POINT_KINDS: tuple[PointKind, ...] = get_args(PointKind)
 # Attention patterns: [heads, query positions, key positions] per layer, not
 # a row of the residual stream (CapturedRows.patterns, not .hidden).
 PATTERN_KIND: PointKind = "attn_pattern"
+# MLP neurons: the down projection's input, [positions, intermediate_size]
+# per layer (CapturedRows.neurons). Dense MLPs only.
+NEURON_KIND: PointKind = "mlp_post"
+# Architectures whose MLP is a mixture of experts: no single down projection.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Longest sequence an attention-pattern request may reach: its answer is
 # [heads, positions, keys] per point, square in the length.
 MAX_PATTERN_POSITIONS = 4096
@@ -196,7 +203,7 @@ _PATTERN_LAYOUTS = ("fused", "granite")
 _OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
 # Kinds that exist only where the architecture's decoder layer is mapped
 # (ARCHITECTURE_POINTS); resid_pre and resid_post exist everywhere.
-_MAPPED_KINDS: tuple[PointKind, ...] = (*_OWN_ID_KINDS, PATTERN_KIND)
+_MAPPED_KINDS: tuple[PointKind, ...] = (*_OWN_ID_KINDS, PATTERN_KIND, NEURON_KIND)
 
 # How the points beyond resid_pre/resid_post are read in each architecture's
 # decoder layer (worker/capture_points.py has one reader per layout):
@@ -235,14 +242,22 @@ def point_kinds_for(architecture: str | None) -> tuple[PointKind, ...]:
     layout = point_layout(architecture)
     if layout is None:
         return tuple(k for k in POINT_KINDS if k not in _MAPPED_KINDS)
+    lacks = set()
     if layout not in _PATTERN_LAYOUTS:
-        return tuple(k for k in POINT_KINDS if k != PATTERN_KIND)
-    return POINT_KINDS
+        lacks.add(PATTERN_KIND)
+    if architecture in MOE_ARCHITECTURES:
+        lacks.add(NEURON_KIND)
+    return tuple(k for k in POINT_KINDS if k not in lacks)
 
 
 def missing_kind_reason(kind: str, architecture: str | None) -> str:
     """Why ``kind`` cannot be captured on ``architecture``."""
     mapped = ", ".join(sorted(ARCHITECTURE_POINTS))
+    if kind == NEURON_KIND and architecture in MOE_ARCHITECTURES:
+        return (
+            f"mlp_post (MLP neurons) needs a dense MLP; {architecture}'s is a "
+            "mixture of experts (mlp_out is its combined output)"
+        )
     if kind == PATTERN_KIND and point_layout(architecture) is not None:
         return (
             f"attn_pattern needs vLLM's own attention module in the decoder layer "
@@ -300,6 +315,8 @@ def point_id(kind: PointKind, layer: int, num_layers: int) -> int:
         return layer + 1 if layer < n - 1 else n + 1 + len(_OWN_ID_KINDS) * n
     if kind == PATTERN_KIND:
         return n + 2 + len(_OWN_ID_KINDS) * n + layer
+    if kind == NEURON_KIND:
+        return n + 2 + (len(_OWN_ID_KINDS) + 1) * n + layer
     return n + 1 + _OWN_ID_KINDS.index(kind) * n + layer
 
 
@@ -313,7 +330,8 @@ def point_of_id(capture_id: int, num_layers: int) -> tuple[PointKind, int] | Non
     if offset == len(_OWN_ID_KINDS) * n:
         return "resid_post", n - 1
     if offset > len(_OWN_ID_KINDS) * n:
-        return PATTERN_KIND, offset - len(_OWN_ID_KINDS) * n - 1
+        rest = offset - len(_OWN_ID_KINDS) * n - 1
+        return (PATTERN_KIND, rest) if rest < n else (NEURON_KIND, rest - n)
     return _OWN_ID_KINDS[offset // n], offset % n
 
 
@@ -321,6 +339,18 @@ def is_pattern_id(capture_id: int, num_layers: int) -> bool:
     """Whether a capture id is an attention pattern (not a residual row)."""
     point = point_of_id(capture_id, num_layers)
     return point is not None and point[0] == PATTERN_KIND
+
+
+def is_neuron_id(capture_id: int, num_layers: int) -> bool:
+    """Whether a capture id is an MLP-neuron point (``intermediate_size`` wide)."""
+    point = point_of_id(capture_id, num_layers)
+    return point is not None and point[0] == NEURON_KIND
+
+
+def is_neuron_address(address: str) -> bool:
+    """Whether a (well-formed) point address names MLP neurons (mlp_post)."""
+    match = _ADDRESS.match(address)
+    return match is not None and NEURON_KIND in (match[2], match[3])
 
 
 def is_pattern_address(address: str) -> bool:
@@ -903,13 +933,16 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "Model Runner V2 capture is not implemented yet; unset "
             "VLLM_USE_V2_MODEL_RUNNER (the V1 runner is chosen automatically)"
         )
-    patterns = [k for k in cfg.layers if is_pattern_id(k, cfg.num_layers)]
-    if patterns and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
+    sharded = [
+        k for k in cfg.layers if is_pattern_id(k, cfg.num_layers) or is_neuron_id(k, cfg.num_layers)
+    ]
+    if sharded and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
         problems.append(
-            "attention patterns (attn_pattern in --hidden-states-points) are not "
-            "supported with tensor or pipeline parallelism yet (each rank holds "
-            "only its heads / layers); name the other kinds instead of 'all', "
-            "e.g. --hidden-states-points attn_out,resid_mid,mlp_out,resid_post"
+            "attention patterns and MLP neurons (attn_pattern, mlp_post in "
+            "--hidden-states-points) are not supported with tensor or pipeline "
+            "parallelism yet (each rank holds only its heads / neurons / layers); "
+            "name the other kinds instead of 'all', e.g. --hidden-states-points "
+            "attn_out,resid_mid,mlp_out,resid_post"
         )
     problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
     if problems:

@@ -74,7 +74,13 @@ def distinct_layers(spec: HiddenStatesSpec) -> list[int]:
 
 
 # The positions axis of each CapturedRows field.
-POSITION_AXIS: dict[str, int] = {"hidden": 1, "sae_ids": 0, "sae_values": 0, "patterns": 2}
+POSITION_AXIS: dict[str, int] = {
+    "hidden": 1,
+    "sae_ids": 0,
+    "sae_values": 0,
+    "patterns": 2,
+    "neurons": 1,
+}
 _FIELDS = msgspec.structs.fields(CapturedRows)
 assert {f.name for f in _FIELDS} == set(POSITION_AXIS), "a CapturedRows field lacks its axis"
 

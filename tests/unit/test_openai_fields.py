@@ -307,11 +307,23 @@ def test_choice_rows_take_advances_start_by_the_rows_taken():
     ask_all = HiddenStatesAsk((-1,), "base64", "all", True)
     rows = ChoiceRows()
     rows.pending = [{-1: torch.zeros(4, 8)}, {-1: torch.ones(1, 8)}]
-    first = rows.take(ask_all)
-    assert (first["start"], first["shape"]) == (0, [1, 5, 8])
-    assert rows.take(ask_all) is None
+    first, neurons = rows.take(ask_all)
+    assert (first["start"], first["shape"]) == (0, [1, 5, 8]) and neurons is None
+    assert rows.take(ask_all) == (None, None)
     rows.pending = [{-1: torch.ones(2, 8)}]
-    assert rows.take(ask_all)["start"] == 5
+    assert rows.take(ask_all)[0]["start"] == 5
+
+
+def test_choice_rows_take_gives_neurons_their_own_object():
+    from vllm_hidden_states.server.openai_fields import ChoiceRows
+
+    ask = HiddenStatesAsk((), "float", "all", True, neurons=("mlp_post.1",))
+    rows = ChoiceRows(start=3)
+    rows.pending = [{"mlp_post.1": torch.zeros(2, 16)}, {"mlp_post.1": torch.ones(1, 16)}]
+    hidden, neurons = rows.take(ask)
+    assert hidden is None
+    assert neurons["points"] == ["mlp_post.1"] and neurons["start"] == 3
+    assert neurons["shape"] == [1, 3, 16] and rows.start == 6
 
 
 def test_price_positions_counts_prompt_plus_max_tokens_per_choice():

@@ -118,8 +118,17 @@ def test_no_points_flag_keeps_todays_capturable_set():
 
 def test_all_makes_every_kind_capturable_at_every_layer():
     cfg = engine("all")
-    # HF layers, 3 row kinds, the last resid_post, a pattern per layer
-    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L
+    # HF layers, 3 row kinds, the last resid_post, a pattern and mlp_post per layer
+    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L + L
+
+
+def test_mlp_post_ids_are_their_own_and_moe_models_lack_them():
+    capture_id = point_id("mlp_post", 3, L)
+    assert point_of_id(capture_id, L) == ("mlp_post", 3)
+    assert capture_id != point_id("attn_pattern", 3, L)
+    assert "mlp_post" not in point_kinds_for("MixtralForCausalLM")
+    with pytest.raises(ValueError, match="mixture of experts"):
+        capturable_point_ids(["mlp_post"], L, "Qwen3MoeForCausalLM")
 
 
 @pytest.mark.parametrize(

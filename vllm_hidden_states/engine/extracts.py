@@ -71,11 +71,12 @@ def problem_with(
             if config.sae is None
             else f"must be in 1..{config.sae['d_sae']}"
         )
-    if not extract.layers and not extract.sae_top_k and not extract.patterns:
+    if not (extract.layers or extract.sae_top_k or extract.patterns or extract.neurons):
         return "no layers requested"
     if extract.patterns and extract.positions != "all":
         return "attention patterns need positions 'all' (every key recomputed)"
-    bad = [k for k in (*extract.layers, *extract.patterns) if k not in config.layers]
+    asked = (*extract.layers, *extract.patterns, *extract.neurons)
+    bad = [k for k in asked if k not in config.layers]
     if bad:
         return (
             f"layers {bad} are not capturable; capturable layers: "

@@ -93,6 +93,7 @@ class CaptureSpec:
     patterns: tuple[int, ...] = ()
     query_start: int = 0
     query_stop: int | None = None
+    neurons: tuple[int, ...] = ()  # mlp_post capture ids
 
 
 @dataclass(slots=True)  # made per request per step: no frozen-dataclass setattr cost
@@ -134,6 +135,7 @@ class CaptureStep:
     patterns: tuple[int, ...] = ()
     query_start: int = 0
     query_stop: int | None = None
+    neurons: tuple[int, ...] = ()
 
 
 class CapturePlanner:
@@ -176,6 +178,7 @@ class CapturePlanner:
             len(extract.token_ids),
             extract.sae_top_k,
             tuple(extract.patterns),
+            tuple(extract.neurons),
         )
         spec.query_start, spec.query_stop = extract.start, extract.end
         self.active[request.request_id] = spec
@@ -195,12 +198,13 @@ class CapturePlanner:
         if spec is None:
             return
         layers = tuple(distinct_layers(spec))
+        neurons = tuple(spec.neuron_ids)
         if spec.positions == "prompt":
             self.active[request.request_id] = self._spec(
-                layers, "all", request.num_prompt_tokens, spec.sae_top_k
+                layers, "all", request.num_prompt_tokens, spec.sae_top_k, neurons=neurons
             )
         elif spec.inline:
-            capture = self._spec(layers, "all", None, spec.sae_top_k)
+            capture = self._spec(layers, "all", None, spec.sae_top_k, neurons=neurons)
             # A window ("generated", {"start", "end"}): nothing before its
             # start is captured, nothing from its end on.
             capture.delivered, capture.end = spec.start, spec.end
@@ -213,6 +217,7 @@ class CapturePlanner:
         num_tokens: int | None,
         sae_top_k: int = 0,
         patterns: tuple[int, ...] = (),
+        neurons: tuple[int, ...] = (),
     ):
         final = self.config.num_layers
         read = (*layers, self.config.sae_layer) if sae_top_k else layers
@@ -221,8 +226,9 @@ class CapturePlanner:
             positions,
             num_tokens,
             sae_top_k=sae_top_k,
-            buffered=bool(patterns) or any(k != final for k in read),
+            buffered=bool(patterns or neurons) or any(k != final for k in read),
             patterns=patterns,
+            neurons=neurons,
         )
 
     # -- each step -------------------------------------------------------------
@@ -293,6 +299,7 @@ class CapturePlanner:
                     spec.patterns,
                     spec.query_start,
                     spec.query_stop,
+                    spec.neurons,
                 )
         if steps:
             output.capture_plan = steps

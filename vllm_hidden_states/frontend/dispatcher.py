@@ -128,6 +128,10 @@ class HiddenStatesTracker:
             rows.patterns is None or rows.patterns.shape[0] != len(self.spec.pattern_ids)
         ):
             return "no attention patterns"
+        if self.spec.neuron_ids and (
+            rows.neurons is None or rows.neurons.shape[0] != len(self.spec.neuron_ids)
+        ):
+            return "no MLP neurons"
         if self.spec.sae_top_k and rows.sae_ids is None:
             return "no SAE features"
         return None
@@ -231,6 +235,9 @@ class HiddenStatesTracker:
                 "values": rows.sae_values,
             }
         states = self._keyed(rows.hidden) if self.spec.abs_layers else None
+        if self.spec.neurons and rows.neurons is not None:
+            # {address: [positions, intermediate_size]}, after the rows' keys.
+            states = {**(states or {}), **dict(zip(self.spec.neurons, rows.neurons))}
         if self.spec.patterns and rows.patterns is not None:
             # {address: [heads, queries, keys]}, beside the rows' keys.
             states = {**(states or {}), **dict(zip(self.spec.patterns, rows.patterns))}
@@ -403,6 +410,7 @@ class ExtractDispatcher:
                 patterns=list(tracker.spec.pattern_ids),
                 start=start,
                 end=end,
+                neurons=list(tracker.spec.neuron_ids),
             )
         )
 

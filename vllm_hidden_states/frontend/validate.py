@@ -29,6 +29,7 @@ from vllm_hidden_states.config import (
     check_points,
     check_positions,
     check_sae_features,
+    is_neuron_id,
     is_pattern_id,
     window_of,
     window_problem,
@@ -98,12 +99,18 @@ def resolve_request(
         asked_ids = cfg.resolve_points(asked)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="hidden_states_points") from None
-    # Attention patterns travel apart from the residual rows.
+    # Attention patterns and MLP neurons travel apart from the residual rows.
     n = cfg.num_layers
-    points = [a for a, k in zip(asked, asked_ids) if not is_pattern_id(k, n)]
-    point_ids = [k for k in asked_ids if not is_pattern_id(k, n)]
-    patterns = [a for a, k in zip(asked, asked_ids) if is_pattern_id(k, n)]
-    pattern_ids = [k for k in asked_ids if is_pattern_id(k, n)]
+    kinds = [
+        "pattern" if is_pattern_id(k, n) else "neuron" if is_neuron_id(k, n) else "row"
+        for k in asked_ids
+    ]
+    points = [a for a, kind in zip(asked, kinds) if kind == "row"]
+    point_ids = [k for k, kind in zip(asked_ids, kinds) if kind == "row"]
+    patterns = [a for a, kind in zip(asked, kinds) if kind == "pattern"]
+    pattern_ids = [k for k, kind in zip(asked_ids, kinds) if kind == "pattern"]
+    neurons = [a for a, kind in zip(asked, kinds) if kind == "neuron"]
+    neuron_ids = [k for k, kind in zip(asked_ids, kinds) if kind == "neuron"]
     try:
         # With sae_features or points, full states only for the layers named.
         layers = check_layers(
@@ -132,6 +139,8 @@ def resolve_request(
         end=None if window is None else window.end,
         patterns=patterns,
         pattern_ids=pattern_ids,
+        neurons=neurons,
+        neuron_ids=neuron_ids,
     )
 
     if patterns:

@@ -95,6 +95,7 @@ from vllm_hidden_states.config import (
     check_points,
     check_positions,
     check_sae_features,
+    is_neuron_address,
     is_pattern_address,
     parse_point,
     window_problem,
@@ -123,6 +124,7 @@ class HiddenStatesAsk:
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
     points: tuple[str, ...] = ()  # hidden_states_points, as given (rows)
     patterns: tuple[str, ...] = ()  # hidden_states_points of attention patterns
+    neurons: tuple[str, ...] = ()  # hidden_states_points of MLP neurons (mlp_post)
     heads: tuple[int, ...] | None = None  # hidden_states_heads; None = every head
 
     @property
@@ -264,15 +266,17 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
                 "ask for one in hidden_states_points (e.g. 'attn_pattern.3')",
                 "hidden_states_heads",
             )
+    neurons = tuple(p for p in points if is_neuron_address(p))
     return HiddenStatesAsk(
         tuple(layers),
         fmt,
         positions,
         stream,
         sae_top_k,
-        tuple(p for p in points if p not in patterns),
-        patterns,
-        None if heads is None else tuple(heads),
+        points=tuple(p for p in points if p not in patterns and p not in neurons),
+        patterns=patterns,
+        neurons=neurons,
+        heads=None if heads is None else tuple(heads),
     )
 
 
@@ -307,8 +311,8 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         parse_sae_features(request.model_extra["sae_features"], cfg.sae["d_sae"])
     if ask.layers or not (ask.sae_top_k or ask.points):
         validate_layers(engine_client, ask.layers, "hidden_states_layers")
-    if ask.points or ask.patterns:
-        validate_points(engine_client, (*ask.points, *ask.patterns))
+    if ask.points or ask.patterns or ask.neurons:
+        validate_points(engine_client, (*ask.points, *ask.patterns, *ask.neurons))
     if ask.heads is not None:
         num_heads = int(engine_client.model_config.hf_text_config.num_attention_heads)
         if max(ask.heads) >= num_heads:
@@ -374,7 +378,8 @@ class PositionPricing:
     hidden_size: int
     spent_positions: int = 0
     heads: int = 0  # query heads: an attention pattern is [heads, queries, keys]
-    spent_pattern_values: int = 0
+    intermediate: int = 0  # an mlp_post row's width
+    spent_extra_values: int = 0  # attention-pattern weights and MLP neurons
 
 
 def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) -> None:
@@ -399,10 +404,14 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     else:
         per_choice = prompt_len + max_tokens
     pricing.spent_positions += pricing.n * per_choice
+    if pricing.ask.neurons:
+        pricing.spent_extra_values += (
+            pricing.n * per_choice * len(pricing.ask.neurons) * pricing.intermediate
+        )
     if pricing.ask.patterns:
         # [heads, queries, keys] per pattern point, keys up to the whole sequence.
         keys = prompt_len + max_tokens
-        pricing.spent_pattern_values += (
+        pricing.spent_extra_values += (
             pricing.n
             * len(pricing.ask.patterns)
             * (pricing.heads if pricing.ask.heads is None else len(pricing.ask.heads))
@@ -422,7 +431,7 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         "or choices or a smaller top_k, use hidden_states_format 'base64', or "
         "raise the cap",
         sae_top_k=pricing.ask.sae_top_k,
-        pattern_values=pricing.spent_pattern_values,
+        pattern_values=pricing.spent_extra_values,
     )
 
 
@@ -431,7 +440,7 @@ def _concat(chunks: list[dict[int | str, Any]], ask: HiddenStatesAsk) -> dict[in
 
     if len(chunks) == 1:
         return chunks[0]
-    return {k: torch.cat([c[k] for c in chunks]) for k in ask.keys}
+    return {k: torch.cat([c[k] for c in chunks]) for k in (*ask.keys, *ask.neurons)}
 
 
 def encode_choice_states(
@@ -458,6 +467,28 @@ def encode_choice_states(
     else:
         rows = torch.stack([states[k] for k in ask.keys])  # [keys, pos, hidden]
         out.update(positions=ask.positions_json, start=start)
+    out["shape"] = list(rows.shape)
+    out["dtype"] = dtype_name(rows.dtype)
+    out["encoding_format"] = ask.encoding_format
+    out["data"] = encode_array(rows, ask.encoding_format)
+    return out
+
+
+def encode_choice_neurons(
+    states: dict[int | str, Any] | None, ask: HiddenStatesAsk, start: int = 0
+) -> dict[str, Any] | None:
+    """The ``neurons`` object of one choice (or streamed chunk): MLP neurons
+    (``mlp_post``), ``[points, positions, intermediate_size]``."""
+    if states is None:
+        return None
+    import torch
+
+    if ask.positions == "last":
+        rows = torch.stack([states[p][-1:] for p in ask.neurons])
+        out: dict[str, Any] = {"points": list(ask.neurons), "positions": "last"}
+    else:
+        rows = torch.stack([states[p] for p in ask.neurons])
+        out = {"points": list(ask.neurons), "positions": ask.positions_json, "start": start}
     out["shape"] = list(rows.shape)
     out["dtype"] = dtype_name(rows.dtype)
     out["encoding_format"] = ask.encoding_format
@@ -663,22 +694,24 @@ class ChoiceRows:
     def owed(self) -> bool:
         return bool(self.pending or self.features)
 
-    def take(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
-        """The pending rows as a ``hidden_states`` object, emptied."""
+    def take(self, ask: HiddenStatesAsk) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The pending rows as the ``hidden_states`` and ``neurons`` objects
+        (None where not asked), emptied."""
         if not self.pending:
-            return None
+            return None, None
         states = _concat(self.pending, ask)
-        obj = encode_choice_states(states, ask, self.start)
-        self.start += next(iter(states.values())).shape[0]
+        hidden = encode_choice_states(states, ask, self.start) if ask.keys else None
+        neurons = encode_choice_neurons(states, ask, self.start) if ask.neurons else None
+        self.start += states[(*ask.keys, *ask.neurons)[0]].shape[0]
         self.pending = []
-        return obj
+        return hidden, neurons
 
     def take_patterns(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
         """The attention patterns (on the final output's states) as an
         ``attention_patterns`` object; the rows stay pending for :meth:`take`."""
         final = next((p for p in reversed(self.pending) if ask.patterns[0] in p), None)
         obj = encode_choice_patterns(final, ask, self.start)
-        if not ask.keys:
+        if not (ask.keys or ask.neurons):
             self.pending = []
         return obj
 
@@ -804,8 +837,12 @@ def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStat
             continue
         if ask.patterns:
             choice["attention_patterns"] = rows.take_patterns(ask)
-        if ask.keys:
-            choice["hidden_states"] = rows.take(ask)
+        if ask.keys or ask.neurons:
+            hidden, neurons = rows.take(ask)
+            if ask.keys:
+                choice["hidden_states"] = hidden
+            if ask.neurons:
+                choice["neurons"] = neurons
         if ask.sae_top_k:
             choice["sae_features"] = rows.take_features(ask)
         changed = True
@@ -850,7 +887,7 @@ def _attach_to_choices(
     features = features or [None] * len(choices)
     starts = starts or [0] * len(choices)
     for choice, choice_states, choice_features, start in zip(choices, states, features, starts):
-        missing = ((ask.keys or ask.patterns) and choice_states is None) or (
+        missing = ((ask.keys or ask.patterns or ask.neurons) and choice_states is None) or (
             ask.sae_top_k and not choice_features
         )
         if missing and choice.finish_reason != "abort":
@@ -861,6 +898,8 @@ def _attach_to_choices(
             )
         if ask.keys:
             choice.hidden_states = encode_choice_states(choice_states, ask, start)
+        if ask.neurons:
+            choice.neurons = encode_choice_neurons(choice_states, ask, start)
         if ask.patterns:
             choice.attention_patterns = encode_choice_patterns(choice_states, ask, start)
         if ask.sae_top_k:
@@ -917,7 +956,7 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
         store_of(raw_request)
     n = getattr(request, "n", None) or 1
     pricing = None
-    if ask.positions != "last" or ask.patterns:
+    if ask.positions != "last" or ask.patterns or ask.neurons:
         from vllm_hidden_states.server import admission
 
         model_config = serving.engine_client.model_config
@@ -927,6 +966,7 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             n,
             model_config.get_hidden_size(),
             heads=int(model_config.hf_text_config.num_attention_heads),
+            intermediate=int(getattr(model_config.hf_text_config, "intermediate_size", 0) or 0),
         )
     _reply.set(HiddenStatesReply(ask, request, n, pricing))
     return None
@@ -957,7 +997,7 @@ def ask_engine(params: Any) -> None:
     params.sae_features = extra.get("sae_features")
     # With sae_features alone, no full states (None: the engine's "no layers").
     params.hidden_states_layers = list(ask.layers) or None
-    params.hidden_states_points = [*ask.points, *ask.patterns] or None
+    params.hidden_states_points = [*ask.points, *ask.neurons, *ask.patterns] or None
     params.hidden_states_positions = ask.positions_json
 
 

@@ -277,9 +277,9 @@ class HiddenStatesCapture:
             counts.append(count)
             buffered.append(step.buffered)
             layer_sets.add(step.layers)
-            if step.patterns:
-                layer_sets.add(step.patterns)  # their capture points write rows
-                all_done = False  # not the one-copy path: patterns are computed
+            if step.patterns or step.neurons:
+                layer_sets.add(step.patterns + step.neurons)  # their points write rows
+                all_done = False  # not the one-copy path (other widths, patterns)
             all_done &= done
             any_sae |= bool(step.sae_top_k)
             offset += count
@@ -393,6 +393,7 @@ class HiddenStatesCapture:
             # not waited on (see host_rows), and the next forward rewrites the
             # buffers only after them, in stream order.
             layers = [rows_of(k) for k in step.layers]
+            neurons = [self._neuron_rows(k, inner) for k in step.neurons]
             features = None
             if step.sae_top_k:
                 # On the device; only k ids + k values per row leave it.
@@ -407,11 +408,13 @@ class HiddenStatesCapture:
                 spans = step.positions == "all" and not armed.done
                 last = step.num_tokens if step.stop is None else min(step.num_tokens, step.stop)
                 num_rows = last - step.first if spans else armed.count
-                rows = HostRows.allocate(self.copies, step.first, num_rows, layers, features)
+                rows = HostRows.allocate(
+                    self.copies, step.first, num_rows, layers, features, neurons
+                )
                 if spans:
                     self._partial[armed.req_id] = rows
-            if layers or features is not None:
-                rows.write(self.copies, step.first, layers, features)
+            if layers or neurons or features is not None:
+                rows.write(self.copies, step.first, layers, features, neurons)
             if armed.done:
                 self._partial.pop(armed.req_id, None)
                 self._ready[armed.req_id] = rows
@@ -463,6 +466,12 @@ class HiddenStatesCapture:
         self._armed = []
         self._rows = None
         self._carried = None
+
+    def _neuron_rows(self, k: int, inner: slice) -> torch.Tensor:
+        """This step's device rows of mlp_post id ``k`` (``[rows,
+        intermediate_size]``, from the capture buffers)."""
+        assert self.points is not None  # mlp_post ids have capture points
+        return self.points.read_neurons(k)[inner]
 
     def _keep_pattern_rows(self, armed: _Armed, inner: slice) -> None:
         """A pattern capture's queries and keys of this forward into its

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import PATTERN_KIND, point_of_id
+from vllm_hidden_states.config import NEURON_KIND, PATTERN_KIND, point_of_id
 
 logger = init_logger(__name__)
 
@@ -395,14 +395,22 @@ class CapturePoints:
         self._index: dict[int, int] = {}  # capture id -> its position in counts
         self.buffers: dict[int, torch.Tensor] = {}
         taps: dict[int, Tap] = {}
-        # Attention patterns: vLLM's Attention module per pattern id.
+        # Attention patterns: vLLM's Attention module per pattern id; MLP
+        # neurons: the down projection per mlp_post id.
         self.pattern_modules: dict[int, nn.Module] = {}
+        self.neuron_modules: dict[int, nn.Module] = {}
         for k in layers:
             point = point_of_id(k, num_layers)
             layer = decoder_layers[k if point is None else point[1]]
             if _is_pp_placeholder(layer):
                 continue  # another pipeline stage owns it
-            if point is not None and point[0] == PATTERN_KIND:
+            if point is not None and point[0] == NEURON_KIND:
+                # The MLP's hidden activations: its down projection's input.
+                name = f"{NEURON_KIND}.{point[1]}"
+                down = _child(_child(layer, "mlp", name), "down_proj", name)
+                self.neuron_modules[k] = down
+                taps[k] = Tap(down, "pre", _first_arg(("x", "input_", "input")))
+            elif point is not None and point[0] == PATTERN_KIND:
                 name = f"{PATTERN_KIND}.{point[1]}"
                 attn = _child(_child(layer, "self_attn", name), "attn", name)
                 self.pattern_modules[k] = attn
@@ -419,6 +427,8 @@ class CapturePoints:
         modules: dict[int, nn.Module] = {}
         # Pattern ids: their queries and keys, [max_rows, heads x head_size].
         self.pattern_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # mlp_post ids: [max_rows, intermediate_size].
+        self.neuron_buffers: dict[int, torch.Tensor] = {}
         for index, (k, tap) in enumerate(taps.items()):
             module = tap.module
             if not hasattr(module, "_hs_rows"):
@@ -440,11 +450,18 @@ class CapturePoints:
                     outs.append(out)
                 self.pattern_buffers[k] = (outs[0], outs[1])
                 continue
-            out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+            width = hidden_size
+            if k in self.neuron_modules:
+                down = self.neuron_modules[k]
+                width = int(getattr(down, "input_size_per_partition", 0) or down.in_features)
+            out = torch.zeros(max_rows, width, dtype=dtype, device=device)
             name = f"_hs_out_{index}"
             module.register_buffer(name, out, persistent=False)
             hooked.append((tap.read, name, index, tap.scale))
-            self.buffers[k] = out
+            if k in self.neuron_modules:
+                self.neuron_buffers[k] = out
+            else:
+                self.buffers[k] = out
         for (module_id, when), module_taps in hooks.items():
             module = modules[module_id]
             if when == "pre":
@@ -499,6 +516,10 @@ class CapturePoints:
     def read(self, k: int) -> torch.Tensor:
         """``[count, hidden_size]``: layer ``k``'s rows of the last forward (a view)."""
         return self.buffers[k][: self.count]
+
+    def read_neurons(self, k: int) -> torch.Tensor:
+        """``[count, intermediate_size]``: mlp_post id ``k``'s rows of the last forward."""
+        return self.neuron_buffers[k][: self.count]
 
     def read_pattern(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pattern id ``k``'s query and key rows of the last forward (views)."""

@@ -68,11 +68,14 @@ class HostRows:
             None when no layer's full states were asked.
         features: SAE top-k ``(ids int32, values float32)``, each
             ``[rows, k]``, or None without ``sae_top_k``.
+        neurons: ``[num_mlp_post, rows, intermediate_size]`` in the model
+            dtype, or None when no MLP-neuron point was asked.
     """
 
     first: int
     states: torch.Tensor | None
     features: tuple[torch.Tensor, torch.Tensor] | None
+    neurons: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -82,13 +85,19 @@ class HostRows:
         num_rows: int,
         layers: list[torch.Tensor],
         features: tuple[torch.Tensor, torch.Tensor] | None,
+        neurons: list[torch.Tensor] | None = None,
     ) -> "HostRows":
         """Room for ``num_rows`` rows shaped like the first chunk's
-        (``layers``: one ``[rows, hidden]`` device tensor per layer)."""
+        (``layers``: one ``[rows, hidden]`` device tensor per layer;
+        ``neurons``: one ``[rows, intermediate_size]`` per mlp_post point)."""
         states = None
         if layers:
             hidden = layers[0].shape[-1]
             states = copies.empty((len(layers), num_rows, hidden), layers[0].dtype)
+        host_neurons = None
+        if neurons:
+            width = neurons[0].shape[-1]
+            host_neurons = copies.empty((len(neurons), num_rows, width), neurons[0].dtype)
         host_features = None
         if features is not None:
             ids, values = features
@@ -96,20 +105,25 @@ class HostRows:
                 copies.empty((num_rows, ids.shape[-1]), ids.dtype),
                 copies.empty((num_rows, values.shape[-1]), values.dtype),
             )
-        return cls(first, states, host_features)
+        return cls(first, states, host_features, host_neurons)
 
     def captured(self) -> CapturedRows:
         """The rows as they leave the worker (``ModelRunnerOutput.captured``)."""
         if self.features is None:
-            return CapturedRows(hidden=self.states)
+            return CapturedRows(hidden=self.states, neurons=self.neurons)
         return CapturedRows(
-            hidden=self.states, sae_ids=self.features[0], sae_values=self.features[1]
+            hidden=self.states,
+            sae_ids=self.features[0],
+            sae_values=self.features[1],
+            neurons=self.neurons,
         )
 
     @property
     def num_rows(self) -> int:
         if self.states is not None:
             return self.states.shape[1]
+        if self.neurons is not None:
+            return self.neurons.shape[1]
         return self.features[0].shape[0] if self.features is not None else 0
 
     def write(
@@ -118,11 +132,14 @@ class HostRows:
         first: int,
         layers: list[torch.Tensor],
         features: tuple[torch.Tensor, torch.Tensor] | None,
+        neurons: list[torch.Tensor] | None = None,
     ) -> None:
         """Copy one chunk whose row 0 is position ``first``: one contiguous
         copy per layer (a row range of one layer is contiguous on both sides)."""
         if layers:
             count = layers[0].shape[0]
+        elif neurons:
+            count = neurons[0].shape[0]
         else:
             assert features is not None  # a chunk carries rows, features or both
             count = features[0].shape[0]
@@ -139,3 +156,6 @@ class HostRows:
             assert self.features is not None  # allocated with features
             copies.copy(self.features[0][lo : lo + count], features[0])
             copies.copy(self.features[1][lo : lo + count], features[1])
+        for i, rows in enumerate(neurons or ()):
+            assert self.neurons is not None  # allocated for the same points
+            copies.copy(self.neurons[i, lo : lo + count], rows)

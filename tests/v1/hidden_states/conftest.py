@@ -69,7 +69,8 @@ class HFReference:
         as the block's output (after Gemma's / OLMo 2's post-norm, times
         Granite's residual multiplier), ``resid_mid`` as the input of the
         module that reads it (the pre-MLP norm; OLMo 2: the MLP),
-        ``resid_post`` as the layer's output, ``resid_pre`` from
+        ``resid_post`` as the layer's output, ``mlp_post`` as the input of
+        a dense MLP's down projection, ``resid_pre`` from
         ``output_hidden_states``."""
         found: dict[str, torch.Tensor] = {}
         handles = []
@@ -103,6 +104,8 @@ class HFReference:
             mlp = layer.post_feedforward_layernorm if post_norms else layer.mlp
             output_of(f"mlp_out.{i}", mlp, scale)
             output_of(f"resid_post.{i}", layer)
+            if hasattr(layer.mlp, "down_proj"):  # a dense MLP: its neurons
+                input_of(f"mlp_post.{i}", layer.mlp.down_proj)
         try:
             states = self.states(token_ids)
         finally:

@@ -32,7 +32,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_hidden_states.config import POINT_KINDS
+from vllm_hidden_states.config import point_kinds_for
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
@@ -176,16 +176,15 @@ def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
 # Capture points beyond the residual stream
 
 
-# Points that are rows of the residual stream's width (attention patterns
-# have their own tests: test_patterns.py).
-ROW_KINDS = [kind for kind in POINT_KINDS if kind != "attn_pattern"]
-
-
 def every_point(hf: HFReference) -> list[str]:
-    """Every row point of every layer, both address forms (SAELens' for odd layers)."""
+    """Every row point the architecture has (attention patterns have their own
+    tests: test_patterns.py) at every layer, both address forms (SAELens' for
+    odd layers). MoE models have no mlp_post."""
+    kinds = point_kinds_for(hf.model.config.architectures[0])
     return [
         f"blocks.{i}.hook_{kind}" if i % 2 else f"{kind}.{i}"
-        for kind in ROW_KINDS
+        for kind in kinds
+        if kind != "attn_pattern"
         for i in range(hf.num_layers)
     ]
 

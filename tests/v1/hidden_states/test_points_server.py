@@ -24,7 +24,7 @@ from .test_patterns import hf_patterns
 from .test_server import assert_error, decode_rows
 
 MODEL = "tiny-gemma2"
-POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1"
+POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1,mlp_post.0"
 PROMPT = "Once upon a time there was a small robot who loved to count"
 
 
@@ -413,3 +413,50 @@ def test_bad_heads_selectors_are_400s(http, extra, needle):
     r = http.post("/v1/completions", json=body(**extra))
     error = assert_error(r, 400, "invalid_request_error", needle)
     assert error["param"] == "hidden_states_heads"
+
+
+# -- MLP neurons ---------------------------------------------------------------
+
+
+def test_mlp_neurons_come_as_their_own_object_exact_against_hf(http, hf):
+    r = http.post(
+        "/v1/completions",
+        json=body(
+            hidden_states_layers=[-1],
+            hidden_states_points=["blocks.0.hook_mlp_post"],
+            hidden_states_positions="all",
+        ),
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    neurons = choice["neurons"]
+    width = hf.model.config.intermediate_size
+    assert neurons["points"] == ["blocks.0.hook_mlp_post"]
+    assert neurons["shape"] == [1, len(ids), width]
+    assert choice["hidden_states"]["shape"] == [1, len(ids), hf.hidden_size]
+    assert_close(decode_rows(neurons)[0], hf.points(ids)["mlp_post.0"], "mlp_post.0")
+
+
+def test_streamed_mlp_neurons_concatenate_to_every_position(http, hf):
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json=body(
+            stream=True,
+            hidden_states_stream=True,
+            hidden_states_positions="all",
+            hidden_states_points=["mlp_post.0"],
+        ),
+    ) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    ids: list[int] = []
+    chunks = []
+    for event in events:
+        for c in event["choices"]:
+            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
+            if c.get("neurons"):
+                chunks.append(c["neurons"])
+    rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
+    assert_close(rows[0], hf.points(ids)["mlp_post.0"], "streamed mlp_post.0")
