@@ -126,3 +126,12 @@ def test_messages_prefix_renders_to_the_same_first_tokens_as_the_whole_conversat
     assert cut is not None
     assert sum(len(m["content"]) for m in cut) < len(LONG) // 10
     assert collect_mod._render_ids(tokenizer, cut)[:100] == full[:100]
+
+
+@pytest.mark.parametrize("point", ["mlp_post.1", "attn_pattern.0", "blocks.0.attn.hook_pattern"])
+def test_collect_refuses_points_that_are_not_hidden_size_rows(point):
+    from vllm_hidden_states.tools.collect import CollectConfig
+
+    cfg = CollectConfig(dataset="d.jsonl", out="out", model="m", points=[point])
+    with pytest.raises(ValueError, match="not by collect yet"):
+        cfg.check()
