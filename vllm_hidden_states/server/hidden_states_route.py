@@ -56,7 +56,7 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import is_pattern_address
+from vllm_hidden_states.config import is_neuron_address, is_pattern_address
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,
@@ -271,7 +271,7 @@ def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRe
         results,
         1,
         1,
-        engine_client.model_config.get_hidden_size(),
+        _row_width(engine_client, request),
         request.encoding_format,
         "input",
         "split the batch, or use encoding_format 'base64' or 'bytes'",
@@ -410,13 +410,22 @@ def _check_limits(
         1,
         sum(len(ids) for ids in inputs),
         1,
-        engine_client.model_config.get_hidden_size(),
+        _row_width(engine_client, request),
         request.encoding_format,
         "max_length",
         "lower max_length, split the batch, use encoding_format 'base64' or "
         "'bytes', or raise the cap",
         request.embed_dtype,
     )
+
+
+def _row_width(engine_client: Any, request: HiddenStatesRequest) -> int:
+    """Values per position of the answer: the hidden size, or the MLP's
+    intermediate size for an ``mlp_post`` point."""
+    model_config = engine_client.model_config
+    if request.point is not None and is_neuron_address(request.point):
+        return int(model_config.hf_text_config.intermediate_size)
+    return model_config.get_hidden_size()
 
 
 def _address(request: HiddenStatesRequest) -> dict[str, Any]:

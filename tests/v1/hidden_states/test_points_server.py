@@ -460,3 +460,16 @@ def test_streamed_mlp_neurons_concatenate_to_every_position(http, hf):
                 chunks.append(c["neurons"])
     rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
     assert_close(rows[0], hf.points(ids)["mlp_post.0"], "streamed mlp_post.0")
+
+
+def test_hidden_states_route_answers_mlp_neurons_of_every_prompt_position(http, hf):
+    r = http.post(
+        "/v1/hidden_states", json={"model": MODEL, "input": PROMPT, "point": "mlp_post.0"}
+    )
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    ids = hf_ids(http, PROMPT)
+    assert obj["point"] == "mlp_post.0"
+    assert obj["shape"] == [len(ids), hf.model.config.intermediate_size]
+    rows = decode_rows({**obj, "data": obj["hidden_states"], "encoding_format": "float"})
+    assert_close(rows, hf.points(ids)["mlp_post.0"], "mlp_post.0")
