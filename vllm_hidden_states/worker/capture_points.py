@@ -91,6 +91,19 @@ def gather_rows(
         target.mul_(scale)
 
 
+# CPU count tensors seen as numpy arrays (the same memory), by data pointer:
+# reading one element is then a plain memory read, not a tensor index.
+_counts_views: dict[int, np.ndarray] = {}
+
+
+def _host_counts(counts: torch.Tensor) -> np.ndarray:
+    """``counts`` (a persistent CPU tensor) as a numpy view of its memory."""
+    view = _counts_views.get(counts.data_ptr())
+    if view is None or view.shape[0] != counts.shape[0]:
+        view = _counts_views[counts.data_ptr()] = counts.numpy()
+    return view
+
+
 def _capture_rows(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -102,12 +115,14 @@ def _capture_rows(
 ) -> None:
     """``out[:n] = ((hidden + residual) * scale)[rows[:n]]`` with ``n =
     counts[index]`` (see module doc)."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    if count_readable_on_host(hidden.device):
-        n = int(counts[index])  # free on CPU; the op is opaque to Dynamo
+    if count_readable_on_host(counts.device):
+        # Free on CPU (the op is opaque to Dynamo). Called at every capture
+        # point of every forward, so the "nobody asked" path is one read.
+        n = _host_counts(counts)[index]
         if n:
-            gather_rows(hidden, residual, rows[:n], out[:n], scale)
+            gather_rows(hidden.reshape(-1, hidden.shape[-1]), residual, rows[:n], out[:n], scale)
         return
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     # No host sync: gather the first min(max_rows, tokens) entries of the
     # persistent index (the rows armed for this forward are among them: at
     # most one per token); the runner reads out[:count]. Entries past the
