@@ -144,3 +144,58 @@ def test_only_the_layers_asked_are_written(mode):
     torch.testing.assert_close(points.read(2), entering[2][1:3])
     if mode == "host count":  # off CPU every point gathers (it cannot read its count)
         assert points.buffers[0].isnan().all()
+
+
+@torch.inference_mode()
+def test_post_hook_points_of_a_fused_layer_read_its_output(mode):
+    """mlp_out / resid_mid are a fused-residual layer's own output items and
+    the last layer's resid_post their sum, in both op modes."""
+    from vllm_hidden_states.config import point_id
+
+    torch.manual_seed(0)
+    model = Stack()
+    ids = {
+        "mlp_out.1": point_id("mlp_out", 1, NUM_LAYERS),
+        "resid_mid.1": point_id("resid_mid", 1, NUM_LAYERS),
+        "resid_post.2": point_id("resid_post", 2, NUM_LAYERS),
+    }
+    points = CapturePoints(
+        model,
+        list(ids.values()),
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        max_rows=16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        layout="fused",
+    )
+    outputs = []
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o: outputs.append(o)) for layer in model.layers
+    ]
+    rows = np.array([4, 1], dtype=np.int64)
+    points.arm(rows)
+    model(torch.randn(6, HIDDEN))
+    for hook in hooks:
+        hook.remove()
+    index = torch.from_numpy(rows)
+    torch.testing.assert_close(points.read(ids["mlp_out.1"]), outputs[1][0][index])
+    torch.testing.assert_close(points.read(ids["resid_mid.1"]), outputs[1][1][index])
+    last = outputs[2][0] + outputs[2][1]
+    torch.testing.assert_close(points.read(ids["resid_post.2"]), last[index])
+
+
+def test_a_point_the_layer_does_not_have_is_a_lookup_error_naming_the_module():
+    from vllm_hidden_states.config import point_id
+
+    with pytest.raises(LookupError, match="post_attention_layernorm"):
+        CapturePoints(
+            Stack(),
+            [point_id("attn_out", 0, NUM_LAYERS)],
+            num_layers=NUM_LAYERS,
+            hidden_size=HIDDEN,
+            max_rows=4,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            layout="fused",
+        )
