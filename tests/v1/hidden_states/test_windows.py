@@ -71,13 +71,16 @@ def test_a_window_longer_than_the_capture_buffers_is_split_over_steps(llm, hf_qw
     assert_rows(got, hf_qwen3, ids, slice(4, 55), "long window")
 
 
-def test_a_window_past_the_sequence_the_request_reached_is_empty(llm, hf_qwen3):
-    """max_tokens allows the window, EOS-free generation stops at max_tokens
-    first: the answer has the rows that exist (none here)."""
+def test_a_window_reaching_past_the_sequence_has_the_rows_that_exist(llm, hf_qwen3):
+    """The window may end past the final token (max_tokens allows it; a stop
+    string ends generation first): the answer has the positions that exist."""
     _, _, prompt_len = states(llm, "last", max_tokens=1)
-    got, ids, _ = states(llm, {"start": prompt_len + 6}, max_tokens=10, stop_token_ids=None)
-    expected_rows = max(len(ids) - (prompt_len + 6), 0)
-    assert got[-1].shape == (expected_rows, hf_qwen3.hidden_size)
+    window = {"start": prompt_len + 2, "end": prompt_len + 10}
+    got, ids, _ = states(llm, window, max_tokens=10, stop=[" "], include_stop_str_in_output=False)
+    assert len(ids) < prompt_len + 10
+    assert got[-1].shape == (max(len(ids) - (prompt_len + 2), 0), hf_qwen3.hidden_size)
+    if len(ids) > prompt_len + 2:
+        assert_rows(got, hf_qwen3, ids, slice(prompt_len + 2, None), "window past the end")
 
 
 def test_a_window_starting_past_the_reachable_positions_is_refused(llm):
