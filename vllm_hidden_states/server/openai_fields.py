@@ -456,39 +456,41 @@ def encode_choice_states(
     """
     if states is None:
         return None
-    import torch
-
-    out: dict[str, Any] = {"layers": list(ask.layers)}
+    names: dict[str, Any] = {"layers": list(ask.layers)}
     if ask.points:
-        out["points"] = list(ask.points)
-    if ask.positions == "last":
-        rows = torch.cat([states[k][-1:] for k in ask.keys])  # [keys, hidden]
-        out["positions"] = "last"
-    else:
-        rows = torch.stack([states[k] for k in ask.keys])  # [keys, pos, hidden]
-        out.update(positions=ask.positions_json, start=start)
-    out["shape"] = list(rows.shape)
-    out["dtype"] = dtype_name(rows.dtype)
-    out["encoding_format"] = ask.encoding_format
-    out["data"] = encode_array(rows, ask.encoding_format)
-    return out
+        names["points"] = list(ask.points)
+    return _rows_object(states, ask.keys, names, ask, start)
 
 
 def encode_choice_neurons(
     states: dict[int | str, Any] | None, ask: HiddenStatesAsk, start: int = 0
 ) -> dict[str, Any] | None:
     """The ``neurons`` object of one choice (or streamed chunk): MLP neurons
-    (``mlp_post``), ``[points, positions, intermediate_size]``."""
+    (``mlp_post``), laid out like ``hidden_states`` with ``intermediate_size``
+    values per row."""
     if states is None:
         return None
+    return _rows_object(states, ask.neurons, {"points": list(ask.neurons)}, ask, start)
+
+
+def _rows_object(
+    states: dict[int | str, Any],
+    keys: tuple[int | str, ...],
+    names: dict[str, Any],
+    ask: HiddenStatesAsk,
+    start: int,
+) -> dict[str, Any]:
+    """Rows of ``keys`` as one object: "last": ``[keys, width]``, else
+    ``[keys, positions, width]`` from position ``start``; ``names`` first."""
     import torch
 
+    out = dict(names)
     if ask.positions == "last":
-        rows = torch.stack([states[p][-1:] for p in ask.neurons])
-        out: dict[str, Any] = {"points": list(ask.neurons), "positions": "last"}
+        rows = torch.cat([states[k][-1:] for k in keys])  # [keys, width]
+        out["positions"] = "last"
     else:
-        rows = torch.stack([states[p] for p in ask.neurons])
-        out = {"points": list(ask.neurons), "positions": ask.positions_json, "start": start}
+        rows = torch.stack([states[k] for k in keys])  # [keys, positions, width]
+        out.update(positions=ask.positions_json, start=start)
     out["shape"] = list(rows.shape)
     out["dtype"] = dtype_name(rows.dtype)
     out["encoding_format"] = ask.encoding_format

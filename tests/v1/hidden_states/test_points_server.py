@@ -96,6 +96,25 @@ def assert_rows_match_hf(hf: HFReference, obj: dict, ids: list[int], keys: list,
         assert_close(row, expected, f"{key}")
 
 
+def streamed(http, field: str, **fields) -> tuple[list[int], int, list[dict]]:
+    """A streamed completion: its token ids (prompt + output), prompt length,
+    and every chunk's ``field`` object with the ``finish_reason`` of its chunk
+    (``"_finish"``), in order."""
+    with http.stream("POST", "/v1/completions", json=body(stream=True, **fields)) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    ids: list[int] = []
+    prompt_len = 0
+    objects = []
+    for event in events:
+        for c in event["choices"]:
+            prompt_len += len(c.get("prompt_token_ids") or [])
+            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
+            if c.get(field):
+                objects.append({**c[field], "_finish": c["finish_reason"]})
+    return ids, prompt_len, objects
+
+
 def test_completion_returns_the_points_asked_after_the_layers(http, hf):
     points = ["attn_out.0", "blocks.1.hook_resid_mid", "mlp_out.-1"]
     r = http.post(
@@ -145,27 +164,15 @@ def test_chat_openai_client_every_position_of_points_in_base64(server, hf):
 
 def test_streamed_rows_of_points_concatenate_to_every_position(http, hf):
     points = ["resid_mid.1", "attn_out.0"]
-    with http.stream(
-        "POST",
-        "/v1/completions",
-        json=body(
-            stream=True,
-            hidden_states_stream=True,
-            hidden_states_positions="all",
-            hidden_states_points=points,
-            max_tokens=6,
-        ),
-    ) as response:
-        assert response.status_code == 200
-        events = sse_events(response)
-    ids: list[int] = []
-    chunks = []
-    for event in events:
-        for c in event["choices"]:
-            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
-            if c.get("hidden_states"):
-                assert c["hidden_states"]["points"] == points
-                chunks.append(c["hidden_states"])
+    ids, _, chunks = streamed(
+        http,
+        "hidden_states",
+        hidden_states_stream=True,
+        hidden_states_positions="all",
+        hidden_states_points=points,
+        max_tokens=6,
+    )
+    assert all(c["points"] == points for c in chunks)
     rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
     assert rows.shape == (2, len(ids), hf.hidden_size)
     reference = hf.points(ids)
@@ -262,30 +269,16 @@ def test_hidden_states_route_refuses_a_point_not_capturable(http):
 
 
 def test_streamed_generated_rows_of_a_point_start_after_the_prompt(http, hf):
-    with http.stream(
-        "POST",
-        "/v1/completions",
-        json=body(
-            stream=True,
-            hidden_states_stream=True,
-            hidden_states_positions="generated",
-            hidden_states_points=["mlp_out.1"],
-            max_tokens=5,
-            ignore_eos=True,
-        ),
-    ) as response:
-        assert response.status_code == 200
-        events = sse_events(response)
-    ids: list[int] = []
-    prompt_len = 0
-    chunks = []
-    for event in events:
-        for c in event["choices"]:
-            prompt_len += len(c.get("prompt_token_ids") or [])
-            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
-            if c.get("hidden_states"):
-                assert c["hidden_states"]["positions"] == "generated"
-                chunks.append(c["hidden_states"])
+    ids, prompt_len, chunks = streamed(
+        http,
+        "hidden_states",
+        hidden_states_stream=True,
+        hidden_states_positions="generated",
+        hidden_states_points=["mlp_out.1"],
+        max_tokens=5,
+        ignore_eos=True,
+    )
+    assert all(c["positions"] == "generated" for c in chunks)
     assert chunks[0]["start"] == prompt_len
     rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
     assert rows.shape == (1, len(ids) - prompt_len, hf.hidden_size)
@@ -347,21 +340,10 @@ def test_completion_attention_pattern_of_every_position_matches_hf_eager(http, h
 
 
 def test_streamed_attention_pattern_of_the_last_token_is_on_the_finish_chunk(http, hf):
-    with http.stream(
-        "POST",
-        "/v1/completions",
-        json=body(stream=True, hidden_states_points=["blocks.1.attn.hook_pattern"]),
-    ) as response:
-        assert response.status_code == 200
-        events = sse_events(response)
-    ids: list[int] = []
-    found = []
-    for event in events:
-        for c in event["choices"]:
-            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
-            if c.get("attention_patterns"):
-                assert c["finish_reason"] is not None
-                found.append(c["attention_patterns"])
+    ids, _, found = streamed(
+        http, "attention_patterns", hidden_states_points=["blocks.1.attn.hook_pattern"]
+    )
+    assert all(p["_finish"] is not None for p in found)
     (patterns,) = found
     assert patterns["start"] == len(ids) - 1
     assert_close(decode_rows(patterns)[0], hf_patterns(hf, ids)[1][:, -1:], "last row")
@@ -439,25 +421,13 @@ def test_mlp_neurons_come_as_their_own_object_exact_against_hf(http, hf):
 
 
 def test_streamed_mlp_neurons_concatenate_to_every_position(http, hf):
-    with http.stream(
-        "POST",
-        "/v1/completions",
-        json=body(
-            stream=True,
-            hidden_states_stream=True,
-            hidden_states_positions="all",
-            hidden_states_points=["mlp_post.0"],
-        ),
-    ) as response:
-        assert response.status_code == 200
-        events = sse_events(response)
-    ids: list[int] = []
-    chunks = []
-    for event in events:
-        for c in event["choices"]:
-            ids += (c.get("prompt_token_ids") or []) + c["token_ids"]
-            if c.get("neurons"):
-                chunks.append(c["neurons"])
+    ids, _, chunks = streamed(
+        http,
+        "neurons",
+        hidden_states_stream=True,
+        hidden_states_positions="all",
+        hidden_states_points=["mlp_post.0"],
+    )
     rows = torch.cat([decode_rows(c) for c in chunks], dim=1)
     assert_close(rows[0], hf.points(ids)["mlp_post.0"], "streamed mlp_post.0")
 
