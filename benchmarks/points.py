@@ -17,29 +17,18 @@ Targets (issue 19): enabled but unused, every point capturable >= 0.99;
 "last" at one point of each kind >= 0.97.
 """
 
-import os
 from pathlib import Path
 
 from benchmarks.common import Comparison, alternate
-from benchmarks.offline import ENGINE_ARGS, FreshPrompts, _throughput
-from benchmarks.small_model import MAX_TOKENS, NUM_REQUESTS, PROMPT_LEN, small_model
+from benchmarks.offline import _throughput
+from benchmarks.small_model import MAX_TOKENS, PROMPT_LEN, small_model_engines
 
 KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
 LAYER = 2
 
 
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
-    from vllm import LLM
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model = model or small_model()
-    n = NUM_REQUESTS // 2 if quick else NUM_REQUESTS
-    prompts = FreshPrompts(n, PROMPT_LEN)
-    args = dict(ENGINE_ARGS, max_model_len=512)
-    plain = LLM(model=str(model), **args)
-    points = LLM(model=str(model), enable_hidden_states=True, hidden_states_points="all", **args)
-    for llm in (plain, points):  # warm-up (compilation, caches)
-        _throughput(llm, prompts(2), max_tokens=4)
+    n, prompts, plain, points = small_model_engines(quick, model, hidden_states_points="all")
     for kind in (*KINDS, "attn_pattern"):
         _throughput(
             points,

@@ -32,7 +32,10 @@ def small_model() -> Path:
     )
 
 
-def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
+def small_model_engines(quick: bool, model: Path | None = None, **enabled_args):
+    """``(n, prompts, plain, enabled)``: the request count, fresh prompts and
+    two warmed-up engines on the small model in this process, one plain and
+    one with hidden states enabled (``enabled_args`` added)."""
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -41,9 +44,14 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     prompts = FreshPrompts(n, PROMPT_LEN)
     args = dict(ENGINE_ARGS, max_model_len=512)
     plain = LLM(model=str(model), **args)
-    enabled = LLM(model=str(model), enable_hidden_states=True, **args)
+    enabled = LLM(model=str(model), enable_hidden_states=True, **enabled_args, **args)
     for llm in (plain, enabled):  # warm-up (compilation, caches)
         _throughput(llm, prompts(2), max_tokens=4)
+    return n, prompts, plain, enabled
+
+
+def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
+    n, prompts, plain, enabled = small_model_engines(quick, model)
     _throughput(
         enabled, prompts(2), max_tokens=4, return_hidden_states=True, hidden_states_positions="all"
     )

@@ -54,17 +54,21 @@ def mode(request, monkeypatch):
     return request.param
 
 
-def make_points(max_rows: int = 16) -> tuple[Stack, CapturePoints]:
+def make_points(
+    max_rows: int = 16, ids: tuple[int, ...] = (0, 2), layout: str | None = None
+) -> tuple[Stack, CapturePoints]:
+    """A seeded stack with capture points at capture ids ``ids``."""
     torch.manual_seed(0)
     model = Stack()
     points = CapturePoints(
         model,
-        [0, 2],
+        list(ids),
         num_layers=NUM_LAYERS,
         hidden_size=HIDDEN,
         max_rows=max_rows,
         dtype=torch.float32,
         device=torch.device("cpu"),
+        layout=layout,
     )
     return model, points
 
@@ -152,23 +156,12 @@ def test_post_hook_points_of_a_fused_layer_read_its_output(mode):
     the last layer's resid_post their sum, in both op modes."""
     from vllm_hidden_states.config import point_id
 
-    torch.manual_seed(0)
-    model = Stack()
     ids = {
         "mlp_out.1": point_id("mlp_out", 1, NUM_LAYERS),
         "resid_mid.1": point_id("resid_mid", 1, NUM_LAYERS),
         "resid_post.2": point_id("resid_post", 2, NUM_LAYERS),
     }
-    points = CapturePoints(
-        model,
-        list(ids.values()),
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        max_rows=16,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        layout="fused",
-    )
+    model, points = make_points(ids=tuple(ids.values()), layout="fused")
     outputs = []
     hooks = [
         layer.register_forward_hook(lambda m, a, o: outputs.append(o)) for layer in model.layers
@@ -189,13 +182,4 @@ def test_a_point_the_layer_does_not_have_is_a_lookup_error_naming_the_module():
     from vllm_hidden_states.config import point_id
 
     with pytest.raises(LookupError, match="post_attention_layernorm"):
-        CapturePoints(
-            Stack(),
-            [point_id("attn_out", 0, NUM_LAYERS)],
-            num_layers=NUM_LAYERS,
-            hidden_size=HIDDEN,
-            max_rows=4,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            layout="fused",
-        )
+        make_points(ids=(point_id("attn_out", 0, NUM_LAYERS),), layout="fused")
