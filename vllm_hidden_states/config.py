@@ -492,6 +492,10 @@ def additional_config_entry(
     points: str | list[str] | None = None,
     sae: str | None = None,
     sae_layer: int | None = None,
+    steering: bool = False,
+    steering_points: str | list[str] | None = None,
+    steering_vectors: str | None = None,
+    max_steering: int | None = None,
 ) -> dict[str, Any]:
     """The ``additional_config["hidden_states"]`` entry EngineArgs folds in.
 
@@ -506,6 +510,9 @@ def additional_config_entry(
             "all", kinds, addresses); None = none beyond the layers.
         sae, sae_layer: ``EngineArgs.sae`` (an SAELens directory) and
             ``sae_layer`` (None: from the SAE's config); see :func:`sae_entry`.
+        steering, steering_points, steering_vectors, max_steering:
+            ``EngineArgs.enable_steering`` and its options; see
+            :func:`vllm_hidden_states.steering.steering_entry`.
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
         raise ValueError(f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}")
@@ -517,6 +524,15 @@ def additional_config_entry(
     }
     if sae:
         entry["sae"] = sae_entry(sae, sae_layer)
+    if steering:
+        from vllm_hidden_states.steering import STEERING_KEY, steering_entry
+
+        entry[STEERING_KEY] = steering_entry(steering_points, steering_vectors, max_steering)
+    elif steering_points is not None or steering_vectors is not None or max_steering is not None:
+        raise ValueError(
+            "--steering-points, --steering-vectors and --max-steering need "
+            "--enable-steering (enable_steering=True)"
+        )
     return entry
 
 
@@ -945,10 +961,37 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "attn_out,resid_mid,mlp_out,resid_post"
         )
     problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
+    problems += steering_problems(vllm_config)
     if problems:
         raise ValueError(
             "--enable-hidden-states cannot be used with this configuration: " + "; ".join(problems)
         )
+
+
+def steering_problems(vllm_config: "VllmConfig") -> list[str]:
+    """Why ``--enable-steering`` cannot serve this engine (empty: it can)."""
+    from vllm_hidden_states.steering import SteeringConfig
+
+    try:
+        steering = SteeringConfig.from_vllm_config(vllm_config)
+    except ValueError as e:
+        return [str(e)]
+    if steering is None:
+        return []
+    hidden_size = vllm_config.model_config.get_hidden_size()
+    wrong = {name: n for name, n in steering.vectors.items() if n != hidden_size}
+    problems = []
+    if wrong:
+        problems.append(
+            f"--steering-vectors: {sorted(wrong)} have lengths {sorted(set(wrong.values()))}; "
+            f"this model's hidden_size is {hidden_size}"
+        )
+    if vllm_config.speculative_config is not None:
+        problems.append(
+            "steering with speculative decoding is not supported (the drafter "
+            "would propose tokens of the unsteered model); drop --speculative-config"
+        )
+    return problems
 
 
 def sae_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
@@ -1071,6 +1114,37 @@ def add_cli_args(parser) -> None:
         help="Layer the SAE reads (HF convention, e.g. 6 or -2). Default: "
         "from the SAE config's hook name (blocks.<i>.hook_resid_pre = i, "
         "hook_resid_post = i + 1).",
+    )
+    group.add_argument(
+        "--enable-steering",
+        action="store_true",
+        default=False,
+        help="Let requests steer: per-request interventions (add, ablate) "
+        "written into the residual stream in-graph (the 'steering' field). "
+        "Implies --enable-hidden-states.",
+    )
+    group.add_argument(
+        "--steering-points",
+        type=str,
+        default=None,
+        help="Steerable points: 'all', kinds (every layer) such as "
+        "'resid_pre,attn_out', or addresses such as 'resid_pre.3,mlp_out.5'. "
+        "Default: resid_pre (every layer). Each costs one steering op per "
+        "forward.",
+    )
+    group.add_argument(
+        "--steering-vectors",
+        type=str,
+        default=None,
+        help="Directory of named steering vectors (*.safetensors of 1-D "
+        "[hidden_size] tensors; name = file stem, or stem/tensor for files "
+        "with several), loaded at start and listed at GET /v1/steering_vectors.",
+    )
+    group.add_argument(
+        "--max-steering",
+        type=int,
+        default=None,
+        help="Interventions one request may carry. Default: 4.",
     )
     # Activation store (API server only; read by server.openai_fields).
     group.add_argument(

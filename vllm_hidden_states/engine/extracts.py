@@ -38,6 +38,9 @@ def make_extract_request(
         detokenize=False,
         # Cached blocks hold KV, not hidden states: "all" must recompute them.
         skip_reading_prefix_cache=extract.positions == "all",
+        # The original request's steering, replayed over every position the
+        # extract computes (its KV and prefix-cache salt are the steered ones).
+        steering=extract.steering,
     )
     return Request(
         request_id=extract.request_id,

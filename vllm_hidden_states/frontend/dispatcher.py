@@ -77,6 +77,7 @@ class HiddenStatesTracker:
     Attributes:
         spec: what the request asked for.
         cache_salt, priority: copied onto its extract.
+        steering: the request's steering (wire form), replayed by its extract.
         chunks: inline "all": the :class:`CapturedRows` that rode on the
             request's own outputs, in position order.
         complete: every position the request gets, once known.
@@ -88,6 +89,7 @@ class HiddenStatesTracker:
     spec: HiddenStatesSpec
     cache_salt: str | None
     priority: int
+    steering: list[dict[str, Any]] | None = None
     chunks: list[CapturedRows] = field(default_factory=list)
     complete: CapturedRows | None = None
     error: str | None = None
@@ -340,8 +342,12 @@ class ExtractDispatcher:
     def track(request: "EngineCoreRequest") -> HiddenStatesTracker:
         """The tracker of a request that asked (``return_hidden_states`` set)."""
         assert request.return_hidden_states is not None
+        params = request.sampling_params
         return HiddenStatesTracker(
-            request.return_hidden_states, request.cache_salt, request.priority
+            request.return_hidden_states,
+            request.cache_salt,
+            request.priority,
+            None if params is None else params.steering,
         )
 
     @property
@@ -411,6 +417,7 @@ class ExtractDispatcher:
                 start=start,
                 end=end,
                 neurons=list(tracker.spec.neuron_ids),
+                steering=tracker.steering,
             )
         )
 

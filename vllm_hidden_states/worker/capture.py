@@ -71,6 +71,7 @@ from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 
 if TYPE_CHECKING:
     from vllm_hidden_states.engine.planner import CaptureStep
+    from vllm_hidden_states.worker.steering import Steering
 
 logger = init_logger(__name__)
 
@@ -154,6 +155,8 @@ class HiddenStatesCapture:
                 runner.device,
             )
         self._install(runner)
+        self.steering = self._install_steering(runner)
+        self._scheduled: dict[str, int] = {}
 
     @classmethod
     def for_runner(cls, runner: Any) -> "HiddenStatesCapture | None":
@@ -202,6 +205,27 @@ class HiddenStatesCapture:
                 self.sent_layers,
             )
 
+    def _install_steering(self, runner: Any) -> "Steering | None":
+        """Steering hooks at the steerable points (after the capture hooks:
+        they are prepended, so a point is steered before it is captured)."""
+        from vllm_hidden_states.steering import SteeringConfig
+
+        config = SteeringConfig.from_vllm_config(runner.vllm_config)
+        if config is None:
+            return None
+        from vllm_hidden_states.worker.steering import Steering
+
+        vllm_config = runner.vllm_config
+        return Steering(
+            config,
+            runner.get_model(),
+            hidden_size=vllm_config.model_config.get_hidden_size(),
+            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+            device=runner.device,
+            layout=point_layout(self.config.architecture),
+        )
+
     # -- per step ------------------------------------------------------------
 
     def begin_step(
@@ -214,6 +238,9 @@ class HiddenStatesCapture:
             self._partial or self._ready or self._pattern_history
         ):
             self.forget(scheduler_output.finished_req_ids)
+        if self.steering is not None:
+            self.steering.begin_step(scheduler_output)
+            self._scheduled = scheduler_output.num_scheduled_tokens
         self.plan = scheduler_output.capture_plan or None
         self._carried = None
         if self.plan is not None:
@@ -222,7 +249,10 @@ class HiddenStatesCapture:
 
     def arm(self, runner: Any) -> None:
         """Right before the forward: arm the rows of this step's plan (one
-        forward per plan: the plan is used up here)."""
+        forward per plan: the plan is used up here). Steered requests'
+        rows are armed first, whether or not anything is captured."""
+        if self.steering is not None:
+            self.steering.arm(runner, self._scheduled)
         if self.plan is None:
             return
         with torch.inference_mode():
@@ -348,6 +378,8 @@ class HiddenStatesCapture:
         returns the model output to go on with (a non-last pipeline stage:
         new IntermediateTensors that also carry the rows to the next stage;
         the model's own may be a graph's persistent output)."""
+        if self.steering is not None:
+            self.steering.disarm()
         if not self._armed:
             return model_output
         try:

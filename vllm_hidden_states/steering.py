@@ -1,0 +1,412 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Steering: the shared contract (engine configuration, request rules, wire form).
+
+A request steers with a list of *interventions* (``SamplingParams.steering``;
+the OpenAI ``steering`` field), each written into the residual stream inside
+the model's forward (:mod:`vllm_hidden_states.worker.steering`). One
+intervention is a dict:
+
+* ``point``: a residual-stream point, as addressed for capture
+  (:func:`vllm_hidden_states.config.parse_point`): ``resid_pre.i`` (HF layer
+  ``i``), ``attn_out.i``, ``resid_mid.i``, ``mlp_out.i``, ``resid_post.i``;
+  the engine steers the points ``--steering-points`` made steerable at start;
+* ``op``: ``"add"`` (``x += strength * v``, the default) or ``"ablate"``
+  (``x -= (x . d) d`` with ``d = v / |v|``: the component along ``v`` is
+  removed);
+* the vector, one of ``vector`` (``hidden_size`` finite numbers) or ``name``
+  (a vector of ``--steering-vectors DIR``, listed at GET /v1/steering_vectors);
+* ``strength`` (``add`` only; default 1.0);
+* ``positions``: ``"all"`` (prompt and output, the default), ``"prompt"``,
+  ``"generated"`` or a window ``{"start": s, "end": e}`` of prompt + output
+  positions.
+
+Order: interventions at one point apply in list order, steering before
+capture (a request that also captures that point sees the steered stream).
+At most one ``ablate`` per point per request (two projections do not compose
+into one).
+
+The front-end resolves the list once (:func:`check_steering`: the rules both
+surfaces apply) into its *wire form*, a list of dicts with the keys of
+:data:`WIRE_KEYS`, written back on ``SamplingParams.steering``: the vectors of
+``vector`` as float32 values (lists of Python floats), the point as its capture
+id, the positions as ``start``/``end`` over prompt + output. The worker reads
+it from the request's ``SamplingParams``; an extract (the post-sampling
+prefill of "last") carries it to replay the steering over the positions it
+recomputes. :func:`steering_digest` salts the request's prefix-cache hashes
+(vLLM's ``cache_salt``), so a steered request never shares KV blocks with a
+request steered differently, or not at all.
+
+This module imports nothing from vLLM at module level.
+"""
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_hidden_states.config import (
+    POSITIONS,
+    Window,
+    check_positions,
+    parse_point,
+    point_id,
+    point_kinds_for,
+    window_of,
+    window_problem,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# ``additional_config["hidden_states"]["steering"]``.
+STEERING_KEY = "steering"
+
+STEERING_OPS: tuple[str, ...] = ("add", "ablate")
+# Points that can be steered: those of the residual stream and the blocks'
+# contributions to it (not patterns or neurons).
+STEERABLE_KINDS: tuple[str, ...] = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+# Network order of the kinds inside one decoder layer: interventions written
+# at one module run in this order.
+KIND_ORDER = {kind: i for i, kind in enumerate(STEERABLE_KINDS)}
+DEFAULT_STEERING_POINTS: tuple[str, ...] = ("resid_pre",)
+DEFAULT_MAX_INTERVENTIONS = 4
+
+INTERVENTION_KEYS = ("point", "op", "vector", "name", "strength", "positions")
+WIRE_KEYS = ("point", "id", "op", "vector", "name", "strength", "start", "end")
+
+ENABLE_STEERING_HINT = (
+    "start the engine with enable_steering=True (LLM / EngineArgs) or "
+    "`vllm serve MODEL --enable-steering`"
+)
+
+
+def steering_entry(
+    points: str | list[str] | None,
+    vectors_dir: str | None,
+    max_interventions: int | None,
+) -> dict[str, Any]:
+    """``additional_config["hidden_states"]["steering"]`` (it keys vLLM's
+    compile cache with the rest of the entry: the steerable points are in the
+    compiled graph). ``vectors``: ``{name: length}`` of the safetensors files
+    in ``vectors_dir``, read from their headers (the workers load the data)."""
+    if points is None:
+        items = list(DEFAULT_STEERING_POINTS)
+    else:
+        items = list(points) if isinstance(points, (list, tuple)) else str(points).split(",")
+        items = [str(x).strip() for x in items if str(x).strip()]
+        if not items:
+            raise ValueError(
+                "--steering-points must be 'all', kinds such as 'resid_pre,attn_out' "
+                f"(every layer) or addresses such as 'resid_pre.3', got {points!r}"
+            )
+    k = DEFAULT_MAX_INTERVENTIONS if max_interventions is None else max_interventions
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"--max-steering must be a positive integer, got {max_interventions!r}")
+    entry: dict[str, Any] = {"points": items, "max_interventions": k, "vectors": {}}
+    if vectors_dir:
+        entry["vectors_dir"] = os.path.abspath(vectors_dir)
+        entry["vectors"] = read_vector_names(entry["vectors_dir"])
+    return entry
+
+
+def read_vector_names(directory: str) -> dict[str, int]:
+    """``{name: length}`` of every 1-D tensor in the ``*.safetensors`` files
+    of ``directory`` (headers only). A name is ``file stem`` when the file
+    holds one tensor, else ``stem/tensor``. ValueError for a missing
+    directory, a tensor that is not 1-D, or a name given twice."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(directory):
+        raise ValueError(f"--steering-vectors {directory!r} is not a directory")
+    names: dict[str, int] = {}
+    for file in sorted(os.listdir(directory)):
+        if not file.endswith(".safetensors"):
+            continue
+        stem = file[: -len(".safetensors")]
+        with safe_open(os.path.join(directory, file), framework="numpy") as f:
+            keys = list(f.keys())
+            for key in keys:
+                shape = f.get_slice(key).get_shape()
+                name = stem if len(keys) == 1 else f"{stem}/{key}"
+                if len(shape) != 1:
+                    raise ValueError(
+                        f"--steering-vectors: {file} tensor {key!r} has shape "
+                        f"{list(shape)}; steering vectors are 1-D [hidden_size]"
+                    )
+                names[name] = int(shape[0])
+    return names
+
+
+def vector_files(directory: str) -> dict[str, tuple[str, str]]:
+    """``{name: (file path, tensor key)}`` of ``directory`` (the names of
+    :func:`read_vector_names`)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[str, str]] = {}
+    for file in sorted(os.listdir(directory)):
+        if not file.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, file)
+        stem = file[: -len(".safetensors")]
+        with safe_open(path, framework="numpy") as f:
+            keys = list(f.keys())
+        for key in keys:
+            out[stem if len(keys) == 1 else f"{stem}/{key}"] = (path, key)
+    return out
+
+
+def steerable_ids(items: list[str], num_layers: int, architecture: str | None) -> tuple[int, ...]:
+    """Capture ids of ``--steering-points`` (``"all"``, kinds, addresses);
+    ValueError naming what is allowed."""
+    kinds = [k for k in point_kinds_for(architecture) if k in STEERABLE_KINDS]
+    ids: set[int] = set()
+    for item in items:
+        if item == "all":
+            wanted = [(k, i) for k in kinds for i in range(num_layers)]
+        elif item in STEERABLE_KINDS:
+            wanted = [(item, i) for i in range(num_layers)]
+        else:
+            try:
+                wanted = [parse_point(item, num_layers)]
+            except ValueError as e:
+                raise ValueError(
+                    f"--steering-points entry {e} (or 'all', or a kind alone: every layer)"
+                ) from None
+        for kind, layer in wanted:
+            if kind not in kinds:
+                raise ValueError(
+                    f"--steering-points {item!r}: {kind} cannot be steered on "
+                    f"{architecture}; steerable kinds there: {kinds}"
+                )
+            ids.add(point_id(kind, layer, num_layers))  # type: ignore[arg-type]
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class SteeringConfig:
+    """What one engine can steer.
+
+    Attributes:
+        num_layers: ``L``.
+        ids: steerable capture ids (:func:`vllm_hidden_states.config.point_id`).
+        points_given: ``--steering-points`` as configured.
+        max_interventions: interventions one request may carry.
+        vectors: ``{name: length}`` of ``--steering-vectors``.
+        vectors_dir: that directory (absolute), None without one.
+        architecture: the model's architecture (its steerable kinds).
+    """
+
+    num_layers: int
+    ids: tuple[int, ...]
+    points_given: tuple[str, ...]
+    max_interventions: int
+    vectors: dict[str, int] = field(default_factory=dict)
+    vectors_dir: str | None = None
+    architecture: str | None = None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
+        """The engine's steering, or None when it is not enabled."""
+        from vllm_hidden_states.config import ADDITIONAL_CONFIG_KEY, num_hidden_layers
+
+        entry = ((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}).get(
+            STEERING_KEY
+        )
+        if entry is None:
+            return None
+        n = num_hidden_layers(vllm_config)
+        architecture = (vllm_config.model_config.architectures or [None])[0]
+        return cls(
+            n,
+            steerable_ids(entry["points"], n, architecture),
+            tuple(entry["points"]),
+            int(entry["max_interventions"]),
+            dict(entry.get("vectors") or {}),
+            entry.get("vectors_dir"),
+            architecture,
+        )
+
+    def describe_points(self) -> str:
+        return ", ".join(
+            f"{item} (every layer)" if item == "all" or item in STEERABLE_KINDS else item
+            for item in self.points_given
+        )
+
+    def table_slots(self, max_num_seqs: int) -> int:
+        """Rows of the worker's vector tables: slot 0 (zeros) and, per running
+        request, one per stretch of positions with the same interventions at
+        a point (at most ``2 * max_interventions - 1``)."""
+        return 1 + max_num_seqs * (2 * self.max_interventions - 1)
+
+
+def _fail(i: int, key: str, message: str) -> ValueError:
+    return ValueError(f"steering[{i}].{key}: {message}")
+
+
+def _finite_vector(value: Any, width: int, i: int) -> list[float]:
+    """``value`` as ``width`` float32 values (Python floats)."""
+    import numpy as np
+
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise _fail(i, "vector", f"must be a list of {width} numbers") from None
+    if array.ndim != 1 or array.shape[0] != width:
+        raise _fail(
+            i,
+            "vector",
+            f"must be {width} numbers (the point's width, hidden_size), got shape "
+            f"{list(array.shape)}",
+        )
+    if not np.isfinite(array).all():
+        raise _fail(i, "vector", "must be finite (no NaN or infinity)")
+    return array.tolist()
+
+
+def _span(positions: Any, prompt_len: int, reach: int, i: int) -> tuple[int, int | None]:
+    """``(start, end)`` over prompt + output of an intervention's positions
+    (``end`` None: to the end)."""
+    if positions is None or positions == "all":
+        return 0, None
+    if positions == "last" or (isinstance(positions, str) and positions not in POSITIONS):
+        raise _fail(
+            i,
+            "positions",
+            "must be 'all', 'prompt', 'generated' or {'start': s, 'end': e} "
+            f"(prompt + output positions), got {positions!r}",
+        )
+    try:
+        checked = check_positions(positions)
+    except ValueError as e:
+        raise _fail(i, "positions", str(e)) from None
+    if checked == "prompt":
+        return 0, prompt_len
+    window = window_of(checked, prompt_len)
+    assert isinstance(window, Window)  # "generated" or a window
+    if (problem := window_problem(window, prompt_len, reach)) is not None:
+        raise _fail(i, "positions", problem)
+    return window.start, window.end
+
+
+def check_steering(
+    value: Any,
+    cfg: SteeringConfig,
+    hidden_size: int,
+    prompt_len: int,
+    reach: int,
+) -> list[dict[str, Any]]:
+    """The wire form of a request's ``steering`` (see module doc); ValueError
+    naming the intervention, the key and what is allowed. ``reach``: the
+    longest prompt + output the request can have (windows must start
+    before it)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            "steering must be a non-empty list of interventions such as "
+            '[{"point": "resid_pre.3", "op": "add", "name": "honesty", "strength": 4}]'
+        )
+    if len(value) > cfg.max_interventions:
+        raise ValueError(
+            f"steering has {len(value)} interventions; this engine allows at most "
+            f"{cfg.max_interventions} per request (--max-steering)"
+        )
+    n = cfg.num_layers
+    wire: list[dict[str, Any]] = []
+    ablated: dict[int, int] = {}
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ValueError(f"steering[{i}] must be an object with keys {list(INTERVENTION_KEYS)}")
+        unknown = sorted(set(item) - set(INTERVENTION_KEYS))
+        if unknown:
+            raise _fail(
+                i, unknown[0], f"unknown key; an intervention has {list(INTERVENTION_KEYS)}"
+            )
+        point = item.get("point")
+        try:
+            kind, layer = parse_point(point, n)
+        except ValueError as e:
+            raise _fail(i, "point", str(e)) from None
+        if kind not in STEERABLE_KINDS:
+            raise _fail(
+                i, "point", f"{kind} cannot be steered; steerable kinds: {list(STEERABLE_KINDS)}"
+            )
+        capture_id = point_id(kind, layer, n)
+        if capture_id not in cfg.ids:
+            raise _fail(
+                i,
+                "point",
+                f"{point!r} is not steerable on this engine; steerable points: "
+                f"{cfg.describe_points()} (fixed at start by --steering-points)",
+            )
+        op = item.get("op", "add")
+        if op not in STEERING_OPS:
+            raise _fail(i, "op", f"must be one of {list(STEERING_OPS)}, got {op!r}")
+        has_vector, name = item.get("vector") is not None, item.get("name")
+        if has_vector == (name is not None):
+            raise _fail(i, "vector", "give exactly one of 'vector' (inline numbers) or 'name'")
+        vector = None
+        if has_vector:
+            vector = _finite_vector(item["vector"], hidden_size, i)
+        else:
+            if not isinstance(name, str) or name not in cfg.vectors:
+                known = sorted(cfg.vectors) or "none (start with --steering-vectors DIR)"
+                raise _fail(i, "name", f"unknown steering vector {name!r}; known: {known}")
+            if cfg.vectors[name] != hidden_size:
+                raise _fail(
+                    i,
+                    "name",
+                    f"vector {name!r} has {cfg.vectors[name]} values; this model's "
+                    f"hidden_size is {hidden_size}",
+                )
+        strength = item.get("strength")
+        if op == "ablate":
+            if strength is not None:
+                raise _fail(i, "strength", "ablate takes no strength (it removes the component)")
+            if capture_id in ablated:
+                raise _fail(
+                    i,
+                    "op",
+                    f"steering[{ablated[capture_id]}] already ablates at {point!r}; one "
+                    "ablate per point per request",
+                )
+            if vector is not None and not any(vector):
+                raise _fail(i, "vector", "ablate needs a non-zero direction")
+            ablated[capture_id] = i
+            strength = 1.0
+        elif strength is None:
+            strength = 1.0
+        elif (
+            isinstance(strength, bool)
+            or not isinstance(strength, (int, float))
+            or not (math.isfinite(strength))
+        ):
+            raise _fail(i, "strength", f"must be a finite number, got {strength!r}")
+        start, end = _span(item.get("positions"), prompt_len, reach, i)
+        wire.append(
+            {
+                "point": f"{kind}.{layer}",
+                "id": capture_id,
+                "op": op,
+                "vector": vector,
+                "name": name,
+                "strength": float(strength),
+                "start": start,
+                "end": end,
+            }
+        )
+    return wire
+
+
+def steering_digest(wire: list[dict[str, Any]]) -> str:
+    """A digest of a resolved steering list (points, ops, vectors, strengths,
+    positions): equal for equal steering, the suffix of the request's
+    ``cache_salt``."""
+    import orjson
+
+    return hashlib.sha256(orjson.dumps(wire, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def salted(cache_salt: str | None, wire: list[dict[str, Any]]) -> str:
+    """The cache salt of a steered request: its own salt, if any, and the
+    steering digest."""
+    return f"{cache_salt or ''}|steering:{steering_digest(wire)}"

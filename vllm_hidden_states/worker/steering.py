@@ -1,0 +1,496 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Steering in the model runner: per-request interventions written into the
+residual stream inside the forward, by one custom op, under torch.compile and
+CUDA-graph replay alike.
+
+The op is capture's (:mod:`.capture_points`) in the other direction. At model
+load, each steerable point (``--steering-points``) gets a forward hook at the
+same module its capture tap reads (registered first, so a point is steered
+before it is captured) calling ``torch.ops.vllm.hidden_states_steer(target,
+other, rows, slots, counts, index, adds, dirs, scale)``, which mutates
+``target`` in place:
+
+* the point's value is ``x = (target + other) * scale`` (``other`` None:
+  ``target * scale``); for vLLM's fused-residual layers ``resid_pre.i`` is
+  ``hidden + residual`` and the op writes into ``residual`` (into ``hidden``
+  at layer 0, where there is no residual yet), so the layer, and every later
+  capture of the stream, sees the steered value;
+* for the ``n = counts[index]`` armed entries ``j``, with ``r = rows[index,
+  j]`` and ``s = slots[index, j]``: ``x[r] <- x[r] - (x[r] . dirs[s])
+  dirs[s] + adds[s]``, computed in float32 and added to ``target[r]`` (divided
+  by ``scale``). ``add`` is ``adds[s] = strength * v, dirs[s] = 0``;
+  ``ablate`` is ``adds[s] = 0, dirs[s] = v / |v|``; several interventions of
+  one request at one point compose into one ``(adds, dirs)`` pair per stretch
+  of positions (:func:`compose`).
+
+``rows``/``slots`` (int64 ``[points, max_num_batched_tokens]``) and ``counts``
+(int64 ``[points]``) are armed per step only when a steered request is in the
+batch; ``adds``/``dirs`` (float32 ``[slots, hidden_size]``, slot 0 all zeros)
+hold each running steered request's vectors, written once when it enters the
+batch (:class:`SlotTable`). All are registered as non-persistent module
+buffers, so Dynamo lifts them as graph inputs; their storage never changes.
+
+Cost where nobody steers (count 0): on CPU a count read per steerable point;
+off CPU (the count is not readable without a host sync) the op runs on the
+first ``tokens`` entries, which point at row 0 with slot 0: a gather and an
+add of zeros (``x + 0`` is ``x``).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm.logger import init_logger
+from vllm_hidden_states.config import point_of_id
+from vllm_hidden_states.steering import KIND_ORDER, SteeringConfig, vector_files
+from vllm_hidden_states.worker.capture_points import (
+    Reader,
+    _child,
+    _host_counts,
+    count_readable_on_host,
+    find_decoder_layers,
+    point_tap,
+    stream_args_of,
+)
+
+logger = init_logger(__name__)
+
+OP_NAME = "hidden_states_steer"
+
+
+def _steer(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+) -> None:
+    """``target[r] += (adds[s] - (x[r] . dirs[s]) dirs[s]) / scale`` for the
+    armed entries (see module doc)."""
+    if count_readable_on_host(counts.device):
+        n = int(_host_counts(counts)[index])
+        if not n:
+            return
+    else:
+        # No host sync: every entry a forward of this many tokens can have;
+        # those past the count are row 0, slot 0 (a zero delta).
+        n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
+    flat = target.view(-1, target.shape[-1])  # a view: the add lands in target
+    r = rows[index, :n]
+    s = slots[index, :n]
+    x = flat.index_select(0, r).float()
+    if other is not None:
+        x = x + other.reshape(-1, other.shape[-1]).index_select(0, r).float()
+    if scale != 1.0:
+        x = x * scale
+    d = dirs.index_select(0, s)
+    delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
+    if scale != 1.0:
+        delta = delta / scale
+    flat.index_add_(0, r, delta.to(flat.dtype))
+
+
+def _steer_fake(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+) -> None:
+    return None
+
+
+def register_op() -> None:
+    """Register ``torch.ops.vllm.hidden_states_steer`` once per process."""
+    if hasattr(torch.ops.vllm, OP_NAME):
+        return
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(
+        op_name=OP_NAME,
+        op_func=_steer,
+        mutates_args=["target"],
+        fake_impl=_steer_fake,
+    )
+
+
+# -- where each steerable point is written -----------------------------------
+
+
+def _pair(read: Reader) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(target, other)`` from a capture reader's ``(a, b)``: the op writes
+    into the residual when there is one (``b``), else into the stream."""
+
+    def target_of(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, Any]:
+        a, b = read(args, kwargs, output)
+        return (a, None) if b is None else (b, a)
+
+    return target_of
+
+
+def _add_norm_input(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused add-norm's ``(x, residual)``: the stream is their sum."""
+    x = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
+    residual = args[1] if len(args) > 1 else kwargs["residual"]
+    return x, residual
+
+
+@dataclass(frozen=True)
+class SteerTap:
+    """Where one steerable id is written: a forward hook on ``module``;
+    ``pair(args, kwargs, output)`` gives ``(target, other)``."""
+
+    module: nn.Module
+    when: str
+    pair: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    scale: float = 1.0
+    order: int = 0  # network order among the ids written at one module
+
+
+def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | None) -> SteerTap:
+    """The tap of steerable id ``capture_id`` in decoder ``layer``."""
+    point = point_of_id(capture_id, num_layers)
+    if point is None:  # resid_pre: the stream entering the layer
+        stream = stream_args_of(type(layer))
+        return SteerTap(layer, "pre", _pair(stream.read_for_hook), order=KIND_ORDER["resid_pre"])
+    kind, i = point
+    name = f"{kind}.{i}"
+    if layout == "fused" and kind == "resid_mid":
+        # Read at the layer's output for capture, but the MLP has used it
+        # by then: steer where it is formed, at the add-norm after attention.
+        norm = (
+            "pre_feedforward_layernorm"
+            if hasattr(layer, "pre_feedforward_layernorm")
+            else "post_attention_layernorm"
+        )
+        module = _child(layer, norm, name)
+        return SteerTap(module, "pre", _pair(_add_norm_input), order=KIND_ORDER[kind])
+    tap = point_tap(layer, kind, layout, name)
+    return SteerTap(tap.module, tap.when, _pair(tap.read), tap.scale, KIND_ORDER[kind])
+
+
+def _hook(entries: list[tuple[Callable, int, float]], post: bool) -> Callable[..., None]:
+    """A forward hook that steers the ids written at one module:
+    ``(pair, index in counts, scale)`` each, in network order."""
+
+    def steer(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+        for pair, index, scale in entries:
+            target, other = pair(args, kwargs, output)
+            torch.ops.vllm.hidden_states_steer(
+                target,
+                other,
+                module._hs_steer_rows,
+                module._hs_steer_slots,
+                module._hs_steer_counts,
+                index,
+                module._hs_steer_adds,
+                module._hs_steer_dirs,
+                scale,
+            )
+
+    if post:
+        return steer
+
+    def steer_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        steer(module, args, kwargs)
+
+    return steer_pre
+
+
+# -- per request ---------------------------------------------------------------
+
+
+def compose(
+    interventions: list[tuple[str, np.ndarray, float]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """One ``(add, dir)`` pair (float32 ``[hidden_size]`` each) doing what
+    ``interventions`` (``(op, vector, strength)``, in order, at one point) do
+    one after the other: ``x -> x - (x . dir) dir + add``. At most one of
+    them ablates (the front-end refuses more)."""
+    width = interventions[0][1].shape[0]
+    add = np.zeros(width, dtype=np.float64)
+    direction = np.zeros(width, dtype=np.float64)
+    for op, vector, strength in interventions:
+        v = vector.astype(np.float64)
+        if op == "add":
+            add += strength * v
+        else:  # ablate: (x - (x.d0)d0 + a) projected off d
+            d = v / np.linalg.norm(v)
+            add -= (add @ d) * d
+            direction = d
+    return add.astype(np.float32), direction.astype(np.float32)
+
+
+@dataclass
+class Stretch:
+    """Positions ``start .. end - 1`` (``end`` None: on) of one request at
+    one steerable point, steered by table slot ``slot``."""
+
+    index: int  # the point's position in counts
+    start: int
+    end: int | None
+    slot: int
+
+
+class RequestSteering:
+    """One request's interventions, split into stretches of positions with
+    the same interventions per point, each one composed (add, dir) pair."""
+
+    def __init__(
+        self, wire: list[dict[str, Any]], vectors: "NamedVectors", index_of: dict[int, int]
+    ):
+        by_point: dict[int, list[dict[str, Any]]] = {}
+        for item in wire:
+            by_point.setdefault(int(item["id"]), []).append(item)
+        self.stretches: list[Stretch] = []
+        self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        for capture_id, items in by_point.items():
+            bounds = sorted(
+                {int(x["start"]) for x in items}
+                | {int(x["end"]) for x in items if x["end"] is not None}
+            )
+            for lo, hi in zip(bounds, [*bounds[1:], None]):
+                active = [
+                    x
+                    for x in items
+                    if x["start"] <= lo
+                    and (x["end"] is None or (hi is not None and hi <= x["end"]))
+                ]
+                if not active:
+                    continue
+                self.stretches.append(Stretch(index_of[capture_id], lo, hi, 0))
+                self.pairs.append(
+                    compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
+                )
+        self.slots: list[int] | None = None  # table slots while resident
+
+
+class NamedVectors:
+    """``--steering-vectors`` on the host, loaded once per worker."""
+
+    def __init__(self, directory: str | None):
+        self._files = vector_files(directory) if directory else {}
+        self._loaded: dict[str, np.ndarray] = {}
+
+    def get(self, item: dict[str, Any]) -> np.ndarray:
+        if item.get("vector") is not None:
+            return np.asarray(item["vector"], dtype=np.float32)
+        name = item["name"]
+        if name not in self._loaded:
+            from safetensors import safe_open
+
+            path, key = self._files[name]
+            with safe_open(path, framework="numpy") as f:
+                self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
+        return self._loaded[name]
+
+
+class SlotTable:
+    """Rows of the device vector tables (``adds``/``dirs``), lent to the
+    steered requests of the batch; slot 0 stays zero. A request keeps its
+    slots while it runs; when the table is full, requests not in the current
+    batch give theirs back (and upload again when they return)."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, 0, -1))
+        self.holders: dict[str, RequestSteering] = {}
+
+    def lend(self, req_id: str, request: RequestSteering, batch: set[str]) -> list[int] | None:
+        """Slots for ``request`` (None: it needed none before and has them)."""
+        need = len(request.pairs)
+        if len(self.free) < need:
+            for other_id in [r for r in self.holders if r not in batch]:
+                self.give_back(other_id)
+                if len(self.free) >= need:
+                    break
+        if len(self.free) < need:
+            raise RuntimeError(
+                f"vllm-hidden-states: steering table full ({need} slots asked); "
+                "raise --max-steering or lower max_num_seqs"
+            )
+        slots = [self.free.pop() for _ in range(need)]
+        request.slots = slots
+        self.holders[req_id] = request
+        return slots
+
+    def give_back(self, req_id: str) -> None:
+        request = self.holders.pop(req_id, None)
+        if request is not None and request.slots is not None:
+            self.free.extend(request.slots)
+            request.slots = None
+
+
+class Steering:
+    """The steerable points of one model, their buffers, and the steered
+    requests of the runner."""
+
+    def __init__(
+        self,
+        config: SteeringConfig,
+        model: nn.Module,
+        hidden_size: int,
+        max_tokens: int,
+        max_num_seqs: int,
+        device: torch.device,
+        layout: str | None,
+    ):
+        register_op()
+        self.config = config
+        n = config.num_layers
+        _, decoder_layers = find_decoder_layers(model, n)
+        from vllm_hidden_states.worker.capture_points import _is_pp_placeholder
+
+        taps: dict[int, SteerTap] = {}
+        for k in config.ids:
+            point = point_of_id(k, n)
+            layer = decoder_layers[k if point is None else point[1]]
+            if _is_pp_placeholder(layer):
+                continue  # another pipeline stage owns it
+            taps[k] = steer_tap(layer, k, n, layout)
+        self.index_of = {k: i for i, k in enumerate(config.ids)}
+        num_points = max(len(config.ids), 1)
+        self.max_tokens = max_tokens
+        self.rows = torch.zeros(num_points, max_tokens, dtype=torch.int64, device=device)
+        self.slots = torch.zeros_like(self.rows)
+        self.counts = torch.zeros(num_points, dtype=torch.int64, device=device)
+        self.counts_host = torch.zeros(num_points, dtype=torch.int64)
+        num_slots = config.table_slots(max_num_seqs)
+        self.adds = torch.zeros(num_slots, hidden_size, dtype=torch.float32, device=device)
+        self.dirs = torch.zeros_like(self.adds)
+        self.device = device
+        self.table = SlotTable(num_slots)
+        self.vectors = NamedVectors(config.vectors_dir)
+        self.requests: dict[str, RequestSteering] = {}
+        self.armed = False
+        hooks: dict[tuple[int, str], list[tuple[SteerTap, int]]] = {}
+        modules: dict[int, nn.Module] = {}
+        for k, tap in taps.items():
+            module = tap.module
+            if not hasattr(module, "_hs_steer_rows"):
+                module.register_buffer("_hs_steer_rows", self.rows, persistent=False)
+                module.register_buffer("_hs_steer_slots", self.slots, persistent=False)
+                module.register_buffer("_hs_steer_counts", self.counts, persistent=False)
+                module.register_buffer("_hs_steer_adds", self.adds, persistent=False)
+                module.register_buffer("_hs_steer_dirs", self.dirs, persistent=False)
+            hooks.setdefault((id(module), tap.when), []).append((tap, self.index_of[k]))
+            modules[id(module)] = module
+        for (module_id, when), entries in hooks.items():
+            entries.sort(key=lambda e: e[0].order)
+            hook = _hook([(t.pair, i, t.scale) for t, i in entries], when == "post")
+            module = modules[module_id]
+            # prepend: steer before any capture hook at the same module.
+            if when == "pre":
+                module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+            else:
+                module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+        logger.info(
+            "vllm-hidden-states: %d steerable points (%s), %d vector slots of %d",
+            len(taps),
+            config.describe_points(),
+            num_slots,
+            hidden_size,
+        )
+
+    # -- per step --------------------------------------------------------------
+
+    def begin_step(self, scheduler_output: Any) -> None:
+        """New requests that steer (their ``SamplingParams.steering``, in
+        wire form); finished ones leave."""
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            if params is not None and params.steering:
+                self.requests[new.req_id] = RequestSteering(
+                    params.steering, self.vectors, self.index_of
+                )
+        if self.requests and scheduler_output.finished_req_ids:
+            for req_id in scheduler_output.finished_req_ids:
+                if self.requests.pop(req_id, None) is not None:
+                    self.table.give_back(req_id)
+
+    def arm(self, runner: Any, num_scheduled: dict[str, int]) -> None:
+        """Right before the forward: the rows of every steered request in the
+        batch, at each of its points (no-op when none is in the batch)."""
+        if not self.requests:
+            return
+        index_of = runner.input_batch.req_id_to_index
+        in_batch = [r for r in self.requests if r in num_scheduled and r in index_of]
+        if not in_batch:
+            return
+        query_start = runner.query_start_loc.np
+        computed = runner.input_batch.num_computed_tokens_cpu
+        per_point: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        batch = set(in_batch)
+        for req_id in in_batch:
+            request = self.requests[req_id]
+            if request.slots is None:
+                self._upload(req_id, request, batch)
+            assert request.slots is not None
+            i = index_of[req_id]
+            p0 = int(computed[i])
+            p1 = p0 + num_scheduled[req_id]
+            row0 = int(query_start[i])
+            for stretch, slot in zip(request.stretches, request.slots):
+                lo = max(stretch.start, p0)
+                hi = p1 if stretch.end is None else min(stretch.end, p1)
+                if lo >= hi:
+                    continue
+                starts, counts, slot_list = per_point.setdefault(stretch.index, ([], [], []))
+                starts.append(row0 + lo - p0)
+                counts.append(hi - lo)
+                slot_list.append(slot)
+        if not per_point:
+            return
+        # Device rows past each count are zero (disarm), so only the armed
+        # entries are copied: a few per steered request.
+        self.counts_host.zero_()
+        for index, (starts, counts, slot_list) in per_point.items():
+            total = sum(counts)
+            offsets = np.cumsum(counts) - counts
+            rows = np.repeat(np.asarray(starts) - offsets, counts) + np.arange(total)
+            slots = np.repeat(np.asarray(slot_list, dtype=np.int64), counts)
+            self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
+            self.slots[index, :total].copy_(torch.from_numpy(slots), non_blocking=True)
+            self.counts_host[index] = total
+        self.counts.copy_(self.counts_host, non_blocking=True)
+        self.armed = True
+
+    def _upload(self, req_id: str, request: RequestSteering, batch: set[str]) -> None:
+        """Write a request's composed vectors into table slots (once per
+        entry into the batch)."""
+        slots = self.table.lend(req_id, request, batch)
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.int64)
+        adds = torch.from_numpy(np.stack([a for a, _ in request.pairs]))
+        dirs = torch.from_numpy(np.stack([d for _, d in request.pairs]))
+        if self.device.type != "cpu":
+            index, adds, dirs = (t.to(self.device) for t in (index, adds, dirs))
+        self.adds.index_copy_(0, index, adds)
+        self.dirs.index_copy_(0, index, dirs)
+
+    def disarm(self) -> None:
+        """No steering in later forwards (warm-up and dummy runs included).
+        Off CPU the op reads every entry up to the token count, so the index
+        goes back to zeros (row 0, slot 0: a zero delta)."""
+        if self.armed:
+            self.rows.zero_()
+            self.slots.zero_()
+            self.counts.zero_()
+            self.armed = False
+
+    def forget(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            if self.requests.pop(req_id, None) is not None:
+                self.table.give_back(req_id)
