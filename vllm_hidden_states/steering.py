@@ -112,9 +112,12 @@ def steering_entry(
 
 def read_vector_names(directory: str) -> dict[str, int]:
     """``{name: length}`` of every 1-D tensor in the ``*.safetensors`` files
-    of ``directory`` (headers only). A name is ``file stem`` when the file
-    holds one tensor, else ``stem/tensor``. ValueError for a missing
-    directory, a tensor that is not 1-D, or a name given twice."""
+    of ``directory``. A name is ``file stem`` when the file holds one
+    tensor, else ``stem/tensor``. ValueError for a missing directory, a
+    tensor that is not 1-D, or one with a non-finite value or only zeros
+    (it would steer nothing, and an ablation needs a direction): the values
+    are read once here, at start, so no request meets them later."""
+    import numpy as np
     from safetensors import safe_open
 
     if not os.path.isdir(directory):
@@ -133,6 +136,13 @@ def read_vector_names(directory: str) -> dict[str, int]:
                     raise ValueError(
                         f"--steering-vectors: {file} tensor {key!r} has shape "
                         f"{list(shape)}; steering vectors are 1-D [hidden_size]"
+                    )
+                values = np.asarray(f.get_tensor(key), dtype=np.float64)
+                if not np.isfinite(values).all() or not values.any():
+                    raise ValueError(
+                        f"--steering-vectors: {file} tensor {key!r} has "
+                        f"{'non-finite values' if not np.isfinite(values).all() else 'only zeros'}"
+                        "; a steering vector needs finite values, not all zero"
                     )
                 names[name] = int(shape[0])
     return names
@@ -161,6 +171,7 @@ def steerable_ids(items: list[str], num_layers: int, architecture: str | None) -
     ValueError naming what is allowed."""
     kinds = [k for k in point_kinds_for(architecture) if k in STEERABLE_KINDS]
     ids: set[int] = set()
+    wanted: list[tuple[str, int]]
     for item in items:
         if item == "all":
             wanted = [(k, i) for k in kinds for i in range(num_layers)]
@@ -171,7 +182,8 @@ def steerable_ids(items: list[str], num_layers: int, architecture: str | None) -
                 wanted = [parse_point(item, num_layers)]
             except ValueError as e:
                 raise ValueError(
-                    f"--steering-points entry {e} (or 'all', or a kind alone: every layer)"
+                    f"--steering-points entry {e} (or 'all', or one of the steerable "
+                    f"kinds {list(STEERABLE_KINDS)} alone: every layer)"
                 ) from None
         for kind, layer in wanted:
             if kind not in kinds:

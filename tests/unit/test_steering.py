@@ -337,6 +337,17 @@ def test_a_tensor_that_is_not_1d_is_refused(tmp_path):
         read_vector_names(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "values, problem", [([0.0] * H, "only zeros"), ([np.nan] + [1.0] * (H - 1), "non-finite")]
+)
+def test_a_named_vector_of_zeros_or_non_finite_values_is_refused_at_start(
+    tmp_path, values, problem
+):
+    save(tmp_path / "bad.safetensors", {"v": np.asarray(values)})
+    with pytest.raises(ValueError, match=f"bad.safetensors tensor 'v' has {problem}"):
+        read_vector_names(str(tmp_path))
+
+
 def test_a_missing_vectors_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         read_vector_names(str(tmp_path / "absent"))
@@ -369,8 +380,8 @@ def test_addresses_are_single_points_and_duplicates_collapse():
     assert ids == (1, point_id("mlp_out", L - 1, L))  # resid_post.0 is resid_pre.1
 
 
-def test_a_malformed_steering_point_names_the_kind_alone_form():
-    with pytest.raises(ValueError, match=r"--steering-points entry .*or a kind alone"):
+def test_a_malformed_steering_point_names_the_steerable_kinds():
+    with pytest.raises(ValueError, match=r"--steering-points entry .*steerable kinds .*resid_pre"):
         steerable_ids(["attn_pattern"], L, ARCH)
 
 

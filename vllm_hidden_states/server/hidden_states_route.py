@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""POST /v1/hidden_states: every prompt position's state at one layer.
+"""POST /v1/hidden_states: every prompt position's state at one layer; GET
+/v1/steering_vectors: what the engine can steer.
 
 The request and response follow the heylookitsanllm text-encoder contract (the
 Z-Image backend), plus a batch form and a ``messages`` form::
@@ -34,6 +35,29 @@ Each input runs as a ``max_tokens=1`` generation with ``positions="prompt"``:
 the prompt's states are captured during its own prefill (which skips prefix-
 cache reads, so every position is computed), one forward pass per input like
 vLLM's pooling runner; no post-sampling extract is needed.
+
+* ``steering`` (server started with ``--enable-steering``): a list of
+  interventions as on /v1/chat/completions (:mod:`vllm_hidden_states.
+  steering`), applied to every input's forward pass: the states returned are
+  those of the steered forward (steering runs before capture). Checked
+  against the engine before anything is tokenized (400, ``param:
+  "steering"``); its positions windows, once each input's length is known, by
+  the engine front-end (a ``VLLMValidationError``, answered as a 400 here).
+
+GET /v1/steering_vectors answers::
+
+    {"object": "list",
+     "data": [{"object": "steering_vector", "name": "honesty", "length": 4096}, ...],
+     "points": ["resid_pre.0", "resid_pre.1", ...],   # every steerable address
+     "max_interventions": 4}
+
+``data`` lists the named vectors of ``--steering-vectors DIR`` (sorted by
+name; empty without one); ``points`` every address a request may steer
+(``--steering-points``; ``resid_post.i`` and ``resid_pre.(i+1)`` are one
+point under two names, both listed). On a server without
+``--enable-steering`` it is a 404 (an OpenAI error body naming the flag):
+the resource does not exist there, which a client can tell from an engine
+that steers but has no named vectors (``data`` empty).
 """
 
 import asyncio
@@ -56,7 +80,7 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import is_neuron_address, is_pattern_address
+from vllm_hidden_states.config import is_neuron_address, is_pattern_address, point_id
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,
@@ -68,7 +92,13 @@ from vllm_hidden_states.server.encoding import (
     encode_array,
     invalid_request,
 )
-from vllm_hidden_states.server.validation import validate_layers, validate_points
+from vllm_hidden_states.server.validation import (
+    steering_config,
+    validate_layers,
+    validate_points,
+    validate_steering,
+)
+from vllm_hidden_states.steering import ENABLE_STEERING_HINT, STEERABLE_KINDS, SteeringConfig
 
 logger = init_logger(__name__)
 
@@ -92,6 +122,9 @@ class HiddenStatesRequest(BaseModel):
     endianness: Literal["little", "big", "native"] = "little"
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Interventions (engine started with --enable-steering); checked by
+    # validate_steering, which names what is allowed.
+    steering: Any = None
 
     @model_validator(mode="after")
     def _one_source(self) -> "HiddenStatesRequest":
@@ -137,6 +170,8 @@ FIELD_HELP = {
     "endianness": "'little', 'big' or 'native' (encoding_format 'bytes')",
     "add_generation_prompt": "true or false (messages only)",
     "chat_template_kwargs": "an object (messages only)",
+    "steering": "a list of interventions such as [{'point': 'resid_pre.3', "
+    "'op': 'add', 'vector': [...], 'strength': 4}] (--enable-steering)",
 }
 
 
@@ -450,6 +485,8 @@ async def _extract(
         hidden_states_layers=None if request.point is not None else [request.layer],
         hidden_states_points=None if request.point is None else [request.point],
         hidden_states_positions="prompt",
+        # Each input's own copy: the front-end writes its wire form back.
+        steering=None if request.steering is None else [dict(x) for x in request.steering],
     )
     final = None
     async for output in engine_client.generate(
@@ -548,6 +585,8 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
                     "(hidden_states_points)",
                     "point",
                 )
+        if request.steering is not None:
+            validate_steering(engine_client, request.steering)
         _admit(engine_client, limits, request)
         inputs = await _token_ids(state, request)
         _check_limits(engine_client, limits, request, inputs)
@@ -644,3 +683,43 @@ async def create_hidden_states(raw_request: Request):
     # with_cancellation cancels _serve (and so aborts the engine requests) when
     # the client disconnects; it needs the body read first, as done above.
     return await with_cancellation(_serve)(body, raw_request)
+
+
+def steerable_points(cfg: SteeringConfig) -> list[str]:
+    """Every address a request may steer, layer by layer in network order."""
+    ids, n = set(cfg.ids), cfg.num_layers
+    return [
+        f"{kind}.{layer}"
+        for layer in range(n)
+        for kind in STEERABLE_KINDS
+        if point_id(kind, layer, n) in ids  # type: ignore[arg-type]
+    ]
+
+
+def steering_vectors_body(cfg: SteeringConfig) -> dict[str, Any]:
+    """The answer of GET /v1/steering_vectors (see the module docstring)."""
+    return {
+        "object": "list",
+        "data": [
+            {"object": "steering_vector", "name": name, "length": length}
+            for name, length in sorted(cfg.vectors.items())
+        ],
+        "points": steerable_points(cfg),
+        "max_interventions": cfg.max_interventions,
+    }
+
+
+@router.get("/v1/steering_vectors")
+async def list_steering_vectors(raw_request: Request):
+    """GET /v1/steering_vectors (see the module docstring)."""
+    cfg = steering_config(raw_request.app.state.engine_client)
+    if cfg is None:
+        return _error(
+            ApiError(
+                f"steering is not enabled on this server, so it has no steering "
+                f"vectors; {ENABLE_STEERING_HINT} (named vectors: --steering-vectors DIR)",
+                HTTPStatus.NOT_FOUND,
+                "invalid_request_error",
+            )
+        )
+    return Response(orjson.dumps(steering_vectors_body(cfg)), media_type="application/json")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hidden states on /v1/chat/completions and /v1/completions.
+"""Hidden states and steering on /v1/chat/completions and /v1/completions.
 
 vLLM's serving code calls this module at named sites (patch
 ``0009-openai-serving``, one line each); nothing of vLLM's is replaced.
@@ -54,7 +54,26 @@ The call-outs, in the order a request meets them (vLLM 0.32.0):
   carrying hidden states (numpy arrays natively), vLLM's ``JSONResponse``
   for every other;
 * :func:`refuse`, first in the handlers of /v1/responses, /v1/messages and
-  /v1/chat/completions/batch: a 400 naming the field.
+  /v1/chat/completions/batch: a 400 naming the field (``steering`` included).
+
+**Steering** (server started with ``--enable-steering``): ``"steering": [
+{"point": "resid_pre.3", "op": "add", "vector": [...] | "name": "honesty",
+"strength": 4, "positions": "all"}, ...]`` writes interventions into the
+residual stream of the request's forward passes (the contract:
+:mod:`vllm_hidden_states.steering`; the vectors of ``--steering-vectors``
+are listed at GET /v1/steering_vectors). It needs no
+``return_hidden_states``; with it, the states returned are the steered ones.
+:func:`admit` checks the list against the engine with the rules of the
+Python API (400, ``param: "steering"``; on an engine without steering, a
+400 naming ``--enable-steering``), except the positions windows, which need
+the prompt's length: the engine front-end checks them (its
+``VLLMValidationError`` is a 400 through vLLM's exception handler) and,
+for streamed requests, whose 200 is sent before the front-end runs,
+:func:`price` checks them first. :func:`ask_engine` copies the list as given
+onto ``SamplingParams.steering`` (the front-end resolves it). Inline
+vectors are bounded by the request bounds (:mod:`.bounds`: the body size,
+``--request-max-body-mb``, and the items per list) before the body is
+parsed; admission has no request-size limit of its own.
 
 **SAE features** (server started with ``--sae DIR``): ``"sae_features":
 {"top_k": k}`` asks for the SAE's ``k`` strongest features at the positions
@@ -72,8 +91,9 @@ states) is appended to the store off the serving path
 API-server process, closed at exit); a failing store is logged, never an
 error for the request.
 
-Requests that do not ask pay one ``dict`` lookup in :func:`admit` and a
-context-variable read at each other call-out.
+Requests that ask for neither pay two ``dict`` lookups in :func:`admit` and a
+context-variable read (two in :func:`price` and :func:`ask_engine`) at each
+other call-out.
 """
 
 import contextvars
@@ -108,7 +128,12 @@ from vllm_hidden_states.server.encoding import (
     encode_array,
     invalid_request,
 )
-from vllm_hidden_states.server.validation import validate_layers, validate_points
+from vllm_hidden_states.server.validation import (
+    STEERING_PARAM,
+    validate_layers,
+    validate_points,
+    validate_steering,
+)
 
 logger = init_logger(__name__)
 
@@ -909,6 +934,63 @@ def _attach_to_choices(
 
 
 # --------------------------------------------------------------------------
+# Steering (the ``steering`` field; no hidden states needed)
+
+# The request field (not one of REQUEST_FIELDS: it asks for no captured data).
+STEERING_FIELD = STEERING_PARAM
+# What the routes that cannot serve them refuse (:func:`refuse`).
+REFUSED_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, STEERING_FIELD)
+
+
+@dataclass(frozen=True)
+class SteeringAsk:
+    """A chat/completions request's ``steering``, checked by :func:`admit`."""
+
+    interventions: list[dict[str, Any]]  # as the request gave them
+    stream: bool  # the request streams (its windows are checked in price)
+    windows: tuple[tuple[int, Window], ...] = ()  # (intervention, its window)
+
+
+def admit_steering(serving: Any, request: Any) -> SteeringAsk | None:
+    """The request's ``steering`` checked against the engine (None when not
+    given); :class:`ApiError` (400) naming what is allowed."""
+    value = request.model_extra.get(STEERING_FIELD)
+    if value is None:
+        return None
+    validate_steering(serving.engine_client, value)
+    if getattr(request, "use_beam_search", False):
+        raise invalid_request(
+            "steering is not supported with use_beam_search; drop one of them",
+            "use_beam_search",
+        )
+    windows: list[tuple[int, Window]] = []
+    for i, item in enumerate(value):
+        if isinstance(item.get("positions"), dict):
+            window = check_positions(item["positions"])  # well-formed: checked above
+            assert isinstance(window, Window)
+            windows.append((i, window))
+    return SteeringAsk(list(value), bool(getattr(request, "stream", False)), tuple(windows))
+
+
+def steering_window_problem(
+    steering: SteeringAsk, prompt_len: int, max_tokens: int
+) -> ApiError | None:
+    """The 400 for the first steering window that does not fit a prompt of
+    ``prompt_len`` tokens and ``max_tokens`` (the message the engine front-end
+    would give), or None."""
+    for i, window in steering.windows:
+        problem = window_problem(window, prompt_len, prompt_len + max_tokens)
+        if problem is not None:
+            return invalid_request(f"steering[{i}].positions: {problem}", STEERING_FIELD)
+    return None
+
+
+_steering: contextvars.ContextVar[SteeringAsk | None] = contextvars.ContextVar(
+    "steering_ask", default=None
+)
+
+
+# --------------------------------------------------------------------------
 # Call-outs from vLLM's serving code (patch 0009-openai-serving). Each is one
 # line at its site; requests that did not ask pay one dict lookup in
 # ``admit`` and a context-variable read at the others.
@@ -943,14 +1025,18 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
     None to go on. Called first in ``create_chat_completion`` and
     ``create_completion``."""
     extra = request.model_extra
-    if not extra or not any(f in extra for f in REQUEST_FIELDS):
+    if not extra or not (STEERING_FIELD in extra or any(f in extra for f in REQUEST_FIELDS)):
         if _reply.get() is not None:
             _reply.set(None)
+        if _steering.get() is not None:
+            _steering.set(None)
         return None
     try:
+        steering = admit_steering(serving, request)
         ask = validate_ask(serving, request, raw_request)
     except ApiError as e:
         return e.to_error_response()
+    _steering.set(steering)
     if ask is None:
         _reply.set(None)
         return None
@@ -977,7 +1063,13 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
 def price(prompt_len: int, max_tokens: int) -> Any:
     """Add one prompt's positions to an "all"/"prompt" request's price, where
     vLLM has just sized it (``get_max_tokens``); ``ErrorResponse`` (400) when
-    the whole response would pass the cap, else None."""
+    the whole response would pass the cap, or when a streamed request's
+    steering window does not fit this prompt, else None."""
+    steering = _steering.get()
+    if steering is not None and steering.stream and steering.windows:
+        problem = steering_window_problem(steering, prompt_len, max_tokens)
+        if problem is not None:
+            return problem.to_error_response()
     reply = _reply.get()
     if reply is None or reply.pricing is None:
         return None
@@ -990,7 +1082,13 @@ def price(prompt_len: int, max_tokens: int) -> Any:
 
 def ask_engine(params: Any) -> None:
     """Copy what the request asked onto its ``SamplingParams`` (right after
-    ``to_sampling_params``), in the engine's terms."""
+    ``to_sampling_params``), in the engine's terms: steering (asked with or
+    without hidden states) and the hidden-state fields."""
+    steering = _steering.get()
+    if steering is not None:
+        # As given (the front-end resolves it into the wire form on its own
+        # clone); one list per SamplingParams (completions: one per prompt).
+        params.steering = [dict(item) for item in steering.interventions]
     reply = _reply.get()
     if reply is None:
         return
@@ -1067,11 +1165,19 @@ class CapturedJSONResponse(JSONResponse):
 
 def refuse(request: Any, raw_request: Any, route: str) -> Any:
     """``ErrorResponse`` (400) when a route that cannot carry captured data
-    (/v1/responses, /v1/messages, /v1/chat/completions/batch) is sent any of
-    :data:`REQUEST_FIELDS`; else None. Called first in those handlers."""
+    or steering (/v1/responses, /v1/messages, /v1/chat/completions/batch) is
+    sent any of :data:`REFUSED_FIELDS`; else None. Called first in those
+    handlers."""
     field_name = _captured_field_asked(request, raw_request)
     if field_name is None:
         return None
+    if field_name == STEERING_FIELD:
+        return invalid_request(
+            f"'steering' is not supported on this route ({route}); steering works "
+            "on /v1/chat/completions, /v1/completions and POST /v1/hidden_states "
+            "(server started with --enable-steering)",
+            STEERING_FIELD,
+        ).to_error_response()
     return invalid_request(
         f"'{field_name}' is not supported on this route ({route}): hidden states "
         "are not supported here; return_hidden_states, hidden_states_* and "
@@ -1082,10 +1188,10 @@ def refuse(request: Any, raw_request: Any, route: str) -> Any:
 
 
 def _field_asked(data: Any) -> str | None:
-    """The first of :data:`REQUEST_FIELDS` set (not null, not false) in ``data``."""
+    """The first of :data:`REFUSED_FIELDS` set (not null, not false) in ``data``."""
     if not isinstance(data, dict):
         return None
-    return next((f for f in REQUEST_FIELDS if data.get(f) not in (None, False)), None)
+    return next((f for f in REFUSED_FIELDS if data.get(f) not in (None, False)), None)
 
 
 def _captured_field_asked(request: Any, raw_request: Any) -> str | None:

@@ -2,15 +2,18 @@
 """Checks of HTTP request fields against the engine behind the server.
 
 Shared by both routes (:mod:`.openai_fields` and :mod:`.hidden_states_route`);
-the engine's capturable set is computed once per engine client.
+the engine's capturable set (and what it can steer) is computed once per
+engine client.
 """
 
+import sys
 import weakref
 from typing import Any
 
 from vllm_hidden_states.config import ENABLE_HINT, HiddenStatesConfig
 from vllm_hidden_states.server.admission import check_layers
 from vllm_hidden_states.server.encoding import invalid_request
+from vllm_hidden_states.steering import ENABLE_STEERING_HINT, SteeringConfig, check_steering
 
 # engine client -> its HiddenStatesConfig (None when not enabled).
 _engine_configs: "weakref.WeakKeyDictionary[Any, HiddenStatesConfig | None]" = (
@@ -51,3 +54,41 @@ def validate_points(
         cfg.resolve_points(list(points))
     except ValueError as e:
         raise invalid_request(str(e), param) from None
+
+
+# engine client -> its SteeringConfig (None when steering is not enabled).
+_steering_configs: "weakref.WeakKeyDictionary[Any, SteeringConfig | None]" = (
+    weakref.WeakKeyDictionary()
+)
+
+STEERING_PARAM = "steering"
+
+
+def steering_config(engine_client: Any) -> SteeringConfig | None:
+    """The engine's ``SteeringConfig`` (None: not enabled), computed once per client."""
+    try:
+        return _steering_configs[engine_client]
+    except KeyError:
+        cfg = SteeringConfig.from_vllm_config(engine_client.vllm_config)
+        _steering_configs[engine_client] = cfg
+        return cfg
+
+
+def validate_steering(engine_client: Any, value: Any) -> None:
+    """400 (``param: "steering"``) unless the engine steers and ``value`` is
+    a list of interventions it can apply: the rules of the Python API
+    (:func:`vllm_hidden_states.steering.check_steering`) but the positions
+    windows, which need the prompt's length (checked once it is tokenized:
+    by the engine front-end, and on chat/completions streams by
+    :func:`vllm_hidden_states.server.openai_fields.price`)."""
+    cfg = steering_config(engine_client)
+    if cfg is None:
+        raise invalid_request(
+            f"steering is not enabled on this server; {ENABLE_STEERING_HINT}", STEERING_PARAM
+        )
+    hidden_size = engine_client.model_config.get_hidden_size()
+    try:
+        # No prompt yet: a reach past every window, so only their form is checked.
+        check_steering(value, cfg, hidden_size, 0, sys.maxsize)
+    except ValueError as e:
+        raise invalid_request(str(e), STEERING_PARAM) from None

@@ -223,7 +223,7 @@ def compose(
     add = np.zeros(width, dtype=np.float64)
     direction = np.zeros(width, dtype=np.float64)
     for op, vector, strength in interventions:
-        v = vector.astype(np.float64)
+        v: np.ndarray = vector.astype(np.float64)
         if op == "add":
             add += strength * v
         else:  # ablate: (x - (x.d0)d0 + a) projected off d
@@ -459,9 +459,9 @@ class Steering:
             total = sum(counts)
             offsets = np.cumsum(counts) - counts
             rows = np.repeat(np.asarray(starts) - offsets, counts) + np.arange(total)
-            slots = np.repeat(np.asarray(slot_list, dtype=np.int64), counts)
+            slot_of_row: np.ndarray = np.repeat(np.asarray(slot_list, dtype=np.int64), counts)
             self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
-            self.slots[index, :total].copy_(torch.from_numpy(slots), non_blocking=True)
+            self.slots[index, :total].copy_(torch.from_numpy(slot_of_row), non_blocking=True)
             self.counts_host[index] = total
         self.counts.copy_(self.counts_host, non_blocking=True)
         self.armed = True

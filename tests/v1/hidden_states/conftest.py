@@ -114,6 +114,75 @@ class HFReference:
         found.update({f"resid_pre.{i}": states[i] for i in range(self.num_layers)})
         return found
 
+    @torch.inference_mode()
+    def steered_states(
+        self, token_ids: list[int], interventions: list[dict]
+    ) -> tuple[torch.Tensor, ...]:
+        """:meth:`states` with ``interventions`` applied by forward hooks on
+        HF's own modules, in place (so HF's recorded states are the steered
+        ones, as the engine captures after steering), each at its positions
+        ``start .. end - 1``. An intervention: ``{"point": "kind.i", "op":
+        "add" | "ablate", "vector": tensor [hidden], "strength": float,
+        "start": int, "end": int | None}``. The point's value ``x`` is the
+        tensor the hook sees times Granite's residual multiplier for the
+        blocks' outputs; ``add``: ``x += strength * v``; ``ablate``: ``x -=
+        (x . d) d``, ``d = v / |v|``. Written here, independently of the
+        package."""
+        handles = []
+
+        def apply(tensor: torch.Tensor, item: dict, scale: float) -> None:
+            rows = tensor[0, item["start"] : item["end"]]  # a view: [positions, hidden]
+            v = item["vector"].to(torch.float32)
+            if item["op"] == "add":
+                rows.add_(item["strength"] * v / scale)
+            else:
+                d = v / v.norm()
+                rows.sub_(((rows * scale) @ d)[:, None] * d / scale)
+
+        def first(x):
+            return x[0] if isinstance(x, tuple) else x
+
+        def on_input(module, item, scale=1.0):
+            def hook(module, args, kwargs):
+                apply(args[0] if args else kwargs["hidden_states"], item, scale)
+
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+
+        def on_output(module, item, scale=1.0):
+            def hook(module, args, output):
+                apply(first(output), item, scale)
+
+            handles.append(module.register_forward_hook(hook))
+
+        for item in interventions:
+            kind, i = item["point"].split(".")
+            layer = self.model.model.layers[int(i)]
+            scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
+            post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
+            if kind == "resid_pre":
+                on_input(layer, item)
+            elif kind == "attn_out":
+                on_output(
+                    layer.post_attention_layernorm if post_norms else layer.self_attn, item, scale
+                )
+            elif kind == "resid_mid":
+                if hasattr(layer, "pre_feedforward_layernorm"):
+                    on_input(layer.pre_feedforward_layernorm, item)
+                else:
+                    on_input(layer.mlp if post_norms else layer.post_attention_layernorm, item)
+            elif kind == "mlp_out":
+                on_output(
+                    layer.post_feedforward_layernorm if post_norms else layer.mlp, item, scale
+                )
+            else:
+                assert kind == "resid_post", kind
+                on_output(layer, item)
+        try:
+            return self.states(token_ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def last(self, token_ids: list[int], layer: int) -> torch.Tensor:
         """``[1, hidden]``: the state of the final token at ``layer``."""
         return self.states(token_ids)[layer][-1:]

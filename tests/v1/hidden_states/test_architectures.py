@@ -5,11 +5,14 @@ architecture.
 One tiny random-weight model per architecture
 (:func:`vllm_hidden_states.tools.tiny_models.build_tiny_model`), each on an
 engine with every layer and every point capturable (``hidden_states_points=
-"all"``), compared with HF transformers on the same token ids: the states of
-the last token and of every position at every layer ``0..L``
-(``output_hidden_states``), and every point of every layer (forward hooks on
-HF's own modules, :meth:`HFReference.points`). The points also satisfy the
-residual identities among themselves. A representative subset also runs
+"all"``) and steerable (``steering_points="all"``), compared with HF
+transformers on the same token ids: the states of the last token and of every
+position at every layer ``0..L`` (``output_hidden_states``), and every point of
+every layer (forward hooks on HF's own modules, :meth:`HFReference.points`).
+The points also satisfy the residual identities among themselves. Steering
+(``add`` at every layer, ``add`` and ``ablate`` at every kind of point) is
+compared with HF forward hooks that apply the same intervention
+(:meth:`HFReference.steered_states`). A representative subset also runs
 torch.compile'd.
 
 Engines are expensive on a 2-core CPU, so tests are grouped by architecture
@@ -33,6 +36,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.config import point_kinds_for
+from vllm_hidden_states.steering import STEERABLE_KINDS
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
@@ -94,6 +98,10 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
                     model=str(model_dir),
                     enable_hidden_states=True,
                     hidden_states_points="all",
+                    # Every steerable point of every layer: its hooks are in
+                    # every test's graph, steered or not.
+                    enable_steering=True,
+                    steering_points="all",
                     enforce_eager=not compiled,
                     **ENGINE_ARGS,
                 )
@@ -276,3 +284,115 @@ def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
     for i in range(hf.num_layers):
         got = out.outputs[0].hidden_states[f"attn_pattern.{i}"]
         assert_close(got, reference[i][0], f"compiled {compiled_arch} attn_pattern.{i}")
+
+
+# --------------------------------------------------------------------------
+# Steering: the engine's interventions against HF forward hooks applying the
+# same ones, every layer and position of the steered request compared.
+
+STRENGTH = 4.0
+
+
+def random_vector(hf: HFReference, seed: int) -> torch.Tensor:
+    return torch.randn(hf.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def steered(hf: HFReference, steering: list[dict], positions: str = "all") -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(hf.num_layers + 1)),
+        hidden_states_positions=positions,
+        steering=[{**item, "vector": item["vector"].tolist()} for item in steering],
+    )
+
+
+def as_reference(item: dict, prompt_len: int = 0) -> dict:
+    """An intervention as :meth:`HFReference.steered_states` takes it."""
+    return {
+        "point": item["point"],
+        "op": item.get("op", "add"),
+        "vector": item["vector"],
+        "strength": item.get("strength", 1.0),
+        "start": 0,
+        "end": None,
+    }
+
+
+def assert_steered_like_hf(out, hf: HFReference, steering: list[dict], what: str):
+    ids = token_ids_of(out)
+    reference = hf.steered_states(ids, [as_reference(item) for item in steering])
+    plain = hf.states(ids)
+    states = out.outputs[0].hidden_states
+    for layer in range(hf.num_layers + 1):
+        assert_close(states[layer], reference[layer], f"{what} layer {layer}")
+    # The intervention did something (the comparison is not plain vs plain).
+    changed = (reference[-1] - plain[-1]).abs().max() / plain[-1].abs().max()
+    assert changed > 1e-2, f"{what}: steering changed the final state by only {changed:.1e}"
+
+
+def test_add_at_every_layer_matches_hf_hooks(arch):
+    """One request per layer, each adding its own vector at resid_pre.i, all
+    in one batch (same prompt: the steering digest keeps their KV apart)."""
+    llm, hf = engine_for(arch)
+    steering = [
+        [{"point": f"resid_pre.{i}", "vector": random_vector(hf, i), "strength": STRENGTH}]
+        for i in range(hf.num_layers)
+    ]
+    outs = llm.generate(
+        [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False
+    )
+    for i, (out, s) in enumerate(zip(outs, steering)):
+        assert_steered_like_hf(out, hf, s, f"{arch} add at resid_pre.{i}")
+
+
+def steerable_kinds(hf: HFReference) -> list[str]:
+    kinds = point_kinds_for(hf.model.config.architectures[0])
+    return [k for k in STEERABLE_KINDS if k in kinds]
+
+
+@pytest.mark.parametrize("op", ["add", "ablate"])
+def test_every_steerable_kind_matches_hf_hooks(arch, op):
+    """add / ablate at each kind of point (middle layer), one request per
+    kind, in one batch with an unsteered request."""
+    llm, hf = engine_for(arch)
+    layer = hf.num_layers // 2
+    steering = []
+    for j, kind in enumerate(steerable_kinds(hf)):
+        item = {"point": f"{kind}.{layer}", "op": op, "vector": random_vector(hf, 100 + j)}
+        if op == "add":
+            item["strength"] = STRENGTH
+        steering.append([item])
+    plain = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(hf.num_layers + 1)),
+        hidden_states_positions="all",
+    )
+    outs = llm.generate(
+        [PROMPT] * (len(steering) + 1),
+        [steered(hf, s) for s in steering] + [plain],
+        use_tqdm=False,
+    )
+    for out, s in zip(outs, steering):
+        assert_steered_like_hf(out, hf, s, f"{arch} {op} at {s[0]['point']}")
+    assert_every_layer_matches_hf(outs[-1], hf, "all", f"{arch} unsteered beside steered")
+
+
+def test_compiled_engine_steers_like_hf_hooks(compiled_arch):
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    steering = [
+        [{"point": "resid_pre.1", "vector": random_vector(hf, 1), "strength": STRENGTH}],
+        [{"point": f"mlp_out.{hf.num_layers - 1}", "op": "ablate", "vector": random_vector(hf, 2)}],
+        [
+            {"point": "attn_out.0", "vector": random_vector(hf, 3), "strength": STRENGTH},
+            {"point": "resid_mid.0", "op": "ablate", "vector": random_vector(hf, 4)},
+        ],
+    ]
+    outs = llm.generate(
+        [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False
+    )
+    for out, s in zip(outs, steering):
+        assert_steered_like_hf(out, hf, s, f"compiled {compiled_arch} {s[0]['point']}")
