@@ -240,15 +240,49 @@ COMMON_ENGINE_ARGS = dict(
 LLM_MAX_ROWS = 24
 
 
+STEERING_VECTOR = "honesty"  # the named vector of the ``llm`` engine
+
+
+def write_steering_vectors(directory: Path, hidden_size: int) -> Path:
+    """A ``--steering-vectors`` directory: ``honesty.safetensors`` (one random
+    vector, seed 7) and ``moods.safetensors`` (``moods/happy``, ``moods/sad``)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(7)
+    save_file({"v": torch.randn(hidden_size, generator=g)}, str(directory / "honesty.safetensors"))
+    save_file(
+        {
+            "happy": torch.randn(hidden_size, generator=g),
+            "sad": torch.randn(hidden_size, generator=g),
+        },
+        str(directory / "moods.safetensors"),
+    )
+    return directory
+
+
 @pytest.fixture(scope="session")
-def llm(qwen3_dir):
-    """Eager, in-process engine; every layer capturable; 24-row capture buffers."""
+def steering_vectors_dir(tmp_path_factory, qwen3_dir) -> Path:
+    import json
+
+    hidden_size = json.loads((qwen3_dir / "config.json").read_text())["hidden_size"]
+    return write_steering_vectors(tmp_path_factory.mktemp("steering_vectors"), hidden_size)
+
+
+@pytest.fixture(scope="session")
+def llm(qwen3_dir, steering_vectors_dir):
+    """Eager, in-process engine; every layer capturable; 24-row capture
+    buffers; steering at every steerable point (:data:`STEERING_VECTOR`
+    named), so every test on it also runs with the steering hooks in place."""
     from vllm import LLM
 
     with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
         engine = LLM(
             model=str(qwen3_dir),
             enable_hidden_states=True,
+            enable_steering=True,
+            steering_points="all",
+            steering_vectors=str(steering_vectors_dir),
             # Capture buffers smaller than the token budget (64): long
             # captures are split over steps in every test on this engine.
             hidden_states_max_rows=LLM_MAX_ROWS,
