@@ -32,6 +32,8 @@ def tiny_model_stub(monkeypatch, tmp_path):
 
     def build_tiny_model(path, arch):
         calls.append((path, arch))
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text('{"hidden_size": 8}')  # all serve reads
         return path
 
     monkeypatch.setattr(tiny_models, "build_tiny_model", build_tiny_model)
@@ -46,6 +48,20 @@ def tiny_model_stub(monkeypatch, tmp_path):
 def test_command_runs_vllm_serve_on_the_model_with_this_interpreter():
     argv, _ = build_command(MODEL, 8000, [], cuda=True)
     assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL]
+
+
+def test_command_enables_steering_by_default():
+    argv, _ = build_command(MODEL, 8000, [], cuda=True)
+    assert argv.count("--enable-steering") == 1
+
+
+def test_the_tiny_model_gets_a_named_example_steering_vector(tiny_model_stub, tmp_path):
+    from safetensors.numpy import load_file
+
+    argv, _ = build_command(None, 8000, [], cuda=False)
+    directory = flag_value(argv, "--steering-vectors")
+    vector = load_file(f"{directory}/example.safetensors")["v"]
+    assert vector.shape == (8,) and vector.dtype.name == "float32"
 
 
 def test_command_passes_the_port():

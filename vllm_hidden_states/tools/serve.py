@@ -10,9 +10,11 @@ Without ``--model`` it builds (once) the tiny random-weight Qwen3 of
 It then replaces itself with ``vllm serve MODEL --enable-hidden-states ...``,
 adding these defaults unless the same flag is given:
 
-* ``--enable-hidden-states`` (every layer capturable);
+* ``--enable-hidden-states`` (every layer capturable) and
+  ``--enable-steering`` (resid_pre of every layer steerable);
 * the tiny model: ``--dtype float32 --max-model-len 2048 --served-model-name
-  tiny-qwen3``;
+  tiny-qwen3`` and ``--steering-vectors`` with one named vector, ``example``
+  (:func:`example_vectors`);
 * on machines without CUDA: ``--max-model-len 2048
   --gpu-memory-utilization 0.3`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), since
   vLLM's CPU backend refuses its 0.92 default on small hosts.
@@ -60,7 +62,10 @@ def build_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The ``vllm serve`` argv and the environment defaults to run it with."""
     env: dict[str, str] = {}
-    defaults: list[tuple[str, str | None]] = [("--enable-hidden-states", None)]
+    defaults: list[tuple[str, str | None]] = [
+        ("--enable-hidden-states", None),
+        ("--enable-steering", None),
+    ]
     if model is None:
         from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
@@ -69,6 +74,7 @@ def build_command(
             ("--dtype", "float32"),
             ("--max-model-len", "2048"),
             ("--served-model-name", TINY_NAME),
+            ("--steering-vectors", str(example_vectors(Path(model)))),
         ]
     if not cuda:
         defaults += [("--max-model-len", "2048"), ("--gpu-memory-utilization", "0.3")]
@@ -82,6 +88,24 @@ def build_command(
         seen.add(flag)
         argv += [flag] if value is None else [flag, value]
     return argv + extra, env
+
+
+def example_vectors(model_dir: Path) -> Path:
+    """A ``--steering-vectors`` directory for the tiny model, made once:
+    ``example.safetensors``, one random ``[hidden_size]`` vector (seed 0)."""
+    import json
+
+    directory = model_dir.parent / f"{model_dir.name}-steering-vectors"
+    path = directory / "example.safetensors"
+    if not path.exists():
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        hidden_size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+        directory.mkdir(parents=True, exist_ok=True)
+        vector = np.random.default_rng(0).standard_normal(hidden_size).astype(np.float32)
+        save_file({"v": vector}, str(path))
+    return directory
 
 
 def main(args: list[str] | None = None) -> None:
