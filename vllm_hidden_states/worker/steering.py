@@ -411,6 +411,8 @@ class Steering:
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             if params is not None and params.steering:
+                # A preempted request comes back as new: its old slots go back.
+                self.table.give_back(new.req_id)
                 self.requests[new.req_id] = RequestSteering(
                     params.steering, self.vectors, self.index_of
                 )
