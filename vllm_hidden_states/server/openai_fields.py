@@ -992,8 +992,9 @@ _steering: contextvars.ContextVar[SteeringAsk | None] = contextvars.ContextVar(
 
 # --------------------------------------------------------------------------
 # Call-outs from vLLM's serving code (patch 0009-openai-serving). Each is one
-# line at its site; requests that did not ask pay one dict lookup in
-# ``admit`` and a context-variable read at the others.
+# line at its site; requests that asked for neither captured data nor
+# steering pay two dict lookups in ``admit`` and context-variable reads at
+# the others.
 
 
 @dataclass
