@@ -260,6 +260,14 @@ def _finite_vector(value: Any, width: int, i: int) -> list[float]:
     """``value`` as ``width`` float32 values (Python floats)."""
     import numpy as np
 
+    numbers = (
+        value.dtype.kind in "fiu"
+        if isinstance(value, np.ndarray)
+        else isinstance(value, (list, tuple))
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+    )
+    if not numbers:
+        raise _fail(i, "vector", f"must be a list of {width} numbers (not strings or booleans)")
     try:
         array = np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError):

@@ -80,6 +80,8 @@ class HFOnGPU:
     # Every capture point by forward hooks on HF's modules (the CPU suite's
     # reference, here on the GPU).
     points = HFReference.points
+    # The same, with interventions applied by forward hooks (steering).
+    steered_states = HFReference.steered_states
 
     @torch.inference_mode()
     def patterns(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:

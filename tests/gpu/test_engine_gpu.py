@@ -59,6 +59,9 @@ def make_llm(model_dir, *, eager: bool, async_on: bool, **kwargs):
             hidden_states_max_rows=24,
             # Every point's hook is in the compiled graph and the CUDA graphs.
             hidden_states_points="all",
+            # Every steerable point's hook too (steered or not).
+            enable_steering=True,
+            steering_points="all",
             async_scheduling=True if async_on else None,
             **{**ENGINE_ARGS, **kwargs},
         )
@@ -158,6 +161,75 @@ def test_attention_patterns_match_hf_eager(llm, hf_gpu, positions):
         assert_close_gpu(
             out.outputs[0].hidden_states[address], reference[i][:, rows], f"{positions} {address}"
         )
+
+
+def test_a_batch_of_differently_steered_requests_matches_hf_hooks(llm, hf_gpu):
+    """Steering in the CUDA graphs (compiled) and eager, sync and async: add
+    and ablate at several kinds of point, windows, and unsteered requests in
+    the same batch, every layer at every position against HF forward hooks
+    applying the same interventions."""
+    import torch
+
+    n = hf_gpu.num_layers
+
+    def vec(seed):
+        return torch.randn(hf_gpu.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+    steering = [
+        [{"point": "resid_pre.1", "op": "add", "vector": vec(1), "strength": 4.0}],
+        [{"point": f"mlp_out.{n - 1}", "op": "ablate", "vector": vec(2)}],
+        [
+            {
+                "point": "attn_out.0",
+                "op": "add",
+                "vector": vec(3),
+                "strength": 2.0,
+                "positions": {"start": 3, "end": 20},
+            },
+            {"point": "resid_mid.1", "op": "ablate", "vector": vec(4), "positions": "generated"},
+        ],
+        None,
+    ]
+    layers = list(range(n + 1))
+    wire = [
+        None if s is None else [{**i, "vector": i["vector"].tolist()} for i in s] for s in steering
+    ]
+    outs = llm.generate(
+        [PROMPT] * len(steering),
+        [
+            params(hidden_states_layers=layers, hidden_states_positions="all", steering=w)
+            for w in wire
+        ],
+        use_tqdm=False,
+    )
+    for out, s in zip(outs, steering):
+        ids = sequence_of(out)
+        prompt_len = len(out.prompt_token_ids)
+        items = []
+        for i in s or []:
+            positions = i.get("positions", "all")
+            start, end = 0, None
+            if positions == "generated":
+                start = prompt_len
+            elif isinstance(positions, dict):
+                start, end = positions["start"], positions["end"]
+            items.append(
+                {
+                    "point": i["point"],
+                    "op": i["op"],
+                    "vector": i["vector"],
+                    "strength": i.get("strength", 1.0),
+                    "start": start,
+                    "end": end,
+                }
+            )
+        ref = hf_gpu.steered_states(ids, items)
+        for layer in layers:
+            assert_close_gpu(
+                out.outputs[0].hidden_states[layer],
+                ref[layer].cpu(),
+                f"steered {s and s[0]['point']} {layer}",
+            )
 
 
 def test_engine_scheduling_mode_is_the_one_asked(llm):

@@ -205,15 +205,18 @@ def test_exactly_one_of_vector_and_name(item):
         check([item])
 
 
-@pytest.mark.parametrize("vector", [[1.0] * (H - 1), [1.0] * (H + 1), [[1.0] * H], 3.0])
+@pytest.mark.parametrize("vector", [[1.0] * (H - 1), [1.0] * (H + 1), np.ones((1, H))])
 def test_an_inline_vector_must_be_hidden_size_numbers(vector):
     with pytest.raises(ValueError, match=rf"steering\[0\]\.vector: must be {H} numbers"):
         check([add(vector=vector)])
 
 
-def test_an_inline_vector_of_non_numbers_is_refused():
-    with pytest.raises(ValueError, match=rf"must be a list of {H} numbers"):
-        check([add(vector=["a"] * H)])
+@pytest.mark.parametrize(
+    "vector", [["a"] * H, ["0.5"] * H, [True] * H, [[1.0] * H], 3.0], ids=str
+)
+def test_an_inline_vector_of_non_numbers_is_refused(vector):
+    with pytest.raises(ValueError, match=rf"must be a list of {H} numbers \(not strings"):
+        check([add(vector=vector)])
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

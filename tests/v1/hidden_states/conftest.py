@@ -132,7 +132,7 @@ class HFReference:
 
         def apply(tensor: torch.Tensor, item: dict, scale: float) -> None:
             rows = tensor[0, item["start"] : item["end"]]  # a view: [positions, hidden]
-            v = item["vector"].to(torch.float32)
+            v = item["vector"].to(tensor.device, torch.float32)
             if item["op"] == "add":
                 rows.add_(item["strength"] * v / scale)
             else:
