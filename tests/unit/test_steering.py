@@ -211,9 +211,7 @@ def test_an_inline_vector_must_be_hidden_size_numbers(vector):
         check([add(vector=vector)])
 
 
-@pytest.mark.parametrize(
-    "vector", [["a"] * H, ["0.5"] * H, [True] * H, [[1.0] * H], 3.0], ids=str
-)
+@pytest.mark.parametrize("vector", [["a"] * H, ["0.5"] * H, [True] * H, [[1.0] * H], 3.0], ids=str)
 def test_an_inline_vector_of_non_numbers_is_refused(vector):
     with pytest.raises(ValueError, match=rf"must be a list of {H} numbers \(not strings"):
         check([add(vector=vector)])
