@@ -527,7 +527,12 @@ def additional_config_entry(
     if steering:
         from vllm_hidden_states.steering import STEERING_KEY, steering_entry
 
-        entry[STEERING_KEY] = steering_entry(steering_points, steering_vectors, max_steering)
+        entry[STEERING_KEY] = steering_entry(
+            steering_points,
+            steering_vectors,
+            max_steering,
+            entry["sae"]["path"] if "sae" in entry else None,
+        )
     elif steering_points is not None or steering_vectors is not None or max_steering is not None:
         raise ValueError(
             "--steering-points, --steering-vectors and --max-steering need "

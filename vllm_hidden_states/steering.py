@@ -10,12 +10,17 @@ intervention is a dict:
   (:func:`vllm_hidden_states.config.parse_point`): ``resid_pre.i`` (HF layer
   ``i``), ``attn_out.i``, ``resid_mid.i``, ``mlp_out.i``, ``resid_post.i``;
   the engine steers the points ``--steering-points`` made steerable at start;
-* ``op``: ``"add"`` (``x += strength * v``, the default) or ``"ablate"``
+* ``op``: ``"add"`` (``x += strength * v``, the default), ``"ablate"``
   (``x -= (x . d) d`` with ``d = v / |v|``: the component along ``v`` is
-  removed);
-* the vector, one of ``vector`` (``hidden_size`` finite numbers) or ``name``
-  (a vector of ``--steering-vectors DIR``, listed at GET /v1/steering_vectors);
-* ``strength`` (``add`` only; default 1.0);
+  removed) or ``"clamp_sae_feature"`` (``x += (value - f(x)) * W_dec[f]``,
+  ``f`` feature ``sae_feature`` of the engine's SAE (``--sae``), at the SAE's
+  point: ``point`` may be left out);
+* for add / ablate, the vector, one of ``vector`` (``hidden_size`` finite
+  numbers), ``name`` (a vector of ``--steering-vectors DIR``, listed at GET
+  /v1/steering_vectors) or ``sae_feature`` (the raw decoder row ``W_dec[f]``
+  of the engine's SAE);
+* ``strength`` (``add`` only; default 1.0); ``value`` (``clamp_sae_feature``
+  only; default 0.0: the feature switched off);
 * ``positions``: ``"all"`` (prompt and output, the default), ``"prompt"``,
   ``"generated"`` or a window ``{"start": s, "end": e}`` of prompt + output
   positions.
@@ -23,7 +28,11 @@ intervention is a dict:
 Order: interventions at one point apply in list order, steering before
 capture (a request that also captures that point sees the steered stream).
 At most one ``ablate`` per point per request (two projections do not compose
-into one).
+into one), and a ``clamp_sae_feature`` is the only intervention at its point
+(it reads the stream through the SAE's encoder). Clamping needs a
+``standard`` or ``jumprelu`` SAE without activation normalization, where
+``f(x) = act((x - b_dec) . W_enc[:, f] + b_enc[f])`` depends on ``x``
+through one dot product.
 
 The front-end resolves the list once (:func:`check_steering`: the rules both
 surfaces apply) into its *wire form*, a list of dicts with the keys of
@@ -43,6 +52,7 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_hidden_states.config import (
@@ -62,7 +72,7 @@ if TYPE_CHECKING:
 # ``additional_config["hidden_states"]["steering"]``.
 STEERING_KEY = "steering"
 
-STEERING_OPS: tuple[str, ...] = ("add", "ablate")
+STEERING_OPS: tuple[str, ...] = ("add", "ablate", "clamp_sae_feature")
 # Points that can be steered: those of the residual stream and the blocks'
 # contributions to it (not patterns or neurons).
 STEERABLE_KINDS: tuple[str, ...] = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -72,8 +82,28 @@ KIND_ORDER = {kind: i for i, kind in enumerate(STEERABLE_KINDS)}
 DEFAULT_STEERING_POINTS: tuple[str, ...] = ("resid_pre",)
 DEFAULT_MAX_INTERVENTIONS = 4
 
-INTERVENTION_KEYS = ("point", "op", "vector", "name", "strength", "positions")
-WIRE_KEYS = ("point", "id", "op", "vector", "name", "strength", "start", "end")
+INTERVENTION_KEYS = (
+    "point",
+    "op",
+    "vector",
+    "name",
+    "sae_feature",
+    "strength",
+    "value",
+    "positions",
+)
+WIRE_KEYS = (
+    "point",
+    "id",
+    "op",
+    "vector",
+    "name",
+    "sae_feature",
+    "strength",
+    "value",
+    "start",
+    "end",
+)
 
 ENABLE_STEERING_HINT = (
     "start the engine with enable_steering=True (LLM / EngineArgs) or "
@@ -85,6 +115,7 @@ def steering_entry(
     points: str | list[str] | None,
     vectors_dir: str | None,
     max_interventions: int | None,
+    sae_path: str | None = None,
 ) -> dict[str, Any]:
     """``additional_config["hidden_states"]["steering"]`` (it keys vLLM's
     compile cache with the rest of the entry: the steerable points are in the
@@ -104,10 +135,36 @@ def steering_entry(
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"--max-steering must be a positive integer, got {max_interventions!r}")
     entry: dict[str, Any] = {"points": items, "max_interventions": k, "vectors": {}}
+    if sae_path:
+        entry["clamp_problem"] = clamp_problem(sae_path)
     if vectors_dir:
         entry["vectors_dir"] = os.path.abspath(vectors_dir)
         entry["vectors"] = read_vector_names(entry["vectors_dir"])
     return entry
+
+
+def clamp_problem(sae_path: str) -> str | None:
+    """Why ``clamp_sae_feature`` cannot use the SAE at ``sae_path`` (its
+    ``cfg.json``), or None: the feature must depend on the stream through one
+    dot product (``standard`` / ``jumprelu``, no activation normalization)."""
+    import json
+
+    from vllm_hidden_states.sae import CFG_FILE
+
+    cfg = json.loads((Path(sae_path) / CFG_FILE).read_text())
+    architecture = cfg.get("architecture", "standard")
+    norm = cfg.get("normalize_activations") or "none"
+    if architecture not in ("standard", "jumprelu"):
+        return (
+            f"the engine's SAE is {architecture!r}: a feature of a top-k SAE depends "
+            "on every other feature; clamp_sae_feature needs a standard or jumprelu SAE"
+        )
+    if norm != "none":
+        return (
+            f"the engine's SAE normalizes its input ({norm!r}); clamp_sae_feature "
+            "needs normalize_activations 'none'"
+        )
+    return None
 
 
 def read_vector_names(directory: str) -> dict[str, int]:
@@ -216,6 +273,11 @@ class SteeringConfig:
     vectors: dict[str, int] = field(default_factory=dict)
     vectors_dir: str | None = None
     architecture: str | None = None
+    # The engine's SAE (--sae): its feature count, the capture id it reads
+    # (clamp_sae_feature's point), and why it cannot clamp (None: it can).
+    sae_d_sae: int | None = None
+    sae_id: int | None = None
+    sae_clamp_problem: str | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
@@ -227,8 +289,11 @@ class SteeringConfig:
         )
         if entry is None:
             return None
+        from vllm_hidden_states.config import sae_capture_id
+
         n = num_hidden_layers(vllm_config)
         architecture = (vllm_config.model_config.architectures or [None])[0]
+        sae = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY].get("sae")
         return cls(
             n,
             steerable_ids(entry["points"], n, architecture),
@@ -237,6 +302,9 @@ class SteeringConfig:
             dict(entry.get("vectors") or {}),
             entry.get("vectors_dir"),
             architecture,
+            None if sae is None else int(sae["d_sae"]),
+            None if sae is None else sae_capture_id(sae, n, architecture),
+            entry.get("clamp_problem"),
         )
 
     def describe_points(self) -> str:
@@ -309,6 +377,97 @@ def _span(positions: Any, prompt_len: int, reach: int, i: int) -> tuple[int, int
     return window.start, window.end
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _parse_steerable(point: Any, i: int, n: int) -> tuple[str, int]:
+    try:
+        kind, layer = parse_point(point, n)
+    except ValueError as e:
+        raise _fail(i, "point", str(e)) from None
+    if kind not in STEERABLE_KINDS:
+        raise _fail(
+            i, "point", f"{kind} cannot be steered; steerable kinds: {list(STEERABLE_KINDS)}"
+        )
+    return kind, layer
+
+
+def _needs_sae(cfg: SteeringConfig, i: int, key: str) -> None:
+    if cfg.sae_d_sae is None:
+        raise _fail(
+            i, key, "needs an SAE on this engine; start it with --sae DIR (sae=DIR) as well"
+        )
+
+
+def _sae_point(item: dict[str, Any], cfg: SteeringConfig, i: int) -> str:
+    """The point of a clamp: the SAE's (``point`` may be left out; given, it
+    must be the SAE's)."""
+    from vllm_hidden_states.config import point_of_id
+
+    _needs_sae(cfg, i, "op")
+    if cfg.sae_clamp_problem is not None:
+        raise _fail(i, "op", cfg.sae_clamp_problem)
+    n = cfg.num_layers
+    assert cfg.sae_id is not None  # an SAE's capture id is known at start
+    if cfg.sae_id >= n and point_of_id(cfg.sae_id, n) is None:
+        raise _fail(
+            i, "op", "the engine's SAE reads the final post-norm layer, which is not steerable"
+        )
+    where = point_of_id(cfg.sae_id, n)
+    address = f"resid_pre.{cfg.sae_id}" if where is None else f"{where[0]}.{where[1]}"
+    given = item.get("point")
+    if given is not None:
+        kind, layer = _parse_steerable(given, i, n)
+        if point_id(kind, layer, n) != cfg.sae_id:  # type: ignore[arg-type]
+            raise _fail(
+                i,
+                "point",
+                f"clamp_sae_feature writes at the SAE's point, {address!r}; got {given!r} "
+                "(leave point out)",
+            )
+    return address
+
+
+def _sae_feature(value: Any, cfg: SteeringConfig, i: int) -> int:
+    _needs_sae(cfg, i, "sae_feature")
+    d_sae = cfg.sae_d_sae
+    assert d_sae is not None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < d_sae:
+        raise _fail(i, "sae_feature", f"must be a feature id in 0..{d_sae - 1}, got {value!r}")
+    return value
+
+
+def _vector_source(
+    item: dict[str, Any], cfg: SteeringConfig, hidden_size: int, i: int
+) -> tuple[list[float] | None, str | None, int | None]:
+    """``(vector, name, sae_feature)`` of an add / ablate: exactly one set."""
+    given = [k for k in ("vector", "name", "sae_feature") if item.get(k) is not None]
+    if len(given) != 1:
+        raise _fail(
+            i,
+            "vector",
+            "give exactly one of 'vector' (inline numbers), 'name' (--steering-vectors) "
+            f"or 'sae_feature' (a decoder row of the engine's SAE); got {given or 'none'}",
+        )
+    if given[0] == "vector":
+        return _finite_vector(item["vector"], hidden_size, i), None, None
+    if given[0] == "sae_feature":
+        return None, None, _sae_feature(item["sae_feature"], cfg, i)
+    name = item["name"]
+    if not isinstance(name, str) or name not in cfg.vectors:
+        known = sorted(cfg.vectors) or "none (start with --steering-vectors DIR)"
+        raise _fail(i, "name", f"unknown steering vector {name!r}; known: {known}")
+    if cfg.vectors[name] != hidden_size:
+        raise _fail(
+            i,
+            "name",
+            f"vector {name!r} has {cfg.vectors[name]} values; this model's "
+            f"hidden_size is {hidden_size}",
+        )
+    return None, name, None
+
+
 def check_steering(
     value: Any,
     cfg: SteeringConfig,
@@ -341,16 +500,14 @@ def check_steering(
             raise _fail(
                 i, unknown[0], f"unknown key; an intervention has {list(INTERVENTION_KEYS)}"
             )
+        op = item.get("op", "add")
+        if op not in STEERING_OPS:
+            raise _fail(i, "op", f"must be one of {list(STEERING_OPS)}, got {op!r}")
         point = item.get("point")
-        try:
-            kind, layer = parse_point(point, n)
-        except ValueError as e:
-            raise _fail(i, "point", str(e)) from None
-        if kind not in STEERABLE_KINDS:
-            raise _fail(
-                i, "point", f"{kind} cannot be steered; steerable kinds: {list(STEERABLE_KINDS)}"
-            )
-        capture_id = point_id(kind, layer, n)
+        if op == "clamp_sae_feature":
+            point = _sae_point(item, cfg, i)
+        kind, layer = _parse_steerable(point, i, n)
+        capture_id = point_id(kind, layer, n)  # type: ignore[arg-type]
         if capture_id not in cfg.ids:
             raise _fail(
                 i,
@@ -358,27 +515,22 @@ def check_steering(
                 f"{point!r} is not steerable on this engine; steerable points: "
                 f"{cfg.describe_points()} (fixed at start by --steering-points)",
             )
-        op = item.get("op", "add")
-        if op not in STEERING_OPS:
-            raise _fail(i, "op", f"must be one of {list(STEERING_OPS)}, got {op!r}")
-        has_vector, name = item.get("vector") is not None, item.get("name")
-        if has_vector == (name is not None):
-            raise _fail(i, "vector", "give exactly one of 'vector' (inline numbers) or 'name'")
-        vector = None
-        if has_vector:
-            vector = _finite_vector(item["vector"], hidden_size, i)
+        vector = name = feature = None
+        strength, value = item.get("strength"), item.get("value")
+        if op == "clamp_sae_feature":
+            for key in ("vector", "name", "strength"):
+                if item.get(key) is not None:
+                    raise _fail(i, key, "clamp_sae_feature takes sae_feature and value only")
+            feature = _sae_feature(item.get("sae_feature"), cfg, i)
+            if value is None:
+                value = 0.0
+            elif not _finite_number(value):
+                raise _fail(i, "value", f"must be a finite number, got {value!r}")
+            strength = 1.0
         else:
-            if not isinstance(name, str) or name not in cfg.vectors:
-                known = sorted(cfg.vectors) or "none (start with --steering-vectors DIR)"
-                raise _fail(i, "name", f"unknown steering vector {name!r}; known: {known}")
-            if cfg.vectors[name] != hidden_size:
-                raise _fail(
-                    i,
-                    "name",
-                    f"vector {name!r} has {cfg.vectors[name]} values; this model's "
-                    f"hidden_size is {hidden_size}",
-                )
-        strength = item.get("strength")
+            if value is not None:
+                raise _fail(i, "value", "value belongs to clamp_sae_feature only")
+            vector, name, feature = _vector_source(item, cfg, hidden_size, i)
         if op == "ablate":
             if strength is not None:
                 raise _fail(i, "strength", "ablate takes no strength (it removes the component)")
@@ -395,11 +547,7 @@ def check_steering(
             strength = 1.0
         elif strength is None:
             strength = 1.0
-        elif (
-            isinstance(strength, bool)
-            or not isinstance(strength, (int, float))
-            or not (math.isfinite(strength))
-        ):
+        elif not _finite_number(strength):
             raise _fail(i, "strength", f"must be a finite number, got {strength!r}")
         start, end = _span(item.get("positions"), prompt_len, reach, i)
         wire.append(
@@ -409,11 +557,24 @@ def check_steering(
                 "op": op,
                 "vector": vector,
                 "name": name,
+                "sae_feature": feature,
                 "strength": float(strength),
+                "value": None if value is None else float(value),
                 "start": start,
                 "end": end,
             }
         )
+    for i, item in enumerate(wire):
+        if item["op"] == "clamp_sae_feature":
+            others = [j for j, x in enumerate(wire) if x["id"] == item["id"] and j != i]
+            if others:
+                raise _fail(
+                    i,
+                    "op",
+                    f"clamp_sae_feature at {item['point']!r} reads the stream there; "
+                    f"steering[{others[0]}] also writes it: a clamp is the only "
+                    "intervention at its point",
+                )
     return wire
 
 

@@ -71,7 +71,9 @@ def test_a_valid_add_resolves_to_its_wire_form_with_defaults():
         "op": "add",
         "vector": np.asarray(vector, dtype=np.float32).tolist(),
         "name": None,
+        "sae_feature": None,
         "strength": 1.0,
+        "value": None,
         "start": 0,
         "end": None,
     }
@@ -188,7 +190,10 @@ def test_a_point_not_made_steerable_at_start_names_the_engine_points():
 
 
 def test_an_unknown_op_names_the_ops():
-    with pytest.raises(ValueError, match=r"steering\[0\]\.op: must be one of \['add', 'ablate'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature'\]",
+    ):
         check([add(op="scale")])
 
 
@@ -200,8 +205,8 @@ def test_an_unknown_op_names_the_ops():
         {"point": "resid_pre.1", "vector": None, "name": None},
     ],
 )
-def test_exactly_one_of_vector_and_name(item):
-    with pytest.raises(ValueError, match="exactly one of 'vector'.*or 'name'"):
+def test_exactly_one_of_vector_name_and_sae_feature(item):
+    with pytest.raises(ValueError, match="exactly one of 'vector'.*'name'.*or 'sae_feature'"):
         check([item])
 
 

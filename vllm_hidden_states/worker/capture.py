@@ -224,7 +224,20 @@ class HiddenStatesCapture:
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             device=runner.device,
             layout=point_layout(self.config.architecture),
+            sae=self._sae_for_steering(runner),
         )
+
+    def _sae_for_steering(self, runner: Any) -> Any:
+        """The SAE whose features requests may clamp or steer along: the one
+        loaded for capture, or (a pipeline stage that does not encode) its
+        own copy; None without --sae."""
+        if self.config.sae is None:
+            return None
+        if self.sae is not None:
+            return self.sae
+        from vllm_hidden_states.sae import load_sae
+
+        return load_sae(self.config.sae["path"], layer=self.sae_layer, device=runner.device)
 
     # -- per step ------------------------------------------------------------
 

@@ -72,9 +72,15 @@ def _steer(
     adds: torch.Tensor,
     dirs: torch.Tensor,
     scale: float,
+    enc: torch.Tensor | None = None,
+    dec: torch.Tensor | None = None,
+    par: torch.Tensor | None = None,
 ) -> None:
     """``target[r] += (adds[s] - (x[r] . dirs[s]) dirs[s]) / scale`` for the
-    armed entries (see module doc)."""
+    armed entries (see module doc); with the clamp tables (an engine with an
+    SAE), also ``+ (value - act(x[r] . enc[s] + bias)) dec[s] / scale``,
+    ``par[s] = (bias, threshold, value)``, ``act(p) = relu(p) * (p >
+    threshold)`` (all zero in slots that do not clamp: a zero term)."""
     if count_readable_on_host(counts.device):
         n = int(_host_counts(counts)[index])
         if not n:
@@ -93,6 +99,11 @@ def _steer(
         x = x * scale
     d = dirs.index_select(0, s)
     delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
+    if enc is not None and dec is not None and par is not None:
+        p = par.index_select(0, s)
+        pre = (x * enc.index_select(0, s)).sum(-1) + p[:, 0]
+        act = torch.relu(pre) * (pre > p[:, 1])
+        delta = delta + (p[:, 2] - act)[:, None] * dec.index_select(0, s)
     if scale != 1.0:
         delta = delta / scale
     flat.index_add_(0, r, delta.to(flat.dtype))
@@ -108,6 +119,9 @@ def _steer_fake(
     adds: torch.Tensor,
     dirs: torch.Tensor,
     scale: float,
+    enc: torch.Tensor | None = None,
+    dec: torch.Tensor | None = None,
+    par: torch.Tensor | None = None,
 ) -> None:
     return None
 
@@ -198,6 +212,10 @@ def _hook(entries: list[tuple[Callable, int, float]], post: bool) -> Callable[..
                 module._hs_steer_adds,
                 module._hs_steer_dirs,
                 scale,
+                # Registered only on an engine with an SAE (static per graph).
+                getattr(module, "_hs_steer_enc", None),
+                getattr(module, "_hs_steer_dec", None),
+                getattr(module, "_hs_steer_par", None),
             )
 
     if post:
@@ -256,6 +274,9 @@ class RequestSteering:
             by_point.setdefault(int(item["id"]), []).append(item)
         self.stretches: list[Stretch] = []
         self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        # Per stretch: (encoder column, bias, threshold, value, decoder row)
+        # of its clamp, or None (a clamp is alone at its point).
+        self.clamps: list[tuple[np.ndarray, float, float, float, np.ndarray] | None] = []
         for capture_id, items in by_point.items():
             bounds = sorted(
                 {int(x["start"]) for x in items}
@@ -271,6 +292,13 @@ class RequestSteering:
                 if not active:
                     continue
                 self.stretches.append(Stretch(index_of[capture_id], lo, hi, 0))
+                if active[0]["op"] == "clamp_sae_feature":
+                    column, bias, threshold, row = vectors.sae_columns(active[0]["sae_feature"])
+                    zero = np.zeros_like(row)
+                    self.pairs.append((zero, zero))
+                    self.clamps.append((column, bias, threshold, float(active[0]["value"]), row))
+                    continue
+                self.clamps.append(None)
                 self.pairs.append(
                     compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
                 )
@@ -278,15 +306,34 @@ class RequestSteering:
 
 
 class NamedVectors:
-    """``--steering-vectors`` on the host, loaded once per worker."""
+    """Where vectors come from, on the host: inline, ``--steering-vectors``
+    (loaded once per worker), or the engine's SAE (``sae_feature``)."""
 
-    def __init__(self, directory: str | None):
+    def __init__(self, directory: str | None, sae: Any = None):
         self._files = vector_files(directory) if directory else {}
         self._loaded: dict[str, np.ndarray] = {}
+        self.sae = sae  # vllm_hidden_states.sae.SAE, None without --sae
+
+    def sae_columns(self, feature: int) -> tuple[np.ndarray, float, float, np.ndarray]:
+        """Feature ``feature`` of the SAE as ``(encoder column e, bias c,
+        threshold, decoder row)``, float32: its activation is ``act(x . e +
+        c)`` with ``c = b_enc[f] - b_dec . e`` when the SAE subtracts
+        ``b_dec`` from its input."""
+        sae = self.sae
+        assert sae is not None, "sae_feature is refused in the front-end without an SAE"
+        e = sae.W_enc[:, feature].double().cpu().numpy()
+        c = float(sae.b_enc[feature])
+        if sae.apply_b_dec_to_input:
+            c -= float(sae.b_dec.double().cpu().numpy() @ e)
+        threshold = float(sae.threshold[feature]) if sae.threshold is not None else 0.0
+        row = sae.W_dec[feature].float().cpu().numpy()
+        return e.astype(np.float32), c, threshold, row
 
     def get(self, item: dict[str, Any]) -> np.ndarray:
         if item.get("vector") is not None:
             return np.asarray(item["vector"], dtype=np.float32)
+        if item.get("sae_feature") is not None:
+            return self.sae_columns(int(item["sae_feature"]))[3]
         name = item["name"]
         if name not in self._loaded:
             from safetensors import safe_open
@@ -345,6 +392,7 @@ class Steering:
         max_num_seqs: int,
         device: torch.device,
         layout: str | None,
+        sae: Any = None,
     ):
         register_op()
         self.config = config
@@ -369,9 +417,16 @@ class Steering:
         num_slots = config.table_slots(max_num_seqs)
         self.adds = torch.zeros(num_slots, hidden_size, dtype=torch.float32, device=device)
         self.dirs = torch.zeros_like(self.adds)
+        # clamp_sae_feature (an engine with an SAE): encoder columns, decoder
+        # rows and (bias, threshold, value) per slot; zero where no clamp.
+        self.enc = self.dec = self.par = None
+        if sae is not None:
+            self.enc = torch.zeros_like(self.adds)
+            self.dec = torch.zeros_like(self.adds)
+            self.par = torch.zeros(num_slots, 3, dtype=torch.float32, device=device)
         self.device = device
         self.table = SlotTable(num_slots)
-        self.vectors = NamedVectors(config.vectors_dir)
+        self.vectors = NamedVectors(config.vectors_dir, sae)
         self.requests: dict[str, RequestSteering] = {}
         self.armed = False
         hooks: dict[tuple[int, str], list[tuple[SteerTap, int]]] = {}
@@ -384,6 +439,10 @@ class Steering:
                 module.register_buffer("_hs_steer_counts", self.counts, persistent=False)
                 module.register_buffer("_hs_steer_adds", self.adds, persistent=False)
                 module.register_buffer("_hs_steer_dirs", self.dirs, persistent=False)
+                if self.enc is not None:
+                    module.register_buffer("_hs_steer_enc", self.enc, persistent=False)
+                    module.register_buffer("_hs_steer_dec", self.dec, persistent=False)
+                    module.register_buffer("_hs_steer_par", self.par, persistent=False)
             hooks.setdefault((id(module), tap.when), []).append((tap, self.index_of[k]))
             modules[id(module)] = module
         for (module_id, when), entries in hooks.items():
@@ -481,6 +540,16 @@ class Steering:
             index, adds, dirs = (t.to(self.device) for t in (index, adds, dirs))
         self.adds.index_copy_(0, index, adds)
         self.dirs.index_copy_(0, index, dirs)
+        if self.enc is not None and self.dec is not None and self.par is not None:
+            zero = np.zeros(adds.shape[1], np.float32)
+            clamps = [c or (zero, 0.0, 0.0, 0.0, zero) for c in request.clamps]
+            enc = torch.from_numpy(np.stack([c[0] for c in clamps]))
+            dec = torch.from_numpy(np.stack([c[4] for c in clamps]))
+            par = torch.tensor([[c[1], c[2], c[3]] for c in clamps], dtype=torch.float32)
+            index = index.to(self.device)
+            self.enc.index_copy_(0, index, enc.to(self.device))
+            self.dec.index_copy_(0, index, dec.to(self.device))
+            self.par.index_copy_(0, index, par.to(self.device))
 
     def disarm(self) -> None:
         """No steering in later forwards (warm-up and dummy runs included).

@@ -123,8 +123,9 @@ class HFReference:
         ones, as the engine captures after steering), each at its positions
         ``start .. end - 1``. An intervention: ``{"point": "kind.i", "op":
         "add" | "ablate", "vector": tensor [hidden], "strength": float,
-        "start": int, "end": int | None}``. The point's value ``x`` is the
-        tensor the hook sees times Granite's residual multiplier for the
+        "start": int, "end": int | None}`` (``clamp_sae_feature``: ``"sae"``,
+        the SAE's weights as tensors, ``"sae_feature"``, ``"value"``). The
+        point's value ``x`` is the tensor the hook sees times Granite's residual multiplier for the
         blocks' outputs; ``add``: ``x += strength * v``; ``ablate``: ``x -=
         (x . d) d``, ``d = v / |v|``. Written here, independently of the
         package."""
@@ -132,6 +133,15 @@ class HFReference:
 
         def apply(tensor: torch.Tensor, item: dict, scale: float) -> None:
             rows = tensor[0, item["start"] : item["end"]]  # a view: [positions, hidden]
+            if item["op"] == "clamp_sae_feature":
+                # x += (value - f(x)) * W_dec[f], f(x) by the SAE's own
+                # definition: act(((x - b_dec) @ W_enc + b_enc)[f]), float64.
+                w = {k: t.to(tensor.device, torch.float64) for k, t in item["sae"].items()}
+                f = item["sae_feature"]
+                pre = (rows.double() - w["b_dec"]) @ w["W_enc"][:, f] + w["b_enc"][f]
+                act = torch.relu(pre) * (pre > (w["threshold"][f] if "threshold" in w else 0.0))
+                rows.add_(((item["value"] - act)[:, None] * w["W_dec"][f]).to(rows.dtype))
+                return
             v = item["vector"].to(tensor.device, torch.float32)
             if item["op"] == "add":
                 rows.add_(item["strength"] * v / scale)

@@ -335,3 +335,81 @@ def test_preempted_steered_requests_are_recomputed_steered(llm_small_kv, hf_qwen
     assert preemptions > 0  # the case under test happened
     for out, s in zip(outs, steering):
         assert_steered(out, hf_qwen3, s, f"preempted {s[0]['point']}")
+
+
+# --------------------------------------------------------------------------
+# the engine's SAE: clamp a feature, steer along a decoder row
+
+
+@pytest.fixture(scope="module", params=["standard", "jumprelu"])
+def sae_steering(request, tmp_path_factory, qwen3_dir, hf_qwen3):
+    """An engine with an SAE at ``blocks.1.hook_resid_post`` (resid_pre.2)
+    and steering; yields ``(engine, SAE weights as torch tensors)``."""
+    from vllm import LLM
+    from vllm_hidden_states.sae import random_sae, save_sae
+
+    weights, cfg = random_sae(
+        hf_qwen3.hidden_size, 64, "blocks.1.hook_resid_post", request.param, seed=5
+    )
+    path = tmp_path_factory.mktemp("sae") / request.param
+    save_sae(path, weights, cfg)
+    engine = LLM(
+        model=str(qwen3_dir),
+        sae=str(path),
+        enable_steering=True,
+        enforce_eager=True,
+        max_model_len=512,
+        **COMMON_ENGINE_ARGS,
+    )
+    yield engine, {k: torch.as_tensor(v) for k, v in weights.items()}
+    engine.llm_engine.engine_core.shutdown()
+
+
+def test_clamp_sae_feature_matches_hf_hooks(sae_steering, hf_qwen3):
+    """x += (value - f(x)) W_dec[f] at the SAE's point (resid_pre.2; point
+    left out), against an HF hook computing f with the SAE's own formula."""
+    llm, sae = sae_steering
+    pre = hf_qwen3.states(llm.get_tokenizer().encode(PROMPT))[2].double() - sae["b_dec"].double()
+    feature = int((pre @ sae["W_enc"].double() + sae["b_enc"].double()).mean(0).argmax())
+    steering = [{"op": "clamp_sae_feature", "sae_feature": feature, "value": 5.0}]
+    (out,) = llm.generate([PROMPT], params(hf_qwen3, steering), use_tqdm=False)
+    ids = token_ids_of(out)
+    item = {
+        "point": "resid_pre.2",
+        "op": "clamp_sae_feature",
+        "sae": sae,
+        "sae_feature": feature,
+        "value": 5.0,
+        "start": 0,
+        "end": None,
+    }
+    reference = hf_qwen3.steered_states(ids, [item])
+    plain = hf_qwen3.states(ids)
+    for layer in range(hf_qwen3.num_layers + 1):
+        assert_close(out.outputs[0].hidden_states[layer], reference[layer], f"clamp {layer}")
+    changed = (reference[2] - plain[2]).abs().max() / plain[2].abs().max()
+    assert changed > 1e-2, f"the clamp changed resid_pre.2 by only {changed:.1e}"
+
+
+def test_add_along_an_sae_feature_is_its_decoder_row(sae_steering, hf_qwen3):
+    llm, sae = sae_steering
+    row = sae["W_dec"][7].float()
+    by_feature = [{"point": "resid_pre.1", "sae_feature": 7, "strength": 3.0}]
+    inline = [{"point": "resid_pre.1", "vector": row, "strength": 3.0}]
+    a, b = llm.generate(
+        [PROMPT, PROMPT], [params(hf_qwen3, by_feature), params(hf_qwen3, inline)], use_tqdm=False
+    )
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for layer in range(hf_qwen3.num_layers + 1):
+        assert torch.equal(a.outputs[0].hidden_states[layer], b.outputs[0].hidden_states[layer])
+    assert_steered(a, hf_qwen3, inline, "along W_dec[7]")
+
+
+def test_clamp_at_another_point_is_refused_naming_the_saes(sae_steering):
+    llm, _ = sae_steering
+    p = SamplingParams(
+        max_tokens=2,
+        steering=[{"op": "clamp_sae_feature", "point": "resid_pre.1", "sae_feature": 0}],
+    )
+    with pytest.raises(VLLMValidationError, match=r"the SAE's point, 'resid_pre.2'"):
+        llm.generate([PROMPT], p, use_tqdm=False)
