@@ -19,7 +19,11 @@ micro-benchmark, a smoke test on CPU), small_model (a 5 x 256 Llama where the
 per-step host work shows: nobody asks, "last", "all" vs plain vLLM),
 points_peers (attn_out, resid_mid, mlp_out at layer 2 on the same prompts:
 ours vs HF hooks, nnsight and interp-engine's eager backend, each checked
-against HF before it is timed).
+against HF before it is timed), steering (per-request add / ablate at
+resid_pre.2 vs plain vLLM, and an engine with steering enabled that nobody
+uses), steering_peers (steered greedy generation, add at resid_pre.2 with one
+vector: ours vs HF with a forward pre-hook, nnsight and interp-engine's eager
+steer(), each checked against HF's greedy tokens before it is timed).
 """
 
 import argparse
@@ -37,6 +41,8 @@ SECTIONS = (
     "small_model",
     "points",
     "points_peers",
+    "steering",
+    "steering_peers",
     "offline",
     "server",
     "prompt",
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "small_model": "benchmarks.small_model",
                         "points": "benchmarks.points",
                         "points_peers": "benchmarks.points_peers",
+                        "steering": "benchmarks.steering",
+                        "steering_peers": "benchmarks.steering_peers",
                         "prompt": "benchmarks.prompt_states",
                         "peers": "benchmarks.peers",
                         "harvest": "benchmarks.harvest",

@@ -35,7 +35,8 @@ def small_model() -> Path:
 def small_model_engines(quick: bool, model: Path | None = None, **enabled_args):
     """``(n, prompts, plain, enabled)``: the request count, fresh prompts and
     two warmed-up engines on the small model in this process, one plain and
-    one with hidden states enabled (``enabled_args`` added)."""
+    one with hidden states enabled (``enabled_args`` added; they may set
+    ``enable_hidden_states=False``, e.g. for an engine that only steers)."""
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -44,7 +45,8 @@ def small_model_engines(quick: bool, model: Path | None = None, **enabled_args):
     prompts = FreshPrompts(n, PROMPT_LEN)
     args = dict(ENGINE_ARGS, max_model_len=512)
     plain = LLM(model=str(model), **args)
-    enabled = LLM(model=str(model), enable_hidden_states=True, **enabled_args, **args)
+    enabled_args = {"enable_hidden_states": True, **enabled_args}
+    enabled = LLM(model=str(model), **enabled_args, **args)
     for llm in (plain, enabled):  # warm-up (compilation, caches)
         _throughput(llm, prompts(2), max_tokens=4)
     return n, prompts, plain, enabled
