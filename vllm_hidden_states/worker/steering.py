@@ -31,9 +31,11 @@ batch (:class:`SlotTable`). All are registered as non-persistent module
 buffers, so Dynamo lifts them as graph inputs; their storage never changes.
 
 Cost where nobody steers (count 0): on CPU a count read per steerable point;
-off CPU (the count is not readable without a host sync) the op runs on the
-first ``tokens`` entries, which point at row 0 with slot 0: a gather and an
-add of zeros (``x + 0`` is ``x``).
+on CUDA (the count is not readable without a host sync) one Triton kernel
+per point (:mod:`.steer_kernel`) over the first ``tokens`` entries, whose
+programs return at once on slot 0; elsewhere the PyTorch path runs on those
+entries, which point at row 0 with slot 0: a gather and an add of zeros
+(``x + 0`` is ``x``).
 """
 
 from collections.abc import Callable
@@ -89,6 +91,14 @@ def _steer(
         # No host sync: every entry a forward of this many tokens can have;
         # those past the count are row 0, slot 0 (a zero delta).
         n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
+        if target.is_cuda:
+            # One kernel per point, whose programs return at once on slot 0.
+            from vllm_hidden_states.worker import steer_kernel
+
+            steer_kernel.steer(
+                target, other, rows[index], slots[index], n, adds, dirs, scale, enc, dec, par
+            )
+            return
     flat = target.view(-1, target.shape[-1])  # a view: the add lands in target
     r = rows[index, :n]
     s = slots[index, :n]

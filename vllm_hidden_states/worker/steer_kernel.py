@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The steering op as one Triton kernel, for CUDA.
+
+Off CPU the op cannot read how many rows are armed without a host sync, so
+it runs over every entry a forward of that many tokens can have. Written with
+PyTorch ops that is a dozen kernels per steerable point per forward (gathers,
+a dot product, the adds), whether or not anyone steers. Here it is one
+kernel per point: one program per entry, which reads the entry's slot and
+returns at once when it is 0 (not armed), so a forward where nobody steers
+pays one near-empty launch per steerable point (inside the CUDA graph).
+
+An armed entry ``j`` (row ``r``, slot ``s``) reads the point's value ``x =
+(target[r] + other[r]) * scale`` in float32, takes ``x . dirs[s]`` (and, with
+the clamp tables, ``x . enc[s]``) in a first pass over ``hidden_size``, and
+writes ``target[r] += (adds[s] - (x . dirs[s]) dirs[s] + (value -
+act(x . enc[s] + bias)) dec[s]) / scale`` in a second: the same arithmetic
+as :func:`vllm_hidden_states.worker.steering._steer`'s PyTorch path, in
+float32, rounded to the target's dtype once. Rows are distinct among armed
+entries (one per position), so programs never write the same row.
+
+Tested on CPU with Triton's interpreter (``TRITON_INTERPRET=1``,
+``tests/unit/test_steering.py``); not yet run on a GPU.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_H = 256
+
+
+@triton.jit
+def _steer_kernel(
+    target,
+    other,
+    rows,
+    slots,
+    adds,
+    dirs,
+    enc,
+    dec,
+    par,
+    hidden,
+    target_stride,
+    other_stride,
+    scale,
+    HAS_OTHER: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    j = tl.program_id(0)
+    s = tl.load(slots + j)
+    if s != 0:
+        r = tl.load(rows + j)
+        t_row = target + r * target_stride
+        o_row = other + r * other_stride
+        table = s * hidden
+        dot_d = tl.zeros((BLOCK,), dtype=tl.float32)
+        dot_e = tl.zeros((BLOCK,), dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            mask = offs < hidden
+            x = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_OTHER:
+                x += tl.load(o_row + offs, mask=mask, other=0.0).to(tl.float32)
+            x = x * scale
+            dot_d += x * tl.load(dirs + table + offs, mask=mask, other=0.0)
+            if HAS_CLAMP:
+                dot_e += x * tl.load(enc + table + offs, mask=mask, other=0.0)
+        proj = tl.sum(dot_d, axis=0)
+        coef = 0.0
+        if HAS_CLAMP:
+            pre = tl.sum(dot_e, axis=0) + tl.load(par + s * 3)
+            threshold = tl.load(par + s * 3 + 1)
+            act = tl.where(pre > threshold, tl.maximum(pre, 0.0), 0.0)
+            coef = tl.load(par + s * 3 + 2) - act
+        for h0 in range(0, hidden, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            mask = offs < hidden
+            delta = tl.load(adds + table + offs, mask=mask, other=0.0)
+            delta -= proj * tl.load(dirs + table + offs, mask=mask, other=0.0)
+            if HAS_CLAMP:
+                delta += coef * tl.load(dec + table + offs, mask=mask, other=0.0)
+            t = tl.load(t_row + offs, mask=mask, other=0.0)
+            out = t.to(tl.float32) + delta / scale
+            tl.store(t_row + offs, out.to(t.dtype), mask=mask)
+
+
+def steer(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    n: int,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+    enc: torch.Tensor | None,
+    dec: torch.Tensor | None,
+    par: torch.Tensor | None,
+) -> None:
+    """Launch the kernel over entries ``0 .. n-1`` of ``rows``/``slots``
+    (int64 ``[n_max]``, one point's); ``target``/``other`` ``[tokens,
+    hidden]`` with unit stride along ``hidden``; tables float32 ``[slots,
+    hidden]`` (``par`` ``[slots, 3]``), contiguous."""
+    if n == 0:
+        return
+    hidden = target.shape[-1]
+    flat = target.view(-1, hidden)
+    clamp = enc is not None and dec is not None and par is not None
+    other_flat = flat if other is None else other.view(-1, hidden)
+    _steer_kernel[(n,)](
+        flat,
+        other_flat,
+        rows,
+        slots,
+        adds,
+        dirs,
+        enc if clamp else adds,
+        dec if clamp else adds,
+        par if clamp else adds,
+        hidden,
+        flat.stride(0),
+        other_flat.stride(0),
+        float(scale),
+        HAS_OTHER=other is not None,
+        HAS_CLAMP=clamp,
+        BLOCK=BLOCK_H,
+    )
