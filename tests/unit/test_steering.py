@@ -676,20 +676,38 @@ POINTS, MAX_TOKENS, SLOTS, TOKENS = 2, 6, 4, 5
 
 
 def buffers():
-    """``rows, slots, counts, adds, dirs`` of two points, nothing armed."""
+    """``rows, slots, counts, adds, dirs`` of two points, nothing armed
+    (``counts``: the armed entries per point, then whether each projects)."""
     rows = torch.zeros(POINTS, MAX_TOKENS, dtype=torch.int64)
     slots = torch.zeros_like(rows)
-    counts = torch.zeros(POINTS, dtype=torch.int64)
+    counts = torch.zeros(2 * POINTS, dtype=torch.int64)
     adds = torch.zeros(SLOTS, H, dtype=torch.float32)
     dirs = torch.zeros_like(adds)
     return rows, slots, counts, adds, dirs
 
 
-def arm(rows, slots, counts, index, entries):
-    """``entries``: ``(row, slot)`` pairs armed at point ``index``."""
+def arm(rows, slots, counts, index, entries, projects=True):
+    """``entries``: ``(row, slot)`` pairs armed at point ``index``
+    (``projects``: the general formula, else the adds-only path)."""
     for j, (r, s) in enumerate(entries):
         rows[index, j], slots[index, j] = r, s
     counts[index] = len(entries)
+    counts[POINTS + index] = int(projects)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_the_adds_only_path_equals_the_general_formula_bitwise(scale):
+    rows, slots, counts, adds, dirs = buffers()
+    adds[1] = torch.randn(H, generator=torch.Generator().manual_seed(3))
+    adds[2] = torch.randn(H, generator=torch.Generator().manual_seed(4))
+    entries = [(0, 1), (2, 2), (3, 1)]
+    general, fast = stream(), stream()
+    arm(rows, slots, counts, 0, entries, projects=True)
+    _steer(general, None, rows, slots, counts, 0, adds, dirs, scale)
+    arm(rows, slots, counts, 0, entries, projects=False)
+    _steer(fast, None, rows, slots, counts, 0, adds, dirs, scale)
+    assert torch.equal(general, fast)
+    assert not torch.equal(fast, stream())
 
 
 def stream() -> torch.Tensor:
@@ -848,7 +866,7 @@ if clamp:
     par[4] = torch.tensor([0.1, 0.05, 3.0])
 rows = torch.tensor([[2, 0, 5, 6, 1, 0, 0]])
 slots = torch.tensor([[1, 2, 3, 4 if clamp else 1, 0, 0, 0]])
-counts = torch.tensor([4])
+counts = torch.tensor([4, 1])
 expected = target.clone()
 _steer(expected, other, rows, slots, counts, 0, adds, dirs, scale, enc, dec, par)
 got = target.clone()

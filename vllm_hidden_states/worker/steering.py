@@ -23,10 +23,12 @@ other, rows, slots, counts, index, adds, dirs, scale)``, which mutates
   one request at one point compose into one ``(adds, dirs)`` pair per stretch
   of positions (:func:`compose`).
 
-``rows``/``slots`` (int64 ``[points, max_num_batched_tokens]``) and ``counts``
-(int64 ``[points]``) are armed per step only when a steered request is in the
-batch; ``adds``/``dirs`` (float32 ``[slots, hidden_size]``, slot 0 all zeros)
-hold each running steered request's vectors, written once when it enters the
+``rows``/``slots`` (int64 ``[points, max_num_batched_tokens]``) and
+``counts`` (int64 ``[2 x points]``: the armed entries per point, then whether
+any of them projects, i.e. ablates or clamps, read on CPU to skip the
+projection) are armed per step only when a steered request is in the batch;
+``adds``/``dirs`` (float32 ``[slots, hidden_size]``, slot 0 all zeros) hold
+each running steered request's vectors, written once when it enters the
 batch (:class:`SlotTable`). All are registered as non-persistent module
 buffers, so Dynamo lifts them as graph inputs; their storage never changes.
 
@@ -84,8 +86,18 @@ def _steer(
     ``par[s] = (bias, threshold, value)``, ``act(p) = relu(p) * (p >
     threshold)`` (all zero in slots that do not clamp: a zero term)."""
     if count_readable_on_host(counts.device):
-        n = int(_host_counts(counts)[index])
+        host = _host_counts(counts)
+        n = int(host[index])
         if not n:
+            return
+        if not host[counts.shape[0] // 2 + index]:
+            # Only adds armed at this point (no direction, no clamp): the
+            # general formula's projection terms are exact zeros; skip them.
+            flat = target.view(-1, target.shape[-1])
+            delta = adds.index_select(0, slots[index, :n])
+            if scale != 1.0:
+                delta = delta / scale
+            flat.index_add_(0, rows[index, :n], delta.to(flat.dtype))
             return
     else:
         # No host sync: every entry a forward of this many tokens can have;
@@ -287,6 +299,8 @@ class RequestSteering:
         # Per stretch: (encoder column, bias, threshold, value, decoder row)
         # of its clamp, or None (a clamp is alone at its point).
         self.clamps: list[tuple[np.ndarray, float, float, float, np.ndarray] | None] = []
+        # Per stretch: whether it projects (ablates or clamps), not only adds.
+        self.projects: list[bool] = []
         for capture_id, items in by_point.items():
             bounds = sorted(
                 {int(x["start"]) for x in items}
@@ -306,9 +320,11 @@ class RequestSteering:
                     column, bias, threshold, row = vectors.sae_columns(active[0]["sae_feature"])
                     zero = np.zeros_like(row)
                     self.pairs.append((zero, zero))
+                    self.projects.append(True)
                     self.clamps.append((column, bias, threshold, float(active[0]["value"]), row))
                     continue
                 self.clamps.append(None)
+                self.projects.append(any(x["op"] == "ablate" for x in active))
                 self.pairs.append(
                     compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
                 )
@@ -422,8 +438,9 @@ class Steering:
         self.max_tokens = max_tokens
         self.rows = torch.zeros(num_points, max_tokens, dtype=torch.int64, device=device)
         self.slots = torch.zeros_like(self.rows)
-        self.counts = torch.zeros(num_points, dtype=torch.int64, device=device)
-        self.counts_host = torch.zeros(num_points, dtype=torch.int64)
+        self.num_points = num_points
+        self.counts = torch.zeros(2 * num_points, dtype=torch.int64, device=device)
+        self.counts_host = torch.zeros(2 * num_points, dtype=torch.int64)
         num_slots = config.table_slots(max_num_seqs)
         self.adds = torch.zeros(num_slots, hidden_size, dtype=torch.float32, device=device)
         self.dirs = torch.zeros_like(self.adds)
@@ -438,6 +455,9 @@ class Steering:
         self.table = SlotTable(num_slots)
         self.vectors = NamedVectors(config.vectors_dir, sae)
         self.requests: dict[str, RequestSteering] = {}
+        # The stretches of the requests holding slots (:meth:`_stretch_table`),
+        # rebuilt when a request comes, goes or gets slots.
+        self._stretches: tuple | None = None
         self.armed = False
         hooks: dict[tuple[int, str], list[tuple[SteerTap, int]]] = {}
         modules: dict[int, nn.Module] = {}
@@ -485,57 +505,103 @@ class Steering:
                 self.requests[new.req_id] = RequestSteering(
                     params.steering, self.vectors, self.index_of
                 )
+                self._stretches = None
         if self.requests and scheduler_output.finished_req_ids:
             for req_id in scheduler_output.finished_req_ids:
                 if self.requests.pop(req_id, None) is not None:
                     self.table.give_back(req_id)
+                    self._stretches = None
 
     def arm(self, runner: Any, num_scheduled: dict[str, int]) -> None:
         """Right before the forward: the rows of every steered request in the
-        batch, at each of its points (no-op when none is in the batch)."""
+        batch, at each of its points (no-op when none is in the batch).
+
+        Vectorized over the stretches of the requests holding table slots
+        (:meth:`_stretch_table`); Python per step is one dict lookup per
+        stretch, whatever its length."""
         if not self.requests:
             return
         index_of = runner.input_batch.req_id_to_index
-        in_batch = [r for r in self.requests if r in num_scheduled and r in index_of]
-        if not in_batch:
+        missing = [
+            r
+            for r, q in self.requests.items()
+            if q.slots is None and r in num_scheduled and r in index_of
+        ]
+        if missing:  # entering the batch without table slots: upload first
+            batch = {r for r in self.requests if r in num_scheduled and r in index_of}
+            for req_id in missing:
+                self._upload(req_id, self.requests[req_id], batch)
+            self._stretches = None  # slots changed (lent, or taken back from others)
+        if self._stretches is None:
+            self._stretches = self._stretch_table()
+        owners, point, start, end, slot, projects = self._stretches
+        if not owners:
             return
+        idx = np.fromiter(
+            (index_of.get(r, -1) if r in num_scheduled else -1 for r in owners),
+            dtype=np.int64,
+            count=len(owners),
+        )
+        live = idx >= 0
+        if not live.any():
+            return
+        i = idx[live]
         query_start = runner.query_start_loc.np
-        computed = runner.input_batch.num_computed_tokens_cpu
-        per_point: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        batch = set(in_batch)
-        for req_id in in_batch:
-            request = self.requests[req_id]
-            if request.slots is None:
-                self._upload(req_id, request, batch)
-            assert request.slots is not None
-            i = index_of[req_id]
-            p0 = int(computed[i])
-            p1 = p0 + num_scheduled[req_id]
-            row0 = int(query_start[i])
-            for stretch, slot in zip(request.stretches, request.slots):
-                lo = max(stretch.start, p0)
-                hi = p1 if stretch.end is None else min(stretch.end, p1)
-                if lo >= hi:
-                    continue
-                starts, counts, slot_list = per_point.setdefault(stretch.index, ([], [], []))
-                starts.append(row0 + lo - p0)
-                counts.append(hi - lo)
-                slot_list.append(slot)
-        if not per_point:
+        p0 = runner.input_batch.num_computed_tokens_cpu[i].astype(np.int64)
+        row0 = query_start[i].astype(np.int64)
+        p1 = p0 + (query_start[i + 1] - query_start[i])
+        lo = np.maximum(start[live], p0)
+        hi = np.minimum(end[live], p1)
+        keep = lo < hi
+        if not keep.any():
             return
+        points = point[live][keep]
+        firsts = (row0 + lo - p0)[keep]
+        counts = (hi - lo)[keep]
+        slots = slot[live][keep]
+        projecting = projects[live][keep]
         # Device rows past each count are zero (disarm), so only the armed
         # entries are copied: a few per steered request.
         self.counts_host.zero_()
-        for index, (starts, counts, slot_list) in per_point.items():
-            total = sum(counts)
-            offsets = np.cumsum(counts) - counts
-            rows = np.repeat(np.asarray(starts) - offsets, counts) + np.arange(total)
-            slot_of_row: np.ndarray = np.repeat(np.asarray(slot_list, dtype=np.int64), counts)
+        for index in np.unique(points).tolist():
+            mine = points == index
+            first, count, slot_of = firsts[mine], counts[mine], slots[mine]
+            total = int(count.sum())
+            if total == len(count):  # a row each (decode): no ranges to expand
+                rows, slot_of_row = first, slot_of
+            else:
+                offsets = np.cumsum(count) - count
+                rows = np.repeat(first - offsets, count) + np.arange(total)
+                slot_of_row = np.repeat(slot_of, count)
             self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
             self.slots[index, :total].copy_(torch.from_numpy(slot_of_row), non_blocking=True)
             self.counts_host[index] = total
+            self.counts_host[self.num_points + index] = bool(projecting[mine].any())
         self.counts.copy_(self.counts_host, non_blocking=True)
         self.armed = True
+
+    def _stretch_table(self) -> tuple:
+        """Every stretch of the requests holding table slots, as columns:
+        owner request id, point index, start, end (open: int64 max), slot,
+        projects (ablate or clamp)."""
+        owners: list[str] = []
+        columns: list[tuple[int, int, int, int, bool]] = []
+        for req_id, request in self.requests.items():
+            if request.slots is None:
+                continue
+            for stretch, slot, projects in zip(request.stretches, request.slots, request.projects):
+                owners.append(req_id)
+                end = np.iinfo(np.int64).max if stretch.end is None else stretch.end
+                columns.append((stretch.index, stretch.start, end, slot, projects))
+        table = np.array(columns, dtype=np.int64).reshape(-1, 5)
+        return (
+            owners,
+            table[:, 0],
+            table[:, 1],
+            table[:, 2],
+            table[:, 3],
+            table[:, 4].astype(bool),
+        )
 
     def _upload(self, req_id: str, request: RequestSteering, batch: set[str]) -> None:
         """Write a request's composed vectors into table slots (once per
@@ -575,3 +641,4 @@ class Steering:
         for req_id in req_ids:
             if self.requests.pop(req_id, None) is not None:
                 self.table.give_back(req_id)
+                self._stretches = None
