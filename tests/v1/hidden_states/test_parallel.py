@@ -24,6 +24,8 @@ def llm_tp2(qwen3_dir):
         engine = LLM(
             model=str(qwen3_dir),
             enable_hidden_states=True,
+            enable_steering=True,
+            steering_points="all",
             enforce_eager=True,
             tensor_parallel_size=2,
             max_model_len=512,
@@ -41,6 +43,35 @@ def test_tensor_parallel_2_returns_exact_states(llm_tp2, hf_qwen3):
     ref = hf_qwen3.states(token_ids_of(out))
     for layer, tensor in out.outputs[0].hidden_states.items():
         assert_close(tensor, ref[layer][-1:], f"TP=2 layer {layer}")
+
+
+def test_tensor_parallel_2_steers_exactly(llm_tp2, hf_qwen3):
+    """Each rank writes the same intervention into its (replicated) residual
+    stream, after attention's and the MLP's all-reduce."""
+    import torch
+
+    n = hf_qwen3.num_layers
+    v = [
+        torch.randn(hf_qwen3.hidden_size, generator=torch.Generator().manual_seed(s))
+        for s in (1, 2)
+    ]
+    steering = [
+        {"point": "resid_pre.1", "vector": v[0], "strength": 4.0},
+        {"point": "mlp_out.2", "op": "ablate", "vector": v[1]},
+    ]
+    params = SamplingParams(
+        max_tokens=6,
+        temperature=0.0,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(n + 1)),
+        hidden_states_positions="all",
+        steering=[{**i, "vector": i["vector"].tolist()} for i in steering],
+    )
+    (out,) = llm_tp2.generate(["Once upon a time there was"], params, use_tqdm=False)
+    items = [{"op": "add", "strength": 1.0, **i, "start": 0, "end": None} for i in steering]
+    ref = hf_qwen3.steered_states(token_ids_of(out), items)
+    for layer, tensor in out.outputs[0].hidden_states.items():
+        assert_close(tensor, ref[layer], f"TP=2 steered layer {layer}")
 
 
 def _config(qwen3_dir, **kwargs):

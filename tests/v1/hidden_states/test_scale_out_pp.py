@@ -36,6 +36,9 @@ def pp2(qwen3_dir, tmp_path_factory):
         qwen3_dir,
         [
             "--enable-hidden-states",
+            "--enable-steering",
+            "--steering-points",
+            "all",
             "--pipeline-parallel-size",
             "2",
             "--dtype",
@@ -117,4 +120,38 @@ def test_pipeline_parallel_2_one_stage_layers_and_hidden_states_route(pp2, hf_qw
             states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
             ref = hf_qwen3.states(hf_tokenize(qwen3_dir, LONG))[layer]
             assert_close(states, ref, f"/v1/hidden_states layer {layer}")
+    wait_until(lambda: nothing_held(pp2), "the engine to hold nothing")
+
+
+def test_pipeline_parallel_2_steers_on_both_stages(pp2, hf_qwen3):
+    """One request steering a point on each stage (resid_pre.1 on the first,
+    mlp_out.3 on the last): each stage writes its own, every layer exact."""
+    v = [
+        torch.randn(hf_qwen3.hidden_size, generator=torch.Generator().manual_seed(s))
+        for s in (1, 2)
+    ]
+    steering = [
+        {"point": "resid_pre.1", "op": "add", "vector": v[0], "strength": 4.0},
+        {"point": "mlp_out.3", "op": "ablate", "vector": v[1]},
+    ]
+    layers = list(range(hf_qwen3.num_layers + 1))
+    request = body(
+        LONG,
+        hidden_states_layers=layers,
+        hidden_states_positions="all",
+        max_tokens=3,
+        steering=[{**i, "vector": i["vector"].tolist()} for i in steering],
+    )
+    with httpx.Client(base_url=pp2.base_url, timeout=600.0) as http:
+        r = http.post("/v1/completions", json=request)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids = list(choice["prompt_token_ids"]) + list(choice["token_ids"])
+    items = [{"strength": 1.0, **i, "start": 0, "end": None} for i in steering]
+    ref = hf_qwen3.steered_states(ids, items)
+    from .test_server import decode_rows
+
+    rows = decode_rows(choice["hidden_states"])
+    for i, layer in enumerate(layers):
+        assert_close(rows[i], ref[layer], f"PP=2 steered layer {layer}")
     wait_until(lambda: nothing_held(pp2), "the engine to hold nothing")
