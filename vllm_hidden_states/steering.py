@@ -92,18 +92,9 @@ INTERVENTION_KEYS = (
     "value",
     "positions",
 )
-WIRE_KEYS = (
-    "point",
-    "id",
-    "op",
-    "vector",
-    "name",
-    "sae_feature",
-    "strength",
-    "value",
-    "start",
-    "end",
-)
+# The wire form: the request's keys, the point's capture id after it, and the
+# positions as start/end over prompt + output.
+WIRE_KEYS = (INTERVENTION_KEYS[0], "id", *INTERVENTION_KEYS[1:-1], "start", "end")
 
 ENABLE_STEERING_HINT = (
     "start the engine with enable_steering=True (LLM / EngineArgs) or "

@@ -145,18 +145,21 @@ def _capture_rows_fake(
     return None
 
 
-def register_op() -> None:
-    """Register ``torch.ops.vllm.hidden_states_capture`` once per process."""
-    if hasattr(torch.ops.vllm, OP_NAME):
+def register_custom_op(
+    name: str, func: Callable[..., None], fake: Callable[..., None], mutates: str
+) -> None:
+    """Register ``torch.ops.vllm.<name>`` (mutating argument ``mutates``) once
+    per process, with vLLM's own helper."""
+    if hasattr(torch.ops.vllm, name):
         return
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(
-        op_name=OP_NAME,
-        op_func=_capture_rows,
-        mutates_args=["out"],
-        fake_impl=_capture_rows_fake,
-    )
+    direct_register_custom_op(op_name=name, op_func=func, mutates_args=[mutates], fake_impl=fake)
+
+
+def register_op() -> None:
+    """Register ``torch.ops.vllm.hidden_states_capture`` once per process."""
+    register_custom_op(OP_NAME, _capture_rows, _capture_rows_fake, "out")
 
 
 def _is_pp_placeholder(layer: nn.Module) -> bool:

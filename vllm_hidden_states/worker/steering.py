@@ -58,6 +58,7 @@ from vllm_hidden_states.worker.capture_points import (
     count_readable_on_host,
     find_decoder_layers,
     point_tap,
+    register_custom_op,
     stream_args_of,
 )
 
@@ -150,16 +151,7 @@ def _steer_fake(
 
 def register_op() -> None:
     """Register ``torch.ops.vllm.hidden_states_steer`` once per process."""
-    if hasattr(torch.ops.vllm, OP_NAME):
-        return
-    from vllm.utils.torch_utils import direct_register_custom_op
-
-    direct_register_custom_op(
-        op_name=OP_NAME,
-        op_func=_steer,
-        mutates_args=["target"],
-        fake_impl=_steer_fake,
-    )
+    register_custom_op(OP_NAME, _steer, _steer_fake, "target")
 
 
 # -- where each steerable point is written -----------------------------------

@@ -327,6 +327,35 @@ def llm_compiled(llama_dir):
     engine.llm_engine.engine_core.shutdown()
 
 
+@pytest.fixture(scope="module")
+def llm_small_kv(qwen3_dir):
+    """An engine whose KV cache holds fewer tokens than its concurrent
+    requests need, so the scheduler preempts and recomputes (steering on:
+    the recompute replays it)."""
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(qwen3_dir),
+        enable_hidden_states=True,
+        enable_steering=True,
+        enforce_eager=True,
+        max_model_len=256,
+        num_gpu_blocks_override=5,
+        block_size=64,
+        disable_log_stats=False,
+        **dict(COMMON_ENGINE_ARGS, max_num_seqs=4),
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def num_preemptions(llm) -> float:
+    """vLLM's preemption counter of ``llm`` so far."""
+    return sum(
+        getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
+    )
+
+
 @pytest.fixture
 def engine_core(llm):
     """The EngineCore inside ``llm``, driven directly.

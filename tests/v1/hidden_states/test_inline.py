@@ -4,13 +4,12 @@ captured in the request's own forwards (prompt rows in its prefill, each
 generated position in the decode step that feeds it); only the final token
 goes through a one-token extract. Streamed per output with DELTA."""
 
-import pytest
 import torch
 
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from .conftest import COMMON_ENGINE_ARGS, assert_close
+from .conftest import assert_close, num_preemptions
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 # Longer than the engine's token budget (64) and its capture buffers (24 rows).
@@ -211,37 +210,10 @@ def test_each_delta_carries_the_positions_fed_since_the_previous_one(llm):
 # preemption
 
 
-@pytest.fixture(scope="module")
-def llm_small_kv(qwen3_dir):
-    """An engine whose KV cache holds fewer tokens than its concurrent
-    requests need, so the scheduler preempts and recomputes."""
-    from vllm import LLM
-
-    args = dict(COMMON_ENGINE_ARGS, max_num_seqs=4)
-    engine = LLM(
-        model=str(qwen3_dir),
-        enable_hidden_states=True,
-        enforce_eager=True,
-        max_model_len=256,
-        num_gpu_blocks_override=5,
-        block_size=64,
-        disable_log_stats=False,
-        **args,
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-def _num_preemptions(llm) -> float:
-    return sum(
-        getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
-    )
-
-
 def test_preemption_and_recompute_neither_duplicate_nor_lose_rows(llm_small_kv, hf_qwen3):
     prompts = [f"{PROMPT} number {i}" for i in range(4)]
     params = all_positions(max_tokens=60, ignore_eos=True, hidden_states_layers=[0, -1])
     outs = llm_small_kv.generate(prompts, params, use_tqdm=False)
-    assert _num_preemptions(llm_small_kv) > 0  # the case under test happened
+    assert num_preemptions(llm_small_kv) > 0  # the case under test happened
     for out in outs:
         assert_every_position_matches_hf(hf_qwen3, out, [0, -1])

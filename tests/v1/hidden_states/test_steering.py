@@ -20,6 +20,7 @@ from .conftest import (
     COMMON_ENGINE_ARGS,
     STEERING_VECTOR,
     assert_close,
+    num_preemptions,
     token_ids_of,
 )
 
@@ -297,27 +298,6 @@ def test_an_engine_without_steering_refuses_it_naming_the_flag(llm_compiled):
 # preemption
 
 
-@pytest.fixture(scope="module")
-def llm_small_kv(qwen3_dir):
-    """A KV cache smaller than its concurrent requests need: the scheduler
-    preempts and recomputes them (steering replayed on the recompute)."""
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(qwen3_dir),
-        enable_hidden_states=True,
-        enable_steering=True,
-        enforce_eager=True,
-        max_model_len=256,
-        num_gpu_blocks_override=5,
-        block_size=64,
-        disable_log_stats=False,
-        **dict(COMMON_ENGINE_ARGS, max_num_seqs=4),
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
 def test_preempted_steered_requests_are_recomputed_steered(llm_small_kv, hf_qwen3):
     steering = [
         [{"point": f"resid_pre.{i % 3}", "vector": vector(hf_qwen3, 20 + i), "strength": 2.0}]
@@ -327,11 +307,7 @@ def test_preempted_steered_requests_are_recomputed_steered(llm_small_kv, hf_qwen
     outs = llm_small_kv.generate(
         prompts, [params(hf_qwen3, s, max_tokens=60) for s in steering], use_tqdm=False
     )
-    preemptions = sum(
-        getattr(m, "value", 0)
-        for m in llm_small_kv.get_metrics()
-        if m.name == "vllm:num_preemptions"
-    )
+    preemptions = num_preemptions(llm_small_kv)
     assert preemptions > 0  # the case under test happened
     for out, s in zip(outs, steering):
         assert_steered(out, hf_qwen3, s, f"preempted {s[0]['point']}")
