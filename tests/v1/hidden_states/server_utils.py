@@ -2,8 +2,10 @@
 """Real OpenAI server processes on loopback for the server tests."""
 
 import concurrent.futures as cf
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ __all__ = [
     "num_generated",
     "num_completed",
     "post_concurrently",
+    "running_server",
     "sse_events",
     "test_server_process",
     "wait_until",
@@ -49,6 +52,26 @@ def test_server_process(
 
 
 test_server_process.__test__ = False  # a factory, not a test
+
+
+@contextlib.contextmanager
+def running_server(
+    model: Path,
+    args: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    name: str = "model",
+    timeout: float = 600,
+) -> Iterator[ServerProcess]:
+    """Start a :func:`test_server_process` with ``args``, yield it once it
+    answers (waiting up to ``timeout`` s), and stop it on exit, an error
+    included: the body of a module-scoped ``server`` fixture."""
+    process = test_server_process(model, args, log_path, env, name)
+    process.start()
+    try:
+        yield process.wait_ready(timeout=timeout)
+    finally:
+        process.stop()
 
 
 def sse_events(response: httpx.Response) -> list[dict]:

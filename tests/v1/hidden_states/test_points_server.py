@@ -19,7 +19,7 @@ from vllm_hidden_states.client import from_bytes, read_binary_header
 from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
 from .conftest import MODELS, HFReference, assert_close
-from .server_utils import ServerProcess, sse_events, test_server_process
+from .server_utils import ServerProcess, running_server, sse_events
 from .test_patterns import hf_patterns
 from .test_server import assert_error, decode_rows
 
@@ -43,7 +43,7 @@ def hf(gemma2_dir) -> HFReference:
 
 @pytest.fixture(scope="module")
 def server(gemma2_dir, tmp_path_factory):
-    process = test_server_process(
+    with running_server(
         gemma2_dir,
         [
             "--enable-hidden-states",
@@ -56,12 +56,8 @@ def server(gemma2_dir, tmp_path_factory):
         ],
         tmp_path_factory.mktemp("points-server") / "server.log",
         name=MODEL,
-    )
-    process.start()
-    try:
-        yield process.wait_ready(timeout=600)
-    finally:
-        process.stop()
+    ) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from .conftest import HFReference, assert_close
-from .server_utils import ServerProcess, test_server_process
+from .server_utils import ServerProcess, running_server
 from .test_server import decode_rows
 
 MODEL = "tiny-qwen3"
@@ -61,7 +61,7 @@ def vectors_dir(tmp_path_factory, vector):
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, vectors_dir, tmp_path_factory):
-    process = test_server_process(
+    with running_server(
         qwen3_dir,
         [
             "--enable-steering",
@@ -76,12 +76,8 @@ def server(qwen3_dir, vectors_dir, tmp_path_factory):
         ],
         tmp_path_factory.mktemp("steering-server") / "server.log",
         name=MODEL,
-    )
-    process.start()
-    try:
-        yield process.wait_ready(timeout=600)
-    finally:
-        process.stop()
+    ) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
