@@ -936,10 +936,9 @@ def _attach_to_choices(
 # --------------------------------------------------------------------------
 # Steering (the ``steering`` field; no hidden states needed)
 
-# The request field (not one of REQUEST_FIELDS: it asks for no captured data).
-STEERING_FIELD = STEERING_PARAM
-# What the routes that cannot serve them refuse (:func:`refuse`).
-REFUSED_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, STEERING_FIELD)
+# What the routes that cannot serve them refuse (:func:`refuse`): the
+# captured-data fields and steering (which asks for no captured data).
+REFUSED_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, STEERING_PARAM)
 
 
 @dataclass(frozen=True)
@@ -954,7 +953,7 @@ class SteeringAsk:
 def admit_steering(serving: Any, request: Any) -> SteeringAsk | None:
     """The request's ``steering`` checked against the engine (None when not
     given); :class:`ApiError` (400) naming what is allowed."""
-    value = request.model_extra.get(STEERING_FIELD)
+    value = request.model_extra.get(STEERING_PARAM)
     if value is None:
         return None
     validate_steering(serving.engine_client, value)
@@ -981,7 +980,7 @@ def steering_window_problem(
     for i, window in steering.windows:
         problem = window_problem(window, prompt_len, prompt_len + max_tokens)
         if problem is not None:
-            return invalid_request(f"steering[{i}].positions: {problem}", STEERING_FIELD)
+            return invalid_request(f"steering[{i}].positions: {problem}", STEERING_PARAM)
     return None
 
 
@@ -1026,7 +1025,7 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
     None to go on. Called first in ``create_chat_completion`` and
     ``create_completion``."""
     extra = request.model_extra
-    if not extra or not (STEERING_FIELD in extra or any(f in extra for f in REQUEST_FIELDS)):
+    if not extra or not (STEERING_PARAM in extra or any(f in extra for f in REQUEST_FIELDS)):
         if _reply.get() is not None:
             _reply.set(None)
         if _steering.get() is not None:
@@ -1172,12 +1171,12 @@ def refuse(request: Any, raw_request: Any, route: str) -> Any:
     field_name = _captured_field_asked(request, raw_request)
     if field_name is None:
         return None
-    if field_name == STEERING_FIELD:
+    if field_name == STEERING_PARAM:
         return invalid_request(
             f"'steering' is not supported on this route ({route}); steering works "
             "on /v1/chat/completions, /v1/completions and POST /v1/hidden_states "
             "(server started with --enable-steering)",
-            STEERING_FIELD,
+            STEERING_PARAM,
         ).to_error_response()
     return invalid_request(
         f"'{field_name}' is not supported on this route ({route}): hidden states "

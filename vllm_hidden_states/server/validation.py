@@ -21,14 +21,18 @@ _engine_configs: "weakref.WeakKeyDictionary[Any, HiddenStatesConfig | None]" = (
 )
 
 
+def _once_per_client(cache: weakref.WeakKeyDictionary, engine_client: Any, build: Any) -> Any:
+    """``build(engine_client.vllm_config)``, computed once per engine client."""
+    try:
+        return cache[engine_client]
+    except KeyError:
+        cache[engine_client] = value = build(engine_client.vllm_config)
+        return value
+
+
 def engine_config(engine_client: Any) -> HiddenStatesConfig | None:
     """The engine's ``HiddenStatesConfig`` (None: not enabled), computed once per client."""
-    try:
-        return _engine_configs[engine_client]
-    except KeyError:
-        cfg = HiddenStatesConfig.from_vllm_config(engine_client.vllm_config)
-        _engine_configs[engine_client] = cfg
-        return cfg
+    return _once_per_client(_engine_configs, engine_client, HiddenStatesConfig.from_vllm_config)
 
 
 def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> None:
@@ -66,12 +70,7 @@ STEERING_PARAM = "steering"
 
 def steering_config(engine_client: Any) -> SteeringConfig | None:
     """The engine's ``SteeringConfig`` (None: not enabled), computed once per client."""
-    try:
-        return _steering_configs[engine_client]
-    except KeyError:
-        cfg = SteeringConfig.from_vllm_config(engine_client.vllm_config)
-        _steering_configs[engine_client] = cfg
-        return cfg
+    return _once_per_client(_steering_configs, engine_client, SteeringConfig.from_vllm_config)
 
 
 def validate_steering(engine_client: Any, value: Any) -> None:
