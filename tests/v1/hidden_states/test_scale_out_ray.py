@@ -44,6 +44,9 @@ def ray_head():
             "--head",
             "--block",
             f"--port={port}",
+            # Advertise loopback: the host's other interface may not answer
+            # (a probe once hung connecting to it).
+            "--node-ip-address=127.0.0.1",
             "--num-cpus=2",
             f"--temp-dir={temp_dir}",
             "--include-dashboard=false",
@@ -55,7 +58,7 @@ def ray_head():
     )
     address = f"127.0.0.1:{port}"
     try:
-        wait_until(lambda: _ray_up(address, head), "the Ray head to answer", timeout=180)
+        wait_until(lambda: _ray_up(address, head), "the Ray head to answer", timeout=600)
         yield address
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -70,17 +73,20 @@ def ray_head():
 def _ray_up(address: str, head: subprocess.Popen) -> bool:
     if head.poll() is not None:
         raise RuntimeError(f"ray start exited with {head.returncode}")
-    probe = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"import ray; ray.init(address={address!r}); "
-            "print(int(ray.cluster_resources().get('CPU', 0)))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    try:
+        probe = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import ray; ray.init(address={address!r}); "
+                "print(int(ray.cluster_resources().get('CPU', 0)))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        return False  # not up yet: wait_until asks again
     return probe.returncode == 0 and probe.stdout.strip().endswith("2")
 
 
