@@ -9,9 +9,15 @@ Three msgspec structs travel over ZMQ:
 * :class:`HiddenStatesExtractRequest` is the payload of the
   ``HIDDEN_STATES_EXTRACT`` core request type: the post-sampling prefill the
   front-end dispatches when a "last"/"all" request finishes.
-* :class:`CapturedRows` is what comes back, on ``EngineCoreOutput.captured``
-  (and, per request, on ``ModelRunnerOutput.captured`` from the worker): every
-  kind of captured data of one request over a run of positions.
+* :class:`CapturedRows` is what comes back: every kind of captured data of
+  one request over a run of positions, or of a *group* of requests (its
+  ``req_ids`` own consecutive runs of ``counts`` positions). A step's rows
+  travel grouped, one tensor per field for many requests, from the worker
+  (``ModelRunnerOutput.captured``) through the scheduler to the client
+  (``EngineCoreOutputs.captured``), which hands each output its own view
+  (``EngineCoreOutput.captured``, :func:`hand_out_captured`) right after
+  decoding. Per-request tensors would cost a pickle and a msgpack frame each
+  per step, which is most of an "all" request's cost on a small model.
 
 All three are *defined* in the patched ``vllm.v1.engine`` (patch 0001), because vLLM
 must decode them in every process, and a patched vLLM must import without this
@@ -26,18 +32,28 @@ each as a zero-copy ZMQ frame. :func:`cat_rows`, :func:`slice_rows` and
 captured data is a new field and its entry in :data:`POSITION_AXIS`.
 """
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import msgspec
 import torch
 
 from vllm.v1.engine import CapturedRows, HiddenStatesExtractRequest, HiddenStatesSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.engine import EngineCoreOutputs
 
 __all__ = [
     "EXTRACT_ID_SUFFIX",
     "POSITION_AXIS",
     "CapturedRows",
     "cat_rows",
+    "group_rows",
+    "hand_out_captured",
     "num_positions",
     "slice_rows",
+    "split_group",
+    "without",
     "HiddenStatesExtractRequest",
     "HiddenStatesSpec",
     "distinct_layers",
@@ -81,7 +97,9 @@ POSITION_AXIS: dict[str, int] = {
     "patterns": 2,
     "neurons": 1,
 }
-_FIELDS = msgspec.structs.fields(CapturedRows)
+# The fields that name a group's owners; every other field is data.
+_GROUP_FIELDS = ("req_ids", "counts")
+_FIELDS = [f for f in msgspec.structs.fields(CapturedRows) if f.name not in _GROUP_FIELDS]
 assert {f.name for f in _FIELDS} == set(POSITION_AXIS), "a CapturedRows field lacks its axis"
 
 
@@ -94,16 +112,20 @@ def num_positions(rows: CapturedRows) -> int:
     return 0
 
 
-def cat_rows(parts: list[CapturedRows]) -> CapturedRows:
+def cat_rows(parts: list[CapturedRows], grouped: bool = False) -> CapturedRows:
     """``parts`` (consecutive runs of positions, the same fields present in
-    each) joined into one run."""
+    each) joined into one run; ``grouped``: the parts are groups, and so is
+    the result (their requests in order)."""
     if len(parts) == 1:
         return parts[0]
-    fields = {}
+    fields: dict = {}
     for f in _FIELDS:
         values = [getattr(p, f.name) for p in parts]
         if values[0] is not None:
             fields[f.name] = torch.cat(values, dim=POSITION_AXIS[f.name])
+    if grouped:
+        fields["req_ids"] = [r for p in parts for r in p.req_ids]
+        fields["counts"] = [c for p in parts for c in p.counts]
     return CapturedRows(**fields)
 
 
@@ -116,3 +138,46 @@ def slice_rows(rows: CapturedRows, start: int, stop: int | None = None) -> Captu
             axis = POSITION_AXIS[f.name]
             fields[f.name] = value[(slice(None),) * axis + (slice(start, stop),)]
     return CapturedRows(**fields)
+
+
+def group_rows(rows: CapturedRows, req_id: str) -> CapturedRows:
+    """One request's ``rows`` as a group of one (in place)."""
+    rows.req_ids, rows.counts = [req_id], [num_positions(rows)]
+    return rows
+
+
+def split_group(group: CapturedRows) -> Iterator[tuple[str, CapturedRows]]:
+    """``(req_id, rows)`` of each request of ``group``, in order (views: one
+    ``split`` per field, no copy)."""
+    parts = {}
+    for f in _FIELDS:
+        value = getattr(group, f.name)
+        if value is not None:
+            parts[f.name] = value.split(group.counts, dim=POSITION_AXIS[f.name])
+    for i, req_id in enumerate(group.req_ids):
+        yield req_id, CapturedRows(**{name: views[i] for name, views in parts.items()})
+
+
+def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
+    """Right after the client decoded a step's outputs: each output whose
+    request captured rows gets them as ``EngineCoreOutput.captured``.
+
+    The scheduler grouped only rows whose request has an output in
+    ``outputs`` (:meth:`~vllm_hidden_states.engine.planner.CapturePlanner.attach`).
+    """
+    groups, outputs.captured = outputs.captured, None
+    if not groups:
+        return
+    by_id = {eco.request_id: eco for eco in outputs.outputs}
+    for group in groups:
+        for req_id, rows in split_group(group):
+            by_id[req_id].captured = rows
+
+
+def without(group: CapturedRows, req_ids: set[str]) -> CapturedRows | None:
+    """``group`` less the rows of ``req_ids`` (a new group of views; None
+    when nothing is left)."""
+    kept = [(req_id, rows) for req_id, rows in split_group(group) if req_id not in req_ids]
+    if not kept:
+        return None
+    return cat_rows([group_rows(rows, req_id) for req_id, rows in kept], grouped=True)

@@ -5,8 +5,17 @@ one path (vllm_hidden_states.wire)."""
 import msgspec
 import torch
 
-from vllm.v1.engine import CapturedRows
-from vllm_hidden_states.wire import POSITION_AXIS, cat_rows, num_positions, slice_rows
+from vllm.v1.engine import CapturedRows, EngineCoreOutput, EngineCoreOutputs
+from vllm_hidden_states.wire import (
+    POSITION_AXIS,
+    cat_rows,
+    group_rows,
+    hand_out_captured,
+    num_positions,
+    slice_rows,
+    split_group,
+    without,
+)
 
 LAYERS, HIDDEN, K = 3, 8, 4
 
@@ -31,8 +40,12 @@ def assert_same(a: CapturedRows, b: CapturedRows) -> None:
             assert torch.equal(x, y), name
 
 
-def test_every_field_has_a_position_axis():
-    assert {f.name for f in msgspec.structs.fields(CapturedRows)} == set(POSITION_AXIS)
+GROUP_FIELDS = {"req_ids", "counts"}
+
+
+def test_every_data_field_has_a_position_axis():
+    data = {f.name for f in msgspec.structs.fields(CapturedRows)} - GROUP_FIELDS
+    assert data == set(POSITION_AXIS)
 
 
 def test_consecutive_parts_join_into_the_whole_run():
@@ -60,3 +73,67 @@ def test_rows_round_trip_through_vllms_msgpack():
     original = rows(0, 5)
     frames = MsgpackEncoder().encode(original)
     assert_same(MsgpackDecoder(CapturedRows).decode(frames), original)
+
+
+def step_group(counts: list[int]) -> CapturedRows:
+    """One step's rows of requests r0, r1, ... (``counts`` positions each),
+    as one group whose values name their positions."""
+    group = rows(0, sum(counts))
+    group.req_ids = [f"r{i}" for i in range(len(counts))]
+    group.counts = counts
+    return group
+
+
+def test_a_group_splits_into_each_requests_run_in_order():
+    parts = dict(split_group(step_group([2, 1, 3])))
+    assert list(parts) == ["r0", "r1", "r2"]
+    assert_same(parts["r0"], rows(0, 2))
+    assert_same(parts["r1"], rows(2, 1))
+    assert_same(parts["r2"], rows(3, 3))
+
+
+def test_a_group_of_one_is_its_requests_rows():
+    one = group_rows(rows(0, 4), "r9")
+    assert (one.req_ids, one.counts) == (["r9"], [4])
+    [(req_id, part)] = split_group(one)
+    assert req_id == "r9"
+    assert_same(part, rows(0, 4))
+
+
+def test_a_group_without_some_requests_keeps_the_others_rows():
+    kept = without(step_group([2, 1, 3]), {"r1"})
+    assert (kept.req_ids, kept.counts) == (["r0", "r2"], [2, 3])
+    parts = dict(split_group(kept))
+    assert_same(parts["r2"], rows(3, 3))
+    assert without(step_group([2]), {"r0"}) is None
+
+
+def test_the_client_hands_each_output_its_rows_from_the_step_group():
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(request_id=f"r{i}", new_token_ids=[1]) for i in range(3)]
+        + [EngineCoreOutput(request_id="plain", new_token_ids=[1])],
+        captured=[step_group([1, 2, 1])],
+    )
+    hand_out_captured(outputs)
+    assert outputs.captured is None
+    by_id = {o.request_id: o for o in outputs.outputs}
+    assert_same(by_id["r1"].captured, rows(1, 2))
+    assert_same(by_id["r2"].captured, rows(3, 1))
+    assert by_id["plain"].captured is None
+
+
+def test_a_steps_group_crosses_msgpack_as_one_frame_per_field():
+    """Not a frame per request: 24 requests' rows cost three frames (hidden,
+    sae ids, sae values) plus the message."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(request_id=f"r{i}", new_token_ids=[1]) for i in range(24)],
+        captured=[step_group([1] * 24)],
+    )
+    frames = MsgpackEncoder(size_threshold=0).encode(outputs)
+    assert len(frames) == 1 + 3
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(frames)
+    hand_out_captured(decoded)
+    for i, eco in enumerate(decoded.outputs):
+        assert_same(eco.captured, rows(i, 1))

@@ -22,8 +22,9 @@ Each step, after vLLM built the ``SchedulerOutput`` and before it advances
 ``num_computed_tokens``, :meth:`CapturePlanner.plan_step` writes
 ``SchedulerOutput.capture_plan``: a :class:`CaptureStep` per scheduled capture,
 which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into rows.
-:meth:`CapturePlanner.attach` moves the captured tensors from
-``ModelRunnerOutput.captured`` onto the ``EngineCoreOutput`` s.
+:meth:`CapturePlanner.attach` moves the captured row groups from
+``ModelRunnerOutput.captured`` onto the ``EngineCoreOutputs`` of their
+requests' clients.
 
 KV hand-over: a finished "last" request's blocks are kept (:meth:`park`,
 called from ``_free_request``) until its extract arrives, which takes them over
@@ -38,17 +39,19 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.wire import (
+    CapturedRows,
     HiddenStatesExtractRequest,
     distinct_layers,
-    num_positions,
+    group_rows,
     original_id_of,
+    split_group,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
@@ -306,30 +309,48 @@ class CapturePlanner:
 
     def attach(
         self,
-        outputs: dict[int, list["EngineCoreOutput"]],
+        engine_core_outputs: dict[int, "EngineCoreOutputs"],
         model_runner_output: "ModelRunnerOutput",
     ) -> None:
-        """In ``update_from_output``: move each request's captured rows onto
-        its output."""
-        captured = model_runner_output.captured
-        if not captured:
+        """In ``update_from_output``, once the step's outputs are built: put
+        the captured row groups on the outputs of their requests' clients, as
+        they are (one tensor per field for many requests), and count what
+        each capture delivered. Rows of a request without an output in this
+        step (aborted meanwhile) are dropped."""
+        groups = model_runner_output.captured
+        if not groups:
             return
-        for client_outputs in outputs.values():
-            for eco in client_outputs:
-                rows = captured.get(eco.request_id)
-                if rows is None:
-                    continue
-                eco.captured = rows
-                spec = self.active.get(eco.request_id)
-                if spec is not None and spec.num_tokens is None:
-                    # inline: more to come (unless its window is complete)
-                    spec.delivered += num_positions(rows)
-                    if spec.end is not None and spec.delivered >= spec.end:
-                        self.active.pop(eco.request_id, None)
-                else:
-                    # Delivered: a "prompt" capture must not run again if the
-                    # request is preempted and recomputed later.
-                    self.active.pop(eco.request_id, None)
+        client_of = {
+            eco.request_id: client
+            for client, outs in engine_core_outputs.items()
+            for eco in outs.outputs
+        }
+        for group in groups:
+            clients = {client_of.get(req_id, -1) for req_id in group.req_ids}
+            if len(clients) == 1 and -1 not in clients:
+                self._deliver(engine_core_outputs[clients.pop()], group)
+                continue
+            # Several clients (or a request gone): one group per request.
+            for req_id, rows in split_group(group):
+                if (client := client_of.get(req_id)) is not None:
+                    self._deliver(engine_core_outputs[client], group_rows(rows, req_id))
+
+    def _deliver(self, outputs: "EngineCoreOutputs", group: CapturedRows) -> None:
+        """``group`` goes out with ``outputs``; its captures advance."""
+        if outputs.captured is None:
+            outputs.captured = []
+        outputs.captured.append(group)
+        for req_id, count in zip(group.req_ids, group.counts):
+            spec = self.active.get(req_id)
+            if spec is not None and spec.num_tokens is None:
+                # inline: more to come (unless its window is complete)
+                spec.delivered += count
+                if spec.end is not None and spec.delivered >= spec.end:
+                    del self.active[req_id]
+            else:
+                # Delivered: a "prompt" capture must not run again if the
+                # request is preempted and recomputed later.
+                self.active.pop(req_id, None)
 
     def on_request_freed(self, request_id: str) -> None:
         """In ``_free_request``: a capture left the scheduler (done or aborted)."""

@@ -25,7 +25,9 @@ The model runner calls it at four named points (patch 0008, one line each in
    stream order;
 4. once ``sample_tokens`` has built the ``ModelRunnerOutput``,
    :meth:`HiddenStatesCapture.attach` puts finished captures on
-   ``ModelRunnerOutput.captured`` (one :class:`CapturedRows` per request).
+   ``ModelRunnerOutput.captured`` as row groups (:class:`CapturedRows` with
+   ``req_ids``): a common decode step's rows as one group, one tensor per
+   layer for every request; any other capture as a group of one.
 
 With ``--sae``, the SAE is loaded once here, on the runner's device. A step
 whose :class:`CaptureStep` has ``sae_top_k`` encodes the SAE layer's rows
@@ -64,7 +66,7 @@ from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm_hidden_states.config import HiddenStatesConfig, layer_of_id, point_layout
 from vllm_hidden_states.sae import encode_topk
-from vllm_hidden_states.wire import slice_rows
+from vllm_hidden_states.wire import CapturedRows, cat_rows, group_rows, slice_rows, without
 from vllm_hidden_states.worker.capture_points import CapturePoints
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
@@ -108,7 +110,8 @@ class HiddenStatesCapture:
 
     ``_partial`` holds the host rows of captures that span several steps
     ("all" over a chunked prefill), filled chunk by chunk; ``_ready`` holds
-    finished captures (:class:`HostRows`) until ``sample_tokens`` puts them on
+    finished captures (:class:`HostRows`) and ``_ready_group`` a common
+    decode step's rows of every request, until ``sample_tokens`` puts them on
     the ModelRunnerOutput.
     """
 
@@ -135,6 +138,7 @@ class HiddenStatesCapture:
         self._num_scheduled: dict[str, int] = {}
         self._partial: dict[str, HostRows] = {}
         self._ready: dict[str, HostRows] = {}
+        self._ready_group: CapturedRows | None = None
         # Attention patterns: queries and keys of captures still running, on
         # the device; finished patterns (host tensor [P, heads, q, k]) with
         # their query window, attached with the rows.
@@ -248,7 +252,7 @@ class HiddenStatesCapture:
         (pipeline parallel) earlier stages' rows off the received tensors,
         before vLLM copies the model's own entries into its buffers."""
         if scheduler_output.finished_req_ids and (
-            self._partial or self._ready or self._pattern_history
+            self._partial or self._ready or self._ready_group or self._pattern_history
         ):
             self.forget(scheduler_output.finished_req_ids)
         if self.steering is not None:
@@ -504,9 +508,12 @@ class HiddenStatesCapture:
         host = self.copies.empty((len(layers), count, model_output.shape[-1]), model_output.dtype)
         for i, k in enumerate(layers):
             self.copies.copy(host[i], self._device_rows(k, final_rows, carried, slice(None), inner))
-        views = host.split([a.count for a in armed], dim=1)  # in armed order
-        for a, rows in zip(armed, views):
-            self._ready[a.req_id] = HostRows(a.step.first, rows, None)
+        group = CapturedRows(
+            hidden=host, req_ids=[a.req_id for a in armed], counts=[a.count for a in armed]
+        )
+        if self._ready_group is not None:  # not attached since (no sampling step)
+            group = cat_rows([self._ready_group, group], grouped=True)
+        self._ready_group = group
         self.copies.record()
         self._armed = []
         self._rows = None
@@ -553,6 +560,8 @@ class HiddenStatesCapture:
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
+        if self._ready_group is not None and not req_ids.isdisjoint(self._ready_group.req_ids):
+            self._ready_group = without(self._ready_group, req_ids)
         for req_id in req_ids:
             self._partial.pop(req_id, None)
             self._ready.pop(req_id, None)
@@ -571,17 +580,20 @@ class HiddenStatesCapture:
         ``get_output`` waits for that stream: the rows are complete when the
         output is read, without a wait in the step.
         """
-        if not self._ready:
+        if not self._ready and self._ready_group is None:
             return
         ready, self._ready = self._ready, {}
-        output.captured = {req_id: rows.captured() for req_id, rows in ready.items()}
-        for req_id, (patterns, lo, hi) in self._ready_patterns.items():
-            # A pattern capture's rows are cut to its query window.
-            first = ready[req_id].first
-            captured = slice_rows(output.captured[req_id], lo - first, hi - first)
-            captured.patterns = patterns
-            output.captured[req_id] = captured
-        self._ready_patterns = {}
+        groups = [] if self._ready_group is None else [self._ready_group]
+        self._ready_group = None
+        for req_id, rows in ready.items():
+            captured = rows.captured()
+            if (pattern := self._ready_patterns.pop(req_id, None)) is not None:
+                # A pattern capture's rows are cut to its query window.
+                patterns, lo, hi = pattern
+                captured = slice_rows(captured, lo - rows.first, hi - rows.first)
+                captured.patterns = patterns
+            groups.append(group_rows(captured, req_id))
+        output.captured = groups
         if async_scheduling:
             self.copies.take_event()  # ordered by vLLM's copy stream instead
         else:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from vllm import SamplingParams
-from vllm_hidden_states.wire import HiddenStatesExtractRequest
+from vllm_hidden_states.wire import HiddenStatesExtractRequest, hand_out_captured
 from vllm_hidden_states.worker.capture_points import (
     find_decoder_layers,
     has_capture_points,
@@ -74,6 +74,8 @@ def test_all_capture_longer_than_the_buffers_is_split_over_steps(engine_core, hf
     eco = None
     for _ in range(50):
         outputs, _ = engine_core.step()
+        for outs in outputs.values():
+            hand_out_captured(outs)  # what the client does right after decoding
         done = [
             o
             for outs in outputs.values()

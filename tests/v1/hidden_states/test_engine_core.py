@@ -7,7 +7,7 @@ import pytest
 
 from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
-from vllm_hidden_states.wire import HiddenStatesExtractRequest, HiddenStatesSpec
+from vllm_hidden_states.wire import HiddenStatesExtractRequest, HiddenStatesSpec, hand_out_captured
 
 from .conftest import assert_close
 
@@ -40,6 +40,8 @@ def _run(core, req_ids: set[str], max_steps: int = 200) -> dict:
     finished, tokens = {}, {r: [] for r in req_ids}
     for _ in range(max_steps):
         outputs, _ = core.step()
+        for outs in outputs.values():
+            hand_out_captured(outs)  # what the client does right after decoding
         for eco in (o for outs in outputs.values() for o in outs.outputs):
             if eco.request_id in tokens:
                 tokens[eco.request_id] += eco.new_token_ids
@@ -125,7 +127,7 @@ def test_aborted_extract_leaves_no_state(engine_core):
     assert not scheduler.capture_planner.active
     runner = engine_core.model_executor.driver_worker.worker.model_runner
     capture = runner.hidden_states_capture
-    assert not capture._partial and not capture._ready
+    assert not capture._partial and not capture._ready and capture._ready_group is None
 
 
 def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):

@@ -130,7 +130,7 @@ def test_abort_mid_generation_leaves_nothing_held(llm, hf_qwen3):
         engine.step()
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     capture = runner.hidden_states_capture
-    assert not capture._partial and not capture._ready
+    assert not capture._partial and not capture._ready and capture._ready_group is None
     assert_nothing_held(llm)
     (out,) = llm.generate([PROMPT], all_positions(hidden_states_layers=[-1]), use_tqdm=False)
     assert_every_position_matches_hf(hf_qwen3, out, [-1])
