@@ -138,6 +138,12 @@ def test_row_ranges_of_several_requests_concatenate_in_order():
     assert _ranges([10, 0, 7], [2, 3, 1]).tolist() == [10, 11, 0, 1, 2, 7]
 
 
+def test_row_ranges_of_a_decode_step_are_its_starts():
+    from vllm_hidden_states.worker.capture import _ranges
+
+    assert _ranges([4, 9, 2], [1, 1, 1]).tolist() == [4, 9, 2]
+
+
 @torch.inference_mode()
 def test_only_the_layers_asked_are_written(mode):
     model, points = make_points()

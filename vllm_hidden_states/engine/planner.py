@@ -34,7 +34,7 @@ instead of re-prefilling everything after the last full prefix-cached block.
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import HiddenStatesConfig
@@ -99,9 +99,11 @@ class CaptureSpec:
     neurons: tuple[int, ...] = ()  # mlp_post capture ids
 
 
-@dataclass(slots=True)  # made per request per step: no frozen-dataclass setattr cost
-class CaptureStep:
+class CaptureStep(NamedTuple):
     """What the model runner captures for one request in one step.
+
+    A NamedTuple: made per request per step and pickled to the workers with
+    the SchedulerOutput, where a tuple costs about half a dataclass.
 
     Attributes:
         layers: absolute HF layer indices, in result order.

@@ -96,9 +96,11 @@ class _Armed:
 def _ranges(starts: list[int], counts: list[int]) -> np.ndarray:
     """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
     ``counts[i]`` values each, concatenated."""
-    counts_np = np.asarray(counts, dtype=np.int64)
     if len(counts) == 1:
         return np.arange(starts[0], starts[0] + counts[0], dtype=np.int64)
+    if len(starts) == sum(counts):  # a row each: a decode step
+        return np.asarray(starts, dtype=np.int64)
+    counts_np = np.asarray(counts, dtype=np.int64)
     offsets = np.cumsum(counts_np) - counts_np
     return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts_np) + np.arange(
         int(counts_np.sum()), dtype=np.int64

@@ -408,7 +408,10 @@ class CapturePoints:
         self.start_layer, self.end_layer = (owned[0], owned[-1] + 1) if owned else (0, 0)
         self.max_rows = max_rows
         self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.rows_host = torch.zeros(max_rows, dtype=torch.int64)
+        # On the CPU the op reads the index and counts where arm() writes them
+        # (no copy); elsewhere arm() writes host copies and copies them over.
+        self._on_host = count_readable_on_host(self.rows.device)
+        self.rows_host = self.rows if self._on_host else torch.zeros(max_rows, dtype=torch.int64)
         self.count = 0
         self._index: dict[int, int] = {}  # capture id -> its position in counts
         self.buffers: dict[int, torch.Tensor] = {}
@@ -439,7 +442,13 @@ class CapturePoints:
             else:
                 taps[k] = point_tap(layer, point[0], layout, f"{point[0]}.{point[1]}")
         self.counts = torch.zeros(max(len(taps), 1), dtype=torch.int64, device=device)
-        self.counts_host = torch.zeros_like(self.counts, device="cpu")
+        self.counts_host = (
+            self.counts if self._on_host else torch.zeros_like(self.counts, device="cpu")
+        )
+        # numpy views of the host tensors: arm() writes them once per step,
+        # where a tensor index costs microseconds each.
+        self._rows_np = self.rows_host.numpy()
+        self._counts_np = self.counts_host.numpy()
         # One hook per (module, pre/post), calling the op for each id read there.
         hooks: dict[tuple[int, str], list[tuple[Reader, str, int, float]]] = {}
         modules: dict[int, nn.Module] = {}
@@ -506,17 +515,18 @@ class CapturePoints:
         n = len(rows)
         if n > self.max_rows:
             raise ValueError(f"{n} rows asked in one step; the buffers hold {self.max_rows}")
-        self.rows_host[:n] = torch.from_numpy(rows)
-        self.rows_host[n:] = 0
-        self.rows.copy_(self.rows_host, non_blocking=True)
+        self._rows_np[:n] = rows
+        self._rows_np[n:] = 0
         if layers is None:
-            self.counts_host.fill_(n)
+            self._counts_np[:] = n
         else:
-            self.counts_host.zero_()
+            self._counts_np[:] = 0
             for k in layers:
                 if k in self._index:
-                    self.counts_host[self._index[k]] = n
-        self.counts.copy_(self.counts_host, non_blocking=True)
+                    self._counts_np[self._index[k]] = n
+        if not self._on_host:
+            self.rows.copy_(self.rows_host, non_blocking=True)
+            self.counts.copy_(self.counts_host, non_blocking=True)
         self.count = n
 
     def disarm(self) -> None:
@@ -527,8 +537,12 @@ class CapturePoints:
         larger batch would read past a smaller one's rows (a device-side
         assert that kills the engine)."""
         if self.count:
-            self.rows.zero_()
-            self.counts.zero_()
+            if self._on_host:
+                self._rows_np[:] = 0
+                self._counts_np[:] = 0
+            else:
+                self.rows.zero_()
+                self.counts.zero_()
             self.count = 0
 
     def read(self, k: int) -> torch.Tensor:
