@@ -171,7 +171,11 @@ def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
     by_id = {eco.request_id: eco for eco in outputs.outputs}
     for group in groups:
         for req_id, rows in split_group(group):
-            by_id[req_id].captured = rows
+            # Always there (see above); were one missing, its rows are
+            # dropped here and its tracker fails the request visibly, rather
+            # than this client's output thread dying on a KeyError.
+            if (eco := by_id.get(req_id)) is not None:
+                eco.captured = rows
 
 
 def without(group: CapturedRows, req_ids: set[str]) -> CapturedRows | None:

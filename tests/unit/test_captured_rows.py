@@ -137,3 +137,12 @@ def test_a_steps_group_crosses_msgpack_as_one_frame_per_field():
     hand_out_captured(decoded)
     for i, eco in enumerate(decoded.outputs):
         assert_same(eco.captured, rows(i, 1))
+
+
+def test_rows_of_a_request_without_an_output_are_dropped_not_raised():
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(request_id="r0", new_token_ids=[1])],
+        captured=[step_group([1, 1])],
+    )
+    hand_out_captured(outputs)
+    assert_same(outputs.outputs[0].captured, rows(0, 1))
