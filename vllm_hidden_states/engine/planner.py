@@ -20,8 +20,10 @@ by request id:
 
 Each step, after vLLM built the ``SchedulerOutput`` and before it advances
 ``num_computed_tokens``, :meth:`CapturePlanner.plan_step` writes
-``SchedulerOutput.capture_plan``: a :class:`CaptureStep` per scheduled capture,
-which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into rows.
+``SchedulerOutput.capture_plan``: a :class:`CapturePlan`, column by column
+(one entry per scheduled capture, and each distinct :class:`CaptureKind`
+once), which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into
+rows with a few numpy operations whatever the number of requests.
 :meth:`CapturePlanner.attach` moves the captured row groups from
 ``ModelRunnerOutput.captured`` onto the ``EngineCoreOutputs`` of their
 requests' clients.
@@ -97,13 +99,104 @@ class CaptureSpec:
     query_start: int = 0
     query_stop: int | None = None
     neurons: tuple[int, ...] = ()  # mlp_post capture ids
+    # What the rows are, shared (the same object) by the specs that ask the
+    # same: set by the planner when it registers the spec.
+    kind: "CaptureKind | None" = None
+
+
+class CaptureKind(NamedTuple):
+    """What a capture reads, whatever its positions in one step; requests
+    that ask the same share one (a plan sends each kind once).
+
+    Attributes:
+        layers: absolute HF layer indices, in result order.
+        positions: "last" or "all".
+        sae_top_k: also encode the SAE layer's rows on the device and ship
+            only their k strongest features (0: none). ``layers`` (the full
+            states shipped) may then be empty.
+        buffered: the rows pass the capture buffers (a layer below the final
+            one is read); else they come from the model output alone.
+        patterns: attention patterns (capture ids) to compute once the
+            capture is done, for query positions ``query_start ..
+            query_stop - 1`` (None: to the end) over every key; the capture's
+            rows are then cut to those positions too.
+        neurons: mlp_post capture ids.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    sae_top_k: int = 0
+    buffered: bool = True
+    patterns: tuple[int, ...] = ()
+    query_start: int = 0
+    query_stop: int | None = None
+    neurons: tuple[int, ...] = ()
+
+    @property
+    def rows_only(self) -> bool:
+        """Only rows of ``layers``: no SAE features, patterns or neurons
+        (a step of such captures goes to the host as one group)."""
+        return not (self.sae_top_k or self.patterns or self.neurons)
+
+
+class CapturePlan(NamedTuple):
+    """What the model runner captures in one step, column by column: entry
+    ``i`` of each list belongs to request ``req_ids[i]``.
+
+    Columns, not an object per request: a decode step of many "all" captures
+    is made, pickled to the workers and turned into rows in a few list and
+    numpy operations (per-request objects cost microseconds each, every step).
+
+    Attributes:
+        req_ids: the requests with a capture scheduled in this step.
+        starts: sequence position of each one's first scheduled token.
+        scheduled: tokens scheduled for it in this step.
+        num_tokens: length of its sequence known at this step; rows are
+            delivered in the step that computes position ``num_tokens - 1``.
+        firsts: first position to capture ("all"; positions before it were
+            delivered before a preemption, or lie before a window).
+        stops: a window's end: positions from it on are not captured (-1:
+            none). Rows are still delivered in the step that computes
+            position ``num_tokens - 1`` (a window that ends inside a chunked
+            prefill is delivered with the prefill's last chunk).
+        kind_of: index into ``kinds`` of each one's :class:`CaptureKind`.
+        kinds: the distinct kinds of this step.
+    """
+
+    req_ids: list[str]
+    starts: list[int]
+    scheduled: list[int]
+    num_tokens: list[int]
+    firsts: list[int]
+    stops: list[int]
+    kind_of: list[int]
+    kinds: list[CaptureKind]
+
+    def step(self, i: int) -> "CaptureStep":
+        """Entry ``i`` as one request's :class:`CaptureStep`."""
+        kind = self.kinds[self.kind_of[i]]
+        stop = self.stops[i]
+        return CaptureStep(
+            kind.layers,
+            kind.positions,
+            self.starts[i],
+            self.num_tokens[i],
+            self.firsts[i],
+            kind.sae_top_k,
+            kind.buffered,
+            None if stop < 0 else stop,
+            kind.patterns,
+            kind.query_start,
+            kind.query_stop,
+            kind.neurons,
+        )
 
 
 class CaptureStep(NamedTuple):
-    """What the model runner captures for one request in one step.
-
-    A NamedTuple: made per request per step and pickled to the workers with
-    the SchedulerOutput, where a tuple costs about half a dataclass.
+    """What the model runner captures for one request in one step: a
+    :class:`CapturePlan` entry with its kind's fields, as the worker's
+    per-request path (chunked prefills, extracts, SAE features, patterns)
+    reads it.
 
     Attributes:
         layers: absolute HF layer indices, in result order.
@@ -159,6 +252,9 @@ class CapturePlanner:
         self._can_hand_over: bool | None = None
         # Capture rows still free in the step being scheduled.
         self.rows_left = config.max_rows
+        # One object per distinct CaptureKind, so that a step finds its
+        # distinct kinds by identity (bounded: cleared when it grows).
+        self._kinds: dict[CaptureKind, CaptureKind] = {}
 
     # -- requests entering ---------------------------------------------------
 
@@ -184,8 +280,8 @@ class CapturePlanner:
             extract.sae_top_k,
             tuple(extract.patterns),
             tuple(extract.neurons),
+            (extract.start, extract.end),
         )
-        spec.query_start, spec.query_stop = extract.start, extract.end
         self.active[request.request_id] = spec
         scheduler.add_request(request)
         waiting = scheduler.waiting
@@ -223,18 +319,35 @@ class CapturePlanner:
         sae_top_k: int = 0,
         patterns: tuple[int, ...] = (),
         neurons: tuple[int, ...] = (),
-    ):
+        query_window: tuple[int, int | None] = (0, None),
+    ) -> CaptureSpec:
         final = self.config.num_layers
         read = (*layers, self.config.sae_layer) if sae_top_k else layers
-        return CaptureSpec(
+        spec = CaptureSpec(
             layers,
             positions,
             num_tokens,
             sae_top_k=sae_top_k,
             buffered=bool(patterns or neurons) or any(k != final for k in read),
             patterns=patterns,
+            query_start=query_window[0],
+            query_stop=query_window[1],
             neurons=neurons,
         )
+        kind = CaptureKind(
+            spec.layers,
+            spec.positions,
+            spec.sae_top_k,
+            spec.buffered,
+            spec.patterns,
+            spec.query_start,
+            spec.query_stop,
+            spec.neurons,
+        )
+        if len(self._kinds) > 1024:
+            self._kinds.clear()  # only identity within a step depends on it
+        spec.kind = self._kinds.setdefault(kind, kind)
+        return spec
 
     # -- each step -------------------------------------------------------------
 
@@ -278,36 +391,48 @@ class CapturePlanner:
             self._expire_parked(scheduler)
         if not self.active:
             return
-        steps: dict[str, CaptureStep] = {}
+        req_ids: list[str] = []
+        starts: list[int] = []
+        scheduled_list: list[int] = []
+        num_tokens_list: list[int] = []
+        firsts: list[int] = []
+        stops: list[int] = []
+        kind_of: list[int] = []
+        kinds: list[CaptureKind] = []
+        kind_index: dict[int, int] = {}  # id(kind) -> index in kinds
         scheduled = output.num_scheduled_tokens
+        requests = scheduler.requests
         for req_id, spec in self.active.items():
-            if req_id in scheduled:
-                request = scheduler.requests[req_id]
-                start = request.num_computed_tokens
-                num_tokens = spec.num_tokens
-                if num_tokens is None:  # inline: up to the sequence so far
-                    # With async scheduling the tokens of steps still in
-                    # flight are placeholders, not yet in num_tokens; the
-                    # positions this step computes exist all the same.
-                    num_tokens = request.num_tokens + request.num_output_placeholders
-                    if start + scheduled[req_id] <= spec.delivered:
-                        continue  # recomputing delivered positions
-                steps[req_id] = CaptureStep(
-                    spec.layers,
-                    spec.positions,
-                    start,
-                    num_tokens,
-                    max(start, spec.delivered),
-                    spec.sae_top_k,
-                    spec.buffered,
-                    spec.end,
-                    spec.patterns,
-                    spec.query_start,
-                    spec.query_stop,
-                    spec.neurons,
-                )
-        if steps:
-            output.capture_plan = steps
+            n = scheduled.get(req_id)
+            if n is None:
+                continue
+            request = requests[req_id]
+            start = request.num_computed_tokens
+            num_tokens = spec.num_tokens
+            if num_tokens is None:  # inline: up to the sequence so far
+                # With async scheduling the tokens of steps still in flight
+                # are placeholders, not yet in num_tokens; the positions this
+                # step computes exist all the same.
+                num_tokens = request.num_tokens + request.num_output_placeholders
+                if start + n <= spec.delivered:
+                    continue  # recomputing delivered positions
+            kind = spec.kind
+            assert kind is not None  # set by _spec
+            index = kind_index.get(id(kind))
+            if index is None:
+                index = kind_index[id(kind)] = len(kinds)
+                kinds.append(kind)
+            req_ids.append(req_id)
+            starts.append(start)
+            scheduled_list.append(n)
+            num_tokens_list.append(num_tokens)
+            firsts.append(max(start, spec.delivered))
+            stops.append(-1 if spec.end is None else spec.end)
+            kind_of.append(index)
+        if req_ids:
+            output.capture_plan = CapturePlan(
+                req_ids, starts, scheduled_list, num_tokens_list, firsts, stops, kind_of, kinds
+            )
 
     def attach(
         self,

@@ -12,9 +12,10 @@ The model runner calls it at four named points (patch 0008, one line each in
 1. at the start of ``execute_model``, :meth:`HiddenStatesCapture.begin_step`
    takes the step's plan (``scheduler_output.capture_plan``, written by
    :class:`vllm_hidden_states.engine.planner.CapturePlanner`);
-2. right before the forward, :meth:`HiddenStatesCapture.arm` turns each
-   request's :class:`CaptureStep` into batch rows (this step's
-   ``query_start_loc`` offsets) and arms the capture points with them; the
+2. right before the forward, :meth:`HiddenStatesCapture.arm` turns the
+   plan's columns (:class:`CapturePlan`) into batch rows (this step's
+   ``query_start_loc`` offsets), in a few numpy operations whatever the
+   number of requests, and arms the capture points with them; the
    forward writes those rows of every captured layer ``k < L`` into the
    persistent buffers, inside the compiled graph;
 3. right after it, :meth:`HiddenStatesCapture.collect` reads the buffers (and
@@ -30,7 +31,7 @@ The model runner calls it at four named points (patch 0008, one line each in
    layer for every request; any other capture as a group of one.
 
 With ``--sae``, the SAE is loaded once here, on the runner's device. A step
-whose :class:`CaptureStep` has ``sae_top_k`` encodes the SAE layer's rows
+whose capture asks for ``sae_top_k`` encodes the SAE layer's rows
 right after the forward, on the device (:func:`vllm_hidden_states.sae.
 encode_topk`), and only the ``k`` ids (int32) and ``k`` values (float32) per
 row are copied to the host, into the same ``CapturedRows`` (``sae_ids``,
@@ -55,8 +56,9 @@ needs the same points (after load, step start, around the forward, the
 output) and none of the capture code.
 """
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -72,7 +74,7 @@ from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 
 if TYPE_CHECKING:
-    from vllm_hidden_states.engine.planner import CaptureStep
+    from vllm_hidden_states.engine.planner import CapturePlan, CaptureStep
     from vllm_hidden_states.worker.steering import Steering
 
 logger = init_logger(__name__)
@@ -93,18 +95,31 @@ class _Armed:
     inner_offset: int = -1  # first of its rows in the capture buffers, if any
 
 
-def _ranges(starts: list[int], counts: list[int]) -> np.ndarray:
+class _ArmedGroup(NamedTuple):
+    """The common decode step's captures: each of ``req_ids`` owns the next
+    ``counts`` armed rows, all of ``layers``, all ending in this step."""
+
+    req_ids: list[str]
+    counts: list[int]
+    layers: tuple[int, ...]
+
+
+def _ranges(starts: "np.ndarray | list[int]", counts: "np.ndarray | list[int]") -> np.ndarray:
     """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
     ``counts[i]`` values each, concatenated."""
-    if len(counts) == 1:
-        return np.arange(starts[0], starts[0] + counts[0], dtype=np.int64)
-    if len(starts) == sum(counts):  # a row each: a decode step
-        return np.asarray(starts, dtype=np.int64)
-    counts_np = np.asarray(counts, dtype=np.int64)
-    offsets = np.cumsum(counts_np) - counts_np
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts_np) + np.arange(
-        int(counts_np.sum()), dtype=np.int64
-    )
+    first = np.asarray(starts, dtype=np.int64)
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    if total == len(first):  # a row each: a decode step
+        return first
+    offsets = np.cumsum(n) - n
+    return np.repeat(first - offsets, n) + np.arange(total, dtype=np.int64)
+
+
+def _inference_mode() -> contextlib.AbstractContextManager:
+    """Inference mode, entered only where the caller is not in it already
+    (``execute_model`` is; entering costs microseconds, every step)."""
+    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
 
 
 class HiddenStatesCapture:
@@ -132,12 +147,13 @@ class HiddenStatesCapture:
         self._carried: torch.Tensor | None = None
         self._inner_count = 0  # rows armed in the capture buffers
         self._wants_final = False  # this step reads layer L (the model output)
-        self._uniform = False  # this step can go to the host in one copy per layer
         self.points: CapturePoints | None = None
-        self.plan: dict[str, CaptureStep] | None = None  # this step's, if any
+        self.plan: CapturePlan | None = None  # this step's, if any
+        # This forward's captures: one group (the common decode step, one
+        # copy per layer), or each request on its own.
+        self._group: _ArmedGroup | None = None
         self._armed: list[_Armed] = []
         self._rows: torch.Tensor | None = None  # armed rows on the device
-        self._num_scheduled: dict[str, int] = {}
         self._partial: dict[str, HostRows] = {}
         self._ready: dict[str, HostRows] = {}
         self._ready_group: CapturedRows | None = None
@@ -260,10 +276,9 @@ class HiddenStatesCapture:
         if self.steering is not None:
             self.steering.begin_step(scheduler_output)
             self._scheduled = scheduler_output.num_scheduled_tokens
-        self.plan = scheduler_output.capture_plan or None
+        self.plan = scheduler_output.capture_plan
         self._carried = None
         if self.plan is not None:
-            self._num_scheduled = scheduler_output.num_scheduled_tokens
             self.take_carried(intermediate_tensors)
 
     def arm(self, runner: Any) -> None:
@@ -274,88 +289,107 @@ class HiddenStatesCapture:
             self.steering.arm(runner, self._scheduled)
         if self.plan is None:
             return
-        with torch.inference_mode():
+        with _inference_mode():
             self._arm(runner)
         self.plan = None
 
     def _arm(self, runner: Any) -> None:
+        """Turn the plan's columns into batch rows, in numpy: a decode step of
+        many captures costs the same few array operations as one.
+
+        Rows by sequence position: a request's first scheduled token is batch
+        row ``query_start_loc[its index]`` and holds position ``starts[i]``.
+        Rows past the sequence (draft tokens of speculative decoding) are
+        never captured."""
+        plan = self.plan
+        assert plan is not None  # arm() arms only with a plan
         index_of = runner.input_batch.req_id_to_index
-        query_start = runner.query_start_loc.np
-        num_scheduled = self._num_scheduled
-        # Per request: its first batch row and row count (numpy builds the
-        # row index in one go below; no array per request).
-        starts: list[int] = []
-        counts: list[int] = []
-        buffered: list[bool] = []
-        layer_sets: set[tuple[int, ...]] = set()
-        offset = inner_offset = 0
-        all_done, any_sae = True, False
-        self._armed = armed_list = []
-        assert self.plan is not None  # arm() arms only with a plan
-        for req_id, step in self.plan.items():
-            # Rows by sequence position: row0 holds position step.start. Rows
-            # past the sequence (draft tokens of speculative decoding) are
-            # never captured.
-            row0 = int(query_start[index_of[req_id]])
-            end = min(step.start + num_scheduled[req_id], step.num_tokens)
-            done = end == step.num_tokens
-            if step.positions == "last":
-                if not done:
-                    continue  # an earlier chunk; the last position comes later
-                first_row, count = row0 + end - 1 - step.start, 1
-            else:
-                # From ``first``: earlier positions were delivered before a
-                # preemption made the request recompute them (or lie before
-                # its window); up to the window's stop, if any.
-                stop = end if step.stop is None else min(end, step.stop)
-                first_row, count = row0 + step.first - step.start, stop - step.first
-            if count <= 0:
-                if done and req_id in self._partial:
-                    # A window that ended in an earlier chunk: deliver it now,
-                    # with an output to ride on.
-                    self._ready[req_id] = self._partial.pop(req_id)
-                continue  # nothing of this capture in this step's tokens
-            armed = _Armed(req_id, step, offset, count, done)
-            # Only rows of a layer below the final one pass the capture
-            # buffers (the scheduler kept them within max_rows); final-layer
-            # rows come from the model output.
-            if step.buffered:
-                armed.inner_offset = inner_offset
-                inner_offset += count
-            starts.append(first_row)
-            counts.append(count)
-            buffered.append(step.buffered)
-            layer_sets.add(step.layers)
-            if step.patterns or step.neurons:
-                layer_sets.add(step.patterns + step.neurons)  # their points write rows
-                all_done = False  # not the one-copy path (other widths, patterns)
-            all_done &= done
-            any_sae |= bool(step.sae_top_k)
-            offset += count
-            armed_list.append(armed)
-        self._inner_count = inner_offset
-        if not armed_list:
+        row0 = runner.query_start_loc.np[[index_of[r] for r in plan.req_ids]].astype(np.int64)
+        start = np.array(plan.starts, dtype=np.int64)
+        num_tokens = np.array(plan.num_tokens, dtype=np.int64)
+        end = np.minimum(start + np.array(plan.scheduled, dtype=np.int64), num_tokens)
+        done = end == num_tokens
+        first = np.array(plan.firsts, dtype=np.int64)
+        stop = np.array(plan.stops, dtype=np.int64)
+        # "all" from ``first`` up to the window's stop, if any; "last" only
+        # in the chunk that computes it.
+        stop = np.where(stop < 0, end, np.minimum(end, stop))
+        kinds = plan.kinds
+        if len(kinds) == 1:
+            kind_of = None
+            is_last = np.full(len(start), kinds[0].positions == "last")
+        else:
+            kind_of = np.array(plan.kind_of, dtype=np.int64)
+            is_last = np.array([k.positions == "last" for k in kinds])[kind_of]
+        first_rows = row0 + np.where(is_last, end - 1 - start, first - start)
+        counts = np.where(is_last, done, stop - first)
+        armed = np.flatnonzero(counts > 0)
+        if self._partial:
+            # A window that ended in an earlier chunk: deliver it now, with
+            # an output to ride on.
+            for i in np.flatnonzero(done & (counts <= 0)).tolist():
+                if (partial := self._partial.pop(plan.req_ids[i], None)) is not None:
+                    self._ready[plan.req_ids[i]] = partial
+        if not len(armed):
             return
+        armed_kinds = [kinds[0]] if kind_of is None else [kinds[i] for i in set(kind_of[armed])]
         # Which layers this step reads: only their capture points write rows,
         # and the model output is gathered only if the final layer is asked.
-        asked = set().union(*layer_sets)
-        if any_sae:
+        asked = {k for kind in armed_kinds for k in (*kind.layers, *kind.patterns, *kind.neurons)}
+        if any(kind.sae_top_k for kind in armed_kinds):
             assert self.sae_layer is not None  # steps ask for SAE features only with an SAE
             asked.add(self.sae_layer)
         self._wants_final = self.final_layer in asked
-        # One layer set, every capture ending now, no SAE: the common decode
+        starts_armed, counts_armed = first_rows[armed], counts[armed]
+        rows = _ranges(starts_armed, counts_armed)
+        if kind_of is None:
+            buffered = np.full(len(armed), kinds[0].buffered)
+        else:
+            buffered = np.array([k.buffered for k in kinds])[kind_of[armed]]
+        counts_list = counts_armed.tolist()
+        # One kind of plain rows, every capture ending now: the common decode
         # step, copied to the host in one go (:meth:`_collect_as_one`).
-        self._uniform = len(layer_sets) == 1 and all_done and not any_sae
-        rows = _ranges(starts, counts)
-        if inner_offset == offset:  # every row passes the buffers: reuse their index
+        if (
+            len(armed_kinds) == 1
+            and armed_kinds[0].rows_only
+            and done[armed].all()
+            and not (self._partial and any(plan.req_ids[i] in self._partial for i in armed))
+        ):
+            self._group = _ArmedGroup(
+                [plan.req_ids[i] for i in armed.tolist()], counts_list, armed_kinds[0].layers
+            )
+        else:
+            self._group = None
+            offsets = np.cumsum(counts_armed) - counts_armed
+            inner = np.cumsum(counts_armed * buffered) - counts_armed * buffered
+            self._armed = [
+                _Armed(
+                    plan.req_ids[i],
+                    plan.step(i),
+                    offset,
+                    count,
+                    is_done,
+                    inner_offset if is_buffered else -1,
+                )
+                for i, offset, count, is_done, inner_offset, is_buffered in zip(
+                    armed.tolist(),
+                    offsets.tolist(),
+                    counts_list,
+                    done[armed].tolist(),
+                    inner.tolist(),
+                    buffered.tolist(),
+                )
+            ]
+        self._inner_count = inner_count = int((counts_armed * buffered).sum())
+        if inner_count == len(rows):  # every row passes the buffers: reuse their index
             assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows, asked)
-            self._rows = self.points.rows[:offset]
+            self._rows = self.points.rows[: len(rows)]
             return
         self._rows = torch.from_numpy(rows).to(runner.device) if self._wants_final else None
-        if inner_offset:
+        if inner_count:
             assert self.points is not None  # buffered rows exist only with capture points
-            self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
+            self.points.arm(rows[np.repeat(buffered, counts_armed)], asked)
 
     def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
         """Before a stage's forward: take earlier stages' rows off the received
@@ -399,10 +433,10 @@ class HiddenStatesCapture:
         the model's own may be a graph's persistent output)."""
         if self.steering is not None:
             self.steering.disarm()
-        if not self._armed:
+        if not self._armed and self._group is None:
             return model_output
         try:
-            with torch.inference_mode():
+            with _inference_mode():
                 carry = self._collect(model_output)
         finally:
             if self.points is not None:
@@ -418,16 +452,14 @@ class HiddenStatesCapture:
         self._check_carried()
         if not self.is_last_stage:
             carry = self._carry_on()
-            self._armed = []
-            self._rows = None
-            self._carried = None
+            self._done_with_step()
             return carry
         if isinstance(model_output, tuple):  # (hidden, aux) with an EAGLE3 drafter
             model_output = model_output[0]
         final_rows = model_output.index_select(0, self._rows) if self._wants_final else None
         carried = {k: i for i, k in enumerate(self.carried_layers)}
-        if self._uniform and not self._partial:
-            self._collect_as_one(model_output, final_rows, carried)
+        if self._group is not None:
+            self._collect_as_one(self._group, model_output, final_rows, carried)
             return None
         for armed in self._armed:
             sl = slice(armed.offset, armed.offset + armed.count)
@@ -470,10 +502,14 @@ class HiddenStatesCapture:
                 self._partial.pop(armed.req_id, None)
                 self._ready[armed.req_id] = rows
         self.copies.record()
+        self._done_with_step()
+        return None
+
+    def _done_with_step(self) -> None:
         self._armed = []
+        self._group = None
         self._rows = None
         self._carried = None
-        return None
 
     def _device_rows(
         self,
@@ -496,30 +532,27 @@ class HiddenStatesCapture:
         return self.points.read(k)[inner]
 
     def _collect_as_one(
-        self, model_output: torch.Tensor, final_rows: torch.Tensor | None, carried: dict[int, int]
+        self,
+        group: _ArmedGroup,
+        model_output: torch.Tensor,
+        final_rows: torch.Tensor | None,
+        carried: dict[int, int],
     ) -> None:
         """The common decode step, in one copy per layer: every armed capture
         ends in this step and asks the same layers, without SAE features. The
         step's rows go to one host tensor ``[layers, rows, hidden]`` and each
         request gets a view of its rows (no tensor or copy per request)."""
-        armed = self._armed
-        layers = armed[0].step.layers
-        count = sum(a.count for a in armed)
         # All rows pass the buffers, or none does (same layers for all).
         inner = slice(0, self._inner_count)
-        host = self.copies.empty((len(layers), count, model_output.shape[-1]), model_output.dtype)
-        for i, k in enumerate(layers):
-            self.copies.copy(host[i], self._device_rows(k, final_rows, carried, slice(None), inner))
-        group = CapturedRows(
-            hidden=host, req_ids=[a.req_id for a in armed], counts=[a.count for a in armed]
+        host = self.copies.gather(
+            [self._device_rows(k, final_rows, carried, slice(None), inner) for k in group.layers]
         )
+        rows = CapturedRows(hidden=host, req_ids=group.req_ids, counts=group.counts)
         if self._ready_group is not None:  # not attached since (no sampling step)
-            group = cat_rows([self._ready_group, group], grouped=True)
-        self._ready_group = group
+            rows = cat_rows([self._ready_group, rows], grouped=True)
+        self._ready_group = rows
         self.copies.record()
-        self._armed = []
-        self._rows = None
-        self._carried = None
+        self._done_with_step()
 
     def _neuron_rows(self, k: int, inner: slice) -> torch.Tensor:
         """This step's device rows of mlp_post id ``k`` (``[rows,

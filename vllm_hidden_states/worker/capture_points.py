@@ -449,6 +449,7 @@ class CapturePoints:
         # where a tensor index costs microseconds each.
         self._rows_np = self.rows_host.numpy()
         self._counts_np = self.counts_host.numpy()
+        self._rows_written = 0  # leading entries of rows_host that may be non-zero
         # One hook per (module, pre/post), calling the op for each id read there.
         hooks: dict[tuple[int, str], list[tuple[Reader, str, int, float]]] = {}
         modules: dict[int, nn.Module] = {}
@@ -515,8 +516,12 @@ class CapturePoints:
         n = len(rows)
         if n > self.max_rows:
             raise ValueError(f"{n} rows asked in one step; the buffers hold {self.max_rows}")
+        # Entries past n stay 0 (the invariant above): only those a larger
+        # earlier arm wrote and nothing cleared since are zeroed.
         self._rows_np[:n] = rows
-        self._rows_np[n:] = 0
+        if self._rows_written > n:
+            self._rows_np[n : self._rows_written] = 0
+        self._rows_written = n
         if layers is None:
             self._counts_np[:] = n
         else:
@@ -538,7 +543,8 @@ class CapturePoints:
         assert that kills the engine)."""
         if self.count:
             if self._on_host:
-                self._rows_np[:] = 0
+                self._rows_np[: self._rows_written] = 0
+                self._rows_written = 0
                 self._counts_np[:] = 0
             else:
                 self.rows.zero_()

@@ -30,6 +30,7 @@ class HostCopies:
 
     def __init__(self, device: torch.device) -> None:
         self.asynchronous = device.type == "cuda"
+        self.on_host = device.type == "cpu"
         self._event: torch.cuda.Event | None = None
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -39,6 +40,17 @@ class HostCopies:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst`` (host, contiguous) <- ``src`` (device), not waited on."""
         dst.copy_(src, non_blocking=self.asynchronous)
+
+    def gather(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """A new host tensor ``[len(rows), *shape]`` holding ``rows`` (device
+        tensors of one shape and dtype), not waited on: on the CPU one stack
+        (the rows are in host memory already), elsewhere a copy each."""
+        if self.on_host:
+            return torch.stack(rows)
+        host = self.empty((len(rows), *rows[0].shape), rows[0].dtype)
+        for dst, src in zip(host, rows):
+            self.copy(dst, src)
+        return host
 
     def record(self) -> None:
         """After a step's last copy: mark where its rows are complete."""
