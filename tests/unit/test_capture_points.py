@@ -95,7 +95,8 @@ def test_forward_nobody_armed_never_reads_rows_armed_for_a_larger_batch(mode):
     model(torch.randn(4, HIDDEN))  # raises IndexError if a stale index is gathered
     assert points.count == 0
     assert not points.counts.any()
-    assert not points.rows.any()
+    if mode == "sync-free":  # the op gathers without reading a count: a zero index
+        assert not points.rows.any()
 
 
 @torch.inference_mode()

@@ -252,6 +252,11 @@ class CapturePlanner:
         self._can_hand_over: bool | None = None
         # Capture rows still free in the step being scheduled.
         self.rows_left = config.max_rows
+        # A step's rows never outnumber its tokens: buffers that hold a full
+        # step's tokens (the default where they fit) never limit a request.
+        self._buffers_hold_a_step = (
+            config.max_rows >= vllm_config.scheduler_config.max_num_batched_tokens
+        )
         # One object per distinct CaptureKind, so that a step finds its
         # distinct kinds by identity (bounded: cleared when it grows).
         self._kinds: dict[CaptureKind, CaptureKind] = {}
@@ -362,6 +367,8 @@ class CapturePlanner:
         of it. Requests without a capture, or whose only layer is the final
         one (read from the model's output, not the buffers), are not limited.
         """
+        if self._buffers_hold_a_step:
+            return num_new_tokens
         spec = self.active.get(request.request_id)
         if spec is None or not spec.buffered:
             return num_new_tokens
@@ -446,6 +453,13 @@ class CapturePlanner:
         step (aborted meanwhile) are dropped."""
         groups = model_runner_output.captured
         if not groups:
+            return
+        if len(engine_core_outputs) == 1:
+            # One client (the common case): every group goes to it whole; its
+            # hand-out drops rows of a request without an output.
+            (outputs,) = engine_core_outputs.values()
+            for group in groups:
+                self._deliver(outputs, group)
             return
         client_of = {
             eco.request_id: client

@@ -107,11 +107,11 @@ class _ArmedGroup(NamedTuple):
 def _ranges(starts: "np.ndarray | list[int]", counts: "np.ndarray | list[int]") -> np.ndarray:
     """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
     ``counts[i]`` values each, concatenated."""
+    if len(counts) == sum(counts):  # a row each: a decode step
+        return np.array(starts, dtype=np.int64)
     first = np.asarray(starts, dtype=np.int64)
     n = np.asarray(counts, dtype=np.int64)
     total = int(n.sum())
-    if total == len(first):  # a row each: a decode step
-        return first
     offsets = np.cumsum(n) - n
     return np.repeat(first - offsets, n) + np.arange(total, dtype=np.int64)
 
@@ -294,8 +294,9 @@ class HiddenStatesCapture:
         self.plan = None
 
     def _arm(self, runner: Any) -> None:
-        """Turn the plan's columns into batch rows, in numpy: a decode step of
-        many captures costs the same few array operations as one.
+        """Turn the plan's columns into batch rows: a few integer operations
+        per request and one row array (a decode step of a few dozen
+        requests: plain Python over the columns beats numpy's per-call cost).
 
         Rows by sequence position: a request's first scheduled token is batch
         row ``query_start_loc[its index]`` and holds position ``starts[i]``.
@@ -304,35 +305,50 @@ class HiddenStatesCapture:
         plan = self.plan
         assert plan is not None  # arm() arms only with a plan
         index_of = runner.input_batch.req_id_to_index
-        row0 = runner.query_start_loc.np[[index_of[r] for r in plan.req_ids]].astype(np.int64)
-        start = np.array(plan.starts, dtype=np.int64)
-        num_tokens = np.array(plan.num_tokens, dtype=np.int64)
-        end = np.minimum(start + np.array(plan.scheduled, dtype=np.int64), num_tokens)
-        done = end == num_tokens
-        first = np.array(plan.firsts, dtype=np.int64)
-        stop = np.array(plan.stops, dtype=np.int64)
-        # "all" from ``first`` up to the window's stop, if any; "last" only
-        # in the chunk that computes it.
-        stop = np.where(stop < 0, end, np.minimum(end, stop))
+        query_start = runner.query_start_loc.np
         kinds = plan.kinds
-        if len(kinds) == 1:
-            kind_of = None
-            is_last = np.full(len(start), kinds[0].positions == "last")
-        else:
-            kind_of = np.array(plan.kind_of, dtype=np.int64)
-            is_last = np.array([k.positions == "last" for k in kinds])[kind_of]
-        first_rows = row0 + np.where(is_last, end - 1 - start, first - start)
-        counts = np.where(is_last, done, stop - first)
-        armed = np.flatnonzero(counts > 0)
-        if self._partial:
-            # A window that ended in an earlier chunk: deliver it now, with
-            # an output to ride on.
-            for i in np.flatnonzero(done & (counts <= 0)).tolist():
-                if (partial := self._partial.pop(plan.req_ids[i], None)) is not None:
-                    self._ready[plan.req_ids[i]] = partial
-        if not len(armed):
+        is_last = [kind.positions == "last" for kind in kinds]
+        partial = self._partial
+        # Per armed request: its entry in the plan, first batch row, row
+        # count and whether its capture ends in this step.
+        entries: list[int] = []
+        first_rows: list[int] = []
+        counts: list[int] = []
+        all_done = True
+        columns = zip(
+            plan.req_ids,
+            plan.starts,
+            plan.scheduled,
+            plan.num_tokens,
+            plan.firsts,
+            plan.stops,
+            plan.kind_of,
+        )
+        for i, (req_id, start, scheduled, num_tokens, first, stop, k) in enumerate(columns):
+            end = min(start + scheduled, num_tokens)
+            done = end == num_tokens
+            if is_last[k]:
+                if not done:
+                    continue  # an earlier chunk; the last position comes later
+                offset, count = end - 1 - start, 1
+            else:
+                # "all" from ``first`` up to the window's stop, if any.
+                offset, count = first - start, (end if stop < 0 else min(end, stop)) - first
+                if count <= 0:
+                    if done and partial and req_id in partial:
+                        # A window that ended in an earlier chunk: deliver it
+                        # now, with an output to ride on.
+                        self._ready[req_id] = partial.pop(req_id)
+                    continue  # nothing of this capture in this step's tokens
+            entries.append(i)
+            first_rows.append(int(query_start[index_of[req_id]]) + offset)
+            counts.append(count)
+            all_done = all_done and done
+        if not entries:
             return
-        armed_kinds = [kinds[0]] if kind_of is None else [kinds[i] for i in set(kind_of[armed])]
+        armed_kinds = (
+            kinds if len(kinds) == 1 else [kinds[k] for k in {plan.kind_of[i] for i in entries}]
+        )
         # Which layers this step reads: only their capture points write rows,
         # and the model output is gathered only if the final layer is asked.
         asked = {k for kind in armed_kinds for k in (*kind.layers, *kind.patterns, *kind.neurons)}
@@ -340,47 +356,35 @@ class HiddenStatesCapture:
             assert self.sae_layer is not None  # steps ask for SAE features only with an SAE
             asked.add(self.sae_layer)
         self._wants_final = self.final_layer in asked
-        starts_armed, counts_armed = first_rows[armed], counts[armed]
-        rows = _ranges(starts_armed, counts_armed)
-        if kind_of is None:
-            buffered = np.full(len(armed), kinds[0].buffered)
-        else:
-            buffered = np.array([k.buffered for k in kinds])[kind_of[armed]]
-        counts_list = counts_armed.tolist()
+        rows = _ranges(first_rows, counts)
+        buffered = [kinds[plan.kind_of[i]].buffered for i in entries]
         # One kind of plain rows, every capture ending now: the common decode
         # step, copied to the host in one go (:meth:`_collect_as_one`).
+        req_ids = [plan.req_ids[i] for i in entries]
         if (
             len(armed_kinds) == 1
             and armed_kinds[0].rows_only
-            and done[armed].all()
-            and not (self._partial and any(plan.req_ids[i] in self._partial for i in armed))
+            and all_done
+            and not (partial and any(req_id in partial for req_id in req_ids))
         ):
-            self._group = _ArmedGroup(
-                [plan.req_ids[i] for i in armed.tolist()], counts_list, armed_kinds[0].layers
-            )
+            self._group = _ArmedGroup(req_ids, counts, armed_kinds[0].layers)
+            self._inner_count = inner_count = len(rows) if buffered[0] else 0
         else:
-            self._group = None
-            offsets = np.cumsum(counts_armed) - counts_armed
-            inner = np.cumsum(counts_armed * buffered) - counts_armed * buffered
-            self._armed = [
-                _Armed(
-                    plan.req_ids[i],
-                    plan.step(i),
-                    offset,
-                    count,
-                    is_done,
-                    inner_offset if is_buffered else -1,
-                )
-                for i, offset, count, is_done, inner_offset, is_buffered in zip(
-                    armed.tolist(),
-                    offsets.tolist(),
-                    counts_list,
-                    done[armed].tolist(),
-                    inner.tolist(),
-                    buffered.tolist(),
-                )
-            ]
-        self._inner_count = inner_count = int((counts_armed * buffered).sum())
+            self._armed = []
+            offset = inner_count = 0
+            for i, req_id, count, is_buffered in zip(entries, req_ids, counts, buffered):
+                step = plan.step(i)
+                done = min(step.start + plan.scheduled[i], step.num_tokens) == step.num_tokens
+                armed = _Armed(req_id, step, offset, count, done)
+                # Only rows of a layer below the final one pass the capture
+                # buffers (the scheduler kept them within max_rows); final-
+                # layer rows come from the model output.
+                if is_buffered:
+                    armed.inner_offset = inner_count
+                    inner_count += count
+                offset += count
+                self._armed.append(armed)
+            self._inner_count = inner_count
         if inner_count == len(rows):  # every row passes the buffers: reuse their index
             assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows, asked)
@@ -389,7 +393,7 @@ class HiddenStatesCapture:
         self._rows = torch.from_numpy(rows).to(runner.device) if self._wants_final else None
         if inner_count:
             assert self.points is not None  # buffered rows exist only with capture points
-            self.points.arm(rows[np.repeat(buffered, counts_armed)], asked)
+            self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
 
     def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
         """Before a stage's forward: take earlier stages' rows off the received
@@ -516,20 +520,23 @@ class HiddenStatesCapture:
         k: int,
         final_rows: torch.Tensor | None,
         carried: dict[int, int],
-        final: slice,
-        inner: slice,
+        final: slice | None,
+        inner: slice | None,
     ) -> torch.Tensor:
         """This step's device rows of layer ``k``: ``final`` of the model
         output's gathered rows (layer L), ``inner`` of an earlier stage's
-        rows (pipeline parallel) or of this stage's capture buffers."""
+        rows (pipeline parallel) or of this stage's capture buffers (None:
+        all of them, without another view)."""
         if k == self.final_layer:
             assert final_rows is not None  # gathered whenever layer L is asked
-            return final_rows[final]
+            return final_rows if final is None else final_rows[final]
         if k in carried:  # captured by an earlier pipeline stage
             assert self._carried is not None
-            return self._carried[carried[k]][inner]
-        assert self.points is not None  # layers below L are read from capture points
-        return self.points.read(k)[inner]
+            rows = self._carried[carried[k]]
+        else:
+            assert self.points is not None  # layers below L are read from capture points
+            rows = self.points.read(k)
+        return rows if inner is None else rows[inner]
 
     def _collect_as_one(
         self,
@@ -542,10 +549,10 @@ class HiddenStatesCapture:
         ends in this step and asks the same layers, without SAE features. The
         step's rows go to one host tensor ``[layers, rows, hidden]`` and each
         request gets a view of its rows (no tensor or copy per request)."""
-        # All rows pass the buffers, or none does (same layers for all).
-        inner = slice(0, self._inner_count)
+        # All rows pass the buffers, or none does (same layers for all): each
+        # layer's rows are all it holds for this forward.
         host = self.copies.gather(
-            [self._device_rows(k, final_rows, carried, slice(None), inner) for k in group.layers]
+            [self._device_rows(k, final_rows, carried, None, None) for k in group.layers]
         )
         rows = CapturedRows(hidden=host, req_ids=group.req_ids, counts=group.counts)
         if self._ready_group is not None:  # not attached since (no sampling step)

@@ -37,8 +37,8 @@ count cannot be read without a host sync (and not at all inside CUDA-graph
 capture), the op gathers the first ``min(max_rows, tokens)`` entries of the
 persistent index, whose unused entries point at row 0: ``min(max_rows,
 tokens) x hidden_size`` elements copied per capture point per forward (a
-batch-b decode step: b rows). Invariant: entries of ``rows`` past the armed
-count are 0 (:meth:`CapturePoints.arm` writes them so, :meth:`CapturePoints.disarm`
+batch-b decode step: b rows). Invariant off CPU: entries of ``rows`` past the
+armed count are 0 (:meth:`CapturePoints.arm` keeps them so, :meth:`CapturePoints.disarm`
 resets the whole index), so that gather never reads past a smaller batch.
 """
 
@@ -516,10 +516,11 @@ class CapturePoints:
         n = len(rows)
         if n > self.max_rows:
             raise ValueError(f"{n} rows asked in one step; the buffers hold {self.max_rows}")
-        # Entries past n stay 0 (the invariant above): only those a larger
-        # earlier arm wrote and nothing cleared since are zeroed.
         self._rows_np[:n] = rows
-        if self._rows_written > n:
+        if not self._on_host and self._rows_written > n:
+            # Entries past n stay 0 (the invariant above, for the op that
+            # gathers without reading the count): only those a larger earlier
+            # arm wrote are zeroed. On the CPU the op reads rows[:count] only.
             self._rows_np[n : self._rows_written] = 0
         self._rows_written = n
         if layers is None:
@@ -543,9 +544,7 @@ class CapturePoints:
         assert that kills the engine)."""
         if self.count:
             if self._on_host:
-                self._rows_np[: self._rows_written] = 0
-                self._rows_written = 0
-                self._counts_np[:] = 0
+                self._counts_np[:] = 0  # the op then reads no row
             else:
                 self.rows.zero_()
                 self.counts.zero_()
