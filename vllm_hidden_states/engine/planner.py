@@ -144,13 +144,24 @@ class CapturePlan(NamedTuple):
     ``i`` of each list belongs to request ``req_ids[i]``.
 
     Columns, not an object per request: a decode step of many "all" captures
-    is made, pickled to the workers and turned into rows in a few list and
-    numpy operations (per-request objects cost microseconds each, every step).
+    is made and pickled to the workers in a few list operations, and the
+    planner, which has every number at hand, works out each request's rows,
+    so the worker's common step only looks up batch rows (per-request objects
+    cost microseconds each, every step).
 
     Attributes:
         req_ids: the requests with a capture scheduled in this step.
+        offsets: each one's first captured row, counted from its first
+            scheduled token (batch row ``query_start_loc[its index]``).
+        counts: rows it captures in this step (0: none; a "last" capture
+            before the chunk that computes its last position, an "all"
+            capture recomputing delivered positions or past its window).
+        done: this step computes its last position (its rows are delivered
+            with this step's output).
+        one_group: every entry has one kind of rows only (no SAE features,
+            patterns or neurons), captures at least one row and is done:
+            the step's rows go to the host as one group.
         starts: sequence position of each one's first scheduled token.
-        scheduled: tokens scheduled for it in this step.
         num_tokens: length of its sequence known at this step; rows are
             delivered in the step that computes position ``num_tokens - 1``.
         firsts: first position to capture ("all"; positions before it were
@@ -164,8 +175,11 @@ class CapturePlan(NamedTuple):
     """
 
     req_ids: list[str]
+    offsets: list[int]
+    counts: list[int]
+    done: list[bool]
+    one_group: bool
     starts: list[int]
-    scheduled: list[int]
     num_tokens: list[int]
     firsts: list[int]
     stops: list[int]
@@ -399,14 +413,17 @@ class CapturePlanner:
         if not self.active:
             return
         req_ids: list[str] = []
+        offsets: list[int] = []
+        counts: list[int] = []
+        done_list: list[bool] = []
         starts: list[int] = []
-        scheduled_list: list[int] = []
         num_tokens_list: list[int] = []
         firsts: list[int] = []
         stops: list[int] = []
         kind_of: list[int] = []
         kinds: list[CaptureKind] = []
         kind_index: dict[int, int] = {}  # id(kind) -> index in kinds
+        one_group = True
         scheduled = output.num_scheduled_tokens
         requests = scheduler.requests
         for req_id, spec in self.active.items():
@@ -429,16 +446,44 @@ class CapturePlanner:
             if index is None:
                 index = kind_index[id(kind)] = len(kinds)
                 kinds.append(kind)
+                one_group = one_group and index == 0 and kind.rows_only
+            # Rows past the sequence (draft tokens of speculative decoding)
+            # are never captured.
+            end = min(start + n, num_tokens)
+            done = end == num_tokens
+            first = max(start, spec.delivered)
+            if kind.positions == "last":
+                # Only in the chunk that computes the last position.
+                offset, count = end - 1 - start, int(done)
+            else:
+                # From ``first`` (earlier positions were delivered before a
+                # preemption made the request recompute them, or lie before
+                # its window) up to the window's end, if any.
+                stop = end if spec.end is None else min(end, spec.end)
+                offset, count = first - start, stop - first
+            one_group = one_group and done and count > 0
             req_ids.append(req_id)
+            offsets.append(offset)
+            counts.append(count)
+            done_list.append(done)
             starts.append(start)
-            scheduled_list.append(n)
             num_tokens_list.append(num_tokens)
-            firsts.append(max(start, spec.delivered))
+            firsts.append(first)
             stops.append(-1 if spec.end is None else spec.end)
             kind_of.append(index)
         if req_ids:
             output.capture_plan = CapturePlan(
-                req_ids, starts, scheduled_list, num_tokens_list, firsts, stops, kind_of, kinds
+                req_ids,
+                offsets,
+                counts,
+                done_list,
+                one_group,
+                starts,
+                num_tokens_list,
+                firsts,
+                stops,
+                kind_of,
+                kinds,
             )
 
     def attach(

@@ -74,7 +74,7 @@ from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 
 if TYPE_CHECKING:
-    from vllm_hidden_states.engine.planner import CapturePlan, CaptureStep
+    from vllm_hidden_states.engine.planner import CaptureKind, CapturePlan, CaptureStep
     from vllm_hidden_states.worker.steering import Steering
 
 logger = init_logger(__name__)
@@ -108,7 +108,7 @@ def _ranges(starts: "np.ndarray | list[int]", counts: "np.ndarray | list[int]") 
     """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
     ``counts[i]`` values each, concatenated."""
     if len(counts) == sum(counts):  # a row each: a decode step
-        return np.array(starts, dtype=np.int64)
+        return np.asarray(starts, dtype=np.int64)
     first = np.asarray(starts, dtype=np.int64)
     n = np.asarray(counts, dtype=np.int64)
     total = int(n.sum())
@@ -294,97 +294,84 @@ class HiddenStatesCapture:
         self.plan = None
 
     def _arm(self, runner: Any) -> None:
-        """Turn the plan's columns into batch rows: a few integer operations
-        per request and one row array (a decode step of a few dozen
-        requests: plain Python over the columns beats numpy's per-call cost).
-
-        Rows by sequence position: a request's first scheduled token is batch
-        row ``query_start_loc[its index]`` and holds position ``starts[i]``.
-        Rows past the sequence (draft tokens of speculative decoding) are
-        never captured."""
+        """Turn the plan into batch rows: each armed request's rows start at
+        its first scheduled token's batch row (``query_start_loc[its
+        index]``) plus the plan's offset. The common step (one group) is a
+        lookup per request and one array; any other checks each request."""
         plan = self.plan
         assert plan is not None  # arm() arms only with a plan
         index_of = runner.input_batch.req_id_to_index
         query_start = runner.query_start_loc.np
-        kinds = plan.kinds
-        is_last = [kind.positions == "last" for kind in kinds]
         partial = self._partial
-        # Per armed request: its entry in the plan, first batch row, row
-        # count and whether its capture ends in this step.
+        if plan.one_group and not (partial and any(r in partial for r in plan.req_ids)):
+            kind = plan.kinds[0]
+            row0 = query_start[list(map(index_of.__getitem__, plan.req_ids))]
+            if any(plan.offsets):
+                row0 = row0 + np.array(plan.offsets, dtype=np.int64)
+            rows = _ranges(row0, plan.counts)
+            self._group = _ArmedGroup(plan.req_ids, plan.counts, kind.layers)
+            self._arm_rows(runner, rows, self._asked([kind]), [kind.buffered], [len(rows)])
+            return
+        # Per armed request: its entry in the plan, first batch row and count.
         entries: list[int] = []
         first_rows: list[int] = []
         counts: list[int] = []
-        all_done = True
-        columns = zip(
-            plan.req_ids,
-            plan.starts,
-            plan.scheduled,
-            plan.num_tokens,
-            plan.firsts,
-            plan.stops,
-            plan.kind_of,
-        )
-        for i, (req_id, start, scheduled, num_tokens, first, stop, k) in enumerate(columns):
-            end = min(start + scheduled, num_tokens)
-            done = end == num_tokens
-            if is_last[k]:
-                if not done:
-                    continue  # an earlier chunk; the last position comes later
-                offset, count = end - 1 - start, 1
-            else:
-                # "all" from ``first`` up to the window's stop, if any.
-                offset, count = first - start, (end if stop < 0 else min(end, stop)) - first
-                if count <= 0:
-                    if done and partial and req_id in partial:
-                        # A window that ended in an earlier chunk: deliver it
-                        # now, with an output to ride on.
-                        self._ready[req_id] = partial.pop(req_id)
-                    continue  # nothing of this capture in this step's tokens
+        columns = zip(plan.req_ids, plan.offsets, plan.counts, plan.done)
+        for i, (req_id, offset, count, done) in enumerate(columns):
+            if count <= 0:
+                if done and partial and req_id in partial:
+                    # A window that ended in an earlier chunk: deliver it
+                    # now, with an output to ride on.
+                    self._ready[req_id] = partial.pop(req_id)
+                continue  # nothing of this capture in this step's tokens
             entries.append(i)
             first_rows.append(int(query_start[index_of[req_id]]) + offset)
             counts.append(count)
-            all_done = all_done and done
         if not entries:
             return
+        kinds = plan.kinds
         armed_kinds = (
             kinds if len(kinds) == 1 else [kinds[k] for k in {plan.kind_of[i] for i in entries}]
         )
-        # Which layers this step reads: only their capture points write rows,
-        # and the model output is gathered only if the final layer is asked.
-        asked = {k for kind in armed_kinds for k in (*kind.layers, *kind.patterns, *kind.neurons)}
-        if any(kind.sae_top_k for kind in armed_kinds):
+        buffered = [kinds[plan.kind_of[i]].buffered for i in entries]
+        self._armed = []
+        offset = inner_count = 0
+        for i, count, is_buffered in zip(entries, counts, buffered):
+            armed = _Armed(plan.req_ids[i], plan.step(i), offset, count, plan.done[i])
+            # Only rows of a layer below the final one pass the capture
+            # buffers (the scheduler kept them within max_rows); final-layer
+            # rows come from the model output.
+            if is_buffered:
+                armed.inner_offset = inner_count
+                inner_count += count
+            offset += count
+            self._armed.append(armed)
+        self._arm_rows(
+            runner, _ranges(first_rows, counts), self._asked(armed_kinds), buffered, counts
+        )
+
+    def _asked(self, kinds: "list[CaptureKind]") -> set[int]:
+        """The capture ids this step reads for ``kinds``: only their capture
+        points write rows, and the model output is gathered only if the final
+        layer is asked (``_wants_final``)."""
+        asked = {k for kind in kinds for k in (*kind.layers, *kind.patterns, *kind.neurons)}
+        if any(kind.sae_top_k for kind in kinds):
             assert self.sae_layer is not None  # steps ask for SAE features only with an SAE
             asked.add(self.sae_layer)
         self._wants_final = self.final_layer in asked
-        rows = _ranges(first_rows, counts)
-        buffered = [kinds[plan.kind_of[i]].buffered for i in entries]
-        # One kind of plain rows, every capture ending now: the common decode
-        # step, copied to the host in one go (:meth:`_collect_as_one`).
-        req_ids = [plan.req_ids[i] for i in entries]
-        if (
-            len(armed_kinds) == 1
-            and armed_kinds[0].rows_only
-            and all_done
-            and not (partial and any(req_id in partial for req_id in req_ids))
-        ):
-            self._group = _ArmedGroup(req_ids, counts, armed_kinds[0].layers)
-            self._inner_count = inner_count = len(rows) if buffered[0] else 0
-        else:
-            self._armed = []
-            offset = inner_count = 0
-            for i, req_id, count, is_buffered in zip(entries, req_ids, counts, buffered):
-                step = plan.step(i)
-                done = min(step.start + plan.scheduled[i], step.num_tokens) == step.num_tokens
-                armed = _Armed(req_id, step, offset, count, done)
-                # Only rows of a layer below the final one pass the capture
-                # buffers (the scheduler kept them within max_rows); final-
-                # layer rows come from the model output.
-                if is_buffered:
-                    armed.inner_offset = inner_count
-                    inner_count += count
-                offset += count
-                self._armed.append(armed)
-            self._inner_count = inner_count
+        return asked
+
+    def _arm_rows(
+        self,
+        runner: Any,
+        rows: np.ndarray,
+        asked: set[int],
+        buffered: list[bool],
+        counts: list[int],
+    ) -> None:
+        """Arm batch rows ``rows`` (int64, the armed requests' in order; runs
+        of ``counts``, each passing the capture buffers where ``buffered``)."""
+        self._inner_count = inner_count = sum(c for c, b in zip(counts, buffered) if b)
         if inner_count == len(rows):  # every row passes the buffers: reuse their index
             assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows, asked)
