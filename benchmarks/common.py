@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,6 +124,11 @@ class Comparison:
         return rows
 
 
+# Seconds to wait before each timed run: past the 1 s for which an idle
+# engine's worker keeps spinning on its message queue (vLLM's SpinCondition).
+SETTLE_S = 1.5
+
+
 def alternate(
     comparison: Comparison, variants: dict[str, Callable[[], float]], rounds: int, progress=None
 ) -> Comparison:
@@ -136,6 +142,11 @@ def alternate(
     for r in range(rounds):
         shift = r % len(items)
         for name, fn in items[shift:] + items[:shift]:
+            # The engine that ran last keeps its worker busy-polling vLLM's
+            # shared-memory queue for a second after its last read; on a small
+            # box that takes a core from the next run when it is another
+            # engine's. Wait it out.
+            time.sleep(SETTLE_S)
             comparison.add(name, fn())
             if progress is not None:
                 progress.update(1)
