@@ -13,9 +13,10 @@ The model runner calls it at four named points (patch 0008, one line each in
    takes the step's plan (``scheduler_output.capture_plan``, written by
    :class:`vllm_hidden_states.engine.planner.CapturePlanner`);
 2. right before the forward, :meth:`HiddenStatesCapture.arm` turns the
-   plan's columns (:class:`CapturePlan`) into batch rows (this step's
-   ``query_start_loc`` offsets), in a few numpy operations whatever the
-   number of requests, and arms the capture points with them; the
+   plan (:class:`CapturePlan`, whose columns already hold each request's
+   row offset and count) into batch rows (this step's ``query_start_loc``
+   offsets: the common decode step is one lookup per request and one
+   array) and arms the capture points with them; the
    forward writes those rows of every captured layer ``k < L`` into the
    persistent buffers, inside the compiled graph;
 3. right after it, :meth:`HiddenStatesCapture.collect` reads the buffers (and
