@@ -71,37 +71,21 @@ class CaptureSpec:
     """What to capture for one request id while it is in the scheduler.
 
     Attributes:
-        layers: distinct absolute HF layer indices, in result order.
-        positions: "last" (only position ``num_tokens - 1``) or "all".
+        kind: what the rows are (layers, "last" or "all", SAE features,
+            patterns, neurons; whether they pass the capture buffers), the
+            same object for every spec that asks the same.
         num_tokens: the capture ends once this many positions are computed;
             None for an inline capture (the sequence grows as it generates).
         delivered: inline captures: positions ``< delivered`` were delivered
             (or lie before the request's window: it starts there).
         end: inline captures of a window: positions ``>= end`` are not
             captured (None: to the end).
-        buffered: some layer is below the final one, so rows pass the capture
-            buffers and count against ``max_rows``; the final layer's rows are
-            read from the model's output, which holds every scheduled token.
-        sae_top_k: also encode the rows of the SAE's layer to their k
-            strongest features (0: no SAE features).
     """
 
-    layers: tuple[int, ...]
-    positions: str
+    kind: "CaptureKind"
     num_tokens: int | None
     delivered: int = 0
-    buffered: bool = True
-    sae_top_k: int = 0
     end: int | None = None
-    # Attention patterns (capture ids) and their query window, for an
-    # extract that recomputes every position.
-    patterns: tuple[int, ...] = ()
-    query_start: int = 0
-    query_stop: int | None = None
-    neurons: tuple[int, ...] = ()  # mlp_post capture ids
-    # What the rows are, shared (the same object) by the specs that ask the
-    # same: set by the planner when it registers the spec.
-    kind: "CaptureKind | None" = None
 
 
 class CaptureKind(NamedTuple):
@@ -342,31 +326,22 @@ class CapturePlanner:
     ) -> CaptureSpec:
         final = self.config.num_layers
         read = (*layers, self.config.sae_layer) if sae_top_k else layers
-        spec = CaptureSpec(
+        kind = CaptureKind(
             layers,
             positions,
-            num_tokens,
-            sae_top_k=sae_top_k,
-            buffered=bool(patterns or neurons) or any(k != final for k in read),
-            patterns=patterns,
-            query_start=query_window[0],
-            query_stop=query_window[1],
-            neurons=neurons,
-        )
-        kind = CaptureKind(
-            spec.layers,
-            spec.positions,
-            spec.sae_top_k,
-            spec.buffered,
-            spec.patterns,
-            spec.query_start,
-            spec.query_stop,
-            spec.neurons,
+            sae_top_k,
+            # Rows pass the capture buffers (and count against max_rows)
+            # unless only the final layer is read: the model's output holds
+            # every scheduled token.
+            bool(patterns or neurons) or any(k != final for k in read),
+            patterns,
+            query_window[0],
+            query_window[1],
+            neurons,
         )
         if len(self._kinds) > 1024:
             self._kinds.clear()  # only identity within a step depends on it
-        spec.kind = self._kinds.setdefault(kind, kind)
-        return spec
+        return CaptureSpec(self._kinds.setdefault(kind, kind), num_tokens)
 
     # -- each step -------------------------------------------------------------
 
@@ -384,9 +359,9 @@ class CapturePlanner:
         if self._buffers_hold_a_step:
             return num_new_tokens
         spec = self.active.get(request.request_id)
-        if spec is None or not spec.buffered:
+        if spec is None or not spec.kind.buffered:
             return num_new_tokens
-        if spec.positions == "last":
+        if spec.kind.positions == "last":
             if self.rows_left > 0:
                 self.rows_left -= 1
                 return num_new_tokens
@@ -441,7 +416,6 @@ class CapturePlanner:
                 if start + n <= spec.delivered:
                     continue  # recomputing delivered positions
             kind = spec.kind
-            assert kind is not None  # set by _spec
             index = kind_index.get(id(kind))
             if index is None:
                 index = kind_index[id(kind)] = len(kinds)
