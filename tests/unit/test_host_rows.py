@@ -61,3 +61,18 @@ def test_on_the_cpu_copies_are_plain_and_there_is_nothing_to_wait_for():
     copies.record()
     assert copies.take_event() is None
     copies.wait()
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["stack on the CPU", "copy per layer"])
+def test_gather_puts_each_layers_rows_in_its_slot_of_one_host_tensor(on_host):
+    """Both branches of ``HostCopies.gather``: on the CPU one stack; off it
+    (run here on CPU tensors) one copy per layer into a host tensor."""
+    copies = HostCopies(CPU)
+    copies.on_host = on_host
+    rows = [torch.randn(3, 8) for _ in range(2)]
+    host = copies.gather(rows)
+    assert host.shape == (2, 3, 8)
+    for i, layer in enumerate(rows):
+        torch.testing.assert_close(host[i], layer)
+    rows[0].fill_(0.0)  # the host tensor is its own memory, not a view
+    assert host[0].abs().sum() > 0
