@@ -1,11 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Capture points on a small torch stack, in the op's two modes.
+"""Capture points on a small torch stack, by each of the write's routes.
 
-The op reads the armed row count on the host only on CPU; on CUDA it gathers
-every entry of the persistent row index without a sync. These tests run that
-sync-free path on CPU (``count_readable_on_host`` answering False), where an
-out-of-range index raises instead of asserting on the device.
+* "host count": CPU in eager mode, where the write reads the armed row count.
+* "sync-free": the opaque op as it runs on CUDA, gathering every entry of the
+  persistent row index without a sync, run here on CPU
+  (``count_readable_on_host`` answering False), where an out-of-range index
+  raises instead of asserting on the device.
+* "compiled": CPU under torch.compile, where the same sync-free gather is
+  aten ops traced into the graph.
 """
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -47,11 +52,19 @@ class Stack(nn.Module):
         return entering
 
 
-@pytest.fixture(params=["host count", "sync-free"])
+@pytest.fixture(params=["host count", "sync-free", "compiled"])
 def mode(request, monkeypatch):
     if request.param == "sync-free":
         monkeypatch.setattr(capture_points, "count_readable_on_host", lambda device: False)
     return request.param
+
+
+def run(model: nn.Module, hidden: torch.Tensor, mode: str) -> list[torch.Tensor]:
+    """``model(hidden)``, compiled (whole graph, dynamic token count) in the
+    "compiled" mode."""
+    if mode == "compiled":
+        return torch.compile(model, fullgraph=True, dynamic=True)(hidden)
+    return model(hidden)
 
 
 def make_points(
@@ -78,7 +91,7 @@ def test_armed_rows_are_the_stream_entering_each_captured_layer(mode):
     model, points = make_points()
     rows = np.array([7, 0, 3, 9], dtype=np.int64)
     points.arm(rows)
-    entering = model(torch.randn(10, HIDDEN))
+    entering = run(model, torch.randn(10, HIDDEN), mode)
     for k in points.layers:
         torch.testing.assert_close(points.read(k), entering[k][torch.from_numpy(rows)])
 
@@ -90,23 +103,22 @@ def test_forward_nobody_armed_never_reads_rows_armed_for_a_larger_batch(mode):
     bounds, a device-side assert that killed the engine)."""
     model, points = make_points()
     points.arm(np.arange(10, dtype=np.int64))
-    model(torch.randn(10, HIDDEN))
+    run(model, torch.randn(10, HIDDEN), mode)
     points.disarm()
-    model(torch.randn(4, HIDDEN))  # raises IndexError if a stale index is gathered
+    run(model, torch.randn(4, HIDDEN), mode)  # IndexError if a stale index is gathered
     assert points.count == 0
     assert not points.counts.any()
-    if mode == "sync-free":  # the op gathers without reading a count: a zero index
-        assert not points.rows.any()
+    assert not points.rows.any()  # for the writes that gather without a count
 
 
 @torch.inference_mode()
 def test_smaller_capture_after_larger_one_reads_only_its_own_rows(mode):
     model, points = make_points()
     points.arm(np.arange(10, dtype=np.int64))
-    model(torch.randn(10, HIDDEN))
+    run(model, torch.randn(10, HIDDEN), mode)
     points.disarm()
     points.arm(np.array([1, 2], dtype=np.int64))
-    entering = model(torch.randn(3, HIDDEN))
+    entering = run(model, torch.randn(3, HIDDEN), mode)
     assert points.read(2).shape == (2, HIDDEN)
     torch.testing.assert_close(points.read(2), entering[2][1:3])
 
@@ -151,9 +163,9 @@ def test_only_the_layers_asked_are_written(mode):
     for buffer in points.buffers.values():
         buffer.fill_(float("nan"))
     points.arm(np.array([1, 2], dtype=np.int64), layers=[2])
-    entering = model(torch.randn(4, HIDDEN))
+    entering = run(model, torch.randn(4, HIDDEN), mode)
     torch.testing.assert_close(points.read(2), entering[2][1:3])
-    if mode == "host count":  # off CPU every point gathers (it cannot read its count)
+    if mode == "host count":  # the other routes gather at every point (no count read)
         assert points.buffers[0].isnan().all()
 
 
@@ -175,7 +187,7 @@ def test_post_hook_points_of_a_fused_layer_read_its_output(mode):
     ]
     rows = np.array([4, 1], dtype=np.int64)
     points.arm(rows)
-    model(torch.randn(6, HIDDEN))
+    run(model, torch.randn(6, HIDDEN), mode)
     for hook in hooks:
         hook.remove()
     index = torch.from_numpy(rows)
@@ -183,6 +195,30 @@ def test_post_hook_points_of_a_fused_layer_read_its_output(mode):
     torch.testing.assert_close(points.read(ids["resid_mid.1"]), outputs[1][1][index])
     last = outputs[2][0] + outputs[2][1]
     torch.testing.assert_close(points.read(ids["resid_post.2"]), last[index])
+
+
+@torch.inference_mode()
+def test_compiled_on_cpu_a_capture_point_is_aten_ops_in_the_graph_not_the_opaque_op():
+    """On CPU no CUDA graph replays the step, so an opaque-op call would be a
+    Python dispatch per point on every forward, asked or not; the compiled
+    graph holds the gather as aten ops instead."""
+    model, points = make_points()
+    graphs = []
+
+    def keep_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    points.arm(np.array([2, 0], dtype=np.int64))
+    entering = torch.compile(model, backend=keep_graph, fullgraph=True, dynamic=True)(
+        torch.randn(5, HIDDEN)
+    )
+    targets = [node.target for gm in graphs for node in gm.graph.nodes]
+    assert torch.ops.vllm.hidden_states_capture not in targets
+    assert torch.ops.vllm.hidden_states_capture.default not in targets
+    assert any("index_select" in str(t) for t in targets)
+    for k in points.layers:
+        torch.testing.assert_close(points.read(k), entering[k][torch.tensor([2, 0])])
 
 
 def test_a_point_the_layer_does_not_have_is_a_lookup_error_naming_the_module():

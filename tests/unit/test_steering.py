@@ -25,6 +25,7 @@ from vllm_hidden_states.worker.steering import (
     SlotTable,
     _steer,
     compose,
+    steer,
 )
 
 from .test_config import fake_vllm_config
@@ -903,3 +904,34 @@ def test_the_cuda_kernel_computes_what_the_torch_path_does(args):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("ok")
+
+
+def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_as_eager():
+    """On CPU no CUDA graph replays the step, so an opaque-op call would be a
+    Python dispatch per point on every forward, steered or not; the compiled
+    graph holds the sync-free formula as aten ops and writes what the op
+    writes."""
+    rows, slots, counts, adds, dirs = buffers()
+    adds[1] = torch.arange(H, dtype=torch.float32)
+    d = torch.randn(H, generator=torch.Generator().manual_seed(5))
+    dirs[2] = d / d.norm()
+    arm(rows, slots, counts, 0, [(0, 1), (3, 2)])
+    graphs = []
+
+    def keep_graph(gm: torch.fx.GraphModule, example_inputs: list):
+        graphs.append(gm)
+        return gm.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = x * 2.0  # steer an intermediate, as in a model
+        steer(x, None, rows, slots, counts, 0, adds, dirs, 1.0)
+        return x + 1.0
+
+    with torch.inference_mode():
+        compiled = torch.compile(forward, backend=keep_graph, fullgraph=True, dynamic=True)
+        got = compiled(stream())
+        expected = forward(stream())  # eager: the op's body, count read
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert not any("hidden_states_steer" in t for t in targets)
+    assert any("index_add" in t for t in targets)
+    torch.testing.assert_close(got, expected)

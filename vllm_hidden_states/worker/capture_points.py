@@ -31,15 +31,30 @@ and captured CUDA graphs stay valid (``index`` is a constant of the graph). The
 runner fills ``rows``/``counts`` before a forward that captures and zeroes them
 after it (:meth:`CapturePoints.arm` / :meth:`CapturePoints.disarm`).
 
-Cost of a forward where nobody asked (count 0): on CPU the op reads the
-count and returns (one call per capture point); on other devices, where the
-count cannot be read without a host sync (and not at all inside CUDA-graph
-capture), the op gathers the first ``min(max_rows, tokens)`` entries of the
-persistent index, whose unused entries point at row 0: ``min(max_rows,
-tokens) x hidden_size`` elements copied per capture point per forward (a
-batch-b decode step: b rows). Invariant off CPU: entries of ``rows`` past the
-armed count are 0 (:meth:`CapturePoints.arm` keeps them so, :meth:`CapturePoints.disarm`
-resets the whole index), so that gather never reads past a smaller batch.
+How a capture point's write is made depends on where the forward runs
+(:func:`capture`):
+
+* **Off CPU** (CUDA): the hook calls the opaque op, whose kernels a CUDA
+  graph replays without Python. The count cannot be read there without a
+  host sync (and not at all inside CUDA-graph capture), so the op gathers the
+  first ``min(max_rows, tokens)`` entries of the persistent index: ``min(max_rows,
+  tokens) x hidden_size`` elements copied per capture point per forward (a
+  batch-b decode step: b rows).
+* **On CPU under torch.compile**: no CUDA graph replays the step, so each
+  opaque-op call would be a Python dispatch on every forward (about 30 us in
+  the step, for every capture point, asked or not: x0.90 of plain vLLM with
+  every point of a 5-layer model capturable). The hook writes the same
+  sync-free gather as aten ops instead, which Dynamo traces and inductor
+  compiles into the forward's own kernels (well under a microsecond a point
+  at decode sizes).
+* **On CPU in eager mode**: the hook calls the op's body directly, which
+  reads the count (a plain memory read) and returns at once when it is 0.
+
+Invariant on every device: entries of ``rows`` past the armed count are 0
+(:meth:`CapturePoints.arm` keeps them so, :meth:`CapturePoints.disarm` resets
+the index), so that a gather without a count never reads past a smaller batch.
+Buffers are read only up to ``count``, right after the forward that armed them;
+rows past it are scratch.
 """
 
 import inspect
@@ -116,21 +131,36 @@ def _capture_rows(
     """``out[:n] = ((hidden + residual) * scale)[rows[:n]]`` with ``n =
     counts[index]`` (see module doc)."""
     if count_readable_on_host(counts.device):
-        # Free on CPU (the op is opaque to Dynamo). Called at every capture
-        # point of every forward, so the "nobody asked" path is one read.
+        # A plain memory read on CPU; the "nobody asked" path is this one read.
         n = _host_counts(counts)[index]
         if n:
             gather_rows(hidden.reshape(-1, hidden.shape[-1]), residual, rows[:n], out[:n], scale)
         return
+    _gather_every_entry(hidden, residual, rows, out, scale)
+
+
+def _gather_every_entry(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """The write without a count: the first ``n = min(max_rows, tokens)``
+    entries of the persistent index (the rows armed for this forward are
+    among them: at most one per token; entries past the count are 0, a row
+    every forward has). ``tokens`` is static per CUDA graph, so a decode step
+    of batch b gathers b rows, not max_rows. Written with out-of-place ops and
+    one ``copy_``, so that Dynamo traces it into a compiled graph as well."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    # No host sync: gather the first min(max_rows, tokens) entries of the
-    # persistent index (the rows armed for this forward are among them: at
-    # most one per token); the runner reads out[:count]. Entries past the
-    # count are 0 (CapturePoints keeps them so), a row every forward has.
-    # ``tokens`` is static per CUDA graph, so a decode step of batch b
-    # gathers b rows, not max_rows.
     n = min(rows.shape[0], hidden.shape[0])
-    gather_rows(hidden, residual, rows[:n], out[:n], scale)
+    index = rows[:n]
+    value = hidden.index_select(0, index)
+    if residual is not None:
+        value = value + residual.reshape(-1, residual.shape[-1]).index_select(0, index)
+    if scale != 1.0:
+        value = value * scale
+    out[:n].copy_(value)
 
 
 def _capture_rows_fake(
@@ -346,6 +376,27 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
     raise LookupError(f"{point}: no layout for {type(layer).__name__} (only resid_pre/resid_post)")
 
 
+def capture(
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """One capture point's write, ``out[:n] = ((a + b) * scale)[rows[:n]]``,
+    by the route that costs least where the forward runs (see module doc).
+    Under Dynamo the branch is taken at trace time (device and compiling are
+    constants of the graph)."""
+    if not count_readable_on_host(counts.device):
+        torch.ops.vllm.hidden_states_capture(a, b, rows, counts, index, out, scale)
+    elif torch.compiler.is_compiling():
+        _gather_every_entry(a, b, rows, out, scale)
+    else:
+        _capture_rows(a, b, rows, counts, index, out, scale)
+
+
 def _hook(taps: list[tuple[Reader, str, int, float]], post: bool) -> Callable[..., None]:
     """A forward hook (PyTorch's own extension point; Dynamo traces it into the
     compiled graph like the forward) that captures the points read at one
@@ -354,7 +405,7 @@ def _hook(taps: list[tuple[Reader, str, int, float]], post: bool) -> Callable[..
     def capture_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
         for read, out_name, index, scale in taps:
             a, b = read(args, kwargs, output)
-            torch.ops.vllm.hidden_states_capture(
+            capture(
                 a, b, module._hs_rows, module._hs_counts, index, getattr(module, out_name), scale
             )
 
@@ -517,10 +568,10 @@ class CapturePoints:
         if n > self.max_rows:
             raise ValueError(f"{n} rows asked in one step; the buffers hold {self.max_rows}")
         self._rows_np[:n] = rows
-        if not self._on_host and self._rows_written > n:
-            # Entries past n stay 0 (the invariant above, for the op that
-            # gathers without reading the count): only those a larger earlier
-            # arm wrote are zeroed. On the CPU the op reads rows[:count] only.
+        if self._rows_written > n:
+            # Entries past n stay 0 (the invariant above, for the writes that
+            # gather without reading the count): only those a larger earlier
+            # arm wrote are zeroed.
             self._rows_np[n : self._rows_written] = 0
         self._rows_written = n
         if layers is None:
@@ -538,14 +589,18 @@ class CapturePoints:
     def disarm(self) -> None:
         """No capture in later forwards (profile, dummy and warm-up runs included).
 
-        The index goes back to all zeros too: where the op cannot read the
-        count (off CPU) it gathers every entry, and an index left over from a
-        larger batch would read past a smaller one's rows (a device-side
-        assert that kills the engine)."""
+        The index goes back to all zeros too: a write that cannot read the
+        count (off CPU; on CPU under torch.compile) gathers every entry, and
+        an index left over from a larger batch would read past a smaller
+        one's rows (off CPU a device-side assert that kills the engine)."""
         if self.count:
             if self._on_host:
-                self._counts_np[:] = 0  # the op then reads no row
+                self._counts_np[:] = 0
+                self._rows_np[: self._rows_written] = 0
+                self._rows_written = 0
             else:
+                # The host copy keeps its entries; the next arm zeroes those
+                # past its count before copying it over.
                 self.rows.zero_()
                 self.counts.zero_()
             self.count = 0

@@ -32,12 +32,15 @@ each running steered request's vectors, written once when it enters the
 batch (:class:`SlotTable`). All are registered as non-persistent module
 buffers, so Dynamo lifts them as graph inputs; their storage never changes.
 
-Cost where nobody steers (count 0): on CPU a count read per steerable point;
-on CUDA (the count is not readable without a host sync) one Triton kernel
-per point (:mod:`.steer_kernel`) over the first ``tokens`` entries, whose
-programs return at once on slot 0; elsewhere the PyTorch path runs on those
-entries, which point at row 0 with slot 0: a gather and an add of zeros
-(``x + 0`` is ``x``).
+Cost where nobody steers (count 0), by where the forward runs
+(:func:`steer`): on CUDA (the count is not readable without a host sync)
+one Triton kernel per point (:mod:`.steer_kernel`) over the first ``tokens``
+entries, whose programs return at once on slot 0; on CPU under
+torch.compile the same sync-free formula as PyTorch ops traced into the
+graph (entries past the count point at row 0 with slot 0: a gather and an
+add of zeros, ``x + 0`` is ``x``), compiled into the forward's own kernels
+rather than a Python dispatch per point; on CPU in eager mode a count read
+per steerable point.
 """
 
 from collections.abc import Callable
@@ -100,21 +103,55 @@ def _steer(
                 delta = delta / scale
             flat.index_add_(0, rows[index, :n], delta.to(flat.dtype))
             return
-    else:
-        # No host sync: every entry a forward of this many tokens can have;
-        # those past the count are row 0, slot 0 (a zero delta).
-        n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
-        if target.is_cuda:
-            # One kernel per point, whose programs return at once on slot 0.
-            from vllm_hidden_states.worker import steer_kernel
+        _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
+        return
+    if target.is_cuda:
+        # One kernel per point, whose programs return at once on slot 0.
+        from vllm_hidden_states.worker import steer_kernel
 
-            steer_kernel.steer(
-                target, other, rows[index], slots[index], n, adds, dirs, scale, enc, dec, par
-            )
-            return
+        n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
+        steer_kernel.steer(
+            target, other, rows[index], slots[index], n, adds, dirs, scale, enc, dec, par
+        )
+        return
+    _steer_every_entry(target, other, rows, slots, index, adds, dirs, scale, enc, dec, par)
+
+
+def _steer_every_entry(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    index: int,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+    enc: torch.Tensor | None,
+    dec: torch.Tensor | None,
+    par: torch.Tensor | None,
+) -> None:
+    """The write without a count: every entry a forward of this many tokens
+    can have; those past the count are row 0, slot 0 (a zero delta). Plain
+    PyTorch ops, which Dynamo traces into a compiled graph as well."""
+    n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
+    _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
+
+
+def _apply(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    r: torch.Tensor,
+    s: torch.Tensor,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+    enc: torch.Tensor | None,
+    dec: torch.Tensor | None,
+    par: torch.Tensor | None,
+) -> None:
+    """The general formula (module doc) at rows ``r`` with slots ``s`` (int64
+    ``[n]`` each), added into ``target`` in place."""
     flat = target.view(-1, target.shape[-1])  # a view: the add lands in target
-    r = rows[index, :n]
-    s = slots[index, :n]
     x = flat.index_select(0, r).float()
     if other is not None:
         x = x + other.reshape(-1, other.shape[-1]).index_select(0, r).float()
@@ -130,6 +167,36 @@ def _steer(
     if scale != 1.0:
         delta = delta / scale
     flat.index_add_(0, r, delta.to(flat.dtype))
+
+
+def steer(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+    enc: torch.Tensor | None = None,
+    dec: torch.Tensor | None = None,
+    par: torch.Tensor | None = None,
+) -> None:
+    """One steerable point's write, by the route that costs least where the
+    forward runs, as :func:`~.capture_points.capture` chooses for a capture:
+    off CPU the opaque op (replayed inside CUDA graphs); on CPU under
+    torch.compile the sync-free formula as aten ops in the graph (an opaque
+    call would be a Python dispatch per point on every forward, steered or
+    not); on CPU in eager mode the op's body, which reads the count."""
+    if not count_readable_on_host(counts.device):
+        torch.ops.vllm.hidden_states_steer(
+            target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par
+        )
+    elif torch.compiler.is_compiling():
+        _steer_every_entry(target, other, rows, slots, index, adds, dirs, scale, enc, dec, par)
+    else:
+        _steer(target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par)
 
 
 def _steer_fake(
@@ -213,10 +280,10 @@ def _hook(entries: list[tuple[Callable, int, float]], post: bool) -> Callable[..
     """A forward hook that steers the ids written at one module:
     ``(pair, index in counts, scale)`` each, in network order."""
 
-    def steer(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+    def steer_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
         for pair, index, scale in entries:
             target, other = pair(args, kwargs, output)
-            torch.ops.vllm.hidden_states_steer(
+            steer(
                 target,
                 other,
                 module._hs_steer_rows,
@@ -233,12 +300,12 @@ def _hook(entries: list[tuple[Callable, int, float]], post: bool) -> Callable[..
             )
 
     if post:
-        return steer
+        return steer_points
 
-    def steer_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        steer(module, args, kwargs)
+    def steer_points_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        steer_points(module, args, kwargs)
 
-    return steer_pre
+    return steer_points_pre
 
 
 # -- per request ---------------------------------------------------------------
