@@ -909,13 +909,17 @@ def test_the_cuda_kernel_computes_what_the_torch_path_does(args):
 def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_as_eager():
     """On CPU no CUDA graph replays the step, so an opaque-op call would be a
     Python dispatch per point on every forward, steered or not; the compiled
-    graph holds the sync-free formula as aten ops and writes what the op
-    writes."""
+    graph holds the formula at every token as aten ops, each token's slot
+    read from the dense map, and writes what the op writes."""
     rows, slots, counts, adds, dirs = buffers()
     adds[1] = torch.arange(H, dtype=torch.float32)
     d = torch.randn(H, generator=torch.Generator().manual_seed(5))
     dirs[2] = d / d.norm()
-    arm(rows, slots, counts, 0, [(0, 1), (3, 2)])
+    entries = [(0, 1), (3, 2)]
+    arm(rows, slots, counts, 0, entries)
+    token_slots = torch.zeros(POINTS, MAX_TOKENS, dtype=torch.int64)
+    for r, s in entries:
+        token_slots[0, r] = s
     graphs = []
 
     def keep_graph(gm: torch.fx.GraphModule, example_inputs: list):
@@ -924,7 +928,7 @@ def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_a
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x = x * 2.0  # steer an intermediate, as in a model
-        steer(x, None, rows, slots, counts, 0, adds, dirs, 1.0)
+        steer(x, None, rows, slots, counts, 0, adds, dirs, 1.0, token_slots=token_slots)
         return x + 1.0
 
     with torch.inference_mode():
@@ -933,5 +937,7 @@ def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_a
         expected = forward(stream())  # eager: the op's body, count read
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
     assert not any("hidden_states_steer" in t for t in targets)
-    assert any("index_add" in t for t in targets)
+    assert not any("index_add" in t or "scatter" in t for t in targets)  # gathers only
     torch.testing.assert_close(got, expected)
+    before = stream() * 2.0 + 1.0
+    assert torch.equal(got[[1, 2, 4]], before[[1, 2, 4]])  # slot 0: unchanged

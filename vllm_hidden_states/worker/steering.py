@@ -137,6 +137,43 @@ def _steer_every_entry(
     _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
 
 
+def _steer_every_token(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    token_slots: torch.Tensor,
+    index: int,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+    enc: torch.Tensor | None,
+    dec: torch.Tensor | None,
+    par: torch.Tensor | None,
+) -> None:
+    """The formula at every token of the forward, its slot ``token_slots[index,
+    t]`` (slot 0, all zeros, where nobody steers: a zero delta, ``x + 0`` is
+    ``x``). Gathers of table rows and elementwise math only, no scatter, so
+    inductor compiles it into a loop fused with its neighbours (a scatter
+    into the stream, as :func:`_apply` does, is not fused on CPU and cost
+    more than the opaque op's early return)."""
+    flat = target.view(-1, target.shape[-1])
+    s = token_slots[index, : flat.shape[0]]
+    x = flat.float()
+    if other is not None:
+        x = x + other.reshape(-1, other.shape[-1]).float()
+    if scale != 1.0:
+        x = x * scale
+    d = dirs.index_select(0, s)
+    delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
+    if enc is not None and dec is not None and par is not None:
+        p = par.index_select(0, s)
+        pre = (x * enc.index_select(0, s)).sum(-1) + p[:, 0]
+        act = torch.relu(pre) * (pre > p[:, 1])
+        delta = delta + (p[:, 2] - act)[:, None] * dec.index_select(0, s)
+    if scale != 1.0:
+        delta = delta / scale
+    flat.add_(delta.to(flat.dtype))
+
+
 def _apply(
     target: torch.Tensor,
     other: torch.Tensor | None,
@@ -182,19 +219,23 @@ def steer(
     enc: torch.Tensor | None = None,
     dec: torch.Tensor | None = None,
     par: torch.Tensor | None = None,
+    token_slots: torch.Tensor | None = None,
 ) -> None:
     """One steerable point's write, by the route that costs least where the
     forward runs, as :func:`~.capture_points.capture` chooses for a capture:
     off CPU the opaque op (replayed inside CUDA graphs); on CPU under
-    torch.compile the sync-free formula as aten ops in the graph (an opaque
-    call would be a Python dispatch per point on every forward, steered or
-    not); on CPU in eager mode the op's body, which reads the count."""
+    torch.compile the formula at every token as aten ops in the graph, each
+    token's slot read from the dense map ``token_slots`` (int64 ``[points,
+    max_tokens]``, 0 where nobody steers; :func:`_steer_every_token`), since
+    an opaque call would be a Python dispatch per point on every forward,
+    steered or not; on CPU in eager mode the op's body, which reads the
+    count."""
     if not count_readable_on_host(counts.device):
         torch.ops.vllm.hidden_states_steer(
             target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par
         )
-    elif torch.compiler.is_compiling():
-        _steer_every_entry(target, other, rows, slots, index, adds, dirs, scale, enc, dec, par)
+    elif torch.compiler.is_compiling() and token_slots is not None:
+        _steer_every_token(target, other, token_slots, index, adds, dirs, scale, enc, dec, par)
     else:
         _steer(target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par)
 
@@ -297,6 +338,8 @@ def _hook(entries: list[tuple[Callable, int, float]], post: bool) -> Callable[..
                 getattr(module, "_hs_steer_enc", None),
                 getattr(module, "_hs_steer_dec", None),
                 getattr(module, "_hs_steer_par", None),
+                # Registered only on CPU (the compiled route's slot map).
+                getattr(module, "_hs_steer_token_slots", None),
             )
 
     if post:
@@ -500,6 +543,15 @@ class Steering:
         self.num_points = num_points
         self.counts = torch.zeros(2 * num_points, dtype=torch.int64, device=device)
         self.counts_host = torch.zeros(2 * num_points, dtype=torch.int64)
+        # On CPU, each token's slot per point, for the compiled route (see
+        # steer); 0 everywhere no request steers. Written and cleared through
+        # a numpy view, entry by entry (the rows armed).
+        self.token_slots: torch.Tensor | None = None
+        self._token_slots_np: np.ndarray | None = None
+        self._token_slots_written: list[tuple[int, np.ndarray]] = []
+        if count_readable_on_host(device):
+            self.token_slots = torch.zeros(num_points, max_tokens, dtype=torch.int64)
+            self._token_slots_np = self.token_slots.numpy()
         num_slots = config.table_slots(max_num_seqs)
         self.adds = torch.zeros(num_slots, hidden_size, dtype=torch.float32, device=device)
         self.dirs = torch.zeros_like(self.adds)
@@ -528,6 +580,10 @@ class Steering:
                 module.register_buffer("_hs_steer_counts", self.counts, persistent=False)
                 module.register_buffer("_hs_steer_adds", self.adds, persistent=False)
                 module.register_buffer("_hs_steer_dirs", self.dirs, persistent=False)
+                if self.token_slots is not None:
+                    module.register_buffer(
+                        "_hs_steer_token_slots", self.token_slots, persistent=False
+                    )
                 if self.enc is not None:
                     module.register_buffer("_hs_steer_enc", self.enc, persistent=False)
                     module.register_buffer("_hs_steer_dec", self.dec, persistent=False)
@@ -635,6 +691,9 @@ class Steering:
             self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
             self.slots[index, :total].copy_(torch.from_numpy(slot_of_row), non_blocking=True)
             self.counts_host[index] = total
+            if self._token_slots_np is not None:
+                self._token_slots_np[index, rows] = slot_of_row
+                self._token_slots_written.append((index, rows))
             self.counts_host[self.num_points + index] = bool(projecting[mine].any())
         self.counts.copy_(self.counts_host, non_blocking=True)
         self.armed = True
@@ -694,6 +753,10 @@ class Steering:
             self.rows.zero_()
             self.slots.zero_()
             self.counts.zero_()
+            if self._token_slots_np is not None:
+                for index, rows in self._token_slots_written:
+                    self._token_slots_np[index, rows] = 0
+                self._token_slots_written.clear()
             self.armed = False
 
     def forget(self, req_ids: set[str]) -> None:
