@@ -36,11 +36,11 @@ Cost where nobody steers (count 0), by where the forward runs
 (:func:`steer`): on CUDA (the count is not readable without a host sync)
 one Triton kernel per point (:mod:`.steer_kernel`) over the first ``tokens``
 entries, whose programs return at once on slot 0; on CPU under
-torch.compile the same sync-free formula as PyTorch ops traced into the
-graph (entries past the count point at row 0 with slot 0: a gather and an
-add of zeros, ``x + 0`` is ``x``), compiled into the forward's own kernels
-rather than a Python dispatch per point; on CPU in eager mode a count read
-per steerable point.
+torch.compile the formula at every token as PyTorch ops traced into the
+graph, each token's slot read from a dense map (``token_slots``, int64
+``[points, max_tokens]``, 0 where nobody steers: slot 0 adds zeros, ``x +
+0`` is ``x``), compiled into the forward's own kernels rather than a Python
+dispatch per point; on CPU in eager mode a count read per steerable point.
 """
 
 from collections.abc import Callable
