@@ -105,35 +105,17 @@ def _steer(
             return
         _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
         return
+    # No host sync: every entry a forward of this many tokens can have; those
+    # past the count are row 0, slot 0 (a zero delta).
+    n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
     if target.is_cuda:
         # One kernel per point, whose programs return at once on slot 0.
         from vllm_hidden_states.worker import steer_kernel
 
-        n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
         steer_kernel.steer(
             target, other, rows[index], slots[index], n, adds, dirs, scale, enc, dec, par
         )
         return
-    _steer_every_entry(target, other, rows, slots, index, adds, dirs, scale, enc, dec, par)
-
-
-def _steer_every_entry(
-    target: torch.Tensor,
-    other: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    index: int,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
-    scale: float,
-    enc: torch.Tensor | None,
-    dec: torch.Tensor | None,
-    par: torch.Tensor | None,
-) -> None:
-    """The write without a count: every entry a forward of this many tokens
-    can have; those past the count are row 0, slot 0 (a zero delta). Plain
-    PyTorch ops, which Dynamo traces into a compiled graph as well."""
-    n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
     _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
 
 
