@@ -119,6 +119,32 @@ def _steer(
     _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
 
 
+def _delta(
+    x: torch.Tensor,
+    s: torch.Tensor,
+    adds: torch.Tensor,
+    dirs: torch.Tensor,
+    scale: float,
+    enc: torch.Tensor | None,
+    dec: torch.Tensor | None,
+    par: torch.Tensor | None,
+) -> torch.Tensor:
+    """What the general formula (module doc) adds to the tensor that carries
+    the point: ``x`` float32 ``[n, hidden]``, the point's value at ``n``
+    rows; ``s`` int64 ``[n]``, their slots. Returns float32 ``[n, hidden]``,
+    already divided by ``scale``."""
+    d = dirs.index_select(0, s)
+    delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
+    if enc is not None and dec is not None and par is not None:
+        p = par.index_select(0, s)
+        pre = (x * enc.index_select(0, s)).sum(-1) + p[:, 0]
+        act = torch.relu(pre) * (pre > p[:, 1])
+        delta = delta + (p[:, 2] - act)[:, None] * dec.index_select(0, s)
+    if scale != 1.0:
+        delta = delta / scale
+    return delta
+
+
 def _steer_every_token(
     target: torch.Tensor,
     other: torch.Tensor | None,
@@ -144,15 +170,7 @@ def _steer_every_token(
         x = x + other.reshape(-1, other.shape[-1]).float()
     if scale != 1.0:
         x = x * scale
-    d = dirs.index_select(0, s)
-    delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
-    if enc is not None and dec is not None and par is not None:
-        p = par.index_select(0, s)
-        pre = (x * enc.index_select(0, s)).sum(-1) + p[:, 0]
-        act = torch.relu(pre) * (pre > p[:, 1])
-        delta = delta + (p[:, 2] - act)[:, None] * dec.index_select(0, s)
-    if scale != 1.0:
-        delta = delta / scale
+    delta = _delta(x, s, adds, dirs, scale, enc, dec, par)
     flat.add_(delta.to(flat.dtype))
 
 
@@ -176,15 +194,7 @@ def _apply(
         x = x + other.reshape(-1, other.shape[-1]).index_select(0, r).float()
     if scale != 1.0:
         x = x * scale
-    d = dirs.index_select(0, s)
-    delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
-    if enc is not None and dec is not None and par is not None:
-        p = par.index_select(0, s)
-        pre = (x * enc.index_select(0, s)).sum(-1) + p[:, 0]
-        act = torch.relu(pre) * (pre > p[:, 1])
-        delta = delta + (p[:, 2] - act)[:, None] * dec.index_select(0, s)
-    if scale != 1.0:
-        delta = delta / scale
+    delta = _delta(x, s, adds, dirs, scale, enc, dec, par)
     flat.index_add_(0, r, delta.to(flat.dtype))
 
 
