@@ -7,8 +7,10 @@ Three msgspec structs travel over ZMQ:
   (and on the engine's ``Request.hidden_states_spec``): what a generation
   request asked for, resolved by :mod:`vllm_hidden_states.frontend.validate`.
 * :class:`HiddenStatesExtractRequest` is the payload of the
-  ``HIDDEN_STATES_EXTRACT`` core request type: the post-sampling prefill the
-  front-end dispatches when a "last"/"all" request finishes.
+  ``HIDDEN_STATES_EXTRACT`` core request type: the post-sampling prefill
+  that completes a finished "last"/"all" request (:func:`extract_for`),
+  queued by the engine itself when the request finished there without stop
+  strings, otherwise sent by the front-end.
 * :class:`CapturedRows` is what comes back: every kind of captured data of
   one request over a run of positions, or of a *group* of requests (its
   ``req_ids`` own consecutive runs of ``counts`` positions). A step's rows
@@ -32,8 +34,9 @@ each as a zero-copy ZMQ frame. :func:`cat_rows`, :func:`slice_rows` and
 captured data is a new field and its entry in :data:`POSITION_AXIS`.
 """
 
+import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -57,6 +60,8 @@ __all__ = [
     "HiddenStatesExtractRequest",
     "HiddenStatesSpec",
     "distinct_layers",
+    "ends_before_final_token",
+    "extract_for",
     "extract_id_for",
     "original_id_of",
 ]
@@ -75,6 +80,61 @@ def extract_id_for(request_id: str) -> str:
 def original_id_of(extract_id: str) -> str:
     """The id of the request an extract serves (inverse of :func:`extract_id_for`)."""
     return extract_id.removesuffix(EXTRACT_ID_SUFFIX)
+
+
+def ends_before_final_token(spec: HiddenStatesSpec, num_tokens: int) -> bool:
+    """Whether an inline window ends before the final token of a sequence of
+    ``num_tokens`` (position ``num_tokens - 1``, which only an extract
+    computes): its inline rows then complete it without an extract."""
+    return spec.inline and spec.end is not None and spec.end < num_tokens
+
+
+def extract_for(
+    spec: HiddenStatesSpec,
+    request_id: str,
+    token_ids: list[int],
+    *,
+    lora_request: Any = None,
+    cache_salt: str | None = None,
+    priority: int = 0,
+    steering: list[dict[str, Any]] | None = None,
+    client_index: int = 0,
+) -> HiddenStatesExtractRequest:
+    """The extract that completes the capture of ``request_id`` (a finished
+    "last"/"all" request) over ``token_ids`` (its prompt + output).
+
+    "last", and inline "all" (only the final token is missing): the final
+    position. "all" without inline capture: every position recomputed, cut
+    to the window. Attention patterns need every key, so their extract
+    recomputes every position ("all") and returns the query window asked
+    ("last": the final position). LoRA, cache salt, priority and steering
+    are the request's own (the extract replays its steered forward).
+    """
+    num_tokens = len(token_ids)
+    positions, start, end = ("last" if spec.inline else spec.positions), 0, None
+    if spec.pattern_ids:
+        positions = "all"
+        if spec.positions == "last":
+            start = num_tokens - 1
+        else:
+            start, end = min(spec.start, num_tokens), spec.end
+    return HiddenStatesExtractRequest(
+        request_id=extract_id_for(request_id),
+        token_ids=token_ids,
+        layers=distinct_layers(spec),
+        positions=positions,
+        arrival_time=time.time(),
+        lora_request=lora_request,
+        cache_salt=cache_salt,
+        priority=priority,
+        client_index=client_index,
+        sae_top_k=spec.sae_top_k,
+        patterns=list(spec.pattern_ids),
+        start=start,
+        end=end,
+        neurons=list(spec.neuron_ids),
+        steering=steering,
+    )
 
 
 def result_keys(spec: HiddenStatesSpec) -> list[int | str]:

@@ -12,21 +12,29 @@ import torch
 
 from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.engine.planner import CapturePlanner
+from vllm_hidden_states.wire import HiddenStatesSpec
 from vllm_hidden_states.worker.capture import HiddenStatesCapture
 
 L = 4  # decoder layers of the stand-in model
 
 
-@pytest.fixture
-def planner(monkeypatch) -> CapturePlanner:
+def make_planner(monkeypatch, data_parallel_size: int = 1, external_lb: bool = False):
     config = HiddenStatesConfig(num_layers=L, layers=tuple(range(L + 1)), max_rows=64)
     monkeypatch.setattr(HiddenStatesConfig, "from_vllm_config", staticmethod(lambda _: config))
     return CapturePlanner(
         SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=512),
             scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+            parallel_config=SimpleNamespace(
+                data_parallel_size=data_parallel_size, data_parallel_external_lb=external_lb
+            ),
         )
     )
+
+
+@pytest.fixture
+def planner(monkeypatch) -> CapturePlanner:
+    return make_planner(monkeypatch)
 
 
 def plan_of(planner: CapturePlanner, requests: dict[str, tuple[int, int, int]]):
@@ -132,3 +140,42 @@ def test_the_worker_arms_a_mixed_step_request_by_request(planner):
         ("d", 0, 1, 0),
         ("x", 1, 1, 1),
     ]
+
+
+def finished_request(spec: HiddenStatesSpec, num_tokens: int = 20, stop: list[str] | None = None):
+    """A stand-in of a request that finished in the engine (EOS, stop token, length)."""
+    return SimpleNamespace(
+        hidden_states_spec=spec,
+        num_tokens=num_tokens,
+        sampling_params=SimpleNamespace(stop=stop or []),
+    )
+
+
+LAST = HiddenStatesSpec(layers=[-1], abs_layers=[L], positions="last")
+
+
+def test_the_engine_queues_the_extract_of_a_last_request_without_stop_strings(planner):
+    assert planner.engine_queues_extract(finished_request(LAST))
+
+
+def test_a_request_with_stop_strings_leaves_its_extract_to_the_front_end(planner):
+    # Only the front-end matches (and trims) stop strings: its token list is final.
+    assert not planner.engine_queues_extract(finished_request(LAST, stop=["\n\n"]))
+
+
+def test_a_prompt_capture_has_no_extract(planner):
+    spec = HiddenStatesSpec(layers=[-1], abs_layers=[L], positions="prompt")
+    assert not planner.engine_queues_extract(finished_request(spec))
+
+
+def test_an_inline_window_ending_before_the_final_token_has_no_extract(planner):
+    window = HiddenStatesSpec(layers=[1], abs_layers=[1], positions="all", inline=True, end=10)
+    assert not planner.engine_queues_extract(finished_request(window, num_tokens=20))
+    assert planner.engine_queues_extract(finished_request(window, num_tokens=10))
+
+
+def test_a_load_balancing_data_parallel_front_end_sends_every_extract(monkeypatch):
+    # It routes each extract to its request's engine and counts it in flight.
+    assert not make_planner(monkeypatch, 2).engine_queues_extract(finished_request(LAST))
+    external = make_planner(monkeypatch, 2, external_lb=True)  # one engine per front-end
+    assert external.engine_queues_extract(finished_request(LAST))

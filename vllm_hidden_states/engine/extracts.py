@@ -95,8 +95,23 @@ def problem_with(
     return None
 
 
+def queue_extract(
+    planner: "CapturePlanner | None",
+    scheduler: Any,
+    extract: HiddenStatesExtractRequest,
+    block_hasher: Callable[["Request"], list[Any]] | None,
+) -> str | None:
+    """Queue ``extract`` in ``scheduler``; why it cannot run, or None."""
+    problem = problem_with(planner, extract)
+    if problem is None:
+        assert planner is not None  # problem_with(None, ...) is not None
+        planner.add_extract(scheduler, make_extract_request(extract, block_hasher), extract)
+    return problem
+
+
 def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -> None:
-    """``EngineCore.add_hidden_states_extracts``: validate and queue extracts.
+    """``EngineCore.add_hidden_states_extracts``: validate and queue the
+    extracts the front-end sent.
 
     In the EngineCore process an invalid extract is finished at once with an
     error output (no ``hidden_states``), so the front-end releases its held
@@ -105,13 +120,12 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
     """
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-    planner: CapturePlanner | None = engine_core.scheduler.capture_planner
+    scheduler = engine_core.scheduler
     for extract in extracts:
-        problem = problem_with(planner, extract)
+        problem = queue_extract(
+            scheduler.capture_planner, scheduler, extract, engine_core.request_block_hasher
+        )
         if problem is None:
-            request = make_extract_request(extract, engine_core.request_block_hasher)
-            assert planner is not None  # problem_with(None, ...) is not None
-            planner.add_extract(engine_core.scheduler, request, extract)
             continue
         logger.error("Rejected hidden-states extract %s: %s", extract.request_id, problem)
         queue = getattr(engine_core, "output_queue", None)

@@ -28,6 +28,14 @@ rows with a few numpy operations whatever the number of requests.
 ``ModelRunnerOutput.captured`` onto the ``EngineCoreOutputs`` of their
 requests' clients.
 
+Extracts queued by the engine: a "last"/"all" request that finishes here
+(EOS, stop token, length) without stop strings has its final token list in
+the engine, so :meth:`park` notes it and :meth:`attach` queues its extract in
+the same step and marks its final output
+(``EngineCoreOutput.hidden_states_extract_queued``): the extract runs in the
+next step, not after a round trip through the front-end. With stop strings
+(which the front-end matches and trims) the front-end sends the extract.
+
 KV hand-over: a finished "last" request's blocks are kept (:meth:`park`,
 called from ``_free_request``) until its extract arrives, which takes them over
 through ``Scheduler.hand_over_parked_blocks`` (patch 0003) and so computes one token
@@ -35,15 +43,18 @@ instead of re-prefilling everything after the last full prefix-cached block.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import HiddenStatesConfig
+from vllm_hidden_states.config import EXTRACT_POSITIONS, HiddenStatesConfig
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
     distinct_layers,
+    ends_before_final_token,
+    extract_for,
     group_rows,
     original_id_of,
     split_group,
@@ -248,6 +259,19 @@ class CapturePlanner:
         # request id, with the monotonic time they were parked (oldest first).
         self.parked: dict[str, tuple[Request, float]] = {}
         self._can_hand_over: bool | None = None
+        # Requests finished in the step being updated whose extract the engine
+        # queues itself once the step's outputs are built (attach).
+        self._finished: list[Request] = []
+        # A load-balancing data-parallel front-end must route and count each
+        # extract itself (vllm_hidden_states.frontend.routing): there, the
+        # front-end sends every extract.
+        parallel = vllm_config.parallel_config
+        self._queues_extracts = (
+            parallel.data_parallel_size == 1 or parallel.data_parallel_external_lb
+        )
+        # EngineCore.request_block_hasher (patch 0002): the extracts queued
+        # here hash their blocks like every request of the engine.
+        self.block_hasher: Callable[[Request], list[Any]] | None = None
         # Capture rows still free in the step being scheduled.
         self.rows_left = config.max_rows
         # A step's rows never outnumber its tokens: buffers that hold a full
@@ -462,14 +486,19 @@ class CapturePlanner:
 
     def attach(
         self,
+        scheduler: "Scheduler",
         engine_core_outputs: dict[int, "EngineCoreOutputs"],
         model_runner_output: "ModelRunnerOutput",
     ) -> None:
-        """In ``update_from_output``, once the step's outputs are built: put
-        the captured row groups on the outputs of their requests' clients, as
-        they are (one tensor per field for many requests), and count what
-        each capture delivered. Rows of a request without an output in this
-        step (aborted meanwhile) are dropped."""
+        """In ``update_from_output``, once the step's outputs are built: queue
+        the extracts of the requests that finished in this step
+        (:meth:`_queue_extracts`), then put the captured row groups on the
+        outputs of their requests' clients, as they are (one tensor per field
+        for many requests), and count what each capture delivered. Rows of a
+        request without an output in this step (aborted meanwhile) are
+        dropped."""
+        if self._finished:
+            self._queue_extracts(scheduler, engine_core_outputs)
         groups = model_runner_output.captured
         if not groups:
             return
@@ -520,7 +549,8 @@ class CapturePlanner:
     # -- KV-block hand-over for "last" extracts --------------------------------
 
     def park(self, scheduler: "Scheduler", request: "Request") -> bool:
-        """In ``_free_request``: keep a finished "last" request's KV blocks.
+        """In ``_free_request``: keep a finished "last" request's KV blocks,
+        and note a request whose extract the engine queues itself.
 
         Its extract (same token ids, the final one appended) then computes one
         token on top of them instead of re-prefilling everything after the
@@ -530,17 +560,79 @@ class CapturePlanner:
         from vllm.v1.request import RequestStatus
 
         spec = request.hidden_states_spec
+        if spec is None or request.status not in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
+            return False
+        if self.engine_queues_extract(request):
+            self._finished.append(request)
         if (
-            spec is None
-            or not (spec.positions == "last" or spec.inline)
+            not (spec.positions == "last" or spec.inline)
+            # An inline window that ends before the final token gets no extract.
+            or ends_before_final_token(spec, request.num_tokens)
             or spec.pattern_ids  # its extract recomputes every key
-            or request.status
-            not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
             or not self._hand_over_supported(scheduler)
         ):
             return False
         self.parked[request.request_id] = (request, time.monotonic())
         return True
+
+    def engine_queues_extract(self, request: "Request") -> bool:
+        """Whether the engine queues the extract of ``request``, which finished
+        here (EOS, stop token, length): when the front-end has nothing to
+        trim (no stop strings), the engine's token list is final, and its
+        extract can run in the next step instead of after a round trip
+        through the front-end."""
+        spec = request.hidden_states_spec
+        assert spec is not None
+        params = request.sampling_params
+        return (
+            self._queues_extracts
+            and spec.positions in EXTRACT_POSITIONS
+            and params is not None
+            and not params.stop
+            and not ends_before_final_token(spec, request.num_tokens)
+        )
+
+    def _queue_extracts(
+        self, scheduler: "Scheduler", engine_core_outputs: dict[int, "EngineCoreOutputs"]
+    ) -> None:
+        """Queue the extracts noted by :meth:`park` and mark their requests'
+        final outputs (``EngineCoreOutput.hidden_states_extract_queued``), so
+        the front-end holds them without sending an extract. One that cannot
+        run (:func:`~vllm_hidden_states.engine.extracts.problem_with`) is left
+        to the front-end, which sends it and gets its error."""
+        from vllm_hidden_states.engine.extracts import queue_extract
+
+        finished, self._finished = self._finished, []
+        queued: set[str] = set()
+        for request in finished:
+            extract = extract_for(
+                request.hidden_states_spec,
+                request.request_id,
+                list(request.all_token_ids),
+                lora_request=request.lora_request,
+                cache_salt=request.cache_salt,
+                priority=request.priority,
+                steering=request.sampling_params.steering,
+                client_index=request.client_index,
+            )
+            problem = queue_extract(self, scheduler, extract, self.block_hasher)
+            if problem is None:
+                queued.add(request.request_id)
+            else:
+                logger.warning(
+                    "hidden states: the engine cannot queue %s (%s); the front-end will",
+                    extract.request_id,
+                    problem,
+                )
+        if not queued:
+            return
+        for outputs in engine_core_outputs.values():
+            for output in outputs.outputs:
+                if output.request_id in queued:
+                    output.hidden_states_extract_queued = True
 
     def _hand_over_supported(self, scheduler: "Scheduler") -> bool:
         """Hand-over is implemented for plain full attention without a KV

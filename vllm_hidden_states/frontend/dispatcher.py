@@ -13,14 +13,18 @@ Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
    with every output (the positions its forwards computed since the last one)
    and are appended. When a "last"/"all" request finishes (EOS, stop token,
    stop string, length), its final :class:`OutputEmission` is *held* instead
-   of emitted, and a :class:`HiddenStatesExtractRequest` over prompt + output
-   token ids is queued: "last" (also for inline "all": only the final token is
-   missing) or "all" (without inline capture: everything recomputed).
-   Only the front-end knows the final token list (stop strings are matched and
-   trimmed here), so only it can say which token is "last".
+   of emitted until a :class:`HiddenStatesExtractRequest` over prompt +
+   output token ids returns: "last" (also for inline "all": only the final
+   token is missing) or "all" (without inline capture: everything
+   recomputed). When the request finished in the engine (length, EOS, stop
+   token) and has no stop strings, the engine already knows the final token
+   list and queued that extract itself in the same step
+   (``EngineCoreOutput.hidden_states_extract_queued``; no round trip through
+   here). Otherwise only the front-end knows the final token list (stop
+   strings are matched and trimmed here), and it queues the extract.
 3. The engine loop (``LLMEngine.step`` / the ``AsyncLLM`` output handler)
-   sends the queued extracts (:meth:`ExtractDispatcher.take_extracts`) as a
-   ``HIDDEN_STATES_EXTRACT`` core request.
+   sends the extracts queued here (:meth:`ExtractDispatcher.take_extracts`)
+   as a ``HIDDEN_STATES_EXTRACT`` core request.
 4. The extract's ``EngineCoreOutput`` (id ``<request id>-hs``, which has no
    ``RequestState``) reaches :meth:`ExtractDispatcher.release`: its
    ``captured`` rows go onto the tracker, and the held emission goes back to
@@ -39,7 +43,6 @@ Every kind of captured data (hidden states, SAE features) travels in one
 Requests that did not ask never reach this module.
 """
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +56,8 @@ from vllm_hidden_states.wire import (
     HiddenStatesSpec,
     cat_rows,
     distinct_layers,
+    ends_before_final_token,
+    extract_for,
     extract_id_for,
     num_positions,
     result_keys,
@@ -151,24 +156,11 @@ class HiddenStatesTracker:
         stop = num_tokens - 1 if self.spec.end is None else min(self.spec.end, num_tokens - 1)
         return max(stop - self.spec.start, 0)
 
-    def extract_window(self, num_tokens: int) -> tuple[str, int, int | None]:
-        """``(positions, start, end)`` of the request's extract over
-        ``num_tokens`` positions. Attention patterns need every key, so their
-        extract recomputes every position ("all") and returns the query
-        window asked ("last": the final position)."""
-        spec = self.spec
-        if spec.pattern_ids:
-            if spec.positions == "last":
-                return "all", num_tokens - 1, None
-            return "all", min(spec.start, num_tokens), spec.end
-        # Inline "all" misses only the final token.
-        return ("last" if spec.inline else spec.positions), 0, None
-
     def needs_final_token(self, num_tokens: int) -> bool:
         """Whether the final token (position ``num_tokens - 1``, which only an
         extract computes) is in what the request asked. Inline windows that
         end before it complete from their inline rows alone."""
-        if not self.spec.inline or self.spec.end is None or self.spec.end >= num_tokens:
+        if not ends_before_final_token(self.spec, num_tokens):
             return True
         return not self.chunks  # no rows to cut from: the extract gives the shape
 
@@ -398,25 +390,26 @@ class ExtractDispatcher:
         emission: "OutputEmission",
         token_ids: list[int],
     ) -> None:
+        """Hold ``emission`` until the extract's rows arrive. The engine queued
+        the extract itself when the request finished there by length or stop
+        token with nothing for the front-end to trim
+        (``EngineCoreOutput.hidden_states_extract_queued``); otherwise (a stop
+        string matched here, a window the engine could not decide) it is
+        queued here, over the sequence as trimmed, for the engine loop to send."""
+        self._held[extract_id_for(req_state.request_id)] = HeldOutput(
+            req_state, engine_core_output, emission, len(token_ids)
+        )
+        if engine_core_output.hidden_states_extract_queued:
+            return
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
-        extract_id = extract_id_for(req_state.request_id)
-        self._held[extract_id] = HeldOutput(req_state, engine_core_output, emission, len(token_ids))
-        positions, start, end = tracker.extract_window(len(token_ids))
         self._outgoing.append(
-            HiddenStatesExtractRequest(
-                request_id=extract_id,
-                token_ids=token_ids,
-                layers=distinct_layers(tracker.spec),
-                positions=positions,
-                arrival_time=time.time(),
+            extract_for(
+                tracker.spec,
+                req_state.request_id,
+                token_ids,
                 lora_request=req_state.lora_request,
                 cache_salt=tracker.cache_salt,
                 priority=tracker.priority,
-                sae_top_k=tracker.spec.sae_top_k,
-                patterns=list(tracker.spec.pattern_ids),
-                start=start,
-                end=end,
-                neurons=list(tracker.spec.neuron_ids),
                 steering=tracker.steering,
             )
         )

@@ -15,15 +15,21 @@ PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
 
 
 def _add(
-    core, req_id: str, prompt: list[int], max_tokens: int, spec: HiddenStatesSpec | None = None
+    core,
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    spec: HiddenStatesSpec | None = None,
+    stop: list[str] | None = None,
 ) -> None:
     """ADD a request as the front-end would send it (``spec``: what it asked for,
-    already resolved, on ``EngineCoreRequest.return_hidden_states``)."""
+    already resolved, on ``EngineCoreRequest.return_hidden_states``; ``stop``:
+    stop strings, which only the front-end matches)."""
     request = EngineCoreRequest(
         request_id=req_id,
         prompt_token_ids=prompt,
         mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop),
         pooling_params=None,
         arrival_time=time.time(),
         lora_request=None,
@@ -139,10 +145,53 @@ def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
     assert_close(eco.captured.hidden[0], hf_qwen3.last(PROMPT, final), "layer L")
 
 
+# A stop string the random model never produces: the request finishes by
+# length, but only the front-end could have known, so it sends the extract.
+NEVER = ["never produced by the tiny model"]
+
+
+def test_engine_queues_the_extract_of_a_request_finished_by_length(engine_core, hf_qwen3):
+    scheduler = engine_core.scheduler
+    prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail
+    _add(engine_core, "own-1", prompt, max_tokens=5, spec=last_final_layer(hf_qwen3))
+    eco, generated = _run(engine_core, {"own-1"})["own-1"]
+    sequence = prompt + generated
+
+    assert eco.hidden_states_extract_queued  # the front-end holds it, sends nothing
+    extract = scheduler.requests["own-1-hs"]
+    assert list(extract.all_token_ids) == sequence
+    assert extract.num_computed_tokens == len(sequence) - 1  # the blocks handed over
+    assert "own-1" not in scheduler.requests and not scheduler.capture_planner.parked
+    eco, _ = _run(engine_core, {"own-1-hs"})["own-1-hs"]
+    final = hf_qwen3.num_layers
+    assert_close(eco.captured.hidden[0], hf_qwen3.last(sequence, final), "layer L")
+
+
+def test_engine_leaves_the_extract_of_a_request_with_stop_strings_to_the_front_end(
+    engine_core, hf_qwen3
+):
+    _add(engine_core, "stops-1", PROMPT, max_tokens=3, spec=last_final_layer(hf_qwen3), stop=NEVER)
+    eco, generated = _run(engine_core, {"stops-1"})["stops-1"]
+    assert not eco.hidden_states_extract_queued
+    assert "stops-1-hs" not in engine_core.scheduler.requests
+    assert "stops-1" in engine_core.scheduler.capture_planner.parked  # waits for it
+    final = hf_qwen3.num_layers
+    engine_core.add_hidden_states_extracts([_extract("stops-1-hs", PROMPT + generated, [final])])
+    _run(engine_core, {"stops-1-hs"})
+
+
+def test_engine_leaves_plain_requests_without_an_extract(engine_core):
+    _add(engine_core, "plain-2", PROMPT, max_tokens=3)
+    eco, _ = _run(engine_core, {"plain-2"})["plain-2"]
+    assert not eco.hidden_states_extract_queued
+    assert "plain-2-hs" not in engine_core.scheduler.requests
+
+
 def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf_qwen3):
     hs = engine_core.scheduler.capture_planner
     prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail
-    _add(engine_core, "park-1", prompt, max_tokens=5, spec=last_final_layer(hf_qwen3))
+    spec = last_final_layer(hf_qwen3)
+    _add(engine_core, "park-1", prompt, max_tokens=5, spec=spec, stop=NEVER)
     _, generated = _run(engine_core, {"park-1"})["park-1"]
     assert "park-1" in hs.parked  # blocks kept for the extract
     sequence = prompt + generated
@@ -163,7 +212,8 @@ def test_parked_blocks_without_an_extract_are_freed(engine_core, monkeypatch, hf
     from vllm_hidden_states.engine import planner
 
     hs = engine_core.scheduler.capture_planner
-    _add(engine_core, "park-2", PROMPT, max_tokens=3, spec=last_final_layer(hf_qwen3))
+    spec = last_final_layer(hf_qwen3)
+    _add(engine_core, "park-2", PROMPT, max_tokens=3, spec=spec, stop=NEVER)
     _run(engine_core, {"park-2"})
     assert "park-2" in hs.parked
     monkeypatch.setattr(planner, "PARK_SECONDS", 0.0)

@@ -15,6 +15,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
 from .conftest import assert_close, token_ids_of
+from .test_inline import assert_nothing_held
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 LAYERS = [0, 2, -1]
@@ -51,6 +52,12 @@ def test_generated_is_every_output_position(llm, hf_qwen3):
 def test_a_window_inside_the_prompt_is_its_rows_only(llm, hf_qwen3):
     got, ids, _ = states(llm, {"start": 2, "end": 7})
     assert_rows(got, hf_qwen3, ids, slice(2, 7), "window in the prompt")
+
+
+def test_a_window_ending_before_the_final_token_keeps_no_kv_blocks(llm):
+    # No extract follows it, so its finished blocks go back to the pool at once.
+    states(llm, {"start": 2, "end": 7})
+    assert_nothing_held(llm)
 
 
 def test_a_window_across_prompt_and_output(llm, hf_qwen3):
