@@ -600,14 +600,23 @@ class CapturePlanner:
     ) -> None:
         """Queue the extracts noted by :meth:`park` and mark their requests'
         final outputs (``EngineCoreOutput.hidden_states_extract_queued``), so
-        the front-end holds them without sending an extract. One that cannot
-        run (:func:`~vllm_hidden_states.engine.extracts.problem_with`) is left
-        to the front-end, which sends it and gets its error."""
+        the front-end holds them without sending an extract. An extract that
+        cannot run (:func:`~vllm_hidden_states.engine.extracts.problem_with`),
+        or whose request has no final output in this step to mark, is left to
+        the front-end, which sends it (and gets its error)."""
         from vllm_hidden_states.engine.extracts import queue_extract
 
         finished, self._finished = self._finished, []
-        queued: set[str] = set()
+        final_outputs = {
+            output.request_id: output
+            for outputs in engine_core_outputs.values()
+            for output in outputs.outputs
+            if output.finish_reason is not None
+        }
         for request in finished:
+            output = final_outputs.get(request.request_id)
+            if output is None:
+                continue
             extract = extract_for(
                 request.hidden_states_spec,
                 request.request_id,
@@ -620,19 +629,13 @@ class CapturePlanner:
             )
             problem = queue_extract(self, scheduler, extract, self.block_hasher)
             if problem is None:
-                queued.add(request.request_id)
+                output.hidden_states_extract_queued = True
             else:
                 logger.warning(
                     "hidden states: the engine cannot queue %s (%s); the front-end will",
                     extract.request_id,
                     problem,
                 )
-        if not queued:
-            return
-        for outputs in engine_core_outputs.values():
-            for output in outputs.outputs:
-                if output.request_id in queued:
-                    output.hidden_states_extract_queued = True
 
     def _hand_over_supported(self, scheduler: "Scheduler") -> bool:
         """Hand-over is implemented for plain full attention without a KV
