@@ -87,9 +87,21 @@ class Comparison:
 
     def ratio(self, variant: str) -> float:
         """Median over rounds of variant / baseline (same round)."""
-        base = self.samples[self.baseline]
-        vals = self.samples[variant]
-        return statistics.median(v / b for v, b in zip(vals, base))
+        return statistics.median(self.round_ratios(variant))
+
+    def round_ratios(self, variant: str) -> list[float]:
+        """variant / baseline, round by round."""
+        return [v / b for v, b in zip(self.samples[variant], self.samples[self.baseline])]
+
+    def ratio_mean_stderr(self, variant: str) -> tuple[float, float]:
+        """Mean of the per-round ratios and its standard error (0 for one
+        round): how far a target may be from the measured ratio on a noisy
+        machine before the rounds can tell them apart."""
+        ratios = self.round_ratios(variant)
+        mean = statistics.fmean(ratios)
+        if len(ratios) < 2:
+            return mean, 0.0
+        return mean, statistics.stdev(ratios) / len(ratios) ** 0.5
 
     def summary(self) -> dict[str, Any]:
         out = {
@@ -103,6 +115,7 @@ class Comparison:
             entry = {"median": self.median(v), "samples": self.samples[v]}
             if v != self.baseline:
                 entry["ratio"] = self.ratio(v)
+                entry["ratio_mean"], entry["ratio_stderr"] = self.ratio_mean_stderr(v)
                 if v in self.targets:
                     entry["target"] = self.targets[v]
                     entry["meets_target"] = entry["ratio"] >= self.targets[v]
@@ -114,7 +127,8 @@ class Comparison:
         for v in self.samples:
             row = f"  {v:<34s} {self.median(v):>12.2f}"
             if v != self.baseline:
-                row += f"   x{self.ratio(v):.3f}"
+                mean, stderr = self.ratio_mean_stderr(v)
+                row += f"   x{self.ratio(v):.3f} (mean {mean:.3f} +- {stderr:.3f})"
                 if v in self.targets:
                     ok = self.ratio(v) >= self.targets[v]
                     row += f"   target >= {self.targets[v]:.2f}: {'MET' if ok else 'MISSED'}"

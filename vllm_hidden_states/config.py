@@ -42,8 +42,9 @@ the points that are not an HF layer.
 """
 
 import re
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -804,6 +805,30 @@ class HiddenStatesConfig:
                 )
             seen[absolute] = layer
         return list(seen)
+
+
+_Built = TypeVar("_Built")
+_BUILT: dict[tuple[int, type], Any] = {}
+
+
+def built_once(cls: type[_Built], vllm_config: "VllmConfig") -> _Built | None:
+    """``cls.from_vllm_config(vllm_config)``, built once per engine config.
+
+    For the per-request front-end path: an engine's config is fixed once it
+    has started, and building it parses every capturable point again (about
+    0.2 ms per request on a 2-core box with every point capturable). The entry
+    goes when ``vllm_config`` does.
+    """
+    key = (id(vllm_config), cls)
+    if key in _BUILT:
+        return _BUILT[key]
+    built = cls.from_vllm_config(vllm_config)  # type: ignore[attr-defined]
+    try:
+        weakref.finalize(vllm_config, _BUILT.pop, key, None)
+    except TypeError:  # a stand-in config that takes no weak reference: not kept
+        return built
+    _BUILT[key] = built
+    return built
 
 
 def _absolute(layer: int, num_layers: int) -> int:

@@ -13,6 +13,7 @@ from vllm_hidden_states.config import (
     HiddenStatesConfig,
     add_cli_args,
     additional_config_entry,
+    built_once,
     join_layers_value,
     parse_layers_arg,
 )
@@ -31,6 +32,10 @@ def restricted() -> HiddenStatesConfig:
     return HiddenStatesConfig(num_layers=L, layers=(0, 2, L - 1, L), given=(0, 2, -2, -1))
 
 
+class _FakeVllmConfig(SimpleNamespace):
+    """A stand-in that, like ``VllmConfig``, takes weak references."""
+
+
 def fake_vllm_config(
     entry,
     num_layers: int = L,
@@ -45,7 +50,7 @@ def fake_vllm_config(
 
     extra = None if entry is None else {ADDITIONAL_CONFIG_KEY: entry}
     text_config = SimpleNamespace(num_hidden_layers=num_layers)
-    return SimpleNamespace(
+    return _FakeVllmConfig(
         additional_config=extra,
         model_config=SimpleNamespace(
             architectures=[architecture],
@@ -186,6 +191,29 @@ def test_from_vllm_config_rejects_an_out_of_range_layer_with_the_valid_range():
     expected = r"entry 99 is out of range for a 36-layer model; valid indices are -37\.\.36"
     with pytest.raises(ValueError, match=expected):
         HiddenStatesConfig.from_vllm_config(fake_vllm_config(entry))
+
+
+def test_built_once_builds_an_engine_config_once_per_vllm_config():
+    vllm_config = fake_vllm_config({"layers": [-1]})
+    first = built_once(HiddenStatesConfig, vllm_config)
+    assert first == HiddenStatesConfig.from_vllm_config(vllm_config)
+    assert built_once(HiddenStatesConfig, vllm_config) is first
+    other = fake_vllm_config({"layers": [0]})
+    assert built_once(HiddenStatesConfig, other).layers == (0,)
+
+
+def test_built_once_forgets_a_vllm_config_that_is_gone():
+    import gc
+
+    from vllm_hidden_states import config as config_module
+
+    vllm_config = fake_vllm_config({"layers": [-1]})
+    built_once(HiddenStatesConfig, vllm_config)
+    key = (id(vllm_config), HiddenStatesConfig)
+    assert key in config_module._BUILT
+    del vllm_config
+    gc.collect()
+    assert key not in config_module._BUILT
 
 
 # --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ with a ``VLLMValidationError`` (HTTP 400) naming what is allowed.
 
 from typing import TYPE_CHECKING
 
+from vllm_hidden_states.config import built_once
 from vllm_hidden_states.steering import (
     ENABLE_STEERING_HINT,
     SteeringConfig,
@@ -34,7 +35,7 @@ def resolve_steering(
     cache salt (its own, if any, with the steering digest)."""
     from vllm.exceptions import VLLMValidationError
 
-    cfg = SteeringConfig.from_vllm_config(vllm_config)
+    cfg = built_once(SteeringConfig, vllm_config)
     if cfg is None:
         raise VLLMValidationError(
             f"steering is not enabled on this engine; {ENABLE_STEERING_HINT}",

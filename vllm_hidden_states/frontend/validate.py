@@ -24,6 +24,7 @@ from vllm_hidden_states.config import (
     SAE_HINT,
     HiddenStatesConfig,
     Window,
+    built_once,
     captures_all_inline,
     check_layers,
     check_points,
@@ -68,7 +69,7 @@ def resolve_request(
                 )
         return None
 
-    cfg = HiddenStatesConfig.from_vllm_config(vllm_config)
+    cfg = built_once(HiddenStatesConfig, vllm_config)
     if cfg is None and params.sae_features is not None:
         sae_top_k_of(HiddenStatesConfig(0, ()), params.sae_features)  # raises
     if cfg is None:
