@@ -4,7 +4,10 @@
 Every comparison runs its variants in one session, alternating A B A B ... for
 ``rounds`` rounds, and reports the median of each variant and the median of the
 per-round ratios (variant / baseline of the same round), which cancels slow
-drifts of the machine (thermal, other load) better than a ratio of medians.
+drifts of the machine (thermal, other load) better than a ratio of medians,
+with the ratios' mean and its standard error: on the 2-core development box a
+single round's ratio spreads by about +-0.1, so a 1-3% target needs ~100
+rounds before the standard error is smaller than the gap.
 """
 
 import json
