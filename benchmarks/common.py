@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared benchmark machinery: models, servers, A/B rounds, results, targets.
 
-Every comparison runs its variants in one session, alternating A B A B ... for
-``rounds`` rounds, and reports the median of each variant and the median of the
-per-round ratios (variant / baseline of the same round), which cancels slow
-drifts of the machine (thermal, other load) better than a ratio of medians,
-with the ratios' mean and its standard error: on the 2-core development box a
-single round's ratio spreads by about +-0.1, so a 1-3% target needs ~100
-rounds before the standard error is smaller than the gap.
+Every comparison runs its variants in one session, each once per round for
+``rounds`` rounds, in a balanced order (:func:`balanced_orders`), and reports
+the median of each variant and the median of the per-round ratios (variant /
+baseline of the same round), which cancels slow drifts of the machine
+(thermal, other load) better than a ratio of medians, with the ratios'
+geometric mean and its standard error: on the 2-core development box a single
+round's ratio spreads by about +-0.1, so a 1-3% target needs ~100 rounds before
+the standard error is smaller than the gap.
 """
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -96,15 +98,21 @@ class Comparison:
         """variant / baseline, round by round."""
         return [v / b for v, b in zip(self.samples[variant], self.samples[self.baseline])]
 
-    def ratio_mean_stderr(self, variant: str) -> tuple[float, float]:
-        """Mean of the per-round ratios and its standard error (0 for one
-        round): how far a target may be from the measured ratio on a noisy
-        machine before the rounds can tell them apart."""
-        ratios = self.round_ratios(variant)
-        mean = statistics.fmean(ratios)
-        if len(ratios) < 2:
-            return mean, 0.0
-        return mean, statistics.stdev(ratios) / len(ratios) ** 0.5
+    def ratio_geomean(self, variant: str) -> tuple[float, float]:
+        """Geometric mean of the per-round ratios and its standard error (0
+        for one round): how far a target may be from the measured ratio on a
+        noisy machine before the rounds can tell them apart.
+
+        Geometric, not arithmetic: with each run's time noisy by a CV ``c``,
+        the arithmetic mean of ``b / a`` reads about ``1 + c**2`` for two
+        identical engines (an A/A control on the 2-core box read 1.02 at
+        ``c`` ~ 0.1); the mean of ``log(b / a)`` is symmetric in ``a`` and
+        ``b``. The error is the delta method's, ``g * sd(log r) / sqrt(n)``."""
+        logs = [math.log(r) for r in self.round_ratios(variant)]
+        geomean = math.exp(statistics.fmean(logs))
+        if len(logs) < 2:
+            return geomean, 0.0
+        return geomean, geomean * statistics.stdev(logs) / len(logs) ** 0.5
 
     def summary(self) -> dict[str, Any]:
         out = {
@@ -118,7 +126,7 @@ class Comparison:
             entry = {"median": self.median(v), "samples": self.samples[v]}
             if v != self.baseline:
                 entry["ratio"] = self.ratio(v)
-                entry["ratio_mean"], entry["ratio_stderr"] = self.ratio_mean_stderr(v)
+                entry["ratio_geomean"], entry["ratio_geomean_stderr"] = self.ratio_geomean(v)
                 if v in self.targets:
                     entry["target"] = self.targets[v]
                     entry["meets_target"] = entry["ratio"] >= self.targets[v]
@@ -130,8 +138,8 @@ class Comparison:
         for v in self.samples:
             row = f"  {v:<34s} {self.median(v):>12.2f}"
             if v != self.baseline:
-                mean, stderr = self.ratio_mean_stderr(v)
-                row += f"   x{self.ratio(v):.3f} (mean {mean:.3f} +- {stderr:.3f})"
+                geomean, stderr = self.ratio_geomean(v)
+                row += f"   x{self.ratio(v):.3f} (geomean {geomean:.3f} +- {stderr:.3f})"
                 if v in self.targets:
                     ok = self.ratio(v) >= self.targets[v]
                     row += f"   target >= {self.targets[v]:.2f}: {'MET' if ok else 'MISSED'}"
@@ -146,19 +154,42 @@ class Comparison:
 SETTLE_S = 1.5
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Run orders for ``n`` variants (a Williams design): over one cycle of
+    ``n`` orders (``2n`` for odd ``n``) every variant runs in every slot
+    equally often, and every variant runs right after every other variant
+    equally often. The second matters as much as the first: a run after
+    another engine's run meets cold caches and an idle worker, and an order
+    that only rotates keeps each variant's predecessor fixed for every round,
+    so the cost of following one particular variant never averages out."""
+    first, low, high = [0], 1, n - 1
+    while low <= high:
+        first.append(low)
+        low += 1
+        if low <= high:
+            first.append(high)
+            high -= 1
+    orders = [[(v + shift) % n for v in first] for shift in range(n)]
+    if n % 2:
+        orders += [order[::-1] for order in orders]
+    return orders
+
+
 def alternate(
     comparison: Comparison, variants: dict[str, Callable[[], float]], rounds: int, progress=None
 ) -> Comparison:
-    """Run each variant once per round, for ``rounds`` rounds, the order
-    rotated by one each round: every variant runs in every slot (first after
-    another engine's run, last, ...) equally often, so a slot's warmth or
-    coldness is not read as a variant's cost. (A fixed order put plain vLLM
-    first every round, after the other engine's three runs, and measured
-    "nobody asks" at x1.02-1.05 of it.)"""
+    """Run each variant once per round, for ``rounds`` rounds, in the
+    :func:`balanced_orders` of the variants, so that neither a slot's nor a
+    predecessor's warmth or coldness is read as a variant's cost (a fixed order
+    put plain vLLM first every round, after the other engine's three runs, and
+    measured "nobody asks" at x1.02-1.05 of it). The balance is exact when
+    ``rounds`` is a multiple of the cycle (``len(variants)``, twice that when
+    odd)."""
     items = list(variants.items())
+    orders = balanced_orders(len(items))
     for r in range(rounds):
-        shift = r % len(items)
-        for name, fn in items[shift:] + items[:shift]:
+        for i in orders[r % len(orders)]:
+            name, fn = items[i]
             # The engine that ran last keeps its worker busy-polling vLLM's
             # shared-memory queue for a second after its last read; on a small
             # box that takes a core from the next run when it is another

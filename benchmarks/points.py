@@ -10,8 +10,11 @@ requests on an engine started without hidden states. Variants, on an engine
 with ``--hidden-states-points all`` (every layer and every point of every
 layer capturable: 5 x 6 capture points): nobody asks; "last" at one point of
 each kind (layer 2) on every request, and "last" at an attention pattern
-(reported, no target: it recomputes every position of the request). All
-engines live in this process and the variants alternate round by round.
+(reported, no target: it recomputes every position of the request). A second
+plain engine runs as an A/A control: its ratio to the baseline is what the
+rounds read for no difference at all, the comparison's resolution on this
+machine. All engines live in this process and the variants alternate round
+by round in a balanced order.
 
 Targets (issue 19): enabled but unused, every point capturable >= 0.99;
 "last" at one point of each kind >= 0.97.
@@ -21,14 +24,20 @@ from pathlib import Path
 
 from benchmarks.common import Comparison, alternate
 from benchmarks.offline import _throughput
-from benchmarks.small_model import MAX_TOKENS, PROMPT_LEN, small_model_engines
+from benchmarks.small_model import ARGS, MAX_TOKENS, PROMPT_LEN, small_model, small_model_engines
 
 KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
 LAYER = 2
+CONTROL = "A/A control: a second plain engine"
 
 
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
+    from vllm import LLM
+
+    model = model or small_model()
     n, prompts, plain, points = small_model_engines(quick, model, hidden_states_points="all")
+    twin = LLM(model=str(model), **ARGS)
+    _throughput(twin, prompts(2), max_tokens=4)
     for kind in (*KINDS, "attn_pattern"):
         _throughput(
             points,
@@ -67,6 +76,7 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
             "plain vLLM (no hidden states)": lambda: _throughput(
                 plain, prompts(), max_tokens=MAX_TOKENS
             ),
+            CONTROL: lambda: _throughput(twin, prompts(), max_tokens=MAX_TOKENS),
             "every point capturable, nobody asks": lambda: _throughput(
                 points, prompts(), max_tokens=MAX_TOKENS
             ),
@@ -78,7 +88,7 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         rounds,
         progress,
     )
-    for llm in (plain, points):
+    for llm in (plain, twin, points):
         llm.llm_engine.engine_core.shutdown()
     return [comparison]
 

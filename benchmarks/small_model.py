@@ -22,6 +22,7 @@ from benchmarks.common import MODELS, Comparison, alternate
 from benchmarks.offline import ENGINE_ARGS, FreshPrompts, _throughput
 
 NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 24, 48, 64
+ARGS = dict(ENGINE_ARGS, max_model_len=512)
 
 
 def small_model() -> Path:
@@ -43,10 +44,9 @@ def small_model_engines(quick: bool, model: Path | None = None, **enabled_args):
     model = model or small_model()
     n = NUM_REQUESTS // 2 if quick else NUM_REQUESTS
     prompts = FreshPrompts(n, PROMPT_LEN)
-    args = dict(ENGINE_ARGS, max_model_len=512)
-    plain = LLM(model=str(model), **args)
+    plain = LLM(model=str(model), **ARGS)
     enabled_args = {"enable_hidden_states": True, **enabled_args}
-    enabled = LLM(model=str(model), **enabled_args, **args)
+    enabled = LLM(model=str(model), **enabled_args, **ARGS)
     for llm in (plain, enabled):  # warm-up (compilation, caches)
         _throughput(llm, prompts(2), max_tokens=4)
     return n, prompts, plain, enabled
