@@ -12,7 +12,10 @@ tokens and ``max_rows``), and the same armed forward followed by the rows'
 copy to the host (pinned memory, one copy per layer, as
 :mod:`vllm_hidden_states.worker.host_rows` does). On CUDA each variant is
 captured as a CUDA graph and replayed (timed with CUDA events), as vLLM runs a
-decode step; on CPU it runs eagerly, as a smoke test of the harness.
+decode step, once per route of the op (``triton``: one kernel per point that
+reads the count on the device; ``torch``: the aten gather of every entry); on
+CPU it runs eagerly (the count read on the host), as a smoke test of the
+harness.
 
 Shapes: 8B-like (32 x 4096, bf16) on CUDA; 4 x 256 fp32 on CPU. Batches:
 decode 1, 16, 64 and a 2048-token prefill. Output: the overhead of each
@@ -29,7 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_hidden_states.worker.capture_points import CapturePoints
+from vllm_hidden_states.worker.capture_points import (
+    OFF_CPU_ROUTES,
+    CapturePoints,
+    use_off_cpu_route,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = (0, 1, 64, 1024)
@@ -134,42 +141,46 @@ def run(quick: bool = False) -> dict:
         "iters": iters,
         "cases": [],
     }
-    for tokens in batches:
-        x = torch.randn(tokens, hidden, dtype=dtype, device=device)
-        base = _runnable(plain, x, device)
-        for n in sorted({min(rows, tokens, max_rows) for rows in ROWS}):
-            points.disarm()
-            if n:
-                points.arm(np.arange(n, dtype=np.int64))
-            step = _runnable(captured, x, device)
-            host = [torch.empty(n, hidden, dtype=dtype, pin_memory=pin) for _ in points.layers]
+    for route in OFF_CPU_ROUTES if cuda else ("host count",):
+        if cuda:
+            use_off_cpu_route(route)
+        for tokens in batches:
+            x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+            base = _runnable(plain, x, device)
+            for n in sorted({min(rows, tokens, max_rows) for rows in ROWS}):
+                points.disarm()
+                if n:
+                    points.arm(np.arange(n, dtype=np.int64))
+                step = _runnable(captured, x, device)
+                host = [torch.empty(n, hidden, dtype=dtype, pin_memory=pin) for _ in points.layers]
 
-            def step_and_copy(step=step, host=host, n=n):
-                step()
-                for k, dst in zip(points.layers, host):
-                    dst.copy_(points.buffers[k][:n], non_blocking=pin)
+                def step_and_copy(step=step, host=host, n=n):
+                    step()
+                    for k, dst in zip(points.layers, host):
+                        dst.copy_(points.buffers[k][:n], non_blocking=pin)
 
-            times = {"base": [], "op": [], "op+host": []}
-            for _ in range(rounds):  # paired: A B C A B C ...
-                times["base"].append(_timer(device, base, iters))
-                times["op"].append(_timer(device, step, iters))
-                times["op+host"].append(_timer(device, step_and_copy, iters))
-            med = {k: statistics.median(v) for k, v in times.items()}
-            over = {
-                k: statistics.median((a / b - 1) * 100 for a, b in zip(times[k], times["base"]))
-                for k in ("op", "op+host")
-            }
-            results["cases"].append(
-                {
-                    "tokens": tokens,
-                    "rows_armed": n,
-                    "base_ms": med["base"] * 1e3,
-                    "op_ms": med["op"] * 1e3,
-                    "op_host_ms": med["op+host"] * 1e3,
-                    "overhead_pct": over["op"],
-                    "overhead_with_host_copy_pct": over["op+host"],
+                times = {"base": [], "op": [], "op+host": []}
+                for _ in range(rounds):  # paired: A B C A B C ...
+                    times["base"].append(_timer(device, base, iters))
+                    times["op"].append(_timer(device, step, iters))
+                    times["op+host"].append(_timer(device, step_and_copy, iters))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                over = {
+                    k: statistics.median((a / b - 1) * 100 for a, b in zip(times[k], times["base"]))
+                    for k in ("op", "op+host")
                 }
-            )
+                results["cases"].append(
+                    {
+                        "route": route,
+                        "tokens": tokens,
+                        "rows_armed": n,
+                        "base_ms": med["base"] * 1e3,
+                        "op_ms": med["op"] * 1e3,
+                        "op_host_ms": med["op+host"] * 1e3,
+                        "overhead_pct": over["op"],
+                        "overhead_with_host_copy_pct": over["op+host"],
+                    }
+                )
     points.disarm()
     return results
 
@@ -181,7 +192,7 @@ def lines(results: dict) -> list[str]:
     ]
     for c in results["cases"]:
         out.append(
-            f"  tokens {c['tokens']:>5}  rows {c['rows_armed']:>4}  "
+            f"  {c['route']:<10} tokens {c['tokens']:>5}  rows {c['rows_armed']:>4}  "
             f"base {c['base_ms']:8.3f} ms  op {c['overhead_pct']:+6.2f}%  "
             f"op+host copy {c['overhead_with_host_copy_pct']:+6.2f}%"
         )
@@ -195,13 +206,14 @@ def plot(results: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    for tokens in sorted({c["tokens"] for c in results["cases"]}):
-        cases = [c for c in results["cases"] if c["tokens"] == tokens]
+    for route, tokens in sorted({(c["route"], c["tokens"]) for c in results["cases"]}):
+        cases = [c for c in results["cases"] if (c["route"], c["tokens"]) == (route, tokens)]
         ax.plot(
             [c["rows_armed"] for c in cases],
             [c["overhead_pct"] for c in cases],
             marker="o",
-            label=f"{tokens} tokens",
+            linestyle="-" if route != "torch" else "--",
+            label=f"{route}, {tokens} tokens",
         )
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xscale("symlog")

@@ -35,11 +35,15 @@ How a capture point's write is made depends on where the forward runs
 (:func:`capture`):
 
 * **Off CPU** (CUDA): the hook calls the opaque op, whose kernels a CUDA
-  graph replays without Python. The count cannot be read there without a
-  host sync (and not at all inside CUDA-graph capture), so the op gathers the
-  first ``min(max_rows, tokens)`` entries of the persistent index: ``min(max_rows,
-  tokens) x hidden_size`` elements copied per capture point per forward (a
-  batch-b decode step: b rows).
+  graph replays without Python. The count cannot be read on the host there
+  without a sync (and not at all inside CUDA-graph capture), so the op
+  launches one Triton kernel (:mod:`.capture_kernel`) of ``min(max_rows,
+  tokens)`` programs that read the count on the device and return at once
+  past it: one near-empty launch per capture point when nobody asked. Where
+  Triton is missing, or a tensor is strided along its width, it gathers the
+  first ``min(max_rows, tokens)`` entries of the persistent index with aten
+  ops instead (``min(max_rows, tokens) x hidden_size`` elements copied per
+  capture point per forward, asked or not).
 * **On CPU under torch.compile**: no CUDA graph replays the step, so each
   opaque-op call would be a Python dispatch on every forward (about 30 us in
   the step, for every capture point, asked or not: x0.90 of plain vLLM with
@@ -136,7 +140,39 @@ def _capture_rows(
         if n:
             gather_rows(hidden.reshape(-1, hidden.shape[-1]), residual, rows[:n], out[:n], scale)
         return
+    if hidden.is_cuda and off_cpu_route() == "triton":
+        from vllm_hidden_states.worker import capture_kernel
+
+        if capture_kernel.gather(hidden, residual, rows, counts, index, out, scale):
+            return
     _gather_every_entry(hidden, residual, rows, out, scale)
+
+
+OFF_CPU_ROUTES = ("triton", "torch")
+_off_cpu_route: list[str] = []
+
+
+def off_cpu_route() -> str:
+    """How the op writes where it cannot read the count on the host:
+    ``"triton"`` (:mod:`.capture_kernel`, the count read on the device) where
+    Triton imports, else ``"torch"`` (every entry gathered with aten ops).
+    Decided once per process, unless :func:`use_off_cpu_route` chose."""
+    if not _off_cpu_route:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _off_cpu_route.append("torch")
+        else:
+            _off_cpu_route.append("triton")
+    return _off_cpu_route[0]
+
+
+def use_off_cpu_route(route: str) -> None:
+    """Choose the off-CPU route for forwards (and CUDA graphs) captured from
+    now on: ``benchmarks/gpu/capture_op.py`` times both."""
+    if route not in OFF_CPU_ROUTES:
+        raise ValueError(f"off-CPU route {route!r}; expected one of {OFF_CPU_ROUTES}")
+    _off_cpu_route[:] = [route]
 
 
 def _gather_every_entry(
@@ -548,9 +584,16 @@ class CapturePoints:
             else:
                 module.register_forward_hook(_hook(module_taps, True), with_kwargs=True)
         self.layers = list(self.buffers)
+        if self._on_host:
+            route = "count read on the host"
+        elif off_cpu_route() == "triton":
+            route = "one Triton kernel per point, count read on the device"
+        else:
+            route = "aten gather of every entry (Triton not importable)"
         if self.layers:
             logger.info(
-                "Hidden states: %d capture points in %d of %d layers of %s.%s (%s), %d rows each",
+                "Hidden states: %d capture points in %d of %d layers of %s.%s (%s), "
+                "%d rows each; writes: %s",
                 len(self.layers),
                 len({k if (p := point_of_id(k, num_layers)) is None else p[1] for k in taps}),
                 num_layers,
@@ -558,6 +601,7 @@ class CapturePoints:
                 self.layers_name,
                 layout or "resid_pre/resid_post only",
                 max_rows,
+                route,
             )
 
     def arm(self, rows: np.ndarray, layers: "Collection[int] | None" = None) -> None:
