@@ -102,6 +102,43 @@ def _runnable(model, x, device):
     return graph.replay
 
 
+def _time_case(points: CapturePoints, base, step, n: int, rounds: int, iters: int) -> dict:
+    """One case: the baseline forward, the forward with ``n`` rows armed, and
+    that forward followed by the rows' copy to the host, in paired rounds
+    (A B C A B C ...). Times in ms (medians), overheads in percent (median of
+    the per-round ratios to the baseline)."""
+    device = points.rows.device
+    pin = device.type == "cuda"
+    host = [
+        torch.empty(n, points.buffers[k].shape[-1], dtype=points.buffers[k].dtype, pin_memory=pin)
+        for k in points.layers
+    ]
+
+    def step_and_copy():
+        step()
+        for k, dst in zip(points.layers, host):
+            dst.copy_(points.buffers[k][:n], non_blocking=pin)
+
+    times: dict[str, list[float]] = {"base": [], "op": [], "op+host": []}
+    for _ in range(rounds):
+        times["base"].append(_timer(device, base, iters))
+        times["op"].append(_timer(device, step, iters))
+        times["op+host"].append(_timer(device, step_and_copy, iters))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    over = {
+        k: statistics.median((a / b - 1) * 100 for a, b in zip(times[k], times["base"]))
+        for k in ("op", "op+host")
+    }
+    return {
+        "rows_armed": n,
+        "base_ms": med["base"] * 1e3,
+        "op_ms": med["op"] * 1e3,
+        "op_host_ms": med["op+host"] * 1e3,
+        "overhead_pct": over["op"],
+        "overhead_with_host_copy_pct": over["op+host"],
+    }
+
+
 @torch.inference_mode()
 def run(quick: bool = False) -> dict:
     cuda = torch.cuda.is_available()
@@ -127,7 +164,6 @@ def run(quick: bool = False) -> dict:
         dtype=dtype,
         device=device,
     )
-    pin = cuda
     results = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "shape": {
@@ -151,36 +187,8 @@ def run(quick: bool = False) -> dict:
                 points.disarm()
                 if n:
                     points.arm(np.arange(n, dtype=np.int64))
-                step = _runnable(captured, x, device)
-                host = [torch.empty(n, hidden, dtype=dtype, pin_memory=pin) for _ in points.layers]
-
-                def step_and_copy(step=step, host=host, n=n):
-                    step()
-                    for k, dst in zip(points.layers, host):
-                        dst.copy_(points.buffers[k][:n], non_blocking=pin)
-
-                times = {"base": [], "op": [], "op+host": []}
-                for _ in range(rounds):  # paired: A B C A B C ...
-                    times["base"].append(_timer(device, base, iters))
-                    times["op"].append(_timer(device, step, iters))
-                    times["op+host"].append(_timer(device, step_and_copy, iters))
-                med = {k: statistics.median(v) for k, v in times.items()}
-                over = {
-                    k: statistics.median((a / b - 1) * 100 for a, b in zip(times[k], times["base"]))
-                    for k in ("op", "op+host")
-                }
-                results["cases"].append(
-                    {
-                        "route": route,
-                        "tokens": tokens,
-                        "rows_armed": n,
-                        "base_ms": med["base"] * 1e3,
-                        "op_ms": med["op"] * 1e3,
-                        "op_host_ms": med["op+host"] * 1e3,
-                        "overhead_pct": over["op"],
-                        "overhead_with_host_copy_pct": over["op+host"],
-                    }
-                )
+                case = _time_case(points, base, _runnable(captured, x, device), n, rounds, iters)
+                results["cases"].append({"route": route, "tokens": tokens, **case})
     points.disarm()
     return results
 
