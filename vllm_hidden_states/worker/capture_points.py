@@ -61,6 +61,7 @@ Buffers are read only up to ``count``, right after the forward that armed them;
 rows past it are scratch.
 """
 
+import importlib.util
 import inspect
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -149,30 +150,27 @@ def _capture_rows(
 
 
 OFF_CPU_ROUTES = ("triton", "torch")
-_off_cpu_route: list[str] = []
+_off_cpu_route: str | None = None  # decided on first use
 
 
 def off_cpu_route() -> str:
     """How the op writes where it cannot read the count on the host:
     ``"triton"`` (:mod:`.capture_kernel`, the count read on the device) where
-    Triton imports, else ``"torch"`` (every entry gathered with aten ops).
-    Decided once per process, unless :func:`use_off_cpu_route` chose."""
-    if not _off_cpu_route:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _off_cpu_route.append("torch")
-        else:
-            _off_cpu_route.append("triton")
-    return _off_cpu_route[0]
+    Triton is installed, else ``"torch"`` (every entry gathered with aten
+    ops). Decided once per process, unless :func:`use_off_cpu_route` chose."""
+    global _off_cpu_route
+    if _off_cpu_route is None:
+        _off_cpu_route = "triton" if importlib.util.find_spec("triton") else "torch"
+    return _off_cpu_route
 
 
 def use_off_cpu_route(route: str) -> None:
     """Choose the off-CPU route for forwards (and CUDA graphs) captured from
     now on: ``benchmarks/gpu/capture_op.py`` times both."""
+    global _off_cpu_route
     if route not in OFF_CPU_ROUTES:
         raise ValueError(f"off-CPU route {route!r}; expected one of {OFF_CPU_ROUTES}")
-    _off_cpu_route[:] = [route]
+    _off_cpu_route = route
 
 
 def _gather_every_entry(
