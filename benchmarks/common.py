@@ -201,6 +201,93 @@ def alternate(
     return comparison
 
 
+@dataclass
+class StepRun:
+    """One variant of a step-interleaved comparison (:func:`interleave_steps`):
+    its own engine, in this process (an ``LLM`` built under
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: see :func:`in_process_engines`), and
+    the sampling parameters of its requests. ``asks``: the requests ask for
+    hidden states, so each finished one must carry them."""
+
+    llm: Any
+    params: Any  # vllm.SamplingParams
+    asks: bool = False
+
+
+class in_process_engines:
+    """Context manager: ``LLM`` s built inside it run their engine core in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that a caller can step
+    several engines in turn; the variable is restored on exit."""
+
+    def __enter__(self) -> "in_process_engines":
+        self._old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = self._old
+
+
+def interleave_steps(
+    comparison: Comparison,
+    variants: dict[str, StepRun],
+    prompts: Callable[[], list],
+    rounds: int,
+    progress=None,
+) -> Comparison:
+    """Step-interleaved rounds: each round gives every variant's engine the
+    same number of fresh requests (``prompts()``), then steps the engines in
+    turn, one engine step each (a :func:`balanced_orders` order per turn),
+    until all are done; a variant's value for the round is its generated
+    tokens per second of its own steps.
+
+    Why: whole runs one after another (:func:`alternate`) see the machine's
+    drifts over seconds as differences between variants (a run-to-run spread
+    of +-10% on the 2-core box, and an idle engine's worker spinning for a
+    second into the next run); steps ~10 ms apart see the same machine, and
+    on the same box two identical engines then read within ~0.5% of each
+    other per 30 rounds instead of ~1.3%. Every engine must be in this
+    process: elsewhere its core steps on its own and ``step()`` only reads."""
+    names = list(variants)
+    orders = balanced_orders(len(names))
+    request_id = 0
+    for _ in range(rounds):
+        for name in names:
+            run = variants[name]
+            for prompt in prompts():
+                request_id += 1
+                run.llm.llm_engine.add_request(f"{name}-{request_id}", prompt, run.params)
+        seconds = dict.fromkeys(names, 0.0)
+        tokens = dict.fromkeys(names, 0)
+        live = set(names)
+        turn = 0
+        while live:
+            for i in orders[turn % len(orders)]:
+                name = names[i]
+                if name not in live:
+                    continue
+                engine = variants[name].llm.llm_engine
+                start = time.perf_counter()
+                outputs = engine.step()
+                seconds[name] += time.perf_counter() - start
+                for out in outputs:
+                    if out.finished:
+                        tokens[name] += len(out.outputs[0].token_ids)
+                        if variants[name].asks and not out.outputs[0].hidden_states:
+                            raise RuntimeError(f"{name}: {out.request_id} has no hidden states")
+                if not engine.has_unfinished_requests():
+                    live.discard(name)
+            turn += 1
+        for name in names:
+            comparison.add(name, tokens[name] / seconds[name])
+        if progress is not None:
+            progress.update(len(names))
+    return comparison
+
+
 class Server(ServerProcess):
     """A benchmark server: :class:`ServerProcess` serving ``bench``, started at
     once, its log under ``benchmarks/results/``."""

@@ -4,17 +4,20 @@ for making every point capturable, and what a request pays for one point.
 
 Model: the small-model section's random 5-layer, 256-wide Llama (float32,
 torch.compile'd), where the model's own compute is short and per-step host
-work shows. Workload: 24 requests x (48 prompt + 64 generated tokens), fresh
-random prompts per measurement, greedy, ``ignore_eos``. Baseline: plain
-requests on an engine started without hidden states. Variants, on an engine
-with ``--hidden-states-points all`` (every layer and every point of every
-layer capturable: 5 x 6 capture points): nobody asks; "last" at one point of
-each kind (layer 2) on every request, and "last" at an attention pattern
-(reported, no target: it recomputes every position of the request). A second
-plain engine runs as an A/A control: its ratio to the baseline is what the
-rounds read for no difference at all, the comparison's resolution on this
-machine. All engines live in this process and the variants alternate round
-by round in a balanced order.
+work shows. Workload per round and variant: 24 requests x (48 prompt + 64
+generated tokens), fresh random prompts, greedy, ``ignore_eos``. Baseline:
+plain requests on an engine started without hidden states. Variants, each on
+an engine of its own with ``--hidden-states-points all`` (every layer and
+every point of every layer capturable: 5 x 6 capture points): nobody asks;
+"last" at one point of each kind (layer 2) on every request; "last" at an
+attention pattern (reported, no target: it recomputes every position of the
+request). A second plain engine runs as an A/A control: its ratio to the
+baseline is the comparison's resolution on this machine.
+
+Method: all engines live in this process and are stepped in turn, one engine
+step each (:func:`benchmarks.common.interleave_steps`), so that every
+variant's steps see the same machine; a round's value is a variant's
+generated tokens per second of its own steps.
 
 Targets (issue 19): enabled but unused, every point capturable >= 0.99;
 "last" at one point of each kind >= 0.97.
@@ -22,74 +25,69 @@ Targets (issue 19): enabled but unused, every point capturable >= 0.99;
 
 from pathlib import Path
 
-from benchmarks.common import Comparison, alternate
-from benchmarks.offline import _throughput
-from benchmarks.small_model import ARGS, MAX_TOKENS, PROMPT_LEN, small_model, small_model_engines
+from benchmarks.common import Comparison, StepRun, in_process_engines, interleave_steps
+from benchmarks.offline import FreshPrompts
+from benchmarks.small_model import ARGS, MAX_TOKENS, NUM_REQUESTS, PROMPT_LEN, small_model
 
 KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
 LAYER = 2
+BASELINE = "plain vLLM (no hidden states)"
 CONTROL = "A/A control: a second plain engine"
+NOBODY = "every point capturable, nobody asks"
+# KV cache per engine, GiB: eight engines share the box.
+KV_CACHE_GIB = "1"
 
 
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
-    from vllm import LLM
+    import os
+
+    from vllm import LLM, SamplingParams
 
     model = model or small_model()
-    n, prompts, plain, points = small_model_engines(quick, model, hidden_states_points="all")
-    twin = LLM(model=str(model), **ARGS)
-    _throughput(twin, prompts(2), max_tokens=4)
+    n = NUM_REQUESTS // 2 if quick else NUM_REQUESTS
+    prompts = FreshPrompts(n, PROMPT_LEN)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+
+    def params(point: str | None, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+        asks = {}
+        if point is not None:
+            asks = {"return_hidden_states": True, "hidden_states_points": [point]}
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **asks)
+
+    # variant -> (engine arguments, the point its requests ask for)
+    every_point = {"enable_hidden_states": True, "hidden_states_points": "all"}
+    plan: dict[str, tuple[dict, str | None]] = {
+        BASELINE: ({}, None),
+        CONTROL: ({}, None),
+        NOBODY: (every_point, None),
+    }
     for kind in (*KINDS, "attn_pattern"):
-        _throughput(
-            points,
-            prompts(2),
-            max_tokens=4,
-            return_hidden_states=True,
-            hidden_states_points=[f"{kind}.{LAYER}"],
-        )
+        # attn_pattern: one extra prefill of the whole sequence (no KV
+        # hand-over) and the weights computed on the device.
+        point = f"{kind}.{LAYER}"
+        plan[f"last, {point}"] = (every_point, point)
+
+    variants: dict[str, StepRun] = {}
+    with in_process_engines():
+        for name, (engine_args, point) in plan.items():
+            llm = LLM(model=str(model), **engine_args, **ARGS)
+            llm.generate(prompts(2), params(point, 4), use_tqdm=False)  # compile, caches
+            variants[name] = StepRun(llm, params(point), asks=point is not None)
 
     comparison = Comparison(
         "capture points: every point capturable",
         "generated tok/s",
-        baseline="plain vLLM (no hidden states)",
+        baseline=BASELINE,
         notes=(
             f"5 x 256 Llama, --hidden-states-points all, {n} requests x ({PROMPT_LEN} "
-            f"prompt + {MAX_TOKENS} generated tokens), fresh prompts"
+            f"prompt + {MAX_TOKENS} generated tokens) per engine and round, fresh prompts; "
+            "one engine per variant, all in one process, stepped in turn"
         ),
-        targets={
-            "every point capturable, nobody asks": 0.99,
-            **{f"last, {kind}.{LAYER}": 0.97 for kind in KINDS},
-        },
+        targets={NOBODY: 0.99, **{f"last, {kind}.{LAYER}": 0.97 for kind in KINDS}},
     )
-
-    def one_point(kind: str):
-        return lambda: _throughput(
-            points,
-            prompts(),
-            max_tokens=MAX_TOKENS,
-            return_hidden_states=True,
-            hidden_states_points=[f"{kind}.{LAYER}"],
-        )
-
-    alternate(
-        comparison,
-        {
-            "plain vLLM (no hidden states)": lambda: _throughput(
-                plain, prompts(), max_tokens=MAX_TOKENS
-            ),
-            CONTROL: lambda: _throughput(twin, prompts(), max_tokens=MAX_TOKENS),
-            "every point capturable, nobody asks": lambda: _throughput(
-                points, prompts(), max_tokens=MAX_TOKENS
-            ),
-            **{f"last, {kind}.{LAYER}": one_point(kind) for kind in KINDS},
-            # The cost of a pattern: one extra prefill of the whole sequence
-            # (no KV hand-over) and the weights computed on the device.
-            f"last, attn_pattern.{LAYER}": one_point("attn_pattern"),
-        },
-        rounds,
-        progress,
-    )
-    for llm in (plain, twin, points):
-        llm.llm_engine.engine_core.shutdown()
+    interleave_steps(comparison, variants, prompts, rounds, progress)
+    for run_ in variants.values():
+        run_.llm.llm_engine.engine_core.shutdown()
     return [comparison]
 
 

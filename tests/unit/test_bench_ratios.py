@@ -6,10 +6,11 @@ standard error, and orders balanced by slot and by predecessor."""
 import math
 import statistics
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.common import Comparison, alternate, balanced_orders
+from benchmarks.common import Comparison, StepRun, alternate, balanced_orders, interleave_steps
 
 
 def comparison(baseline: list[float], variant: list[float]) -> Comparison:
@@ -85,3 +86,60 @@ def test_alternate_runs_each_variant_once_per_round(monkeypatch):
     assert all(len(comp.samples[name]) == 6 for name in "abc")
     assert all(sorted(ran[i : i + 3]) == ["a", "b", "c"] for i in range(0, 18, 3))
     assert ran[:3] != ran[3:6]  # the order changes between rounds
+
+
+class StepEngine:
+    """Stands in for ``LLM.llm_engine``: each request needs ``steps`` steps and
+    finishes with ``tokens`` tokens (hidden states when ``states``); every
+    step is logged in ``log`` under ``name``."""
+
+    def __init__(self, name: str, log: list[str], steps: int, tokens: int, states: bool):
+        self.name, self.log, self.steps, self.tokens, self.states = name, log, steps, tokens, states
+        self.pending: dict[str, int] = {}
+
+    def add_request(self, request_id: str, prompt: dict, params: object) -> None:
+        self.pending[request_id] = self.steps
+
+    def step(self) -> list[SimpleNamespace]:
+        self.log.append(self.name)
+        done = []
+        for rid in list(self.pending):
+            self.pending[rid] -= 1
+            if not self.pending[rid]:
+                del self.pending[rid]
+                out = SimpleNamespace(token_ids=[0] * self.tokens, hidden_states=self.states)
+                done.append(SimpleNamespace(request_id=rid, finished=True, outputs=[out]))
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+
+def step_run(name: str, log: list[str], steps: int, states: bool = True, asks: bool = False):
+    engine = StepEngine(name, log, steps, tokens=8, states=states)
+    return StepRun(SimpleNamespace(llm_engine=engine), params=None, asks=asks)
+
+
+def test_interleave_steps_takes_one_step_of_each_engine_per_turn():
+    log: list[str] = []
+    variants = {name: step_run(name, log, steps=4) for name in "abc"}
+    comp = interleave_steps(Comparison("c", "tok/s", baseline="a"), variants, lambda: [{}] * 2, 2)
+    assert all(len(comp.samples[name]) == 2 for name in "abc")
+    turns = [log[i : i + 3] for i in range(0, len(log), 3)]
+    assert len(turns) == 8 and all(sorted(t) == ["a", "b", "c"] for t in turns)
+    assert len({tuple(t) for t in turns}) > 1  # the order changes between turns
+    assert all(v > 0 for values in comp.samples.values() for v in values)
+
+
+def test_interleave_steps_stops_stepping_an_engine_once_it_is_done():
+    log: list[str] = []
+    variants = {"short": step_run("short", log, steps=2), "long": step_run("long", log, 5)}
+    interleave_steps(Comparison("c", "tok/s", baseline="short"), variants, lambda: [{}], 1)
+    assert log.count("short") == 2 and log.count("long") == 5
+
+
+def test_interleave_steps_fails_a_variant_whose_requests_come_back_without_states():
+    log: list[str] = []
+    variants = {"plain": step_run("plain", log, 2), "asks": step_run("asks", log, 2, False, True)}
+    with pytest.raises(RuntimeError, match="asks: .* has no hidden states"):
+        interleave_steps(Comparison("c", "tok/s", baseline="plain"), variants, lambda: [{}], 1)
