@@ -4,13 +4,21 @@ the same round's baseline, their median, their geometric mean with its
 standard error, and orders balanced by slot and by predecessor."""
 
 import math
+import os
 import statistics
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.common import Comparison, StepRun, alternate, balanced_orders, interleave_steps
+from benchmarks.common import (
+    Comparison,
+    StepRun,
+    alternate,
+    balanced_orders,
+    in_process_engines,
+    interleave_steps,
+)
 
 
 def comparison(baseline: list[float], variant: list[float]) -> Comparison:
@@ -143,3 +151,14 @@ def test_interleave_steps_fails_a_variant_whose_requests_come_back_without_state
     variants = {"plain": step_run("plain", log, 2), "asks": step_run("asks", log, 2, False, True)}
     with pytest.raises(RuntimeError, match="asks: .* has no hidden states"):
         interleave_steps(Comparison("c", "tok/s", baseline="plain"), variants, lambda: [{}], 1)
+
+
+def test_in_process_engines_sets_and_restores_the_multiprocessing_switch(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with in_process_engines():
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    with in_process_engines():
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
