@@ -216,19 +216,22 @@ class StepRun:
 
 
 @contextmanager
-def in_process_engines() -> Iterator[None]:
+def in_process_engines(**env: str) -> Iterator[None]:
     """``LLM`` s built inside run their engine core in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that a caller can step several
-    engines in turn; the variable is restored on exit."""
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engines in turn; ``env``: more variables for these engines only (e.g.
+    ``VLLM_CPU_KVCACHE_SPACE``). Every variable is restored on exit."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def interleave_steps(

@@ -34,19 +34,16 @@ LAYER = 2
 BASELINE = "plain vLLM (no hidden states)"
 CONTROL = "A/A control: a second plain engine"
 NOBODY = "every point capturable, nobody asks"
-# KV cache per engine, GiB: eight engines share the box.
+# KV cache per engine, GiB.
 KV_CACHE_GIB = "1"
 
 
 def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
-    import os
-
     from vllm import LLM, SamplingParams
 
     model = model or small_model()
     n = NUM_REQUESTS // 2 if quick else NUM_REQUESTS
     prompts = FreshPrompts(n, PROMPT_LEN)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
 
     def params(point: str | None, max_tokens: int = MAX_TOKENS) -> SamplingParams:
         asks = {}
@@ -68,7 +65,9 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         plan[f"last, {point}"] = (every_point, point)
 
     variants: dict[str, StepRun] = {}
-    with in_process_engines():
+    # Eight engines share the box: this section's KV cache size holds for its
+    # engines only, whatever an earlier section set.
+    with in_process_engines(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB):
         for name, (engine_args, point) in plan.items():
             llm = LLM(model=str(model), **engine_args, **ARGS)
             llm.generate(prompts(2), params(point, 4), use_tqdm=False)  # compile, caches
@@ -86,8 +85,8 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         targets={NOBODY: 0.99, **{f"last, {kind}.{LAYER}": 0.97 for kind in KINDS}},
     )
     interleave_steps(comparison, variants, prompts, rounds, progress)
-    for run_ in variants.values():
-        run_.llm.llm_engine.engine_core.shutdown()
+    for variant in variants.values():
+        variant.llm.llm_engine.engine_core.shutdown()
     return [comparison]
 
 

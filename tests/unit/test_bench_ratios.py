@@ -153,11 +153,14 @@ def test_interleave_steps_fails_a_variant_whose_requests_come_back_without_state
         interleave_steps(Comparison("c", "tok/s", baseline="plain"), variants, lambda: [{}], 1)
 
 
-def test_in_process_engines_sets_and_restores_the_multiprocessing_switch(monkeypatch):
+def test_in_process_engines_sets_and_restores_its_variables(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    with in_process_engines():
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with in_process_engines(VLLM_CPU_KVCACHE_SPACE="1"):
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     with in_process_engines():
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
