@@ -4,7 +4,8 @@ for making every point capturable, and what a request pays for one point.
 
 Model: the small-model section's random 5-layer, 256-wide Llama (float32,
 torch.compile'd), where the model's own compute is short and per-step host
-work shows. Workload per round and variant: 24 requests x (48 prompt + 64
+work shows (``points_wide``: the same comparison on four layers of a 0.5B
+model's width). Workload per round and variant: 24 requests x (48 prompt + 64
 generated tokens), fresh random prompts, greedy, ``ignore_eos``. Baseline:
 plain requests on an engine started without hidden states. Variants, each on
 an engine of its own with ``--hidden-states-points all`` (every layer and
@@ -27,7 +28,14 @@ from pathlib import Path
 
 from benchmarks.common import Comparison, StepRun, in_process_engines, interleave_steps
 from benchmarks.offline import FreshPrompts
-from benchmarks.small_model import ARGS, MAX_TOKENS, NUM_REQUESTS, PROMPT_LEN, small_model
+from benchmarks.small_model import (
+    ARGS,
+    MAX_TOKENS,
+    NUM_REQUESTS,
+    PROMPT_LEN,
+    model_shape,
+    small_model,
+)
 
 KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
 LAYER = 2
@@ -78,7 +86,7 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         "generated tok/s",
         baseline=BASELINE,
         notes=(
-            f"5 x 256 Llama, --hidden-states-points all, {n} requests x ({PROMPT_LEN} "
+            f"{model_shape(model)}, --hidden-states-points all, {n} requests x ({PROMPT_LEN} "
             f"prompt + {MAX_TOKENS} generated tokens) per engine and round, fresh prompts; "
             "one engine per variant, all in one process, stepped in turn"
         ),

@@ -4,26 +4,28 @@
     python -m benchmarks.run [--rounds 3] [--quick] [--only offline,server,...]
                              [--model DIR]
 
-Writes ``benchmarks/results/latest.json`` and PNG plots next to it, and prints a
-table with each target. Sections: offline (LLM throughput), server (HTTP
+Writes ``benchmarks/results/latest.json`` and PNG plots next to it, and prints
+a table with each target. Sections: offline (LLM throughput), server (HTTP
 throughput), prompt (POST /v1/hidden_states vs the pooling runner vs HF),
 payload (float JSON vs base64), load (256 concurrent mixed requests, RSS),
 peers (ours vs HF transformers and nnsight on equal cores, and the vLLM-based
-peers, n/a with their exact error where they cannot start), harvest (collect
--> Parquet vs the bare route vs an HF transformers loop), sae_payload (SAE
-top-k features vs full hidden states over HTTP: bytes per position and
-throughput), scale_out (DP=2 vs DP=1 with "last" on every request, beside
-plain vLLM's own DP=2 vs DP=1), capture_op (the capture op alone on a layer
-stack, 0/1/64/1024 rows, with and without the host copy: the GPU
-micro-benchmark, a smoke test on CPU), small_model (a 5 x 256 Llama where the
-per-step host work shows: nobody asks, "last", "all" vs plain vLLM),
-points_peers (attn_out, resid_mid, mlp_out at layer 2 on the same prompts:
-ours vs HF hooks, nnsight and interp-engine's eager backend, each checked
-against HF before it is timed), steering (per-request add / ablate at
-resid_pre.2 vs plain vLLM, and an engine with steering enabled that nobody
-uses), steering_peers (steered greedy generation, add at resid_pre.2 with one
-vector: ours vs HF with a forward pre-hook, nnsight and interp-engine's eager
-steer(), each checked against HF's greedy tokens before it is timed).
+peers, n/a with their exact error where they cannot start), harvest (collect ->
+Parquet vs the bare route vs an HF transformers loop), sae_payload (SAE top-k
+features vs full hidden states over HTTP: bytes per position and throughput),
+scale_out (DP=2 vs DP=1 with "last" on every request, beside plain vLLM's own
+DP=2 vs DP=1), capture_op (the capture op alone on a layer stack, 0/1/64/1024
+rows, with and without the host copy: the GPU micro-benchmark, a smoke test on
+CPU), small_model (a 5 x 256 Llama where the per-step host work shows: nobody
+asks, "last", "all" vs plain vLLM), points (every capture point capturable:
+nobody asks, "last" at one point of each kind, an attention pattern, on the 5 x
+256 Llama), points_wide (the same on four layers of a 0.5B model's width),
+points_peers (attn_out, resid_mid, mlp_out at layer 2 on the same prompts: ours
+vs HF hooks, nnsight and interp-engine's eager backend, each checked against HF
+before it is timed), steering (per-request add / ablate at resid_pre.2 vs plain
+vLLM, and an engine with steering enabled that nobody uses), steering_peers
+(steered greedy generation, add at resid_pre.2 with one vector: ours vs HF with
+a forward pre-hook, nnsight and interp-engine's eager steer(), each checked
+against HF's greedy tokens before it is timed).
 """
 
 import argparse
@@ -40,6 +42,7 @@ SECTIONS = (
     "capture_op",
     "small_model",
     "points",
+    "points_wide",
     "points_peers",
     "steering",
     "steering_peers",
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "server": "benchmarks.server_throughput",
                         "small_model": "benchmarks.small_model",
                         "points": "benchmarks.points",
+                        "points_wide": "benchmarks.points_wide",
                         "points_peers": "benchmarks.points_peers",
                         "steering": "benchmarks.steering",
                         "steering_peers": "benchmarks.steering_peers",

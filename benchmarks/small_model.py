@@ -33,6 +33,31 @@ def small_model() -> Path:
     )
 
 
+def wide_model() -> Path:
+    """Four random Llama layers of a 0.5B model's width (896 hidden, 4864 MLP,
+    14 heads of 64): where a layer's compute is that of a small production
+    model, against the 256-wide model's per-step overheads."""
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
+
+    return build_tiny_model(
+        MODELS / "wide-llama",
+        arch="llama",
+        num_layers=4,
+        hidden_size=896,
+        intermediate_size=4864,
+        vocab_size=512,
+    )
+
+
+def model_shape(model: Path) -> str:
+    """``"<layers> x <hidden> Llama"`` (or the architecture) from a model's config."""
+    import json
+
+    config = json.loads((model / "config.json").read_text())
+    arch = config.get("model_type", "model").capitalize()
+    return f"{config['num_hidden_layers']} x {config['hidden_size']} {arch}"
+
+
 def small_model_engines(quick: bool, model: Path | None = None, **enabled_args):
     """``(n, prompts, plain, enabled)``: the request count, fresh prompts and
     two warmed-up engines on the small model in this process, one plain and

@@ -3,6 +3,7 @@
 the same round's baseline, their median, their geometric mean with its
 standard error, and orders balanced by slot and by predecessor."""
 
+import json
 import math
 import os
 import statistics
@@ -165,3 +166,11 @@ def test_in_process_engines_sets_and_restores_its_variables(monkeypatch):
     with in_process_engines():
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+
+
+def test_model_shape_names_a_comparison_by_its_layers_width_and_architecture(tmp_path):
+    from benchmarks.small_model import model_shape
+
+    config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 896}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_shape(tmp_path) == "4 x 896 Llama"
