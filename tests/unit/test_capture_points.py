@@ -221,6 +221,46 @@ def test_compiled_on_cpu_a_capture_point_is_aten_ops_in_the_graph_not_the_opaque
         torch.testing.assert_close(points.read(k), entering[k][torch.tensor([2, 0])])
 
 
+@torch.inference_mode()
+def test_compiled_on_cpu_a_forward_nobody_asked_copies_the_floor_not_a_row_per_token():
+    """Under torch.compile on CPU the gathers read the armed index, whose
+    length is a dynamic size of the graph: a 12-token forward where nobody
+    asked writes ARMED_FLOOR scratch rows per point, not 12."""
+    model, points = make_points()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    points.arm(np.array([3, 1, 4], dtype=np.int64))
+    compiled(torch.randn(6, HIDDEN))  # compiled while rows are armed
+    points.disarm()
+    for buffer in points.buffers.values():
+        buffer.fill_(float("nan"))
+    compiled(torch.randn(12, HIDDEN))
+    for buffer in points.buffers.values():
+        assert not buffer[: capture_points.ARMED_FLOOR].isnan().any()
+        assert buffer[capture_points.ARMED_FLOOR :].isnan().all()
+
+
+@torch.inference_mode()
+def test_compiled_on_cpu_one_graph_captures_every_armed_count():
+    """The armed length changes per step without a recompile (vLLM drops
+    Dynamo's guards, so a graph specialized to one count would be wrong at
+    the next), each step reading its own rows."""
+    model, points = make_points()
+    compiles = []
+
+    def count_compiles(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiles.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=count_compiles, fullgraph=True, dynamic=True)
+    for rows in ([2, 0], [9, 8, 7, 6, 5], [4], list(range(10))):
+        points.arm(np.array(rows, dtype=np.int64))
+        entering = compiled(torch.randn(10, HIDDEN))
+        for k in points.layers:
+            torch.testing.assert_close(points.read(k), entering[k][torch.tensor(rows)])
+        points.disarm()
+    assert len(compiles) == 1
+
+
 def test_a_point_the_layer_does_not_have_is_a_lookup_error_naming_the_module():
     from vllm_hidden_states.config import point_id
 
