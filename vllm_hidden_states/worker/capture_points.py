@@ -47,16 +47,19 @@ How a capture point's write is made depends on where the forward runs
 * **On CPU under torch.compile**: no CUDA graph replays the step, so each
   opaque-op call would be a Python dispatch on every forward (about 30 us in
   the step, for every capture point, asked or not: x0.90 of plain vLLM with
-  every point of a 5-layer model capturable). The hook writes the same
-  sync-free gather as aten ops instead, which Dynamo traces and inductor
-  compiles into the forward's own kernels (well under a microsecond a point
-  at decode sizes).
+  every point of a 5-layer model capturable). The hook writes a sync-free
+  gather as aten ops instead, which Dynamo traces and inductor compiles into
+  the forward's own kernels. It gathers :attr:`CapturePoints.armed`, the
+  armed entries of ``rows`` as a tensor whose length is a dynamic size of
+  the graph, set per step: a forward copies the rows armed in it (2 scratch
+  rows per point when nobody asked), not one per token.
 * **On CPU in eager mode**: the hook calls the op's body directly, which
   reads the count (a plain memory read) and returns at once when it is 0.
 
 Invariant on every device: entries of ``rows`` past the armed count are 0
 (:meth:`CapturePoints.arm` keeps them so, :meth:`CapturePoints.disarm` resets
-the index), so that a gather without a count never reads past a smaller batch.
+the index), so that a gather without a count (or past it, up to the armed
+index's floor of 2) never reads past a smaller batch.
 Buffers are read only up to ``count``, right after the forward that armed them;
 rows past it are scratch.
 """
@@ -190,7 +193,9 @@ def _gather_every_entry(
     among them: at most one per token; entries past the count are 0, a row
     every forward has). ``tokens`` is static per CUDA graph, so a decode step
     of batch b gathers b rows, not max_rows. Written with out-of-place ops and
-    one ``copy_``, so that Dynamo traces it into a compiled graph as well."""
+    one ``copy_``, so that Dynamo traces it into a compiled graph as well (on
+    CPU ``rows`` is then :attr:`CapturePoints.armed`, whose length is the
+    armed count: ``n`` follows it)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     n = min(rows.shape[0], hidden.shape[0])
     index = rows[:n]
@@ -485,6 +490,10 @@ class CapturePoints:
         max_rows: rows one forward can capture.
         count: rows armed for the next forward (the points of the ids asked
             get it in the device ``counts`` tensor, the others 0).
+        armed: on CPU, int64 ``[max(count, ARMED_FLOOR)]`` on the memory of
+            ``rows``: the index the compiled graph gathers, its length a
+            dynamic size of the graph (None off CPU, where CUDA graphs fix
+            every size).
     """
 
     def __init__(
