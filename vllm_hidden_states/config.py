@@ -481,9 +481,10 @@ DEFAULT_MAX_ROWS = 512
 DEFAULT_BUFFER_MIB = 256
 # Bumped when what the compiled graph contains changes (2: capture points;
 # 3: a count per capture point; 4: capture points as forward pre-hooks; 5:
-# points past the residual stream, a scale argument), so a graph cached by an
-# older version is never reused.
-CAPTURE_VERSION = 5
+# points past the residual stream, a scale argument; 6: on CPU the gathers
+# read the armed index, a dynamic size), so a graph cached by an older
+# version is never reused.
+CAPTURE_VERSION = 6
 
 
 def additional_config_entry(
