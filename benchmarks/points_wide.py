@@ -4,12 +4,12 @@ Llama layers of a 0.5B model's width (896 hidden, 4864 MLP, 14 heads of 64:
 :func:`benchmarks.small_model.wide_model`), same workload and method.
 
 Why a second model: with every point capturable and nobody asking, the
-compiled CPU forward pays, per capture point, a fixed cost in each decode step
-(a few microseconds: the extra kernel loops, their barriers and the graph
-inputs) and a copy of every token's row in each prefill step (README, "A step
-where nobody asked"). Against a 256-wide layer the fixed part is a few percent
-of the step; against a layer of a production model's width it shrinks, and
-what is left is what a user of such a model pays. Both models are reported.
+compiled CPU forward pays, per capture point, a fixed cost in each step (a
+few microseconds: the extra kernel loops and their barriers), whatever the
+rows it copies (2 scratch rows when nobody asked; README, "A step where
+nobody asked"). Against a 256-wide layer that is a few percent of a decode
+step; against a layer of a production model's width it shrinks, and what is
+left is what a user of such a model pays. Both models are reported.
 """
 
 from pathlib import Path
