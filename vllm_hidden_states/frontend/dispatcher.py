@@ -346,6 +346,14 @@ class ExtractDispatcher:
     def num_held(self) -> int:
         return len(self._held)
 
+    def holds(self, req_state: "RequestState") -> bool:
+        """Whether the request's final output is held for its extract. A
+        request that finished here on a stop string stays in the engine until
+        the abort reaches it: the outputs it sends meanwhile must not reach
+        the request (its text would run past the stop string, and each would
+        send one more extract)."""
+        return extract_id_for(req_state.request_id) in self._held
+
     def on_output(
         self,
         req_state: "RequestState",
