@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The front-end's OutputProcessor (patch 0004), fed engine outputs by hand in
+the order a busy engine sends them: no engine runs here, so the order is
+exact, not a race."""
+
+import time
+
+import pytest
+
+from vllm import SamplingParams
+from vllm.tokenizers import get_tokenizer
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm_hidden_states.frontend.dispatcher import ExtractDispatcher
+from vllm_hidden_states.wire import HiddenStatesSpec
+
+REQ_ID = "stop-1"
+
+
+@pytest.fixture()
+def processor_and_tokens(qwen3_dir):
+    """An OutputProcessor with one request that asked for the last position's
+    states and stops on a string, and the token ids of
+    ``" alpha beta gamma delta"`` (the stop string is ``"gamma"``)."""
+    tokenizer = get_tokenizer(str(qwen3_dir))
+    processor = OutputProcessor(tokenizer, log_stats=False)
+    request = EngineCoreRequest(
+        request_id=REQ_ID,
+        external_req_id=REQ_ID,
+        prompt_token_ids=tokenizer.encode("A prompt"),
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=16, temperature=0.0, stop=["gamma"]),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        return_hidden_states=HiddenStatesSpec(layers=[-1], abs_layers=[2], positions="last"),
+    )
+    processor.add_request(request, prompt=None)
+    return processor, tokenizer.encode(" alpha beta gamma delta")
+
+
+def _step(processor: OutputProcessor, token_ids: list[int]):
+    return processor.process_outputs([EngineCoreOutput(request_id=REQ_ID, new_token_ids=token_ids)])
+
+
+def _stop_then_late_tokens(processor: OutputProcessor, tokens: list[int]) -> list:
+    """The stop string matches in the first output (the request is held and
+    its abort sent); the engine, not yet aborted, sends two more tokens.
+    Returns the processor's answers to those two."""
+    first = _step(processor, tokens)
+    assert [e.request_id for e in first.hidden_states_extracts] == [f"{REQ_ID}-hs"]
+    assert REQ_ID in first.reqs_to_abort
+    return [_step(processor, [token]) for token in tokens[:2]]
+
+
+def test_tokens_sent_before_the_engine_saw_the_abort_send_no_second_extract(
+    processor_and_tokens,
+):
+    processor, tokens = processor_and_tokens
+    late = _stop_then_late_tokens(processor, tokens)
+    assert [out.hidden_states_extracts for out in late] == [[], []]
+    dispatcher = ExtractDispatcher.of(processor)
+    assert dispatcher.num_held == 1
+    assert dispatcher.holds(processor.request_states[REQ_ID])
+
+
+def test_tokens_sent_before_the_engine_saw_the_abort_never_reach_the_request(
+    processor_and_tokens,
+):
+    processor, tokens = processor_and_tokens
+    late = _stop_then_late_tokens(processor, tokens)
+    assert [out.request_outputs for out in late] == [[], []]
+    text = processor.request_states[REQ_ID].detokenizer.output_text
+    assert "gamma" not in text and "delta" not in text
+    assert text.endswith("beta ")
