@@ -683,3 +683,11 @@ class CapturePlanner:
                 break
             del self.parked[request_id]
             scheduler.free_parked_blocks(request)
+            # Expected when the front-end dropped the request while it held
+            # it (client gone); else a sign its extract went elsewhere.
+            logger.info(
+                "hidden states: freed the parked KV blocks of %s, whose extract "
+                "did not come within %.0f s",
+                request_id,
+                PARK_SECONDS,
+            )

@@ -16,6 +16,7 @@ from tests.support.server_process import ServerProcess
 
 __all__ = [
     "GATE_ARGS",
+    "EngineGauges",
     "Gate",
     "ServerProcess",
     "num_generated",
@@ -114,15 +115,86 @@ class Gate:
         self.path.unlink(missing_ok=True)
 
 
-def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0.2):
+def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0.2, explain=None):
     """Poll ``condition()`` until it is truthy; a generous deadline, never a
-    measure of the machine's speed. Returns the truthy value."""
+    measure of the machine's speed. Returns the truthy value. On timeout the
+    error adds ``explain()``, if given (what was seen instead)."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            seen = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
         time.sleep(interval)
     return value
+
+
+class EngineGauges:
+    """vLLM's request and KV-cache gauges of a server's engines, read so that
+    a stale record never passes for an engine's state.
+
+    vLLM attaches each step's scheduler stats to the outputs of one API server
+    only, and with several API-server processes (``--api-server-count``, or
+    data parallel) ``/metrics`` shows, per gauge, the value recorded last by
+    any of them. An API server busy with an earlier step's outputs can record
+    that step's stats after another one recorded the final step's; the stale
+    value then stays for as long as the engine is idle. So when a gauge reads
+    non-zero, :meth:`nothing_held` sends each engine one plain one-token
+    completion (pinned by the ``X-data-parallel-rank`` header): its single
+    step's stats go to the API server that sent it and are recorded after the
+    stale ones, and show what the engine still holds. :attr:`sent` counts
+    those completions (vLLM counts each as finished, reason "length"). Each is
+    also a step, in which the engine frees KV blocks parked for an extract that
+    did not come within ``PARK_SECONDS`` (and logs it).
+
+    Args:
+        server: a started :class:`ServerProcess`.
+        ranks: the data-parallel ranks of its engines (``(0,)``: one engine).
+    """
+
+    GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+    def __init__(self, server: ServerProcess, ranks: tuple[int, ...] = (0,)):
+        self.server = server
+        self.ranks = ranks
+        self.sent = 0
+
+    def held(self) -> dict[str, float]:
+        """The non-zero gauges, keyed ``"<gauge> engine=<rank>"``."""
+        return {
+            f"{name} engine={rank}": value
+            for rank in self.ranks
+            for name in self.GAUGES
+            if (value := self.server.metric(name, engine=str(rank)))
+        }
+
+    def refresh(self) -> None:
+        """One plain one-token completion on each engine."""
+        with httpx.Client(base_url=self.server.base_url, timeout=300.0) as http:
+            for rank in self.ranks:
+                r = http.post(
+                    "/v1/completions",
+                    json={"model": self.server.name, "prompt": "Hi", "max_tokens": 1},
+                    headers={"X-data-parallel-rank": str(rank)},
+                )
+                assert r.status_code == 200, r.text
+                self.sent += 1
+
+    def nothing_held(self) -> bool:
+        """No request running or waiting and no KV block in use on any engine,
+        as the engines' latest steps report it."""
+        if not self.held():
+            return True
+        self.refresh()
+        return not self.held()
+
+    def wait_until_nothing_held(self, timeout: float = 300.0) -> None:
+        wait_until(
+            self.nothing_held,
+            "the engines to hold nothing",
+            timeout=timeout,
+            interval=1.0,
+            explain=lambda: f"still non-zero: {self.held()}",
+        )
 
 
 def post_concurrently(base_url: str, path: str, jobs: list[tuple], timeout: float = 600.0):

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from .conftest import HFReference, assert_close
-from .server_utils import GATE_ARGS, Gate, post_concurrently, test_server_process, wait_until
+from .server_utils import (
+    GATE_ARGS,
+    EngineGauges,
+    Gate,
+    post_concurrently,
+    test_server_process,
+    wait_until,
+)
 from .test_server import decode_rows, hf_tokenize
 
 pytestmark = pytest.mark.slow
@@ -106,20 +113,6 @@ def served_by_engine(server) -> dict[str, float]:
     }
 
 
-def nothing_held(server) -> bool:
-    """No request running or waiting and no KV block in use (a parked block of
-    a finished request whose extract went elsewhere would show here) on either
-    engine."""
-    for e in ("0", "1"):
-        if server.metric("vllm:num_requests_running", engine=e) or server.metric(
-            "vllm:num_requests_waiting", engine=e
-        ):
-            return False
-        if server.metric("vllm:kv_cache_usage_perc", engine=e) > 0:
-            return False
-    return True
-
-
 PROMPTS = [f"Story {i}: once upon a time there was a robot who" for i in range(8)]
 
 
@@ -143,7 +136,7 @@ def test_data_parallel_2_mixed_concurrent_requests_are_exact_on_both_engines(dp2
     served = {e: after[e] - before[e] for e in after}
     assert sum(served.values()) == 9  # n=2 is two engine requests
     assert served["0"] > 0 and served["1"] > 0, served
-    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+    EngineGauges(dp2, ranks=(0, 1)).wait_until_nothing_held()
 
 
 def completed(server) -> float:
@@ -175,8 +168,9 @@ def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(dp2, hf_
         r = http.post("/v1/completions", json=body(PROMPTS[1]))
         assert r.status_code == 200, r.text
         check_choice(hf_qwen3, r.json()["choices"][0], "last")
-    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
-    assert completed(dp2) == before + 1
+    gauges = EngineGauges(dp2, ranks=(0, 1))
+    gauges.wait_until_nothing_held()
+    assert completed(dp2) == before + 1 + gauges.sent
 
 
 def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
@@ -200,7 +194,7 @@ def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
     assert choice["finish_reason"] == "stop"
     assert len(choice["token_ids"]) < 8
     check_choice(hf_qwen3, choice, "last")
-    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+    EngineGauges(dp2, ranks=(0, 1)).wait_until_nothing_held()
     assert "no engine recorded" not in dp2.log_path.read_text(errors="replace")
 
 
@@ -226,7 +220,7 @@ def test_data_parallel_2_openai_client_and_hidden_states_route(dp2, hf_qwen3, qw
             states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
             ref = hf_qwen3.states(hf_tokenize(qwen3_dir, prompt))[layer]
             assert_close(states, ref, f"/v1/hidden_states layer {layer}")
-    wait_until(lambda: nothing_held(dp2), "both engines to hold nothing")
+    EngineGauges(dp2, ranks=(0, 1)).wait_until_nothing_held()
 
 
 def test_api_server_count_2_is_exact_over_http(api2, hf_qwen3):
@@ -244,4 +238,4 @@ def test_api_server_count_2_is_exact_over_http(api2, hf_qwen3):
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             check_choice(hf_qwen3, choice, positions)
-    wait_until(lambda: api2.num_unfinished() == 0, "the engine to hold nothing")
+    EngineGauges(api2).wait_until_nothing_held()
