@@ -193,8 +193,14 @@ class EngineGauges:
             "the engines to hold nothing",
             timeout=timeout,
             interval=1.0,
-            explain=lambda: f"still non-zero: {self.held()}",
+            explain=self.explain,
         )
+
+    def explain(self) -> str:
+        """What is still held, and the server log's last lines but polls."""
+        lines = self.server.log_path.read_text(errors="replace").splitlines()
+        tail = [line for line in lines if "GET /metrics" not in line][-40:]
+        return f"still non-zero: {self.held()}; server log:\n" + "\n".join(tail)
 
 
 def post_concurrently(base_url: str, path: str, jobs: list[tuple], timeout: float = 600.0):
