@@ -113,6 +113,26 @@ def served_by_engine(server) -> dict[str, float]:
     }
 
 
+def generated_by_engine(server) -> dict[str, float]:
+    """Tokens each engine generated."""
+    return {e: server.metric("vllm:generation_tokens_total", engine=e) for e in ("0", "1")}
+
+
+def assert_nothing_held(server) -> EngineGauges:
+    """Waits until neither engine has a request running or waiting or a KV
+    block in use, then checks that every extract reached the engine that ran
+    its request: one sent to the other engine leaves its request's KV blocks
+    parked on the first, until a step there frees them and logs it (the
+    gauges' refresh gives such steps). Returns the gauges, which count the
+    completions the refresh sent."""
+    gauges = EngineGauges(server, ranks=(0, 1))
+    gauges.wait_until_nothing_held()
+    log = server.log_path.read_text(errors="replace")
+    assert "whose extract did not come within" not in log
+    assert "no engine recorded" not in log
+    return gauges
+
+
 PROMPTS = [f"Story {i}: once upon a time there was a robot who" for i in range(8)]
 
 
@@ -136,7 +156,7 @@ def test_data_parallel_2_mixed_concurrent_requests_are_exact_on_both_engines(dp2
     served = {e: after[e] - before[e] for e in after}
     assert sum(served.values()) == 9  # n=2 is two engine requests
     assert served["0"] > 0 and served["1"] > 0, served
-    EngineGauges(dp2, ranks=(0, 1)).wait_until_nothing_held()
+    assert_nothing_held(dp2)
 
 
 def completed(server) -> float:
@@ -168,15 +188,16 @@ def test_data_parallel_2_aborts_reach_the_engine_and_nothing_stays_held(dp2, hf_
         r = http.post("/v1/completions", json=body(PROMPTS[1]))
         assert r.status_code == 200, r.text
         check_choice(hf_qwen3, r.json()["choices"][0], "last")
-    gauges = EngineGauges(dp2, ranks=(0, 1))
-    gauges.wait_until_nothing_held()
+    gauges = assert_nothing_held(dp2)
     assert completed(dp2) == before + 1 + gauges.sent
 
 
 def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
     """A stop string is matched in the front-end, which aborts the engine
     request and sends the extract over the trimmed sequence: still exact, and
-    still routed to the request's engine (no fallback logged)."""
+    routed to the engine that generated the request's tokens (vLLM counts the
+    request as finished on the engine whose output finished it: the
+    extract's)."""
     # Both requests compute the whole prompt (their own cache salt: no prefix
     # cache hit on either engine), so the greedy text is the same whichever
     # engine serves each: with a random-weight model near-tied logits can flip
@@ -188,14 +209,17 @@ def test_data_parallel_2_stop_string_extract_goes_to_its_engine(dp2, hf_qwen3):
         assert len(text) >= 4, text
         stop = text[len(text) // 2 : len(text) // 2 + 2]
         stopped = body(PROMPTS[2], max_tokens=8, stop=[stop], cache_salt="stop-request")
+        generated, served = generated_by_engine(dp2), served_by_engine(dp2)
         r = http.post("/v1/completions", json=stopped)
     assert r.status_code == 200, r.text
+    generated_on = [e for e, n in generated_by_engine(dp2).items() if n > generated[e]]
+    served_on = [e for e, n in served_by_engine(dp2).items() if n > served[e]]
+    assert len(generated_on) == 1 and served_on == generated_on, (generated_on, served_on)
     (choice,) = r.json()["choices"]
     assert choice["finish_reason"] == "stop"
     assert len(choice["token_ids"]) < 8
     check_choice(hf_qwen3, choice, "last")
-    EngineGauges(dp2, ranks=(0, 1)).wait_until_nothing_held()
-    assert "no engine recorded" not in dp2.log_path.read_text(errors="replace")
+    assert_nothing_held(dp2)
 
 
 def test_data_parallel_2_openai_client_and_hidden_states_route(dp2, hf_qwen3, qwen3_dir):
@@ -220,7 +244,7 @@ def test_data_parallel_2_openai_client_and_hidden_states_route(dp2, hf_qwen3, qw
             states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
             ref = hf_qwen3.states(hf_tokenize(qwen3_dir, prompt))[layer]
             assert_close(states, ref, f"/v1/hidden_states layer {layer}")
-    EngineGauges(dp2, ranks=(0, 1)).wait_until_nothing_held()
+    assert_nothing_held(dp2)
 
 
 def test_api_server_count_2_is_exact_over_http(api2, hf_qwen3):
