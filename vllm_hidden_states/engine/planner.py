@@ -262,9 +262,11 @@ class CapturePlanner:
         # Requests finished in the step being updated whose extract the engine
         # queues itself once the step's outputs are built (attach).
         self._finished: list[Request] = []
-        # A load-balancing data-parallel front-end must route and count each
-        # extract itself (vllm_hidden_states.frontend.routing): there, the
-        # front-end sends every extract.
+        # The engines of a data-parallel group behind vLLM's load-balancing
+        # client (a MoE model's ranks) leave every extract to the front-end,
+        # which routes it (vllm_hidden_states.frontend.routing). A dense
+        # model's ranks run as independent engines, whose config reads data
+        # parallel size 1: they queue their own.
         parallel = vllm_config.parallel_config
         self._queues_extracts = (
             parallel.data_parallel_size == 1 or parallel.data_parallel_external_lb

@@ -16,6 +16,14 @@ The client registers a sent extract like a request of its own
 routing finds it and the load balancer counts it until its finished output
 arrives; this module only decides the engine.
 
+vLLM runs the data-parallel ranks of a dense model as independent engines
+(their config reads data parallel size 1), and such an engine queues the
+extract of a request that finished there itself. The client then only tracks
+that extract on the engine (:func:`track_queued_extracts`); it sends, and so
+routes, the extracts of requests stopped by a stop string in the front-end,
+and every extract of a MoE model's ranks (which run as one data-parallel
+group).
+
 With one engine per front-end (no DP, or DP with external load balancing)
 none of this is needed: the extract goes to the client's only engine.
 """
@@ -25,10 +33,11 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import EXTRACT_POSITIONS
-from vllm_hidden_states.wire import HiddenStatesExtractRequest, original_id_of
+from vllm_hidden_states.wire import HiddenStatesExtractRequest, extract_id_for, original_id_of
 
 if TYPE_CHECKING:
-    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
 logger = init_logger(__name__)
 
@@ -74,3 +83,23 @@ def route_extracts(
             engine = default_engine
         by_engine[engine].append(extract)
     return list(by_engine.items())
+
+
+def track_queued_extracts(client: "DPLBAsyncMPClient", outputs: "EngineCoreOutputs") -> None:
+    """When a step's outputs reach the load-balancing client, with requests
+    finished in them (patch 0002): an engine that queued a request's extract
+    itself (``EngineCoreOutput.hidden_states_extract_queued``; vLLM runs the
+    data-parallel ranks of a dense model as independent engines, which do) runs
+    it there, and no extract will be sent for it. So the request's kept engine
+    is dropped, and the extract is tracked on it like a sent one: an abort of
+    its request while it runs reaches it (``reqs_in_flight``), and the load
+    balancer counts it until its finished output arrives (``engine_inflight``).
+    """
+    engines = client.hidden_states_engines
+    for output in outputs.outputs:
+        if not output.hidden_states_extract_queued:
+            continue
+        engine = engines.pop(output.request_id, None)
+        if engine is not None:
+            client.reqs_in_flight[extract_id_for(output.request_id)] = engine
+            client.engine_inflight[engine] += 1
