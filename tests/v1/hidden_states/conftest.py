@@ -369,6 +369,29 @@ def engine_core(llm):
     assert not core.scheduler.capture_planner.active
 
 
+def engine_core_request(req_id: str, prompt_token_ids: list[int], sampling_params, spec):
+    """An ``EngineCoreRequest`` as the front-end makes it: ``spec`` is what it
+    asked for, already resolved (``return_hidden_states``); no LoRA, cache
+    salt or data-parallel rank."""
+    import time
+
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=req_id,
+        external_req_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        mm_features=None,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        return_hidden_states=spec,
+    )
+
+
 def token_ids_of(output) -> list[int]:
     """prompt + generated token ids of the first completion of an output."""
     return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)

@@ -6,10 +6,10 @@ import time
 import pytest
 
 from vllm import SamplingParams
-from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine import EngineCoreRequestType
 from vllm_hidden_states.wire import HiddenStatesExtractRequest, HiddenStatesSpec, hand_out_captured
 
-from .conftest import assert_close
+from .conftest import assert_close, engine_core_request
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 211, 33, 8]
 
@@ -25,18 +25,8 @@ def _add(
     """ADD a request as the front-end would send it (``spec``: what it asked for,
     already resolved, on ``EngineCoreRequest.return_hidden_states``; ``stop``:
     stop strings, which only the front-end matches)."""
-    request = EngineCoreRequest(
-        request_id=req_id,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-        return_hidden_states=spec,
-    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
+    request = engine_core_request(req_id, prompt, params, spec)
     req, wave = core.preprocess_add_request(request)
     core.add_request(req, wave)
 

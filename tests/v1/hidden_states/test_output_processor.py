@@ -3,16 +3,16 @@
 the order a busy engine sends them: no engine runs here, so the order is
 exact, not a race."""
 
-import time
-
 import pytest
 
 from vllm import SamplingParams
 from vllm.tokenizers import get_tokenizer
-from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm_hidden_states.frontend.dispatcher import ExtractDispatcher
 from vllm_hidden_states.wire import HiddenStatesSpec
+
+from .conftest import engine_core_request
 
 REQ_ID = "stop-1"
 
@@ -24,18 +24,11 @@ def processor_and_tokens(qwen3_dir):
     ``" alpha beta gamma delta"`` (the stop string is ``"gamma"``)."""
     tokenizer = get_tokenizer(str(qwen3_dir))
     processor = OutputProcessor(tokenizer, log_stats=False)
-    request = EngineCoreRequest(
-        request_id=REQ_ID,
-        external_req_id=REQ_ID,
-        prompt_token_ids=tokenizer.encode("A prompt"),
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=16, temperature=0.0, stop=["gamma"]),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-        return_hidden_states=HiddenStatesSpec(layers=[-1], abs_layers=[2], positions="last"),
+    request = engine_core_request(
+        REQ_ID,
+        tokenizer.encode("A prompt"),
+        SamplingParams(max_tokens=16, temperature=0.0, stop=["gamma"]),
+        HiddenStatesSpec(layers=[-1], abs_layers=[2], positions="last"),
     )
     processor.add_request(request, prompt=None)
     return processor, tokenizer.encode(" alpha beta gamma delta")

@@ -9,15 +9,16 @@ DP=2 server.)
 """
 
 import asyncio
-import time
 from collections import Counter
 from types import SimpleNamespace
 
 from vllm import SamplingParams
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.engine.core_client import DPLBAsyncMPClient
 from vllm_hidden_states.frontend.routing import remember_engine, route_extracts
 from vllm_hidden_states.wire import HiddenStatesSpec, extract_for, extract_id_for
+
+from .conftest import engine_core_request
 
 # Engine identities as vLLM's client makes them: the rank, 2 bytes little-endian.
 ENGINE_0, ENGINE_1 = (0).to_bytes(2, "little"), (1).to_bytes(2, "little")
@@ -33,19 +34,7 @@ def _client_with_request_on(engine: bytes) -> SimpleNamespace:
         engine_inflight=Counter({engine: 1}),
         hidden_states_engines={},
     )
-    request = EngineCoreRequest(
-        request_id=REQ_ID,
-        external_req_id=REQ_ID,
-        prompt_token_ids=[1, 2, 3],
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=4),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-        return_hidden_states=SPEC,
-    )
+    request = engine_core_request(REQ_ID, [1, 2, 3], SamplingParams(max_tokens=4), SPEC)
     remember_engine(client.hidden_states_engines, request, engine)
     return client
 
