@@ -16,6 +16,7 @@ from vllm_hidden_states.worker.capture_points import (
 from .conftest import (
     COMMON_ENGINE_ARGS,
     LLM_MAX_ROWS,
+    HFReference,
     assert_close,
     model_of,
     token_ids_of,
@@ -110,13 +111,14 @@ def test_engine_without_the_flag_installs_no_capture_points(qwen3_dir, monkeypat
 
 @pytest.fixture(scope="module")
 def llm_ngram(qwen3_dir):
-    """n-gram speculative decoding next to hidden states (EngineCore in its
-    own process)."""
+    """n-gram speculative decoding next to hidden states, every point
+    capturable (EngineCore in its own process)."""
     from vllm import LLM
 
     engine = LLM(
         model=str(qwen3_dir),
         enable_hidden_states=True,
+        hidden_states_points="all",
         enforce_eager=True,
         max_model_len=512,
         speculative_config={
@@ -157,6 +159,48 @@ def test_ngram_speculative_decoding_keeps_states_exact(llm_ngram, hf_qwen3, posi
         else:
             want = ref[layer][: len(out.prompt_token_ids)]
         assert_close(got, want, f"{positions} layer {layer}")
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3_eager(qwen3_dir) -> HFReference:
+    """HF with eager attention: the one that returns attention weights."""
+    hf = HFReference(qwen3_dir)
+    hf.model.set_attn_implementation("eager")
+    return hf
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_ngram_speculative_decoding_keeps_points_and_patterns_exact(
+    llm_ngram, hf_qwen3_eager, positions
+):
+    """Draft rows never reach a point's buffer either: every kind of point,
+    attention patterns included, equals HF on the tokens kept."""
+    from .test_patterns import hf_patterns
+
+    hf = hf_qwen3_eager
+    n = hf.num_layers
+    kinds = ("attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post")
+    points = [f"{kind}.{i}" for kind in kinds for i in range(n)]
+    points += [f"attn_pattern.{i}" for i in range(n)]
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        return_hidden_states=True,
+        hidden_states_points=points,
+        hidden_states_positions=positions,
+    )
+    (out,) = llm_ngram.generate([NGRAM_PROMPT], params, use_tqdm=False)
+    ids = token_ids_of(out)
+    states = out.outputs[0].hidden_states
+    assert list(states) == points
+    rows = slice(None) if positions == "all" else slice(-1, None)
+    ref = hf.points(ids)
+    patterns = hf_patterns(hf, ids)
+    for address, got in states.items():
+        kind, i = address.split(".")
+        want = patterns[int(i)][:, rows] if kind == "attn_pattern" else ref[address][rows]
+        assert got.shape == want.shape, (address, got.shape, want.shape)
+        assert_close(got, want, f"n-gram {positions} {address}")
 
 
 def test_untested_speculative_methods_are_refused_at_start(qwen3_dir):
