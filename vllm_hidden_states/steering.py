@@ -569,6 +569,40 @@ def check_steering(
     return wire
 
 
+def read_after_steering(
+    wire: list[dict[str, Any]], points: list[Any] | None, num_layers: int
+) -> str | None:
+    """Why a request's points cannot be read as asked beside its steering, or
+    None: ``resid_post.i`` (below the last layer) is captured where the
+    stream enters layer ``i + 1``, after any intervention at
+    ``resid_pre.(i+1)``, where TransformerLens reads ``hook_resid_post``
+    before it. ``wire``: :func:`check_steering`'s result; ``points``: the
+    request's ``hidden_states_points`` (validated)."""
+    steered = {
+        int(item["point"].split(".")[1]): i
+        for i, item in enumerate(wire)
+        if item["point"].startswith("resid_pre.")
+    }
+    for address in points or ():
+        try:
+            kind, layer = parse_point(address, num_layers)
+        except ValueError:
+            continue
+        i = steered.get(layer + 1)
+        if kind == "resid_post" and i is not None:
+            return (
+                f"steering[{i}] writes resid_pre.{layer + 1} and hidden_states_points "
+                f"asks {address!r}: both are the stream between layers {layer} and "
+                f"{layer + 1}, which this engine reads once, after that intervention, "
+                f"so {address!r} would come steered where it comes before the "
+                f"intervention in the network. Steer at resid_post.{layer} instead "
+                f"(the same intervention, read steered under both names), or ask "
+                f"resid_mid.{layer} and mlp_out.{layer} (their sum is resid_post.{layer} "
+                "before it)"
+            )
+    return None
+
+
 def steering_digest(wire: list[dict[str, Any]]) -> str:
     """A digest of a resolved steering list (points, ops, vectors, strengths,
     positions): equal for equal steering, the suffix of the request's

@@ -12,6 +12,7 @@ from vllm_hidden_states.steering import (
     STEERABLE_KINDS,
     SteeringConfig,
     check_steering,
+    read_after_steering,
     read_vector_names,
     salted,
     steerable_ids,
@@ -144,6 +145,30 @@ def test_interventions_keep_their_list_order():
 
 
 # -- check_steering: refusals ------------------------------------------------
+
+
+@pytest.mark.parametrize("asked", ["resid_post.1", "blocks.1.hook_resid_post", "resid_post.-3"])
+def test_resid_post_asked_beside_steering_at_the_next_resid_pre_is_refused(asked):
+    """resid_post.1 is read where resid_pre.2 is steered, after the
+    intervention; TransformerLens reads it before."""
+    problem = read_after_steering(check([add("blocks.2.hook_resid_pre")]), [asked], L)
+    assert problem is not None
+    assert f"steering[0] writes resid_pre.2 and hidden_states_points asks {asked!r}" in problem
+    assert "Steer at resid_post.1 instead" in problem
+    assert "ask resid_mid.1 and mlp_out.1" in problem
+
+
+@pytest.mark.parametrize(
+    "steered, asked",
+    [
+        ("resid_post.1", ["resid_post.1", "resid_pre.2"]),  # read after it, as in TL
+        ("resid_pre.2", ["resid_pre.2", "resid_post.2", "resid_mid.1", "mlp_out.1"]),
+        ("resid_pre.1", ["resid_post.1", "resid_post.3"]),
+        ("attn_out.2", ["resid_post.1", "attn_out.2"]),
+    ],
+)
+def test_points_read_where_tl_reads_them_beside_steering_are_allowed(steered, asked):
+    assert read_after_steering(check([add(steered)]), asked, L) is None
 
 
 @pytest.mark.parametrize("value", [None, [], (), "resid_pre.1", {"point": "resid_pre.1"}])

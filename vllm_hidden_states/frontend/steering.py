@@ -17,6 +17,7 @@ from vllm_hidden_states.steering import (
     ENABLE_STEERING_HINT,
     SteeringConfig,
     check_steering,
+    read_after_steering,
     salted,
 )
 
@@ -50,5 +51,9 @@ def resolve_steering(
         )
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="steering") from None
+    if params.return_hidden_states:
+        problem = read_after_steering(wire, params.hidden_states_points, cfg.num_layers)
+        if problem is not None:
+            raise VLLMValidationError(problem, parameter="steering")
     params.steering = wire
     return salted(cache_salt, wire)

@@ -18,6 +18,7 @@ on the same token ids.
 """
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,7 +119,21 @@ class HFReference:
     def steered_states(
         self, token_ids: list[int], interventions: list[dict]
     ) -> tuple[torch.Tensor, ...]:
-        """:meth:`states` with ``interventions`` applied by forward hooks on
+        """:meth:`states` with ``interventions`` applied (:meth:`steering`)."""
+        with self.steering(interventions):
+            return self.states(token_ids)
+
+    @torch.inference_mode()
+    def steered_points(self, token_ids: list[int], interventions: list[dict]) -> dict:
+        """:meth:`points` with ``interventions`` applied (:meth:`steering`):
+        a point steered is read after its intervention, as the engine
+        captures it."""
+        with self.steering(interventions):
+            return self.points(token_ids)
+
+    @contextmanager
+    def steering(self, interventions: list[dict]) -> Iterator[None]:
+        """``interventions`` applied by forward hooks on
         HF's own modules, in place (so HF's recorded states are the steered
         ones, as the engine captures after steering), each at its positions
         ``start .. end - 1``. An intervention: ``{"point": "kind.i", "op":
@@ -188,7 +203,7 @@ class HFReference:
                 assert kind == "resid_post", kind
                 on_output(layer, item)
         try:
-            return self.states(token_ids)
+            yield
         finally:
             for handle in handles:
                 handle.remove()

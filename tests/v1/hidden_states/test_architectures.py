@@ -381,6 +381,42 @@ def test_every_steerable_kind_matches_hf_hooks(arch, op):
     assert_every_layer_matches_hf(outs[-1], hf, "all", f"{arch} unsteered beside steered")
 
 
+def test_points_are_captured_after_the_steering_at_them(arch):
+    """One request adding at every kind of point of the middle layer after
+    its resid_pre (four: the engine's default --max-steering) while capturing
+    every point of every layer: a point steered is captured with its
+    intervention, and the points after it carry it on. (Steering resid_pre.i
+    beside resid_post.(i-1) is refused: test_steering.py.)"""
+    llm, hf = engine_for(arch)
+    layer = hf.num_layers // 2
+    kinds = [k for k in steerable_kinds(hf) if k != "resid_pre"]
+    steering = [
+        {"point": f"{kind}.{layer}", "vector": random_vector(hf, 200 + j), "strength": STRENGTH}
+        for j, kind in enumerate(kinds)
+    ]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_points=every_point(hf),
+        hidden_states_positions="all",
+        steering=[{**item, "vector": item["vector"].tolist()} for item in steering],
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    ids = token_ids_of(out)
+    reference = hf.steered_points(ids, [as_reference(item) for item in steering])
+    plain = hf.points(ids)
+    states = out.outputs[0].hidden_states
+    assert list(states) == every_point(hf)
+    for address, tensor in states.items():
+        name = _kind_layer(address)
+        assert_close(tensor, reference[name], f"{arch} steered {name}")
+    for item in steering:  # each steered point differs from the plain one
+        name = item["point"]
+        changed = (reference[name] - plain[name]).abs().max() / plain[name].abs().max()
+        assert changed > 1e-2, f"{arch}: steering changed {name} by only {changed:.1e}"
+
+
 def test_compiled_engine_steers_like_hf_hooks(compiled_arch):
     llm, hf = engine_for(compiled_arch, compiled=True)
     steering = [

@@ -288,6 +288,24 @@ def test_a_bad_intervention_fails_alone_and_the_engine_keeps_serving(llm, hf_qwe
     assert_plain(out, hf_qwen3, "after a refused request")
 
 
+def test_resid_post_beside_steering_at_the_next_resid_pre_is_a_clear_refusal(llm, hf_qwen3):
+    """resid_post.1 would be read after the intervention at resid_pre.2 (one
+    place in the stream); steering at resid_post.1 reads it steered, as
+    TransformerLens does."""
+    v = vector(hf_qwen3, 7).tolist()
+    asks = dict(max_tokens=2, return_hidden_states=True, hidden_states_points=["resid_post.1"])
+    bad = SamplingParams(steering=[{"point": "resid_pre.2", "vector": v}], **asks)
+    with pytest.raises(VLLMValidationError, match=r"Steer at resid_post\.1 instead"):
+        llm.generate([PROMPT], bad, use_tqdm=False)
+    good = SamplingParams(steering=[{"point": "resid_post.1", "vector": v}], **asks)
+    (out,) = llm.generate([PROMPT], good, use_tqdm=False)
+    ids = token_ids_of(out)
+    item = {"point": "resid_post.1", "op": "add", "vector": torch.tensor(v), "strength": 1.0}
+    reference = hf_qwen3.steered_points(ids, [{**item, "start": 0, "end": None}])
+    got = out.outputs[0].hidden_states["resid_post.1"]
+    assert_close(got, reference["resid_post.1"][-1:], "resid_post.1 steered there")
+
+
 def test_an_engine_without_steering_refuses_it_naming_the_flag(llm_compiled):
     p = SamplingParams(max_tokens=2, steering=[{"point": "resid_pre.0", "vector": [1.0]}])
     with pytest.raises(VLLMValidationError, match="enable-steering"):
