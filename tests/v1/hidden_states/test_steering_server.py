@@ -252,6 +252,17 @@ def test_too_many_interventions_are_refused_naming_the_limit(http):
     assert_steering_error(r, "at most 4", "--max-steering")
 
 
+def test_resid_post_beside_steering_at_the_next_resid_pre_is_a_400(http):
+    """resid_post.0 would come after the intervention at resid_pre.1 (POINT)."""
+    r = http.post(
+        "/v1/completions",
+        json=completion(
+            steering=[add()], return_hidden_states=True, hidden_states_points=["resid_post.0"]
+        ),
+    )
+    assert_steering_error(r, "Steer at resid_post.0 instead", "resid_mid.0 and mlp_out.0")
+
+
 def test_steering_that_is_not_a_list_is_refused_with_an_example(http):
     r = http.post("/v1/chat/completions", json=dict(model=MODEL, messages=MESSAGES, steering={}))
     assert_steering_error(r, "non-empty list of interventions")
