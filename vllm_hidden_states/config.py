@@ -576,6 +576,7 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
         raise ValueError(f"--sae-layer must be an integer (HF convention), got {layer!r}")
     point = None
+    layer_given = layer
     if layer is None:
         layer = layer_of_hook(_cfg_value(cfg, "hook_name"))
         point = point_of_hook(_cfg_value(cfg, "hook_name"))
@@ -594,6 +595,9 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
         "path": str(root),
         "layer": None if layer is None else int(layer),
         "point": point,
+        # The hook the layer or point was read from (None with --sae-layer):
+        # steering beside it needs to know resid_post.i from resid_pre.(i+1).
+        "hook_name": _cfg_value(cfg, "hook_name") if layer_given is None else None,
         "d_in": cfg["d_in"],
         "d_sae": cfg["d_sae"],
         "name": root.name,

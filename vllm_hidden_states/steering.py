@@ -51,6 +51,7 @@ This module imports nothing from vLLM at module level.
 import hashlib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -570,37 +571,59 @@ def check_steering(
 
 
 def read_after_steering(
-    wire: list[dict[str, Any]], points: list[Any] | None, num_layers: int
+    wire: list[dict[str, Any]],
+    points: list[Any] | None,
+    num_layers: int,
+    sae_hook: str | None = None,
+    sae_features: bool = False,
 ) -> str | None:
-    """Why a request's points cannot be read as asked beside its steering, or
-    None: ``resid_post.i`` (below the last layer) is captured where the
+    """Why what a request reads cannot be read as asked beside its steering,
+    or None: ``resid_post.i`` (below the last layer) is captured where the
     stream enters layer ``i + 1``, after any intervention at
     ``resid_pre.(i+1)``, where TransformerLens reads ``hook_resid_post``
     before it. ``wire``: :func:`check_steering`'s result; ``points``: the
-    request's ``hidden_states_points`` (validated)."""
+    request's ``hidden_states_points`` (validated); ``sae_hook``: the hook
+    name of the engine's SAE, if any; ``sae_features``: whether the request
+    asks its features. A clamp sits at the SAE's hook: one at
+    ``hook_resid_post.i`` comes before what reads resid_post.i."""
+    post = SAE_RESID_POST.match(sae_hook or "")
     steered = {
         int(item["point"].split(".")[1]): i
         for i, item in enumerate(wire)
         if item["point"].startswith("resid_pre.")
+        and not (item["op"] == "clamp_sae_feature" and post is not None)
     }
+    reads: list[tuple[str, int, str]] = []  # (kind, layer, who reads it)
     for address in points or ():
         try:
-            kind, layer = parse_point(address, num_layers)
+            point = parse_point(address, num_layers)
         except ValueError:
             continue
+        reads.append((point[0], point[1], f"hidden_states_points asks {address!r}"))
+    if sae_features and post is not None:
+        reads.append(("resid_post", int(post[1]), f"sae_features reads the SAE at {sae_hook!r}"))
+    for kind, layer, reader in reads:
         i = steered.get(layer + 1)
-        if kind == "resid_post" and i is not None:
+        if kind == "resid_post" and layer + 1 < num_layers and i is not None:
+            other = (
+                f", or ask resid_mid.{layer} and mlp_out.{layer} (their sum is "
+                f"resid_post.{layer} before it)"
+                if reader.startswith("hidden_states_points")
+                else ""
+            )
             return (
-                f"steering[{i}] writes resid_pre.{layer + 1} and hidden_states_points "
-                f"asks {address!r}: both are the stream between layers {layer} and "
-                f"{layer + 1}, which this engine reads once, after that intervention, "
-                f"so {address!r} would come steered where it comes before the "
-                f"intervention in the network. Steer at resid_post.{layer} instead "
-                f"(the same intervention, read steered under both names), or ask "
-                f"resid_mid.{layer} and mlp_out.{layer} (their sum is resid_post.{layer} "
-                "before it)"
+                f"steering[{i}] writes resid_pre.{layer + 1} and {reader}: both are "
+                f"the stream between layers {layer} and {layer + 1}, which this engine "
+                "reads once, after that intervention, so it would be read steered where "
+                "it comes before the intervention in the network. Steer at "
+                f"resid_post.{layer} instead (the same intervention, read steered under "
+                f"both names){other}"
             )
     return None
+
+
+# An SAE's hook name that reads resid_post.i (layer i + 1 of HF's indexing).
+SAE_RESID_POST = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
 
 
 def steering_digest(wire: list[dict[str, Any]]) -> str:

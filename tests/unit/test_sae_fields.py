@@ -125,11 +125,13 @@ def test_sae_entry_reads_layer_from_hook_or_flag(tmp_path):
         "path": str(path.resolve()),
         "layer": 3,
         "point": None,
+        "hook_name": "blocks.2.hook_resid_post",
         "d_in": 16,
         "d_sae": 8,
         "name": "my-sae",
     }
-    assert sae_entry(str(path), -2)["layer"] == -2
+    given = sae_entry(str(path), -2)
+    assert given["layer"] == -2 and given["hook_name"] is None  # the flag's layer, not the hook's
 
 
 @pytest.mark.parametrize("kind", ["attn_out", "mlp_out", "resid_mid"])

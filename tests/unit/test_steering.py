@@ -158,6 +158,33 @@ def test_resid_post_asked_beside_steering_at_the_next_resid_pre_is_refused(asked
     assert "ask resid_mid.1 and mlp_out.1" in problem
 
 
+def test_sae_features_at_resid_post_beside_steering_at_the_next_resid_pre_are_refused():
+    hook = "blocks.1.hook_resid_post"
+    problem = read_after_steering(check([add("resid_pre.2")]), None, L, hook, sae_features=True)
+    assert problem is not None
+    assert f"sae_features reads the SAE at {hook!r}" in problem
+    assert "Steer at resid_post.1 instead" in problem
+    assert "resid_mid" not in problem  # that way is for points only
+
+
+@pytest.mark.parametrize("hook", ["blocks.2.hook_resid_pre", "blocks.2.hook_resid_post", None])
+def test_sae_features_read_where_tl_reads_them_beside_steering_are_allowed(hook):
+    assert (
+        read_after_steering(check([add("resid_pre.2")]), None, L, hook, sae_features=True) is None
+    )
+
+
+def test_a_clamp_at_an_sae_on_resid_post_comes_before_what_reads_resid_post():
+    """The clamp's wire point is resid_pre.2 (its capture id), but it sits at
+    the SAE's hook, blocks.1.hook_resid_post: its features and resid_post.1
+    are read after it, as in TransformerLens."""
+    wire = [{"point": "resid_pre.2", "op": "clamp_sae_feature", "sae_feature": 0, "value": 1.0}]
+    hook = "blocks.1.hook_resid_post"
+    assert read_after_steering(wire, ["resid_post.1"], L, hook, sae_features=True) is None
+    # An SAE at blocks.2.hook_resid_pre: the clamp comes after resid_post.1.
+    assert read_after_steering(wire, ["resid_post.1"], L, "blocks.2.hook_resid_pre") is not None
+
+
 @pytest.mark.parametrize(
     "steered, asked",
     [

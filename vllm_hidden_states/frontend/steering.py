@@ -12,7 +12,7 @@ with a ``VLLMValidationError`` (HTTP 400) naming what is allowed.
 
 from typing import TYPE_CHECKING
 
-from vllm_hidden_states.config import built_once
+from vllm_hidden_states.config import HiddenStatesConfig, built_once
 from vllm_hidden_states.steering import (
     ENABLE_STEERING_HINT,
     SteeringConfig,
@@ -51,9 +51,13 @@ def resolve_steering(
         )
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter="steering") from None
-    if params.return_hidden_states:
-        problem = read_after_steering(wire, params.hidden_states_points, cfg.num_layers)
-        if problem is not None:
-            raise VLLMValidationError(problem, parameter="steering")
+    hidden_states = built_once(HiddenStatesConfig, vllm_config)
+    sae_hook = ((hidden_states and hidden_states.sae) or {}).get("hook_name")
+    points = params.hidden_states_points if params.return_hidden_states else None
+    problem = read_after_steering(
+        wire, points, cfg.num_layers, sae_hook, sae_features=params.sae_features is not None
+    )
+    if problem is not None:
+        raise VLLMValidationError(problem, parameter="steering")
     params.steering = wire
     return salted(cache_salt, wire)

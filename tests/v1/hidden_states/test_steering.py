@@ -385,6 +385,58 @@ def test_clamp_sae_feature_matches_hf_hooks(sae_steering, hf_qwen3):
     assert changed > 1e-2, f"the clamp changed resid_pre.2 by only {changed:.1e}"
 
 
+def test_sae_features_at_resid_post_beside_steering_the_next_resid_pre_is_refused(
+    sae_steering, hf_qwen3
+):
+    """The SAE reads blocks.1.hook_resid_post; an add at resid_pre.2 comes
+    after it in the network, but this engine reads both at one place."""
+    llm, _ = sae_steering
+    p = SamplingParams(
+        max_tokens=2,
+        sae_features={"top_k": 3},
+        steering=[{"point": "resid_pre.2", "vector": vector(hf_qwen3, 9).tolist()}],
+    )
+    with pytest.raises(
+        VLLMValidationError, match=r"sae_features reads the SAE at 'blocks\.1\.hook_resid_post'"
+    ):
+        llm.generate([PROMPT], p, use_tqdm=False)
+
+
+def test_a_clamp_then_the_features_of_its_sae_are_served(sae_steering, hf_qwen3):
+    """A clamp sits at the SAE's hook: its features are read after it (the
+    clamped feature of the last token equals the SAE's encoding of HF's
+    clamped stream, not of the plain one)."""
+    llm, sae = sae_steering
+    # The feature whose decoder row its encoder reads most: clamping it
+    # moves its own reading.
+    feature = int((sae["W_dec"] * sae["W_enc"].T).sum(-1).argmax())
+    value = 20.0
+    p = SamplingParams(
+        max_tokens=2,
+        temperature=0.0,
+        sae_features={"top_k": sae["W_dec"].shape[0]},
+        steering=[{"op": "clamp_sae_feature", "sae_feature": feature, "value": value}],
+    )
+    (out,) = llm.generate([PROMPT], p, use_tqdm=False)
+    features = out.outputs[0].sae_features
+    ids, values = torch.as_tensor(features["ids"]), torch.as_tensor(features["values"])
+    got = float(values[ids == feature].sum())
+    item = {"point": "resid_pre.2", "op": "clamp_sae_feature", "sae": sae, "sae_feature": feature}
+    item.update(value=value, start=0, end=None)
+    tokens = token_ids_of(out)
+
+    def encoded(x: torch.Tensor) -> float:
+        w = {k: t.double() for k, t in sae.items()}
+        pre = (x[-1].double() - w["b_dec"]) @ w["W_enc"][:, feature] + w["b_enc"][feature]
+        threshold = w["threshold"][feature] if "threshold" in w else 0.0
+        return float(torch.relu(pre) * (pre > threshold))
+
+    after = encoded(hf_qwen3.steered_states(tokens, [item])[2])
+    before = encoded(hf_qwen3.states(tokens)[2])
+    assert abs(got - after) <= 1e-3 * max(abs(after), 1.0), (got, after, before)
+    assert abs(after - before) > 1e-2, (after, before)
+
+
 def test_add_along_an_sae_feature_is_its_decoder_row(sae_steering, hf_qwen3):
     llm, sae = sae_steering
     row = sae["W_dec"][7].float()
