@@ -417,6 +417,37 @@ def test_points_are_captured_after_the_steering_at_them(arch):
         assert changed > 1e-2, f"{arch}: steering changed {name} by only {changed:.1e}"
 
 
+def test_attention_patterns_are_those_of_the_steered_forward(arch):
+    """Patterns are served by an extract that recomputes every position: it
+    replays the request's steering (an add at attn_out.0), so every later
+    layer's weights are HF eager's under the same hook."""
+    llm, hf = engine_for(arch)
+    steering = [{"point": "attn_out.0", "vector": random_vector(hf, 300), "strength": STRENGTH}]
+    patterns = [f"attn_pattern.{i}" for i in range(hf.num_layers)]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_points=patterns,
+        hidden_states_positions="all",
+        steering=[{**item, "vector": item["vector"].tolist()} for item in steering],
+    )
+    if arch == "olmo2":  # no vLLM attention module: refused
+        with pytest.raises(VLLMValidationError, match="Transformers backend"):
+            llm.generate([PROMPT], params, use_tqdm=False)
+        return
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    ids = torch.tensor([token_ids_of(out)])
+    with hf.steering([as_reference(item) for item in steering]), torch.inference_mode():
+        reference = hf.model(ids, output_attentions=True).attentions
+    with torch.inference_mode():
+        plain = hf.model(ids, output_attentions=True).attentions
+    for i, address in enumerate(patterns):
+        assert_close(out.outputs[0].hidden_states[address], reference[i][0], f"{arch} {address}")
+    moved = (reference[-1] - plain[-1]).abs().max()
+    assert moved > 1e-2, f"{arch}: the steering moved the last layer's weights by only {moved:.1e}"
+
+
 def test_compiled_engine_steers_like_hf_hooks(compiled_arch):
     llm, hf = engine_for(compiled_arch, compiled=True)
     steering = [
