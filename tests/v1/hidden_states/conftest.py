@@ -346,12 +346,13 @@ def llm_compiled(llama_dir):
 def llm_small_kv(qwen3_dir):
     """An engine whose KV cache holds fewer tokens than its concurrent
     requests need, so the scheduler preempts and recomputes (steering on:
-    the recompute replays it)."""
+    the recompute replays it; a point of each kind capturable)."""
     from vllm import LLM
 
     engine = LLM(
         model=str(qwen3_dir),
         enable_hidden_states=True,
+        hidden_states_points="attn_out.1,mlp_post.2,attn_pattern.3",
         enable_steering=True,
         enforce_eager=True,
         max_model_len=256,

@@ -9,7 +9,7 @@ import torch
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from .conftest import assert_close, num_preemptions
+from .conftest import HFReference, assert_close, num_preemptions, token_ids_of
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 # Longer than the engine's token budget (64) and its capture buffers (24 rows).
@@ -217,3 +217,29 @@ def test_preemption_and_recompute_neither_duplicate_nor_lose_rows(llm_small_kv, 
     assert num_preemptions(llm_small_kv) > 0  # the case under test happened
     for out in outs:
         assert_every_position_matches_hf(hf_qwen3, out, [0, -1])
+
+
+def test_preempted_requests_capture_each_kind_of_point_once_per_position(
+    llm_small_kv, hf_qwen3, qwen3_dir
+):
+    """attn_out and MLP neurons captured inline across preemption and
+    recompute, and an attention pattern (its own recomputing extract), for
+    every position: exact, no row twice, none lost."""
+    from .test_patterns import hf_patterns
+
+    points = ["attn_out.1", "mlp_post.2", "attn_pattern.3"]
+    prompts = [f"{PROMPT} number {i}" for i in range(4)]
+    params = all_positions(max_tokens=60, ignore_eos=True, hidden_states_points=points)
+    before = num_preemptions(llm_small_kv)
+    outs = llm_small_kv.generate(prompts, params, use_tqdm=False)
+    assert num_preemptions(llm_small_kv) > before  # the case under test happened
+    eager = HFReference(qwen3_dir)
+    eager.model.set_attn_implementation("eager")
+    for out in outs:
+        ids = token_ids_of(out)
+        states = out.outputs[0].hidden_states
+        reference = hf_qwen3.points(ids)
+        for address in points[:2]:
+            assert states[address].shape[0] == len(ids), address
+            assert_close(states[address], reference[address], f"preempted {address}")
+        assert_close(states["attn_pattern.3"], hf_patterns(eager, ids)[3], "preempted pattern")
