@@ -262,6 +262,34 @@ def test_compiled_engine_matches_hf_at_every_point(compiled_arch):
         assert_every_point_matches_hf(states, ids, hf, positions, f"compiled {compiled_arch}")
 
 
+# Longer than the engines' 64-token budget: its prefill runs in chunks.
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))
+
+
+@pytest.mark.parametrize("positions", ["all", {"start": 10, "end": 90}])
+def test_compiled_engine_points_over_a_chunked_prefill(compiled_arch, positions):
+    """Every point of every layer over a prompt prefilled in chunks (~290
+    tokens, 64 a step), for every position and for a window inside it that
+    spans chunks."""
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        return_hidden_states=True,
+        hidden_states_points=every_point(hf),
+        hidden_states_positions=positions,
+    )
+    (out,) = llm.generate([LONG_PROMPT], params, use_tqdm=False)
+    ids = token_ids_of(out)
+    assert len(out.prompt_token_ids) > COMMON_ENGINE_ARGS["max_num_batched_tokens"]
+    rows = slice(None) if positions == "all" else slice(positions["start"], positions["end"])
+    reference = hf.points(ids)
+    for address, tensor in out.outputs[0].hidden_states.items():
+        expected = reference[_kind_layer(address)][rows]
+        assert_close(tensor, expected, f"compiled {compiled_arch} chunked {address}")
+
+
 def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
     """The pattern point's query/key capture inside the compiled graph (OLMo 2,
     on vLLM's Transformers backend, has no vLLM attention module: refused)."""
