@@ -873,8 +873,8 @@ def num_hidden_layers(vllm_config: "VllmConfig") -> int:
     return int(text_config.num_hidden_layers)
 
 
-# Set to 1 to keep vLLM's async scheduling with hidden states (experimental:
-# for the GPU test tier, until it has been shown exact on a GPU).
+# Set to 0 to run an engine with hidden states without async scheduling
+# (vLLM's default on CUDA, which it keeps otherwise).
 ASYNC_SCHEDULING_ENV = "VLLM_HIDDEN_STATES_ASYNC_SCHEDULING"
 
 
@@ -883,38 +883,42 @@ def async_scheduling_for(requested: bool | None) -> bool | None:
     given what was asked (None: vLLM's default, on for CUDA).
 
     Called from ``EngineArgs.create_engine_config`` (patch 0005) before vLLM
-    resolves its default. Async scheduling plans step N+1 before step N's
-    output is processed; the capture path follows it (output placeholders
-    count as positions) but has not yet been shown exact on a GPU, so it is
-    switched off, with one log line, unless ``VLLM_HIDDEN_STATES_ASYNC_SCHEDULING=1``.
-    Asking for it explicitly (``--async-scheduling``) without that is refused.
+    resolves its default. Capture follows async scheduling (a step is planned
+    before the previous one's output is processed; output placeholders count
+    as positions), so vLLM's choice stands. ``VLLM_HIDDEN_STATES_ASYNC_SCHEDULING=0``
+    switches it off (one log line); it cannot be combined with an explicit
+    ``--async-scheduling``.
     """
     import os
 
     from vllm.logger import init_logger
 
-    logger = init_logger(__name__)
-    if os.environ.get(ASYNC_SCHEDULING_ENV) == "1":
-        logger.warning(
-            "vllm-hidden-states: %s=1: async scheduling left to vLLM (%s); "
-            "experimental with hidden states",
-            ASYNC_SCHEDULING_ENV,
-            "on" if requested else "its default" if requested is None else "off",
-        )
+    if os.environ.get(ASYNC_SCHEDULING_ENV) != "0":
         return requested
     if requested:
         raise ValueError(
-            "--async-scheduling cannot be used with --enable-hidden-states yet "
-            "(not yet shown exact on a GPU): drop --async-scheduling (hidden "
-            f"states switch it off), or set {ASYNC_SCHEDULING_ENV}=1 to try it"
+            f"--async-scheduling contradicts {ASYNC_SCHEDULING_ENV}=0: drop one "
+            f"(unset {ASYNC_SCHEDULING_ENV} to keep vLLM's async scheduling, or drop "
+            "--async-scheduling to run without it)"
         )
-    if requested is None:
-        logger.info(
-            "vllm-hidden-states: async scheduling off (not yet shown exact with "
-            "hidden states on a GPU; %s=1 keeps it)",
-            ASYNC_SCHEDULING_ENV,
-        )
+    init_logger(__name__).info(
+        "vllm-hidden-states: async scheduling off (%s=0)", ASYNC_SCHEDULING_ENV
+    )
     return False
+
+
+def v2_model_runner_unsupported(vllm_config: "VllmConfig") -> list[str]:
+    """What Model Runner V2 cannot do for this engine's hidden states, for
+    ``VllmConfig._get_v2_model_runner_unsupported_features`` (patch 0005):
+    vLLM then runs the V1 runner, or refuses ``VLLM_USE_V2_MODEL_RUNNER=1``.
+
+    Capture and steering run on both runners (patches 0008 and 0010), except
+    pipeline parallelism, whose stage-to-stage hand-over of captured rows is
+    built and tested on the V1 runner only.
+    """
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return ["per-request hidden states with pipeline parallelism (vllm-hidden-states)"]
+    return []
 
 
 def validate_engine_config(vllm_config: "VllmConfig") -> None:
@@ -976,13 +980,6 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
     if vllm_config.model_config.runner_type != "generate":
         problems.append(
             f"runner {vllm_config.model_config.runner_type!r}: hidden states need a generate model"
-        )
-    import vllm.envs as envs
-
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        problems.append(
-            "Model Runner V2 capture is not implemented yet; unset "
-            "VLLM_USE_V2_MODEL_RUNNER (the V1 runner is chosen automatically)"
         )
     sharded = [
         k for k in cfg.layers if is_pattern_id(k, cfg.num_layers) or is_neuron_id(k, cfg.num_layers)

@@ -73,6 +73,7 @@ from vllm_hidden_states.wire import CapturedRows, cat_rows, group_rows, slice_ro
 from vllm_hidden_states.worker.capture_points import CapturePoints
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
+from vllm_hidden_states.worker.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from vllm_hidden_states.engine.planner import CaptureKind, CapturePlan, CaptureStep
@@ -282,27 +283,34 @@ class HiddenStatesCapture:
         if self.plan is not None:
             self.take_carried(intermediate_tensors)
 
-    def arm(self, runner: Any) -> None:
+    def arm(self, runner: Any, input_batch: Any = None) -> None:
         """Right before the forward: arm the rows of this step's plan (one
         forward per plan: the plan is used up here). Steered requests'
-        rows are armed first, whether or not anything is captured."""
-        if self.steering is not None:
-            self.steering.arm(runner, self._scheduled)
+        rows are armed first, whether or not anything is captured.
+        ``input_batch``: Model Runner V2's batch of this step (V1 keeps its
+        own on the runner); read only when something is armed."""
+        steers = self.steering is not None and bool(self.steering.requests)
+        if self.plan is None and not steers:
+            return
+        batch = StepBatch.of(runner, input_batch)
+        if steers:
+            assert self.steering is not None
+            self.steering.arm(batch, self._scheduled)
         if self.plan is None:
             return
         with _inference_mode():
-            self._arm(runner)
+            self._arm(batch, runner.device)
         self.plan = None
 
-    def _arm(self, runner: Any) -> None:
+    def _arm(self, batch: StepBatch, device: torch.device) -> None:
         """Turn the plan into batch rows: each armed request's rows start at
-        its first scheduled token's batch row (``query_start_loc[its
-        index]``) plus the plan's offset. The common step (one group) is a
-        lookup per request and one array; any other checks each request."""
+        its first scheduled token's batch row (``query_start[its index]``)
+        plus the plan's offset. The common step (one group) is a lookup per
+        request and one array; any other checks each request."""
         plan = self.plan
         assert plan is not None  # arm() arms only with a plan
-        index_of = runner.input_batch.req_id_to_index
-        query_start = runner.query_start_loc.np
+        index_of = batch.index_of
+        query_start = batch.query_start
         partial = self._partial
         if plan.one_group and not (partial and any(r in partial for r in plan.req_ids)):
             kind = plan.kinds[0]
@@ -311,7 +319,7 @@ class HiddenStatesCapture:
                 row0 = row0 + np.array(plan.offsets, dtype=np.int64)
             rows = _ranges(row0, plan.counts)
             self._group = _ArmedGroup(plan.req_ids, plan.counts, kind.layers)
-            self._arm_rows(runner, rows, self._asked([kind]), [kind.buffered], [len(rows)])
+            self._arm_rows(device, rows, self._asked([kind]), [kind.buffered], [len(rows)])
             return
         # Per armed request: its entry in the plan, first batch row and count.
         entries: list[int] = []
@@ -348,7 +356,7 @@ class HiddenStatesCapture:
             offset += count
             self._armed.append(armed)
         self._arm_rows(
-            runner, _ranges(first_rows, counts), self._asked(armed_kinds), buffered, counts
+            device, _ranges(first_rows, counts), self._asked(armed_kinds), buffered, counts
         )
 
     def _asked(self, kinds: "list[CaptureKind]") -> set[int]:
@@ -364,7 +372,7 @@ class HiddenStatesCapture:
 
     def _arm_rows(
         self,
-        runner: Any,
+        device: torch.device,
         rows: np.ndarray,
         asked: set[int],
         buffered: list[bool],
@@ -378,7 +386,7 @@ class HiddenStatesCapture:
             self.points.arm(rows, asked)
             self._rows = self.points.rows[: len(rows)]
             return
-        self._rows = torch.from_numpy(rows).to(runner.device) if self._wants_final else None
+        self._rows = torch.from_numpy(rows).to(device) if self._wants_final else None
         if inner_count:
             assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
@@ -598,17 +606,20 @@ class HiddenStatesCapture:
             self._pattern_history.pop(req_id, None)
             self._ready_patterns.pop(req_id, None)
 
-    def attach(self, output: Any, async_scheduling: bool) -> None:
+    def attach(self, output: Any, async_output: bool) -> None:
         """Once ``sample_tokens`` built the ``ModelRunnerOutput``: put the
         finished captures (and SAE features) on it.
 
-        Sync scheduling: vLLM has synchronized the stream before the output
-        leaves the worker; the copies' event is waited on anyway (free by
-        then). Async scheduling: vLLM wraps the output in an
-        ``AsyncGPUModelRunnerOutput`` whose copy stream waits on the current
+        ``async_output``: the output leaves the worker through vLLM's async
+        output (Model Runner V1 under async scheduling:
+        ``AsyncGPUModelRunnerOutput``; Model Runner V2 always: ``AsyncOutput``,
+        built right after this call). Its copy stream waits on the current
         stream, where the rows' copies were issued before it, and its
         ``get_output`` waits for that stream: the rows are complete when the
-        output is read, without a wait in the step.
+        output is read, without a wait in the step. Otherwise (V1, sync
+        scheduling) vLLM has synchronized the stream before the output
+        leaves the worker; the copies' event is waited on anyway (free by
+        then).
         """
         if not self._ready and self._ready_group is None:
             return
@@ -624,7 +635,7 @@ class HiddenStatesCapture:
                 captured.patterns = patterns
             groups.append(group_rows(captured, req_id))
         output.captured = groups
-        if async_scheduling:
+        if async_output:
             self.copies.take_event()  # ordered by vLLM's copy stream instead
         else:
             self.copies.wait()

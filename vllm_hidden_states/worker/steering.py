@@ -64,6 +64,7 @@ from vllm_hidden_states.worker.capture_points import (
     register_custom_op,
     stream_args_of,
 )
+from vllm_hidden_states.worker.step_batch import StepBatch
 
 logger = init_logger(__name__)
 
@@ -619,7 +620,7 @@ class Steering:
                     self.table.give_back(req_id)
                     self._stretches = None
 
-    def arm(self, runner: Any, num_scheduled: dict[str, int]) -> None:
+    def arm(self, batch: StepBatch, num_scheduled: dict[str, int]) -> None:
         """Right before the forward: the rows of every steered request in the
         batch, at each of its points (no-op when none is in the batch).
 
@@ -628,7 +629,7 @@ class Steering:
         stretch, whatever its length."""
         if not self.requests:
             return
-        index_of = runner.input_batch.req_id_to_index
+        index_of = batch.index_of
         missing = [
             r
             for r, q in self.requests.items()
@@ -653,8 +654,8 @@ class Steering:
         if not live.any():
             return
         i = idx[live]
-        query_start = runner.query_start_loc.np
-        p0 = runner.input_batch.num_computed_tokens_cpu[i].astype(np.int64)
+        query_start = batch.query_start
+        p0 = batch.num_computed[i].astype(np.int64)
         row0 = query_start[i].astype(np.int64)
         p1 = p0 + (query_start[i + 1] - query_start[i])
         lo = np.maximum(start[live], p0)
