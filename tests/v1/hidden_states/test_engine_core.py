@@ -31,21 +31,28 @@ def _add(
     core.add_request(req, wave)
 
 
-def _run(core, req_ids: set[str], max_steps: int = 200) -> dict:
-    """Step until every id in req_ids has a finished output; outputs by id."""
+def _run(core, req_ids: set[str], max_steps: int = 400, drain: bool = True) -> dict:
+    """Step as the engine's busy loop does (``step_fn``: with async scheduling,
+    through the batch queue) until every id in req_ids has a finished output
+    and (``drain``) the engine is idle again; outputs by id."""
     finished, tokens = {}, {r: [] for r in req_ids}
     for _ in range(max_steps):
-        outputs, _ = core.step()
-        for outs in outputs.values():
+        outputs, _ = core.step_fn()
+        for outs in (outputs or {}).values():
             hand_out_captured(outs)  # what the client does right after decoding
-        for eco in (o for outs in outputs.values() for o in outs.outputs):
+        for eco in (o for outs in (outputs or {}).values() for o in outs.outputs):
             if eco.request_id in tokens:
                 tokens[eco.request_id] += eco.new_token_ids
                 if eco.finished:
                     finished[eco.request_id] = eco
-        if finished.keys() == req_ids:
+        if finished.keys() == req_ids and not (drain and _busy(core)):
             return {r: (finished[r], tokens[r]) for r in req_ids}
     raise AssertionError(f"not finished after {max_steps} steps: {req_ids - finished.keys()}")
+
+
+def _busy(core) -> bool:
+    """Requests left to schedule, or (async scheduling) a step in flight."""
+    return core.scheduler.has_unfinished_requests() or bool(core.batch_queue)
 
 
 def last_final_layer(hf) -> HiddenStatesSpec:
@@ -68,6 +75,7 @@ def test_request_type_has_hidden_states_extract_member():
     assert len({t.value for t in EngineCoreRequestType}) == len(EngineCoreRequestType)
 
 
+@pytest.mark.four_modes
 def test_extract_after_generation_returns_last_token_states(engine_core, hf_qwen3):
     _add(engine_core, "gen-1", PROMPT, max_tokens=6)
     _, generated = _run(engine_core, {"gen-1"})["gen-1"]
@@ -82,6 +90,7 @@ def test_extract_after_generation_returns_last_token_states(engine_core, hf_qwen
         assert_close(eco.captured.hidden[row], ref[layer][-1:], f"layer {layer}")
 
 
+@pytest.mark.four_modes
 def test_extract_all_positions_spans_chunked_prefill(engine_core, hf_qwen3):
     sequence = (PROMPT * 15)[:150]  # > max_num_batched_tokens=64: three chunks
     final = hf_qwen3.num_layers
@@ -140,11 +149,13 @@ def test_engine_serves_after_rejected_extract(engine_core, hf_qwen3):
 NEVER = ["never produced by the tiny model"]
 
 
+@pytest.mark.four_modes
 def test_engine_queues_the_extract_of_a_request_finished_by_length(engine_core, hf_qwen3):
     scheduler = engine_core.scheduler
     prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail
     _add(engine_core, "own-1", prompt, max_tokens=5, spec=last_final_layer(hf_qwen3))
-    eco, generated = _run(engine_core, {"own-1"})["own-1"]
+    # Not drained: the engine queued the extract, and the next step runs it.
+    eco, generated = _run(engine_core, {"own-1"}, drain=False)["own-1"]
     sequence = prompt + generated
 
     assert eco.hidden_states_extract_queued  # the front-end holds it, sends nothing
@@ -177,6 +188,7 @@ def test_engine_leaves_plain_requests_without_an_extract(engine_core):
     assert "plain-2-hs" not in engine_core.scheduler.requests
 
 
+@pytest.mark.four_modes
 def test_last_extract_takes_over_the_finished_requests_kv_blocks(engine_core, hf_qwen3):
     hs = engine_core.scheduler.capture_planner
     prompt = (PROMPT * 12)[:130]  # not a multiple of the block size: a partial tail

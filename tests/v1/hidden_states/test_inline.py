@@ -4,6 +4,7 @@ captured in the request's own forwards (prompt rows in its prefill, each
 generated position in the decode step that feeds it); only the final token
 goes through a one-token extract. Streamed per output with DELTA."""
 
+import pytest
 import torch
 
 from vllm import SamplingParams
@@ -49,6 +50,7 @@ def test_all_positions_at_embedding_middle_and_final_layers(llm, hf_qwen3):
     assert_nothing_held(llm)
 
 
+@pytest.mark.four_modes
 def test_all_positions_of_a_prompt_longer_than_the_token_budget(llm, hf_qwen3):
     (out,) = llm.generate(
         [LONG_PROMPT], all_positions(hidden_states_layers=[1, -1]), use_tqdm=False
@@ -80,6 +82,7 @@ def test_all_positions_request_skips_prefix_cache_reads_and_stays_exact(llm, hf_
         assert_every_position_matches_hf(hf_qwen3, out, [-2])
 
 
+@pytest.mark.four_modes
 def test_each_of_n_children_gets_every_position_of_its_own_sequence(llm, hf_qwen3):
     params = all_positions(n=2, temperature=1.0, seed=11, hidden_states_layers=[2, -1])
     (out,) = llm.generate([PROMPT], params, use_tqdm=False)
@@ -88,6 +91,7 @@ def test_each_of_n_children_gets_every_position_of_its_own_sequence(llm, hf_qwen
         assert_every_position_matches_hf(hf_qwen3, out, [2, -1], index)
 
 
+@pytest.mark.four_modes
 def test_stop_string_drops_the_rows_past_the_trimmed_output(llm, hf_qwen3):
     (probe,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     text = probe.outputs[0].text
@@ -159,6 +163,7 @@ def test_the_final_token_costs_one_token_on_the_requests_own_kv_blocks(llm):
 # DELTA streaming
 
 
+@pytest.mark.four_modes
 def test_delta_outputs_concatenate_to_the_non_streamed_result_bit_for_bit(llm):
     layers = [0, -1]
     (whole,) = llm.generate(
@@ -184,6 +189,7 @@ def test_delta_outputs_concatenate_to_the_non_streamed_result_bit_for_bit(llm):
         assert torch.equal(joined, whole.outputs[0].hidden_states[layer])
 
 
+@pytest.mark.four_modes
 def test_each_delta_carries_the_positions_fed_since_the_previous_one(llm):
     engine = llm.llm_engine
     engine.add_request(
@@ -210,6 +216,7 @@ def test_each_delta_carries_the_positions_fed_since_the_previous_one(llm):
 # preemption
 
 
+@pytest.mark.four_modes
 def test_preemption_and_recompute_neither_duplicate_nor_lose_rows(llm_small_kv, hf_qwen3):
     prompts = [f"{PROMPT} number {i}" for i in range(4)]
     params = all_positions(max_tokens=60, ignore_eos=True, hidden_states_layers=[0, -1])
@@ -219,6 +226,7 @@ def test_preemption_and_recompute_neither_duplicate_nor_lose_rows(llm_small_kv, 
         assert_every_position_matches_hf(hf_qwen3, out, [0, -1])
 
 
+@pytest.mark.four_modes
 def test_preempted_requests_capture_each_kind_of_point_once_per_position(
     llm_small_kv, hf_qwen3, qwen3_dir
 ):

@@ -24,6 +24,7 @@ def generate(llm, prompts, params):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+@pytest.mark.four_modes
 def test_last_token_states_match_hf_at_embedding_middle_and_final_layers(llm, hf_qwen3):
     (out,) = generate(llm, [PROMPT], greedy(hidden_states_layers=[0, 2, -2, -1]))
     states = out.outputs[0].hidden_states
@@ -43,6 +44,7 @@ def test_default_layer_is_final_post_norm_state(llm, hf_qwen3):
     )
 
 
+@pytest.mark.four_modes
 def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
     (out,) = generate(
         llm, [PROMPT], greedy(hidden_states_layers=[1, -1], hidden_states_positions="all")
@@ -55,6 +57,7 @@ def test_all_positions_cover_prompt_and_output(llm, hf_qwen3):
 
 
 @pytest.mark.parametrize("positions", ["last", "all"])
+@pytest.mark.four_modes
 def test_prompt_longer_than_batch_budget_is_chunked_and_exact(llm, hf_qwen3, positions):
     params = greedy(hidden_states_layers=[-2, 1], hidden_states_positions=positions)
     (out,) = generate(llm, [LONG_PROMPT], params)
@@ -66,6 +69,7 @@ def test_prompt_longer_than_batch_budget_is_chunked_and_exact(llm, hf_qwen3, pos
         assert_close(tensor, expected, f"{positions} layer {layer}")
 
 
+@pytest.mark.four_modes
 def test_same_prompt_twice_hits_prefix_cache_with_identical_states(llm, hf_qwen3):
     prompt = LONG_PROMPT + " Prefix cache run."
     (first,) = generate(llm, [prompt], greedy(hidden_states_layers=[-1, 2]))
@@ -80,6 +84,7 @@ def test_same_prompt_twice_hits_prefix_cache_with_identical_states(llm, hf_qwen3
         )
 
 
+@pytest.mark.four_modes
 def test_each_of_n_children_gets_its_own_sequence_states(llm, hf_qwen3):
     params = SamplingParams(
         n=2,
@@ -99,6 +104,7 @@ def test_each_of_n_children_gets_its_own_sequence_states(llm, hf_qwen3):
             assert_close(child.hidden_states[layer], ref[layer][-1:], f"child {child.index}")
 
 
+@pytest.mark.four_modes
 def test_batch_mixing_requests_with_and_without_states(llm, hf_qwen3):
     prompts = [PROMPT, "Hello world! How are you today?", LONG_PROMPT, "Paris is"]
     params = [greedy(hidden_states_layers=[2]), SamplingParams(temperature=0.0, max_tokens=8)] * 2
@@ -112,6 +118,7 @@ def test_batch_mixing_requests_with_and_without_states(llm, hf_qwen3):
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT])
+@pytest.mark.four_modes
 def test_prompt_positions_come_from_the_requests_own_prefill(llm, hf_qwen3, prompt):
     params = greedy(max_tokens=5, hidden_states_layers=[-2, 0], hidden_states_positions="prompt")
     (out,) = generate(llm, [prompt], params)
@@ -135,6 +142,7 @@ def test_prompt_positions_are_complete_on_a_prefix_cache_hit(llm, hf_qwen3):
     )
 
 
+@pytest.mark.four_modes
 def test_finish_by_eos_returns_state_of_the_eos_token(llm, hf_qwen3):
     eos = llm.get_tokenizer().eos_token_id
     params = greedy(min_tokens=3, logit_bias={eos: 100.0}, max_tokens=20)
@@ -145,6 +153,7 @@ def test_finish_by_eos_returns_state_of_the_eos_token(llm, hf_qwen3):
     assert_close(completion.hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "eos")
 
 
+@pytest.mark.four_modes
 def test_finish_by_stop_token_ids_returns_state_of_the_stop_token(llm, hf_qwen3):
     (free,) = generate(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8))
     stop_id = free.outputs[0].token_ids[3]
@@ -155,6 +164,7 @@ def test_finish_by_stop_token_ids_returns_state_of_the_stop_token(llm, hf_qwen3)
     assert_close(completion.hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "stop id")
 
 
+@pytest.mark.four_modes
 def test_finish_by_stop_string_uses_the_trimmed_token_list(llm, hf_qwen3):
     # Own cache salts: both prefills compute the whole prompt, so the greedy
     # text (random weights, near-tied logits) cannot differ between them.
@@ -220,6 +230,7 @@ def test_engine_keeps_serving_after_rejected_request(llm, hf_qwen3):
     assert_close(out.outputs[0].hidden_states[-1], hf_qwen3.last(token_ids_of(out), -1), "after")
 
 
+@pytest.mark.four_modes
 def test_abort_while_extract_pending_leaves_nothing_held(llm):
     engine = llm.llm_engine
     engine.add_request("abort-me", LONG_PROMPT, greedy(max_tokens=2, hidden_states_positions="all"))

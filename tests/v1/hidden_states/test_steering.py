@@ -99,6 +99,7 @@ def assert_plain(out, hf, what: str):
         assert_close(out.outputs[0].hidden_states[layer], reference[layer], f"{what} {layer}")
 
 
+@pytest.mark.four_modes
 def test_a_named_vector_steers_like_the_same_vector_inline(llm, hf_qwen3, steering_vectors_dir):
     v = named_vector(steering_vectors_dir)
     by_name = [{"point": "resid_pre.1", "name": STEERING_VECTOR, "strength": STRENGTH}]
@@ -177,6 +178,7 @@ def test_interventions_at_one_point_apply_in_list_order(llm, hf_qwen3):
     assert_steered(out, hf_qwen3, steering, "add then ablate")
 
 
+@pytest.mark.four_modes
 def test_eight_different_interventions_share_a_batch_with_unsteered_requests(llm, hf_qwen3):
     n = hf_qwen3.num_layers
     kinds = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
@@ -203,6 +205,7 @@ def test_eight_different_interventions_share_a_batch_with_unsteered_requests(llm
         assert_plain(out, hf_qwen3, "unsteered in a steered batch")
 
 
+@pytest.mark.four_modes
 def test_a_prompt_longer_than_the_token_budget_is_steered_in_every_chunk(llm, hf_qwen3):
     prompt = " ".join([PROMPT] * 12)  # ~150 tokens: three chunks of 64
     steering = [
@@ -227,6 +230,7 @@ def test_each_of_n_choices_is_steered(llm, hf_qwen3):
         assert_steered(out, hf_qwen3, steering, f"choice {choice}", choice=choice)
 
 
+@pytest.mark.four_modes
 def test_the_last_token_extract_replays_the_steering(llm, hf_qwen3):
     """ "last" is a post-sampling prefill (an extract): it recomputes the final
     position on the request's steered KV and must steer it too."""
@@ -316,6 +320,7 @@ def test_an_engine_without_steering_refuses_it_naming_the_flag(llm_compiled):
 # preemption
 
 
+@pytest.mark.four_modes
 def test_preempted_steered_requests_are_recomputed_steered(llm_small_kv, hf_qwen3):
     steering = [
         [{"point": f"resid_pre.{i % 3}", "vector": vector(hf_qwen3, 20 + i), "strength": 2.0}]

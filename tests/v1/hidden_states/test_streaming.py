@@ -20,7 +20,7 @@ import torch
 
 from vllm_hidden_states.client import from_bytes, read_binary_header, to_numpy
 
-from .conftest import assert_close
+from .conftest import ENGINE_MODE, assert_close
 from .server_utils import (
     GATE_ARGS,
     Gate,
@@ -51,8 +51,10 @@ def server(qwen3_dir, tmp_path_factory) -> ServerProcess:
             "--hidden-states-max-response-mb",
             str(CAP_MB),
             # /load (in-flight HTTP requests) and the gate, for the disconnect test
+            # (the gate is a Model Runner V1 logits processor; the V2 modes run
+            # only the four-mode tests here, which do not use it)
             "--enable-server-load-tracking",
-            *GATE_ARGS,
+            *(GATE_ARGS if ENGINE_MODE.startswith("v1") else []),
         ],
         logs / "server.log",
         name=MODEL,
@@ -148,6 +150,7 @@ def joined(objects: list[dict]) -> np.ndarray:
 # "all", not streamed
 
 
+@pytest.mark.four_modes
 def test_completion_all_positions_match_hf_at_every_position(http, hf_qwen3, layers):
     r = http.post(C, json=body(hidden_states_layers=layers))
     (choice,) = r.json()["choices"]
@@ -266,6 +269,7 @@ def test_streamed_last_keeps_one_row_per_layer_on_the_finish_chunk(http, hf_qwen
     assert obj["positions"] == "last" and obj["shape"] == [1, hf_qwen3.hidden_size]
 
 
+@pytest.mark.four_modes
 def test_openai_client_streams_rows_via_extra_body(server, hf_qwen3):
     oai = openai.OpenAI(base_url=server.url("/v1"), api_key="unused")
     chunks = list(

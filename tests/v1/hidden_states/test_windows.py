@@ -60,6 +60,7 @@ def test_a_window_ending_before_the_final_token_keeps_no_kv_blocks(llm):
     assert_nothing_held(llm)
 
 
+@pytest.mark.four_modes
 def test_a_window_across_prompt_and_output(llm, hf_qwen3):
     _, _, prompt_len = states(llm, "last", max_tokens=1)
     window = {"start": prompt_len - 3, "end": prompt_len + 2}
@@ -72,6 +73,7 @@ def test_an_open_window_runs_to_the_final_token(llm, hf_qwen3):
     assert_rows(got, hf_qwen3, ids, slice(5, None), "open window")
 
 
+@pytest.mark.four_modes
 def test_a_window_longer_than_the_capture_buffers_is_split_over_steps(llm, hf_qwen3):
     prompt = " ".join([PROMPT] * 5)  # ~60 tokens; the buffers hold 24 rows
     got, ids, _ = states(llm, {"start": 4, "end": 55}, prompt=prompt, max_tokens=2)
@@ -100,6 +102,7 @@ def test_a_window_ending_past_the_reachable_positions_is_refused(llm):
         states(llm, {"start": 0, "end": 500}, max_tokens=4)
 
 
+@pytest.mark.four_modes
 def test_generated_reads_the_prefix_cache_and_stays_exact(llm, hf_qwen3):
     """Prompt rows are not asked, so the prompt may come from the prefix
     cache: the same request twice gives the same rows."""
