@@ -141,6 +141,7 @@ main() {
     i=$((i + 1))
     g=$(given "$nominal" "$left")
     [ "$g" -lt "$MIN_GIVEN" ] && g=0
+    [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && g=0 what="(not in --steps) $what"
     left=$((left - g))
     [ "$i" -le 3 ] && first3=$((first3 + g))
     specs+=("$name:$g:$gpu_only")
