@@ -14,11 +14,11 @@ MIN_GIVEN=${HS_GPU_MIN_GIVEN:-30}    # a step given less than this is skipped ("
 
 # name : share of the default budget in s (0: the rest) : GPU-only : what it shows
 STEPS=(
-  "kernel:30:1:capture kernel vs the aten gather, bit for bit, CUDA graph replay"
-  "engine:140:1:one engine, vLLM's CUDA defaults (compiled, CUDA graphs, its runner and scheduling): last/all/prompt, capture points, attention patterns, steering, chunked prefill, prefix cache, n=2, stop strings"
+  "kernel:40:1:capture kernel vs the aten gather, bit for bit, CUDA graph replay"
+  "engine:130:1:one engine, vLLM's CUDA defaults (compiled, CUDA graphs, its runner and scheduling): last/all/prompt, capture points, attention patterns, steering, chunked prefill, prefix cache, n=2, stop strings"
   "serve:70:1:vllm serve through the openai client, streamed and not"
-  "engines:90:1:the same checks on V1 + sync scheduling and on an eager engine"
-  "special:80:1:preemption and n-gram speculative decoding"
+  "engines:80:1:the same checks on V1 + sync scheduling and on an eager engine"
+  "special:70:1:preemption and n-gram speculative decoding"
   "bench:0:1:paired engine benchmark against plain vLLM (benchmarks/gpu/engine.py)"
 )
 
