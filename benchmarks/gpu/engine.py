@@ -119,8 +119,8 @@ class Bench:
         tmp = self.stem.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2, default=str))
         tmp.replace(self.stem.with_suffix(".json"))
-        if data["variants"]:
-            plot(data, self.stem.with_suffix(".png"))
+        if data["variants"] and not plot(data, self.stem.with_suffix(".png")):
+            self.info["png"] = "matplotlib is missing here: --replot JSON writes it elsewhere"
 
     def lines(self) -> list[str]:
         rows = [
@@ -137,8 +137,13 @@ class Bench:
         return rows
 
 
-def plot(data: dict, path: Path) -> None:
-    import matplotlib
+def plot(data: dict, path: Path) -> bool:
+    """The PNG of a run's JSON ``data``; False where matplotlib is missing
+    (the lent GPU's image may lack it: ``--replot`` draws it afterwards)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,6 +166,7 @@ def plot(data: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def start(bench: Bench, name: str, model: Path, common: dict, **kwargs):
@@ -177,7 +183,7 @@ def start(bench: Bench, name: str, model: Path, common: dict, **kwargs):
     return llm
 
 
-def main(argv: list[str] | None = None) -> Bench:
+def main(argv: list[str] | None = None) -> Bench | None:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -194,7 +200,11 @@ def main(argv: list[str] | None = None) -> Bench:
     )
     p.add_argument("--no-points-engine", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "gpu")
+    p.add_argument("--replot", type=Path, help="only draw the PNG of this JSON, beside it")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return None
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     shape = args.shape or ("1b" if cuda else "tiny")
