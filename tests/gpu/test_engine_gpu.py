@@ -1,116 +1,57 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CUDA engine, exact against HF on the same GPU.
 
-Every case runs on four engines: compiled (vLLM's default: torch.compile with
-FULL_AND_PIECEWISE CUDA graphs) and eager, each with async scheduling on
-(``VLLM_HIDDEN_STATES_ASYNC_SCHEDULING=1``, experimental) and off (the default
-with hidden states). Chunked prefill is always in play (64-token budget,
-24-row capture buffers); preemption and n-gram speculative decoding have
-engines of their own.
+Every case runs on each engine kind ``HS_GPU_ENGINES`` names (see
+``engine_support``: vLLM's CUDA defaults, V1 + sync scheduling, eager), one
+engine start per kind for all of them: "last", "all" and "prompt" at several
+layers, every capture point, attention patterns, a batch of differently
+steered requests, chunked prefill, a prefix-cache hit, a mixed batch, n=2,
+stop strings and stop tokens. Preemption and n-gram speculative decoding have
+engines of their own (``test_engine_special_gpu.py``).
 """
-
-import os
-from contextlib import contextmanager
 
 import pytest
 
 from vllm import SamplingParams
-from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV
 
-from .conftest import assert_close_gpu
-
-PROMPT = "Once upon a time there was a small robot who loved to count the stars"
-LONG_PROMPT = " ".join(["The engine schedules requests, runs the model and samples tokens."] * 10)
-NGRAM_PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
-LAYERS = [0, 1, -2, -1]
-
-ENGINE_ARGS = dict(
-    dtype="float32",
-    gpu_memory_utilization=0.3,
-    max_num_batched_tokens=64,
-    max_num_seqs=16,
-    max_model_len=1024,
-    enable_prefix_caching=True,
-    seed=0,
+from .conftest import assert_close_gpu, engine_mode
+from .engine_support import (
+    ENGINE_ARGS,
+    ENGINE_KINDS,
+    LONG_PROMPT,
+    PROMPT,
+    check,
+    engine_kinds,
+    environment,
+    make_llm,
+    params,
+    sequence_of,
 )
 
-
-@contextmanager
-def async_scheduling(on: bool):
-    saved = os.environ.pop(ASYNC_SCHEDULING_ENV, None)
-    if on:
-        os.environ[ASYNC_SCHEDULING_ENV] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(ASYNC_SCHEDULING_ENV, None)
-        if saved is not None:
-            os.environ[ASYNC_SCHEDULING_ENV] = saved
+# What each kind must resolve to on CUDA: vLLM's own choices where nothing is
+# asked (Model Runner V2, async scheduling, FULL_AND_PIECEWISE CUDA graphs
+# compiled, none eager), and what is asked where it is.
+EXPECTED_MODES = {
+    "default": {"runner": "V2", "async_scheduling": True, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+    "v1-sync": {"runner": "V1", "async_scheduling": False},
+    "eager": {"runner": "V2", "async_scheduling": True, "cudagraph_mode": "NONE"},
+}
 
 
-def make_llm(model_dir, *, eager: bool, async_on: bool, **kwargs):
-    from vllm import LLM
-
-    with async_scheduling(async_on):
-        return LLM(
-            model=str(model_dir),
-            enable_hidden_states=True,
-            enforce_eager=eager,
-            hidden_states_max_rows=24,
-            # Every point's hook is in the compiled graph and the CUDA graphs.
-            hidden_states_points="all",
-            # Every steerable point's hook too (steered or not).
-            enable_steering=True,
-            steering_points="all",
-            async_scheduling=True if async_on else None,
-            **{**ENGINE_ARGS, **kwargs},
-        )
-
-
-ENGINES = [
-    pytest.param((False, False), id="compiled-sync"),
-    pytest.param((False, True), id="compiled-async"),
-    pytest.param((True, False), id="eager-sync"),
-    pytest.param((True, True), id="eager-async"),
-]
-
-
-@pytest.fixture(scope="module", params=ENGINES)
+@pytest.fixture(scope="module", params=engine_kinds())
 def llm(request, qwen3_dir):
-    eager, async_on = request.param
-    engine = make_llm(qwen3_dir, eager=eager, async_on=async_on)
-    engine.async_on = async_on
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    eager, kwargs, env = ENGINE_KINDS[request.param]
+    with environment(env):
+        engine = make_llm(qwen3_dir, request.param, eager=eager, **kwargs)
+        engine.kind = request.param
+        yield engine
+        engine.llm_engine.engine_core.shutdown()
 
 
-def params(**kwargs) -> SamplingParams:
-    kwargs.setdefault("max_tokens", 12)
-    kwargs.setdefault("temperature", 0.0)
-    kwargs.setdefault("hidden_states_layers", LAYERS)
-    return SamplingParams(return_hidden_states=True, **kwargs)
-
-
-def sequence_of(out, index: int = 0) -> list[int]:
-    return list(out.prompt_token_ids) + list(out.outputs[index].token_ids)
-
-
-def check(hf, out, positions: str, layers=LAYERS, index: int = 0):
-    """Every layer of choice ``index`` equals HF at the positions asked."""
-    completion = out.outputs[index]
-    assert completion.finish_reason in ("stop", "length"), completion.finish_reason
-    ids = sequence_of(out, index)
-    ref = hf.states(ids)
-    want = {
-        "last": slice(len(ids) - 1, None),
-        "all": slice(None),
-        "prompt": slice(None, len(out.prompt_token_ids)),
-    }[positions]
-    assert list(completion.hidden_states) == list(layers)
-    for layer in layers:
-        assert_close_gpu(
-            completion.hidden_states[layer], ref[layer][want], f"{positions} layer {layer}"
-        )
+def test_engine_resolves_the_runner_scheduling_and_graphs_of_its_kind(llm):
+    mode = engine_mode(llm)
+    want = EXPECTED_MODES[llm.kind]
+    assert {k: mode[k] for k in want} == want, mode
 
 
 @pytest.mark.parametrize("positions", ["last", "all"])
@@ -232,14 +173,6 @@ def test_a_batch_of_differently_steered_requests_matches_hf_hooks(llm, hf_gpu):
             )
 
 
-def test_engine_scheduling_mode_is_the_one_asked(llm):
-    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is llm.async_on
-
-
-def test_cuda_engine_with_hidden_states_runs_model_runner_v1(llm):
-    assert llm.llm_engine.vllm_config.use_v2_model_runner is False
-
-
 @pytest.mark.parametrize("positions", ["last", "all", "prompt"])
 def test_positions_at_several_layers_match_hf(llm, hf_gpu, positions):
     (out,) = llm.generate([PROMPT], params(hidden_states_positions=positions), use_tqdm=False)
@@ -314,70 +247,3 @@ def test_stop_token_includes_the_stop_tokens_state(llm, hf_gpu):
     )
     assert out.outputs[0].token_ids[-1] == stop_token
     check(hf_gpu, out, "all")
-
-
-# -- preemption and speculative decoding: engines of their own ------------------
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def llm_small_kv(request, qwen3_dir):
-    """KV for fewer tokens than its concurrent requests need: preemptions."""
-    engine = make_llm(
-        qwen3_dir,
-        eager=False,
-        async_on=request.param,
-        max_num_seqs=4,
-        max_model_len=256,
-        num_gpu_blocks_override=5,
-        block_size=64,
-        disable_log_stats=False,
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-def test_preemption_neither_duplicates_nor_loses_rows(llm_small_kv, hf_gpu):
-    prompts = [f"{PROMPT} number {i}" for i in range(4)]
-    outs = llm_small_kv.generate(
-        prompts,
-        params(
-            max_tokens=60,
-            ignore_eos=True,
-            hidden_states_layers=[0, -1],
-            hidden_states_positions="all",
-        ),
-        use_tqdm=False,
-    )
-    preemptions = sum(
-        getattr(m, "value", 0)
-        for m in llm_small_kv.get_metrics()
-        if m.name == "vllm:num_preemptions"
-    )
-    assert preemptions > 0  # the case under test happened
-    for out in outs:
-        check(hf_gpu, out, "all", layers=[0, -1])
-
-
-@pytest.fixture(scope="module")
-def llm_ngram(qwen3_dir):
-    engine = make_llm(
-        qwen3_dir,
-        eager=False,
-        async_on=False,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1,
-        },
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-@pytest.mark.parametrize("positions", ["last", "all", "prompt"])
-def test_ngram_speculative_decoding_keeps_states_exact(llm_ngram, hf_gpu, positions):
-    (out,) = llm_ngram.generate(
-        [NGRAM_PROMPT], params(hidden_states_positions=positions), use_tqdm=False
-    )
-    check(hf_gpu, out, positions)

@@ -3,13 +3,17 @@
 vLLM's defaults otherwise), through the official openai client, streamed and
 not, exact against HF on the same GPU."""
 
+import os
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from vllm_hidden_states.client import to_numpy
 
-from .conftest import REPO, assert_close_gpu
+from .conftest import REPO, assert_close_gpu, record_engine
 
 PROMPT = "Once upon a time there was a small robot who loved to count the stars"
 
@@ -31,10 +35,14 @@ def server(qwen3_dir):
             "--max-model-len",
             "1024",
         ],
-        REPO / ".gpu-logs" / "serve.log",
-    ).start()
+        Path(os.environ.get("HS_GPU_OUT", REPO / ".gpu-logs")) / "serve-server.log",
+    )
+    start = time.perf_counter()
+    proc.start()
     try:
-        yield proc.wait_ready(timeout=900)
+        proc.wait_ready(timeout=900)
+        record_engine("serve", time.perf_counter() - start)
+        yield proc
     finally:
         proc.stop()
 
@@ -46,10 +54,12 @@ def client(server):
     return OpenAI(base_url=server.url("/v1"), api_key="unused")
 
 
-def test_server_log_names_the_v1_runner_and_async_scheduling_off(server):
+def test_server_keeps_vllm_cuda_runner_and_scheduling(server):
+    """No fallback from vLLM's defaults is logged: neither the V1 runner
+    instead of V2 nor async scheduling switched off."""
     log = server.log_path.read_text(errors="replace")
-    assert "Model Runner V2 does not yet support per-request hidden states" in log
-    assert "async scheduling off" in log
+    assert "using the V1 model runner instead" not in log
+    assert "async scheduling off" not in log
 
 
 def test_completion_last_state_matches_hf(client, hf_gpu):
