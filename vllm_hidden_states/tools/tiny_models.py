@@ -85,6 +85,7 @@ ARCHS = (
     "phi3",
     "olmo2",
     "granite",
+    "granitemoehybrid",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -94,6 +95,7 @@ _STYLE = {
     "qwen3_moe": "chatml",
     "olmo2": "chatml",
     "granite": "chatml",
+    "granitemoehybrid": "chatml",
     "llama": "llama",
     "mistral": "llama",
     "mixtral": "llama",
@@ -232,6 +234,30 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
             logits_scaling=2.0,
             **common,
         ), T.GraniteForCausalLM
+    if arch == "granitemoehybrid":
+        # Granite 4.0-H's layout: Mamba2 and attention layers alternating, no
+        # positional embedding, a dense shared MLP and no experts; Mamba2
+        # heads 8 x 32 over expand 2 (intermediate = 2 * hidden = 256).
+        common["num_key_value_heads"] = max(1, num_heads // 2)
+        layers = common["num_hidden_layers"]
+        return T.GraniteMoeHybridConfig(
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ],
+            num_local_experts=0,
+            shared_intermediate_size=ffn,
+            mamba_n_heads=8,
+            mamba_d_head=2 * common["hidden_size"] // 8,
+            mamba_expand=2,
+            mamba_d_state=16,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            **common,
+        ), T.GraniteMoeHybridForCausalLM
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 
