@@ -45,36 +45,36 @@ class LayerClass:
             queries and keys give attention patterns.
         neurons: the dotted path of the dense MLP's down projection, whose
             input is ``mlp_post``; None for a mixture of experts.
-        tested_by: the tiny model (``tools/tiny_models.py``) that tests it
+        tested_by: the tiny models (``tools/tiny_models.py``) that test it
             against HF in ``tests/v1/hidden_states/test_architectures.py``.
     """
 
     layout: Layout
-    tested_by: str
+    tested_by: tuple[str, ...]
     mixer: str = "self_attn"
     attention: bool = True
     neurons: str | None = "mlp.down_proj"
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
-    _V + "llama.LlamaDecoderLayer": LayerClass("fused", "llama"),
-    _V + "mistral.MistralDecoderLayer": LayerClass("fused", "mistral"),
-    _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", "qwen2"),
-    _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", "qwen3"),
-    _V + "qwen3_moe.Qwen3MoeDecoderLayer": LayerClass("fused", "qwen3_moe", neurons=None),
-    _V + "mixtral.MixtralDecoderLayer": LayerClass("fused", "mixtral", neurons=None),
-    _V + "gemma2.Gemma2DecoderLayer": LayerClass("fused", "gemma2"),
-    _V + "gemma3.Gemma3DecoderLayer": LayerClass("fused", "gemma3"),
-    _V + "granite.GraniteDecoderLayer": LayerClass("granite", "granite"),
+    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3")),
+    _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
+    _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2",)),
+    _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
+    _V + "qwen3_moe.Qwen3MoeDecoderLayer": LayerClass("fused", ("qwen3_moe",), neurons=None),
+    _V + "mixtral.MixtralDecoderLayer": LayerClass("fused", ("mixtral",), neurons=None),
+    _V + "gemma2.Gemma2DecoderLayer": LayerClass("fused", ("gemma2",)),
+    _V + "gemma3.Gemma3DecoderLayer": LayerClass("fused", ("gemma3",)),
+    _V + "granite.GraniteDecoderLayer": LayerClass("granite", ("granite",)),
     "transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer": LayerClass(
-        "olmo2", "olmo2", attention=False
+        "olmo2", ("olmo2",), attention=False
     ),
     _V + "granitemoehybrid.GraniteMoeHybridAttentionDecoderLayer": LayerClass(
-        "granite_hybrid", "granitemoehybrid", neurons="shared_mlp.output_linear"
+        "granite_hybrid", ("granitemoehybrid",), neurons="shared_mlp.output_linear"
     ),
     _V + "granitemoehybrid.GraniteMoeHybridMambaDecoderLayer": LayerClass(
         "granite_hybrid",
-        "granitemoehybrid",
+        ("granitemoehybrid",),
         mixer="mamba",
         attention=False,
         neurons="shared_mlp.output_linear",

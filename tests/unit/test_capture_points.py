@@ -58,7 +58,7 @@ def _layer_is_fused(monkeypatch):
     """The toy layer has vLLM's fused-residual convention: known as such,
     as vLLM's own layer classes are (an unknown class gets no reader)."""
     monkeypatch.setitem(
-        layers.LAYER_CLASSES, layers.class_name(Layer), layers.LayerClass("fused", "toy")
+        layers.LAYER_CLASSES, layers.class_name(Layer), layers.LayerClass("fused", ("toy",))
     )
 
 
