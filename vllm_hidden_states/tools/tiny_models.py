@@ -88,6 +88,11 @@ ARCHS = (
     "granitemoehybrid",
 )
 
+# Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
+# vLLM runs them, but their decoder layer classes are not verified here, so
+# only layer 0 and the final state are served. Not in the exactness matrix.
+REFUSED_ARCHS = ("gpt2",)
+
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
     "qwen3": "chatml",
@@ -96,6 +101,7 @@ _STYLE = {
     "olmo2": "chatml",
     "granite": "chatml",
     "granitemoehybrid": "chatml",
+    "gpt2": "chatml",
     "llama": "llama",
     "mistral": "llama",
     "mixtral": "llama",
@@ -234,6 +240,16 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
             logits_scaling=2.0,
             **common,
         ), T.GraniteForCausalLM
+    if arch == "gpt2":
+        return T.GPT2Config(
+            vocab_size=common["vocab_size"],
+            n_embd=common["hidden_size"],
+            n_layer=common["num_hidden_layers"],
+            n_head=num_heads,
+            n_positions=common["max_position_embeddings"],
+            bos_token_id=token_ids["bos"],
+            eos_token_id=token_ids["eos"],
+        ), T.GPT2LMHeadModel
     if arch == "granitemoehybrid":
         # Granite 4.0-H's layout: Mamba2 and attention layers alternating, no
         # positional embedding, a dense shared MLP and no experts; Mamba2
@@ -276,7 +292,7 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    if arch not in ARCHS:
+    if arch not in ARCHS + REFUSED_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(
