@@ -245,6 +245,8 @@ class ModelLayers:
         known = self.known(i)
         if known is None:
             return ("resid_pre",) if i == 0 else ()
+        if not known.points:
+            return ("resid_pre",)
         lacks: set[str] = set()
         if not known.attention:
             lacks.add(PATTERN_KIND)
@@ -310,6 +312,13 @@ class ModelLayers:
                 f"{_NOT_VERIFIED}; {self.exact_help()}"
             )
         name = (self.classes[i] or "").rsplit(".", 1)[-1]
+        if not known.points:
+            return (
+                f"{kind}.{i} is inside decoder layer {i}, a {name}: the points inside "
+                f"its layers are not verified against HF transformers here, only the "
+                f"stream entering each (resid_pre.{i}, the same as layer {i}); "
+                f"{self.exact_help()}"
+            )
         if kind == PATTERN_KIND and known.layout == "olmo2":
             return (
                 f"attn_pattern needs vLLM's own attention module in the decoder layer "

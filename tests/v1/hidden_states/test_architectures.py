@@ -38,7 +38,7 @@ from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.config import POINT_KINDS, ModelLayers
 from vllm_hidden_states.steering import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
 
@@ -132,6 +132,13 @@ def arch(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module", params=LAYER_ARCHS)
+def layer_arch(request) -> str:
+    """Architectures exact at every layer whose inner points are refused
+    (Nemotron-H)."""
+    return request.param
+
+
 @pytest.fixture(scope="module", params=COMPILED_ARCHS)
 def compiled_arch(request) -> str:
     return request.param
@@ -170,6 +177,38 @@ def test_every_layer_of_every_position_matches_hf(arch):
     llm, hf = engine_for(arch)
     (out,) = llm.generate([PROMPT], every_layer(hf, "all"), use_tqdm=False)
     assert_every_layer_matches_hf(out, hf, "all", arch)
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_every_layer_of_a_layers_only_architecture_matches_hf(layer_arch, positions):
+    """Nemotron-H: Mamba2, attention and MLP layers, one block each."""
+    llm, hf = engine_for(layer_arch)
+    (out,) = llm.generate([PROMPT], every_layer(hf, positions), use_tqdm=False)
+    assert_every_layer_matches_hf(out, hf, positions, layer_arch)
+
+
+def test_a_layers_only_architecture_refuses_the_points_inside_its_layers(layer_arch):
+    llm, hf = engine_for(layer_arch)
+    params = SamplingParams(
+        max_tokens=1, return_hidden_states=True, hidden_states_points=["resid_post.1"]
+    )
+    with pytest.raises(
+        VLLMValidationError, match=r"resid_post.1 is inside decoder layer 1.*not verified"
+    ):
+        llm.generate([PROMPT], params, use_tqdm=False)
+
+
+def test_add_at_every_layer_of_a_layers_only_architecture_matches_hf_hooks(layer_arch):
+    llm, hf = engine_for(layer_arch)
+    steering = [
+        [{"point": f"resid_pre.{i}", "vector": random_vector(hf, i), "strength": STRENGTH}]
+        for i in range(hf.num_layers)
+    ]
+    outs = llm.generate(
+        [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False
+    )
+    for i, (out, s) in enumerate(zip(outs, steering)):
+        assert_steered_like_hf(out, hf, s, f"{layer_arch} add at resid_pre.{i}")
 
 
 def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
