@@ -192,40 +192,199 @@ PATTERN_KIND: PointKind = "attn_pattern"
 # MLP neurons: the down projection's input, [positions, intermediate_size]
 # per layer (CapturedRows.neurons). Dense MLPs only.
 NEURON_KIND: PointKind = "mlp_post"
-# Architectures whose MLP is a mixture of experts: no single down projection.
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Longest sequence an attention-pattern request may reach: its answer is
 # [heads, positions, keys] per point, square in the length.
 MAX_PATTERN_POSITIONS = 4096
-# Layouts whose decoder layer calls vLLM's Attention at self_attn.attn, where
-# the queries and keys are read (after rotary embedding and q/k norms).
-_PATTERN_LAYOUTS = ("fused", "granite")
 # Kinds whose every layer has a capture id of its own past L, in id order.
 _OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
-# Kinds that exist only where the architecture's decoder layer is mapped
-# (ARCHITECTURE_POINTS); resid_pre and resid_post exist everywhere.
-_MAPPED_KINDS: tuple[PointKind, ...] = (*_OWN_ID_KINDS, PATTERN_KIND, NEURON_KIND)
 
-# How the points beyond resid_pre/resid_post are read in each architecture's
-# decoder layer (worker/capture_points.py has one reader per layout):
-# "fused": vLLM's fused-residual layer, (hidden, residual) in and out, an
-#   add-norm called with the residual after attention;
-# "granite": residual adds scaled by residual_multiplier;
-# "olmo2": post-norms on both blocks, plain adds (HF's layer on vLLM's
-#   Transformers backend).
-ARCHITECTURE_POINTS: dict[str, str] = {
-    "LlamaForCausalLM": "fused",
-    "MistralForCausalLM": "fused",
-    "Qwen2ForCausalLM": "fused",
-    "Qwen3ForCausalLM": "fused",
-    "Qwen3MoeForCausalLM": "fused",
-    "MixtralForCausalLM": "fused",
-    "Phi3ForCausalLM": "fused",
-    "Gemma2ForCausalLM": "fused",
-    "Gemma3ForCausalLM": "fused",
-    "GraniteForCausalLM": "granite",
-    "Olmo2ForCausalLM": "olmo2",
-}
+# Which layers and points of a model are exact is decided by the class of each
+# decoder layer (vllm_hidden_states/layers.py: LAYER_CLASSES, each tested
+# against HF), never by the architecture's name. A layer of a class not known
+# there has no reader: its stream and points are refused, and only layer 0
+# (the embedding output, entering the first decoder layer) and layer L (the
+# model's own final post-norm output) are served.
+
+
+_NOT_VERIFIED = (
+    "a layer class whose residual-stream convention is not verified against HF "
+    "transformers here, so its states are refused rather than guessed"
+)
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """The decoder layers of one model as the package knows them.
+
+    Attributes:
+        classes: the qualified class of each decoder layer, predicted from the
+            vLLM model class (None: not predicted).
+        model_class: the vLLM model class the architecture resolves to (for
+            messages), None when vLLM's registry does not know it.
+        experts: whether the model's MLP blocks have routed experts where the
+            layer class's mlp_out / mlp_post are untested with them (Granite
+            4.0-H with ``num_local_experts > 0``).
+    """
+
+    classes: tuple[str | None, ...]
+    model_class: str | None = None
+    experts: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.classes)
+
+    def known(self, i: int) -> "LayerClass | None":
+        from vllm_hidden_states.layers import LAYER_CLASSES
+
+        name = self.classes[i]
+        return None if name is None else LAYER_CLASSES.get(name)
+
+    def kinds_at(self, i: int) -> tuple[PointKind, ...]:
+        """The point kinds exact at decoder layer ``i``."""
+        known = self.known(i)
+        if known is None:
+            return ("resid_pre",) if i == 0 else ()
+        if not known.points:
+            return ("resid_pre",)
+        lacks: set[str] = set()
+        if not known.attention:
+            lacks.add(PATTERN_KIND)
+        if known.neurons is None:
+            lacks.add(NEURON_KIND)
+        if self.experts and known.layout == "granite_hybrid":
+            lacks |= {"mlp_out", NEURON_KIND}
+        return tuple(k for k in POINT_KINDS if k not in lacks)
+
+    def kinds(self) -> tuple[PointKind, ...]:
+        """The kinds exact at one layer at least."""
+        have = {k for i in range(self.num_layers) for k in self.kinds_at(i)}
+        return tuple(k for k in POINT_KINDS if k in have)
+
+    def layer_exact(self, k: int) -> bool:
+        """Whether HF layer ``k`` (absolute, ``0..L``) is read exactly: the
+        embedding output, the final post-norm state, or the stream entering
+        a decoder layer of a known class."""
+        return k in (0, self.num_layers) or self.known(k) is not None
+
+    def exact_layers(self) -> list[int]:
+        return [k for k in range(self.num_layers + 1) if self.layer_exact(k)]
+
+    def _describe_class(self, i: int) -> str:
+        name = self.classes[i]
+        if name is not None:
+            return f"a {name.rsplit('.', 1)[-1]} ({name})"
+        where = f"{self.model_class}'s" if self.model_class else "this model's"
+        return f"one of {where} decoder layer classes"
+
+    def exact_help(self) -> str:
+        """What is exact on this model, and how to ask for it."""
+        layers = self.exact_layers()
+        n = self.num_layers
+        named = ", ".join(
+            "0 (the embedding output)"
+            if k == 0
+            else f"{n} = -1 (the final post-norm state)"
+            if k == n
+            else str(k)
+            for k in layers
+        )
+        return (
+            f"exact on this model: layers {named}; ask for those (e.g. "
+            f"hidden_states_layers=[0, -1], --hidden-states-layers 0,-1)"
+        )
+
+    def why_not_layer(self, k: int) -> str:
+        """Why HF layer ``k`` (negative: from the end) is refused (it is not
+        :meth:`layer_exact`)."""
+        i = k % (self.num_layers + 1)
+        return (
+            f"layer {k} is the residual stream entering decoder layer {i}, "
+            f"{self._describe_class(i)}: {_NOT_VERIFIED}; {self.exact_help()}"
+        )
+
+    def why_not(self, kind: str, i: int) -> str:
+        """Why point ``kind`` of decoder layer ``i`` is refused."""
+        known = self.known(i)
+        if known is None:
+            return (
+                f"{kind}.{i} is in decoder layer {i}, {self._describe_class(i)}: "
+                f"{_NOT_VERIFIED}; {self.exact_help()}"
+            )
+        name = (self.classes[i] or "").rsplit(".", 1)[-1]
+        if not known.points:
+            return (
+                f"{kind}.{i} is inside decoder layer {i}, a {name}: the points inside "
+                f"its layers are not verified against HF transformers here, only the "
+                f"stream entering each (resid_pre.{i}, the same as layer {i}); "
+                f"{self.exact_help()}"
+            )
+        if kind == PATTERN_KIND and known.layout == "olmo2":
+            return (
+                f"attn_pattern needs vLLM's own attention module in the decoder layer "
+                f"(self_attn.attn); {name} runs on vLLM's Transformers backend"
+            )
+        if kind == PATTERN_KIND:
+            attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
+            return (
+                f"attn_pattern.{i}: decoder layer {i} ({name}) mixes tokens with "
+                f"{known.mixer}, not attention; attention layers: {attention}"
+            )
+        if kind in (NEURON_KIND, "mlp_out") and self.experts:
+            return (
+                f"{kind}.{i}: {name}'s MLP block has routed experts here, untested "
+                "with them (resid_mid and resid_post are exact)"
+            )
+        if kind == NEURON_KIND:
+            return (
+                f"mlp_post (MLP neurons) needs a dense MLP; {name}'s is a mixture "
+                "of experts (mlp_out is its combined output)"
+            )
+        return f"{kind} is not a point of decoder layer {i} ({name})"
+
+    @classmethod
+    def of(cls, model_config: Any, num_layers: int) -> "ModelLayers":
+        """The layers of a model, from its vLLM ``ModelConfig`` (or anything
+        with ``architectures`` and ``hf_text_config``)."""
+        from vllm_hidden_states.layers import model_class_of, predicted_layer_classes
+
+        try:
+            model_class = model_class_of(model_config)
+        except Exception:
+            model_class = None
+        text_config = getattr(model_config, "hf_text_config", None)
+        return cls(
+            predicted_layer_classes(model_config, num_layers),
+            model_class,
+            int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
+        )
+
+
+def model_layers_for(architecture: str | None, num_layers: int = 1) -> ModelLayers:
+    """:class:`ModelLayers` of a uniform model of ``architecture`` (every
+    layer of one class), from the name alone."""
+    from types import SimpleNamespace
+
+    return ModelLayers.of(SimpleNamespace(architectures=[architecture]), num_layers)
+
+
+def point_kinds_for(architecture: "str | ModelLayers | None") -> tuple[PointKind, ...]:
+    """The kinds exact at one layer at least of a model (or of a uniform
+    model of an architecture)."""
+    if isinstance(architecture, ModelLayers):
+        return architecture.kinds()
+    return model_layers_for(architecture, 2).kinds_at(1)
+
+
+def missing_kind_reason(kind: str, model: "str | ModelLayers | None", layer: int = 1) -> str:
+    """Why ``kind`` cannot be captured at decoder layer ``layer`` of a model."""
+    if not isinstance(model, ModelLayers):
+        model = model_layers_for(model, max(2, layer + 1))
+    return model.why_not(kind, layer)
+
+
+if TYPE_CHECKING:
+    from vllm_hidden_states.layers import LayerClass
 
 _ADDRESS = re.compile(r"^(?:blocks\.(-?\d+)\.hook_([a-z_]+)|([a-z_]+)\.(-?\d+))$")
 # TransformerLens' own name of the pattern hook: blocks.{i}.attn.hook_pattern.
@@ -233,42 +392,11 @@ _TL_PATTERN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_pattern$")
 
 
 def point_layout(architecture: str | None) -> str | None:
-    """The decoder-layer layout of an architecture (:data:`ARCHITECTURE_POINTS`),
-    None when it is not mapped (only resid_pre and resid_post then)."""
-    return ARCHITECTURE_POINTS.get(architecture or "")
-
-
-def point_kinds_for(architecture: str | None) -> tuple[PointKind, ...]:
-    """The kinds an architecture's points can be captured at."""
-    layout = point_layout(architecture)
-    if layout is None:
-        return tuple(k for k in POINT_KINDS if k not in _MAPPED_KINDS)
-    lacks = set()
-    if layout not in _PATTERN_LAYOUTS:
-        lacks.add(PATTERN_KIND)
-    if architecture in MOE_ARCHITECTURES:
-        lacks.add(NEURON_KIND)
-    return tuple(k for k in POINT_KINDS if k not in lacks)
-
-
-def missing_kind_reason(kind: str, architecture: str | None) -> str:
-    """Why ``kind`` cannot be captured on ``architecture``."""
-    mapped = ", ".join(sorted(ARCHITECTURE_POINTS))
-    if kind == NEURON_KIND and architecture in MOE_ARCHITECTURES:
-        return (
-            f"mlp_post (MLP neurons) needs a dense MLP; {architecture}'s is a "
-            "mixture of experts (mlp_out is its combined output)"
-        )
-    if kind == PATTERN_KIND and point_layout(architecture) is not None:
-        return (
-            f"attn_pattern needs vLLM's own attention module in the decoder layer "
-            f"(self_attn.attn); {architecture} runs on vLLM's Transformers backend"
-        )
-    return (
-        f"{kind} is not mapped in {architecture}'s decoder layer (vllm-hidden-states "
-        f"reads attn_out, resid_mid and mlp_out in: {mapped}); resid_pre and "
-        "resid_post work on every architecture"
-    )
+    """The layout shared by every decoder layer of a uniform model of
+    ``architecture`` (None: none, or not known). Only a hint for logs: the
+    worker reads each loaded layer by its own class (layers.py)."""
+    known = model_layers_for(architecture, 2).known(1)
+    return None if known is None else known.layout
 
 
 def address_help(num_layers: int) -> str:
@@ -414,29 +542,42 @@ def parse_points_arg(value: str | list[str] | None) -> list[str] | None:
 
 
 def capturable_point_ids(
-    given: list[str], num_layers: int, architecture: str | None
+    given: list[str],
+    num_layers: int,
+    architecture: "str | ModelLayers | None",
 ) -> tuple[int, ...]:
-    """The capture ids ``--hidden-states-points`` makes capturable; ValueError
-    for an unknown entry or a kind the architecture lacks."""
-    kinds = point_kinds_for(architecture)
+    """The capture ids ``--hidden-states-points`` makes capturable: ``"all"``
+    is every kind at every layer where it is exact, a kind alone every layer
+    where it is exact (ValueError if none), an address that one point
+    (ValueError where it is not exact: a kind the layer lacks, or a layer of
+    a class not verified, :class:`ModelLayers`)."""
+    model = (
+        architecture
+        if isinstance(architecture, ModelLayers)
+        else model_layers_for(architecture, num_layers)
+    )
     ids: set[int] = set()
     for item in given:
         if item == "all":
-            wanted = [(k, i) for k in kinds for i in range(num_layers)]
+            wanted = [(k, i) for i in range(num_layers) for k in model.kinds_at(i)]
         elif item in POINT_KINDS:
-            wanted = [(item, i) for i in range(num_layers)]  # type: ignore[misc]
+            wanted = [(item, i) for i in range(num_layers) if item in model.kinds_at(i)]
+            if not wanted:
+                raise ValueError(
+                    f"--hidden-states-points {item!r}: no decoder layer of this model "
+                    f"has it exactly ({model.why_not(item, num_layers - 1)})"
+                )
         else:
             try:
                 wanted = [parse_point(item, num_layers)]
             except ValueError as e:
                 raise ValueError(
-                    f"--hidden-states-points entry {e} (or 'all', or a kind alone: every layer)"
+                    f"--hidden-states-points entry {e} (or 'all', or a kind alone: every "
+                    "layer where it is exact)"
                 ) from None
         for kind, layer in wanted:
-            if kind not in kinds:
-                raise ValueError(
-                    f"--hidden-states-points {item!r}: {missing_kind_reason(kind, architecture)}"
-                )
+            if kind not in model.kinds_at(layer):
+                raise ValueError(f"--hidden-states-points {item!r}: {model.why_not(kind, layer)}")
             ids.add(point_id(kind, layer, num_layers))
     return tuple(sorted(ids))
 
@@ -604,18 +745,28 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
     }
 
 
-def sae_capture_id(sae: dict[str, Any], num_layers: int, architecture: str | None) -> int | None:
+def sae_capture_id(
+    sae: dict[str, Any], num_layers: int, architecture: "str | ModelLayers | None"
+) -> int | None:
     """The capture id an SAE (:func:`sae_entry`) reads: its HF layer, or the
-    id of its point; None when the model has no such layer or point
-    (:func:`sae_problems` says why at start)."""
+    id of its point; None when the model has no such layer or point, or not
+    exactly (:func:`sae_problems` says why at start)."""
+    model = (
+        architecture
+        if isinstance(architecture, ModelLayers)
+        else model_layers_for(architecture, num_layers)
+    )
     if sae.get("point") is None:
         layer = sae["layer"]
-        return layer % (num_layers + 1) if -(num_layers + 1) <= layer <= num_layers else None
+        if not -(num_layers + 1) <= layer <= num_layers:
+            return None
+        absolute = layer % (num_layers + 1)
+        return absolute if model.layer_exact(absolute) else None
     try:
         kind, layer = parse_point(sae["point"], num_layers)
     except ValueError:
         return None
-    if kind not in point_kinds_for(architecture):
+    if kind not in model.kinds_at(layer):
         return None
     return point_id(kind, layer, num_layers)
 
@@ -661,8 +812,10 @@ class HiddenStatesConfig:
         given: the capturable layers as configured (``None`` = every layer),
             kept only to phrase error messages the way the operator wrote them.
         points_given: ``--hidden-states-points`` as configured (empty: none).
-        architecture: the model's architecture (``architectures[0]``), which
-            decides the point kinds it has (:data:`ARCHITECTURE_POINTS`).
+        architecture: the model's architecture (``architectures[0]``).
+        model_layers: its decoder layers' classes, which decide what is
+            exact at each layer (:class:`ModelLayers`); None (configs built
+            by hand): predicted from ``architecture`` alone.
         max_rows: rows of hidden states one forward can capture (the
             capture buffers' first dimension); captures are split over steps
             so that no step asks more.
@@ -678,6 +831,14 @@ class HiddenStatesConfig:
     sae_layer: int | None = None
     points_given: tuple[str, ...] = ()
     architecture: str | None = None
+    model_layers: ModelLayers | None = None
+
+    @property
+    def model(self) -> ModelLayers:
+        """:attr:`model_layers`, or a uniform model of :attr:`architecture`."""
+        if self.model_layers is not None:
+            return self.model_layers
+        return model_layers_for(self.architecture, self.num_layers)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiddenStatesConfig | None":
@@ -689,14 +850,22 @@ class HiddenStatesConfig:
         num_layers = num_hidden_layers(vllm_config)
         given = entry.get("layers")
         architecture = (vllm_config.model_config.architectures or [None])[0]
-        # Raises for an unknown point or a kind the architecture lacks: at
+        model = ModelLayers.of(vllm_config.model_config, num_layers)
+        # Raises for an unknown point or one not exact on this model: at
         # start, from validate_engine_config, before any process is made.
-        points = capturable_point_ids(entry.get("points") or [], num_layers, architecture)
-        layers = set(range(num_layers + 1)) if given is None else set()
+        points = capturable_point_ids(entry.get("points") or [], num_layers, model)
+        # Every layer by default: every layer read exactly (the others are
+        # refused per request, naming why).
+        layers = set(model.exact_layers()) if given is None else set()
+        for k in given or ():
+            if not -(num_layers + 1) <= k <= num_layers:
+                continue  # out of range: refused by the layers check already
+            if not model.layer_exact(_absolute(k, num_layers)):
+                raise ValueError(f"--hidden-states-layers {k}: {model.why_not_layer(k)}")
         layers |= {_absolute(k, num_layers) for k in given or ()} | set(points)
         max_rows = entry.get("max_rows") or default_max_rows(vllm_config, num_layers, layers)
         sae = entry.get("sae")
-        sae_layer = None if sae is None else sae_capture_id(sae, num_layers, architecture)
+        sae_layer = None if sae is None else sae_capture_id(sae, num_layers, model)
         if sae_layer is not None and sae.get("point") is not None:
             layers.add(sae_layer)  # an SAE's point is capturable with it
         return cls(
@@ -708,6 +877,7 @@ class HiddenStatesConfig:
             sae_layer,
             tuple(entry.get("points") or ()),
             architecture,
+            model,
         )
 
     @property
@@ -728,7 +898,11 @@ class HiddenStatesConfig:
 
     def describe_capturable(self) -> str:
         if self.given is None:
-            return f"all ({-(self.num_layers + 1)}..{self.num_layers})"
+            n = self.num_layers
+            exact = [k for k in range(n + 1) if k in self.layers]
+            if len(exact) == n + 1:
+                return f"all ({-(n + 1)}..{n})"
+            return f"{', '.join(map(str, exact))} (every layer read exactly on this model)"
         return ", ".join(str(k) for k in self.given)
 
     def describe_points(self) -> str:
@@ -738,7 +912,7 @@ class HiddenStatesConfig:
                 "none beyond the layers (start the engine with --hidden-states-points "
                 "all, kinds such as attn_out,mlp_out, or addresses)"
             )
-        kinds = point_kinds_for(self.architecture)
+        kinds = self.model.kinds()
         return ", ".join(
             (f"{', '.join(kinds)} (every layer)" if item == "all" else f"{item} (every layer)")
             if item == "all" or item in POINT_KINDS
@@ -755,10 +929,9 @@ class HiddenStatesConfig:
         ids = []
         for address in addresses:
             kind, layer = parse_point(address, n)
-            if kind not in point_kinds_for(self.architecture):
+            if kind not in self.model.kinds_at(layer):
                 raise ValueError(
-                    f"hidden_states_points {address!r}: "
-                    f"{missing_kind_reason(kind, self.architecture)}"
+                    f"hidden_states_points {address!r}: {self.model.why_not(kind, layer)}"
                 )
             capture_id = point_id(kind, layer, n)
             if capture_id not in self.layers:
@@ -788,6 +961,8 @@ class HiddenStatesConfig:
                 f"post-norm state); capturable layers: {self.describe_capturable()}"
             )
         absolute = layer % (n + 1)
+        if absolute not in self.layers and not self.model.layer_exact(absolute):
+            raise ValueError(f"hidden_states_layers: {self.model.why_not_layer(layer)}")
         if absolute not in self.layers:
             raise ValueError(
                 f"layer {layer} is not capturable on this engine; capturable "
@@ -1039,11 +1214,15 @@ def sae_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
         )
     if cfg.sae_layer is None and sae.get("point") is not None:
         try:
-            kind, _ = parse_point(sae["point"], n)
-            why = missing_kind_reason(kind, cfg.architecture)
+            kind, layer = parse_point(sae["point"], n)
+            why = cfg.model.why_not(kind, layer)
         except ValueError as e:
             why = str(e)
         problems.append(f"--sae reads point {sae['point']}: {why}")
+    elif cfg.sae_layer is None and -(n + 1) <= sae["layer"] <= n:
+        problems.append(
+            f"--sae reads layer {sae['layer']}: {cfg.model.why_not_layer(sae['layer'])}"
+        )
     elif cfg.sae_layer is None:
         problems.append(
             f"--sae layer {sae['layer']} is out of range for a {n}-layer model; "

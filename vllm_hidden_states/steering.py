@@ -58,11 +58,12 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_hidden_states.config import (
     POSITIONS,
+    ModelLayers,
     Window,
     check_positions,
+    model_layers_for,
     parse_point,
     point_id,
-    point_kinds_for,
     window_of,
     window_problem,
 )
@@ -215,17 +216,33 @@ def vector_files(directory: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def steerable_ids(items: list[str], num_layers: int, architecture: str | None) -> tuple[int, ...]:
-    """Capture ids of ``--steering-points`` (``"all"``, kinds, addresses);
-    ValueError naming what is allowed."""
-    kinds = [k for k in point_kinds_for(architecture) if k in STEERABLE_KINDS]
+def steerable_ids(
+    items: list[str], num_layers: int, architecture: "str | ModelLayers | None"
+) -> tuple[int, ...]:
+    """Capture ids of ``--steering-points`` (``"all"``: every steerable kind
+    at every layer where it is exact; a kind alone: every layer where it is
+    exact; addresses); ValueError naming what is allowed."""
+    model = (
+        architecture
+        if isinstance(architecture, ModelLayers)
+        else model_layers_for(architecture, num_layers)
+    )
+
+    def kinds_at(i: int) -> list[str]:
+        return [k for k in model.kinds_at(i) if k in STEERABLE_KINDS]
+
     ids: set[int] = set()
     wanted: list[tuple[str, int]]
     for item in items:
         if item == "all":
-            wanted = [(k, i) for k in kinds for i in range(num_layers)]
+            wanted = [(k, i) for i in range(num_layers) for k in kinds_at(i)]
         elif item in STEERABLE_KINDS:
-            wanted = [(item, i) for i in range(num_layers)]
+            wanted = [(item, i) for i in range(num_layers) if item in kinds_at(i)]
+            if not wanted:
+                raise ValueError(
+                    f"--steering-points {item!r}: no decoder layer of this model has it "
+                    f"exactly ({model.why_not(item, num_layers - 1)})"
+                )
         else:
             try:
                 wanted = [parse_point(item, num_layers)]
@@ -235,10 +252,15 @@ def steerable_ids(items: list[str], num_layers: int, architecture: str | None) -
                     f"kinds {list(STEERABLE_KINDS)} alone: every layer)"
                 ) from None
         for kind, layer in wanted:
-            if kind not in kinds:
+            if kind not in STEERABLE_KINDS:
                 raise ValueError(
-                    f"--steering-points {item!r}: {kind} cannot be steered on "
-                    f"{architecture}; steerable kinds there: {kinds}"
+                    f"--steering-points {item!r}: {kind} cannot be steered; steerable "
+                    f"kinds: {list(STEERABLE_KINDS)}"
+                )
+            if kind not in kinds_at(layer):
+                raise ValueError(
+                    f"--steering-points {item!r}: {kind} cannot be steered there: "
+                    f"{model.why_not(kind, layer)}"
                 )
             ids.add(point_id(kind, layer, num_layers))  # type: ignore[arg-type]
     return tuple(sorted(ids))
@@ -285,17 +307,18 @@ class SteeringConfig:
 
         n = num_hidden_layers(vllm_config)
         architecture = (vllm_config.model_config.architectures or [None])[0]
+        model = ModelLayers.of(vllm_config.model_config, n)
         sae = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY].get("sae")
         return cls(
             n,
-            steerable_ids(entry["points"], n, architecture),
+            steerable_ids(entry["points"], n, model),
             tuple(entry["points"]),
             int(entry["max_interventions"]),
             dict(entry.get("vectors") or {}),
             entry.get("vectors_dir"),
             architecture,
             None if sae is None else int(sae["d_sae"]),
-            None if sae is None else sae_capture_id(sae, n, architecture),
+            None if sae is None else sae_capture_id(sae, n, model),
             entry.get("clamp_problem"),
         )
 

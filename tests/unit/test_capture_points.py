@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from vllm_hidden_states import layers
 from vllm_hidden_states.worker import capture_points
 from vllm_hidden_states.worker.capture_points import CapturePoints
 
@@ -50,6 +51,15 @@ class Stack(nn.Module):
             entering.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual)
         return entering
+
+
+@pytest.fixture(autouse=True)
+def _layer_is_fused(monkeypatch):
+    """The toy layer has vLLM's fused-residual convention: known as such,
+    as vLLM's own layer classes are (an unknown class gets no reader)."""
+    monkeypatch.setitem(
+        layers.LAYER_CLASSES, layers.class_name(Layer), layers.LayerClass("fused", ("toy",))
+    )
 
 
 @pytest.fixture(params=["host count", "sync-free", "compiled"])

@@ -29,7 +29,12 @@ def every_layer(num_layers: int = L) -> HiddenStatesConfig:
 
 def restricted() -> HiddenStatesConfig:
     """Capturable 0, 2, -2, -1 as an operator would write them."""
-    return HiddenStatesConfig(num_layers=L, layers=(0, 2, L - 1, L), given=(0, 2, -2, -1))
+    return HiddenStatesConfig(
+        num_layers=L,
+        layers=(0, 2, L - 1, L),
+        given=(0, 2, -2, -1),
+        architecture="Qwen3ForCausalLM",
+    )
 
 
 class _FakeVllmConfig(SimpleNamespace):

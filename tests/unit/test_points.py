@@ -159,15 +159,14 @@ def test_resid_post_below_the_last_layer_makes_the_next_hf_layer_capturable():
     assert set(cfg.layers) == {L, 2}
 
 
-def test_an_unmapped_architecture_has_only_resid_pre_and_resid_post():
-    assert point_kinds_for("GPTNeoXForCausalLM") == ("resid_pre", "resid_post")
-    assert engine("all", architecture="GPTNeoXForCausalLM").layers[-1] == point_id(
-        "resid_post", L - 1, L
-    )
+def test_an_unknown_layer_class_has_no_point_past_the_embedding_output():
+    assert point_kinds_for("GPTNeoXForCausalLM") == ()
+    # "all": every point exact on it, which is resid_pre.0 (HF layer 0) alone.
+    assert engine("all", architecture="GPTNeoXForCausalLM").layers == (0, L)
 
 
-def test_a_kind_the_architecture_lacks_is_refused_at_start_naming_why():
-    with pytest.raises(ValueError, match=r"attn_out is not mapped in GPTNeoXForCausalLM"):
+def test_a_kind_on_an_unknown_layer_class_is_refused_at_start_naming_the_class():
+    with pytest.raises(ValueError, match=r"attn_out.*GPTNeoXLayer.*not verified"):
         capturable_point_ids(["attn_out"], L, "GPTNeoXForCausalLM")
 
 

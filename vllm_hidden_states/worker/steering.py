@@ -57,12 +57,14 @@ from vllm_hidden_states.steering import KIND_ORDER, SteeringConfig, vector_files
 from vllm_hidden_states.worker.capture_points import (
     Reader,
     _child,
+    _first_arg,
     _host_counts,
     count_readable_on_host,
     find_decoder_layers,
+    layer_layout,
     point_tap,
     register_custom_op,
-    stream_args_of,
+    stream_tap,
 )
 from vllm_hidden_states.worker.step_batch import StepBatch
 
@@ -291,12 +293,22 @@ class SteerTap:
 def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | None) -> SteerTap:
     """The tap of steerable id ``capture_id`` in decoder ``layer``."""
     point = point_of_id(capture_id, num_layers)
-    if point is None:  # resid_pre: the stream entering the layer
-        stream = stream_args_of(type(layer))
-        return SteerTap(layer, "pre", _pair(stream.read_for_hook), order=KIND_ORDER["resid_pre"])
+    if point is None:  # resid_pre: the stream entering the layer, by its class
+        tap = stream_tap(layer, capture_id)
+        return SteerTap(layer, "pre", _pair(tap.read), order=KIND_ORDER["resid_pre"])
     kind, i = point
     name = f"{kind}.{i}"
-    if layout == "fused" and kind == "resid_mid":
+    # Each layer is steered by what its class is (layout is not used).
+    known = layer_layout(layer, name)
+    if known.layout == "granite_hybrid" and kind == "resid_mid":
+        # Read at the layer's output for capture, but the MLP has used it by
+        # then: steer its input, the pre-MLP norm's (the residual is that
+        # same tensor, so the add after the MLP sees the steered stream).
+        module = _child(layer, "post_attention_layernorm", name)
+        return SteerTap(
+            module, "pre", _pair(_first_arg(("x", "hidden_states"))), order=KIND_ORDER[kind]
+        )
+    if known.layout == "fused" and kind == "resid_mid":
         # Read at the layer's output for capture, but the MLP has used it
         # by then: steer where it is formed, at the add-norm after attention.
         norm = (

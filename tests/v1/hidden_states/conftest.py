@@ -44,6 +44,28 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, what: str = ""):
     assert rel < REL_TOL, f"{what}: relative error {rel:.2e} >= {REL_TOL}"
 
 
+def mixer_of(layer):
+    """An HF decoder layer's token mixer: its attention, or (Granite 4.0-H's
+    Mamba layers) its Mamba2 block."""
+    attn = getattr(layer, "self_attn", None)
+    return attn if attn is not None else layer.mamba
+
+
+def mlp_of(layer):
+    """An HF decoder layer's MLP block (Granite 4.0-H without experts: its
+    shared MLP)."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp if mlp is not None else layer.shared_mlp
+
+
+def down_projection_of(layer):
+    """The down projection of a dense MLP (None: a mixture of experts)."""
+    if getattr(layer, "block_sparse_moe", None) is not None:
+        return None
+    mlp = mlp_of(layer)
+    return getattr(mlp, "down_proj", None) or getattr(mlp, "output_linear", None)
+
+
 class HFReference:
     """HF transformers forward over exact token ids, float32, on CPU.
 
@@ -97,7 +119,7 @@ class HFReference:
         for i, layer in enumerate(self.model.model.layers):
             scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
             post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
-            attn = layer.post_attention_layernorm if post_norms else layer.self_attn
+            attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
             output_of(f"attn_out.{i}", attn, scale)
             if hasattr(layer, "pre_feedforward_layernorm"):
                 input_of(f"resid_mid.{i}", layer.pre_feedforward_layernorm)
@@ -105,11 +127,12 @@ class HFReference:
                 input_of(
                     f"resid_mid.{i}", layer.mlp if post_norms else layer.post_attention_layernorm
                 )
-            mlp = layer.post_feedforward_layernorm if post_norms else layer.mlp
+            mlp = layer.post_feedforward_layernorm if post_norms else mlp_of(layer)
             output_of(f"mlp_out.{i}", mlp, scale)
             output_of(f"resid_post.{i}", layer)
-            if hasattr(layer.mlp, "down_proj"):  # a dense MLP: its neurons
-                input_of(f"mlp_post.{i}", layer.mlp.down_proj)
+            down = down_projection_of(layer)
+            if down is not None:  # a dense MLP: its neurons
+                input_of(f"mlp_post.{i}", down)
         try:
             states = self.states(token_ids)
         finally:
@@ -191,7 +214,7 @@ class HFReference:
                 on_input(layer, item)
             elif kind == "attn_out":
                 on_output(
-                    layer.post_attention_layernorm if post_norms else layer.self_attn, item, scale
+                    layer.post_attention_layernorm if post_norms else mixer_of(layer), item, scale
                 )
             elif kind == "resid_mid":
                 if hasattr(layer, "pre_feedforward_layernorm"):
@@ -200,7 +223,7 @@ class HFReference:
                     on_input(layer.mlp if post_norms else layer.post_attention_layernorm, item)
             elif kind == "mlp_out":
                 on_output(
-                    layer.post_feedforward_layernorm if post_norms else layer.mlp, item, scale
+                    layer.post_feedforward_layernorm if post_norms else mlp_of(layer), item, scale
                 )
             else:
                 assert kind == "resid_post", kind

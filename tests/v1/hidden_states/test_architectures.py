@@ -29,15 +29,16 @@ those engines run in their own processes (which also covers the ZMQ path).
 import gc
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_hidden_states.config import point_kinds_for
+from vllm_hidden_states.config import POINT_KINDS, ModelLayers
 from vllm_hidden_states.steering import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
 
@@ -131,6 +132,13 @@ def arch(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module", params=LAYER_ARCHS)
+def layer_arch(request) -> str:
+    """Architectures exact at every layer whose inner points are refused
+    (Nemotron-H)."""
+    return request.param
+
+
 @pytest.fixture(scope="module", params=COMPILED_ARCHS)
 def compiled_arch(request) -> str:
     return request.param
@@ -171,6 +179,38 @@ def test_every_layer_of_every_position_matches_hf(arch):
     assert_every_layer_matches_hf(out, hf, "all", arch)
 
 
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_every_layer_of_a_layers_only_architecture_matches_hf(layer_arch, positions):
+    """Nemotron-H: Mamba2, attention and MLP layers, one block each."""
+    llm, hf = engine_for(layer_arch)
+    (out,) = llm.generate([PROMPT], every_layer(hf, positions), use_tqdm=False)
+    assert_every_layer_matches_hf(out, hf, positions, layer_arch)
+
+
+def test_a_layers_only_architecture_refuses_the_points_inside_its_layers(layer_arch):
+    llm, hf = engine_for(layer_arch)
+    params = SamplingParams(
+        max_tokens=1, return_hidden_states=True, hidden_states_points=["resid_post.1"]
+    )
+    with pytest.raises(
+        VLLMValidationError, match=r"resid_post.1 is inside decoder layer 1.*not verified"
+    ):
+        llm.generate([PROMPT], params, use_tqdm=False)
+
+
+def test_add_at_every_layer_of_a_layers_only_architecture_matches_hf_hooks(layer_arch):
+    llm, hf = engine_for(layer_arch)
+    steering = [
+        [{"point": f"resid_pre.{i}", "vector": random_vector(hf, i), "strength": STRENGTH}]
+        for i in range(hf.num_layers)
+    ]
+    outs = llm.generate(
+        [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False
+    )
+    for i, (out, s) in enumerate(zip(outs, steering)):
+        assert_steered_like_hf(out, hf, s, f"{layer_arch} add at resid_pre.{i}")
+
+
 def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
     llm, hf = engine_for(compiled_arch, compiled=True)
     outs = llm.generate(
@@ -184,17 +224,34 @@ def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
 # Capture points beyond the residual stream
 
 
+def layers_of(hf: HFReference) -> ModelLayers:
+    """The package's view of the model's decoder layers (their classes, as
+    vLLM will load them), from its HF config."""
+    config = SimpleNamespace(
+        architectures=hf.model.config.architectures, hf_text_config=hf.model.config
+    )
+    return ModelLayers.of(config, hf.num_layers)
+
+
 def every_point(hf: HFReference) -> list[str]:
-    """Every row point the architecture has (attention patterns have their own
-    tests: test_patterns.py) at every layer, both address forms (SAELens' for
-    odd layers). MoE models have no mlp_post."""
-    kinds = point_kinds_for(hf.model.config.architectures[0])
+    """Every row point of every layer that has it (attention patterns have
+    their own tests: test_patterns.py), both address forms (SAELens' for odd
+    layers). MoE models have no mlp_post."""
+    model = layers_of(hf)
     return [
         f"blocks.{i}.hook_{kind}" if i % 2 else f"{kind}.{i}"
-        for kind in kinds
+        for kind in POINT_KINDS
         if kind != "attn_pattern"
         for i in range(hf.num_layers)
+        if kind in model.kinds_at(i)
     ]
+
+
+def pattern_layers(hf: HFReference) -> list[int]:
+    """Decoder layers with vLLM's attention module (Granite 4.0-H: its
+    attention layers, not its Mamba ones; OLMo 2: none)."""
+    model = layers_of(hf)
+    return [i for i in range(hf.num_layers) if "attn_pattern" in model.kinds_at(i)]
 
 
 def _kind_layer(address: str) -> str:
@@ -376,7 +433,8 @@ def test_add_at_every_layer_matches_hf_hooks(arch):
 
 
 def steerable_kinds(hf: HFReference) -> list[str]:
-    kinds = point_kinds_for(hf.model.config.architectures[0])
+    """The steerable kinds of the middle layer (the one the tests steer)."""
+    kinds = layers_of(hf).kinds_at(hf.num_layers // 2)
     return [k for k in STEERABLE_KINDS if k in kinds]
 
 
@@ -451,7 +509,8 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
     layer's weights are HF eager's under the same hook."""
     llm, hf = engine_for(arch)
     steering = [{"point": "attn_out.0", "vector": random_vector(hf, 300), "strength": STRENGTH}]
-    patterns = [f"attn_pattern.{i}" for i in range(hf.num_layers)]
+    layers = pattern_layers(hf) or list(range(hf.num_layers))  # OLMo 2: all, refused
+    patterns = [f"attn_pattern.{i}" for i in layers]
     params = SamplingParams(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
@@ -470,10 +529,20 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
         reference = hf.model(ids, output_attentions=True).attentions
     with torch.inference_mode():
         plain = hf.model(ids, output_attentions=True).attentions
-    for i, address in enumerate(patterns):
-        assert_close(out.outputs[0].hidden_states[address], reference[i][0], f"{arch} {address}")
+    # HF returns one pattern per attention layer, in layer order.
+    if len(reference) != hf.num_layers:
+        assert len(reference) == len(patterns), (arch, len(reference))
+    for j, (i, address) in enumerate(zip(layers, patterns)):
+        expected = reference[i if len(reference) == hf.num_layers else j][0]
+        assert_close(out.outputs[0].hidden_states[address], expected, f"{arch} {address}")
     moved = (reference[-1] - plain[-1]).abs().max()
     assert moved > 1e-2, f"{arch}: the steering moved the last layer's weights by only {moved:.1e}"
+    # A layer without attention (Granite 4.0-H's Mamba layers) has no pattern:
+    # refused per request, naming its mixer.
+    for i in sorted(set(range(hf.num_layers)) - set(layers)):
+        params.hidden_states_points = [f"attn_pattern.{i}"]
+        with pytest.raises(VLLMValidationError, match=rf"attn_pattern.{i}: .*not attention"):
+            llm.generate([PROMPT], params, use_tqdm=False)
 
 
 def test_compiled_engine_steers_like_hf_hooks(compiled_arch):

