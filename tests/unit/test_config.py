@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """vllm_hidden_states.config: layer convention, resolve(), the CLI flags."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -423,35 +424,34 @@ def test_additional_config_entry_refuses_a_non_positive_max_rows(bad):
 # -- async scheduling ---------------------------------------------------------
 
 
-def test_async_scheduling_left_to_vllms_default_is_switched_off(monkeypatch):
-    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
-
-    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    assert async_scheduling_for(None) is False
-
-
-def test_async_scheduling_turned_off_by_the_user_stays_off(monkeypatch):
-    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
-
-    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    assert async_scheduling_for(False) is False
-
-
-def test_async_scheduling_asked_for_explicitly_is_refused_naming_the_way_out(monkeypatch):
-    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
-
-    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    with pytest.raises(ValueError, match="drop --async-scheduling") as e:
-        async_scheduling_for(True)
-    assert ASYNC_SCHEDULING_ENV in str(e.value)
-
-
 @pytest.mark.parametrize("requested", [None, True, False])
-def test_async_scheduling_env_opt_in_leaves_vllms_choice_alone(monkeypatch, requested):
+def test_async_scheduling_is_left_to_vllm(monkeypatch, requested):
     from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
 
-    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")
+    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
     assert async_scheduling_for(requested) is requested
+
+
+@pytest.mark.parametrize("requested", [None, False])
+def test_opting_out_of_async_scheduling_switches_it_off_with_one_log_line(
+    monkeypatch, caplog, requested
+):
+    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
+    with caplog.at_level(logging.INFO, logger="vllm_hidden_states"):
+        assert async_scheduling_for(requested) is False
+    lines = [r.getMessage() for r in caplog.records if "async scheduling off" in r.getMessage()]
+    assert len(lines) == 1 and ASYNC_SCHEDULING_ENV in lines[0], lines
+
+
+def test_opting_out_beside_an_explicit_async_scheduling_is_refused_naming_both(monkeypatch):
+    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+
+    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
+    with pytest.raises(ValueError, match="--async-scheduling contradicts") as e:
+        async_scheduling_for(True)
+    assert f"{ASYNC_SCHEDULING_ENV}=0" in str(e.value)
 
 
 def test_resolve_all_returns_absolute_indices_in_request_order():

@@ -38,7 +38,6 @@ def test_inventory_lists_imported_symbols_and_module_attributes(references):
     names = {str(r) for r in references}
     assert "vllm.v1.engine:FinishReason" in names
     assert "vllm.logger:init_logger" in names
-    assert "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" in names  # import vllm.envs as envs; envs.X
     assert "vllm.v1.core.sched.request_queue:FCFSRequestQueue" in names
 
 
@@ -76,6 +75,8 @@ def test_patch_sites_name_the_function_each_hunk_lands_in():
     sites = {(s.patch, s.symbol) for s in seam.patch_sites()}
     assert ("0008-model-runner-capture.patch", "GPUModelRunner.execute_model") in sites
     assert ("0008-model-runner-capture.patch", "CPUModelRunner.load_model") in sites
+    assert ("0010-model-runner-v2-capture.patch", "GPUModelRunner.execute_model") in sites
+    assert ("0010-model-runner-v2-capture.patch", "GPUModelRunner.sample_tokens") in sites
 
 
 def test_architecture_doc_prints_the_current_inventory():

