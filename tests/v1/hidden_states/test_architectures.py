@@ -211,6 +211,50 @@ def test_add_at_every_layer_of_a_layers_only_architecture_matches_hf_hooks(layer
         assert_steered_like_hf(out, hf, s, f"{layer_arch} add at resid_pre.{i}")
 
 
+# Hybrids keep Mamba state per request: a prompt prefilled in chunks carries
+# it from chunk to chunk, and the "last" extract of a finished request (a
+# prefill of its tokens after sampling) must recompute it, not read the
+# request's final state nor another request's.
+HYBRID_ARCHS = ("granitemoehybrid",)
+
+
+@pytest.fixture(scope="module", params=HYBRID_ARCHS)
+def hybrid_arch(request) -> str:
+    return request.param
+
+
+def test_a_hybrid_over_a_chunked_prefill_matches_hf_at_every_layer(hybrid_arch):
+    """ "all" over a prompt longer than the 64-token budget (its prefill runs
+    in chunks), then "last" of the same prompt again (its prefix cached where
+    vLLM caches hybrids), each against HF."""
+    llm, hf = engine_for(hybrid_arch)
+    assert len(hf.model.config.layer_types) == hf.num_layers
+    for positions in ("all", "last"):
+        params = every_layer(hf, positions)
+        params.ignore_eos = True
+        (out,) = llm.generate([LONG_PROMPT], params, use_tqdm=False)
+        assert len(out.prompt_token_ids) > COMMON_ENGINE_ARGS["max_num_batched_tokens"]
+        assert_every_layer_matches_hf(out, hf, positions, f"{hybrid_arch} chunked")
+
+
+def test_last_extracts_of_a_batch_of_hybrid_requests_match_hf(hybrid_arch):
+    """Requests of different lengths and outputs, batched: each one's "last"
+    extract runs after it finished, beside the others' decodes and
+    extracts, and matches HF on its own tokens."""
+    llm, hf = engine_for(hybrid_arch)
+    prompts = [PROMPT, LONG_PROMPT, "Hello world!", PROMPT + " and then"]
+    params = []
+    for j in range(len(prompts)):
+        p = every_layer(hf, "last")
+        p.max_tokens = MAX_TOKENS + 3 * j
+        p.ignore_eos = True
+        params.append(p)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for j, out in enumerate(outs):
+        assert len(out.outputs[0].token_ids) == MAX_TOKENS + 3 * j
+        assert_every_layer_matches_hf(out, hf, "last", f"{hybrid_arch} batch {j}")
+
+
 def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):
     llm, hf = engine_for(compiled_arch, compiled=True)
     outs = llm.generate(
