@@ -84,9 +84,12 @@ __global__ void steer_kernel(scalar_t* __restrict__ target, const scalar_t* __re
   const scalar_t* o = other == nullptr ? nullptr : other + rows[j] * os;
   const float* a = adds + s * width;
   const bool scaled = scale != 1.f;
+  // aten on CUDA divides a tensor by a host scalar as a product with the
+  // scalar's reciprocal (computed in float): the same here, bit for bit.
+  const float inv_scale = 1.f / scale;
   if (counts[points + index] == 0) {
     for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
-      const scalar_t d = static_cast<scalar_t>(scaled ? a[c] / scale : a[c]);
+      const scalar_t d = static_cast<scalar_t>(scaled ? a[c] * inv_scale : a[c]);
       t[c] = static_cast<scalar_t>(static_cast<opmath_t>(t[c]) + static_cast<opmath_t>(d));
     }
     return;
@@ -112,7 +115,7 @@ __global__ void steer_kernel(scalar_t* __restrict__ target, const scalar_t* __re
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
     float delta = a[c] - proj * d[c];
     if (dc != nullptr) delta += coef * dc[c];
-    if (scaled) delta /= scale;
+    if (scaled) delta *= inv_scale;
     const scalar_t rounded = static_cast<scalar_t>(delta);
     t[c] = static_cast<scalar_t>(static_cast<opmath_t>(t[c]) + static_cast<opmath_t>(rounded));
   }
