@@ -40,6 +40,13 @@ def _cuda_wanted() -> bool:
     return bool(shutil.which("nvcc") or (home and Path(home, "bin", "nvcc").exists()))
 
 
+def _remove_inplace_library() -> None:
+    """Remove a ``_C`` an earlier editable install built in the source tree,
+    so that an editable install without it does not import a stale one."""
+    for stale in (ROOT / "vllm_hidden_states").glob("_C*.so"):
+        stale.unlink()
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -60,8 +67,12 @@ class BuildWithCMake(build_ext):
                     f"building {ext.name} failed ({e}); installing without it: "
                     "the capture and steering ops run by their Python/Triton/aten routes"
                 )
-        self.extensions[:] = built
-        self.distribution.ext_modules[:] = built
+                if self.inplace or getattr(self, "editable_mode", False):
+                    _remove_inplace_library()
+        # Only this command's list: the distribution keeps declaring the
+        # extension, so the wheel keeps its platform layout (files at its
+        # root, not under .data/purelib).
+        self.extensions = built  # rebound: the same list object as ext_modules
 
     def _build(self, ext: Extension) -> None:
         if shutil.which("cmake") is None:
@@ -69,6 +80,8 @@ class BuildWithCMake(build_ext):
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        # A library left by an earlier build must not ship if this one fails.
+        target.unlink(missing_ok=True)
         cuda = _cuda_wanted()
         configure = [
             "cmake",
@@ -102,6 +115,8 @@ class BuildWithCMake(build_ext):
 def _ext_modules() -> list[Extension]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _say(f"{ENV_SWITCH}=0: not building vllm_hidden_states._C")
+        if "develop" in sys.argv or "editable_wheel" in sys.argv:
+            _remove_inplace_library()
         return []
     return [CMakeExtension("vllm_hidden_states._C")]
 
