@@ -16,7 +16,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard vllm_hidden_states/patches/*.patch)
+$(STAMP): pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*) $(wildcard vllm_hidden_states/patches/*.patch)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),1)
 	$(PY) -m pip install -q "vllm==$(VLLM_VERSION)"
@@ -26,7 +26,10 @@ else
 	# with them installed, transformers' model classes fail to import.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 endif
-	$(PY) -m pip install -q -e ".[test,bench,store,ray]"
+	# No build isolation: setup.py builds vllm_hidden_states._C (csrc/) against
+	# the torch installed above, where CMake and a compiler are found (else,
+	# or with VLLM_HIDDEN_STATES_BUILD_C=0, the package installs without it).
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,store,ray]"
 	$(VENV)/bin/vllm-hidden-states patch apply
 	touch $(STAMP)
 

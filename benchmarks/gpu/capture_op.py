@@ -13,13 +13,17 @@ copy to the host (pinned memory, one copy per layer, as
 :mod:`vllm_hidden_states.worker.host_rows` does). On CUDA each variant is
 captured as a CUDA graph and replayed (timed with CUDA events), as vLLM runs a
 decode step, once per route of the op (``triton``: one kernel per point that
-reads the count on the device; ``torch``: the aten gather of every entry); on
-CPU it runs eagerly (the count read on the host), as a smoke test of the
-harness.
+reads the count on the device; ``torch``: the aten gather of every entry;
+``c``: ``vllm_hidden_states._C``'s CUDA kernel, where it was built with them).
+On CPU it runs eagerly (the count read on the host), once with the op's
+Python body (``python``, the route without ``_C``) and once with ``_C``
+(``c``), and once with a no-op forward pre-hook per layer (``no-op hook``:
+what PyTorch's hook call itself costs, the floor of any eager capture point).
 
-Shapes: 8B-like (32 x 4096, bf16) on CUDA; 4 x 256 fp32 on CPU. Batches:
-decode 1, 16, 64 and a 2048-token prefill. Output: the overhead of each
-variant over the baseline in percent (median of paired rounds), JSON and a PNG.
+Shapes: 8B-like (32 x 4096, bf16) on CUDA; 16 x 256 fp32 on CPU. Batches:
+decode 1, 16, 64 and a 2048-token prefill (CPU: 1, 16, 64). Output: the
+overhead of each variant over the baseline in percent and per capture point
+in microseconds (medians of paired rounds), JSON and a PNG.
 """
 
 import argparse
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_points import (
     OFF_CPU_ROUTES,
     CapturePoints,
@@ -70,6 +75,73 @@ class Stack(nn.Module):
         return hidden + residual
 
 
+class PassThrough(nn.Module):
+    """A layer with vLLM's signature and next to no compute: a stack of these
+    isolates what a capture point itself costs an eager forward."""
+
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states, hidden_states if residual is None else residual
+
+
+class PassThroughStack(nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(PassThrough() for _ in range(layers))
+
+    def forward(self, hidden):
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(None, hidden, residual)
+        return hidden
+
+
+@torch.inference_mode()
+def per_point_cpu(quick: bool = False) -> dict:
+    """CPU eager: microseconds per capture point per forward, over a stack of
+    64 pass-through layers (16 tokens, width 1024, fp32, one thread), by
+    route: a no-op forward pre-hook per layer (PyTorch's hook call alone, the
+    floor), the op's Python body (``python``) and ``_C`` (``c``), with 0, 1
+    and 16 rows armed. Paired rounds against the plain stack; medians."""
+    layers, tokens, width = 64, 16, 1024
+    rounds, iters = (7, 50) if quick else (31, 100)
+    torch.set_num_threads(1)
+    plain = PassThroughStack(layers)
+    hooked = PassThroughStack(layers)
+    for layer in hooked.layers:
+        layer.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
+    captured = PassThroughStack(layers)
+    points = CapturePoints(
+        captured,
+        list(range(layers)),
+        num_layers=layers,
+        hidden_size=width,
+        max_rows=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    x = torch.randn(tokens, width)
+    cpu = torch.device("cpu")
+    variants = [("no-op hook", hooked, None, 0)]
+    for route in ["python", "c"] if c_ops.load() else ["python"]:
+        variants += [(route, captured, route, n) for n in (0, 1, 16)]
+    cases = []
+    for name, model, route, n in variants:
+        c_ops.disable(route == "python")
+        points.disarm()
+        if n:
+            points.arm(np.arange(n, dtype=np.int64))
+        diffs = []
+        for _ in range(rounds):
+            base = _timer(cpu, lambda: plain(x), iters)
+            step = _timer(cpu, lambda: model(x), iters)  # noqa: B023 - used at once
+            diffs.append((step - base) / layers * 1e6)
+        cases.append({"route": name, "rows_armed": n, "per_point_us": statistics.median(diffs)})
+    points.disarm()
+    c_ops.disable(False)
+    shape = {"layers": layers, "tokens": tokens, "width": width, "dtype": "float32"}
+    return {"shape": shape, "threads": 1, "rounds": rounds, "iters": iters, "cases": cases}
+
+
 def _timer(device: torch.device, fn, iters: int) -> float:
     """Seconds per call of ``fn``."""
     if device.type == "cuda":
@@ -102,7 +174,9 @@ def _runnable(model, x, device):
     return graph.replay
 
 
-def _time_case(points: CapturePoints, base, step, n: int, rounds: int, iters: int) -> dict:
+def _time_case(
+    points: CapturePoints, base, step, n: int, rounds: int, iters: int, num_points: int
+) -> dict:
     """One case: the baseline forward, the forward with ``n`` rows armed, and
     that forward followed by the rows' copy to the host, in paired rounds
     (A B C A B C ...). Times in ms (medians), overheads in percent (median of
@@ -129,6 +203,9 @@ def _time_case(points: CapturePoints, base, step, n: int, rounds: int, iters: in
         k: statistics.median((a / b - 1) * 100 for a, b in zip(times[k], times["base"]))
         for k in ("op", "op+host")
     }
+    per_point = statistics.median(
+        (a - b) / num_points * 1e6 for a, b in zip(times["op"], times["base"])
+    )
     return {
         "rows_armed": n,
         "base_ms": med["base"] * 1e3,
@@ -136,6 +213,7 @@ def _time_case(points: CapturePoints, base, step, n: int, rounds: int, iters: in
         "op_host_ms": med["op+host"] * 1e3,
         "overhead_pct": over["op"],
         "overhead_with_host_copy_pct": over["op+host"],
+        "per_point_us": per_point,
     }
 
 
@@ -147,10 +225,13 @@ def run(quick: bool = False) -> dict:
         layers, hidden, inner, dtype = 32, 4096, 14336, torch.bfloat16
         batches, max_rows, iters, rounds = (1, 16, 64, 2048), 512, 20, 5
     else:
-        layers, hidden, inner, dtype = 4, 256, 512, torch.float32
-        batches, max_rows, iters, rounds = (1, 16, 64), 512, 5, 3
+        layers, hidden, inner, dtype = 16, 256, 512, torch.float32
+        batches, max_rows, iters, rounds = (1, 16, 64), 512, 20, 21
+        # One thread: what is measured is the Python and dispatch cost per
+        # point, which intra-op threads only blur (more so on a shared box).
+        torch.set_num_threads(1)
     if quick:
-        rounds, iters = 2, max(2, iters // 4)
+        rounds, iters = (2, max(2, iters // 4)) if cuda else (7, 10)
     torch.manual_seed(0)
     plain = Stack(layers, hidden, inner, dtype).to(device)
     captured = Stack(layers, hidden, inner, dtype).to(device)
@@ -166,6 +247,7 @@ def run(quick: bool = False) -> dict:
     )
     results = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "threads": torch.get_num_threads(),
         "shape": {
             "layers": layers,
             "hidden": hidden,
@@ -177,9 +259,15 @@ def run(quick: bool = False) -> dict:
         "iters": iters,
         "cases": [],
     }
-    for route in OFF_CPU_ROUTES if cuda else ("host count",):
+    if cuda:
+        routes = [r for r in OFF_CPU_ROUTES if r != "c" or c_ops.has_cuda_kernels()]
+    else:
+        routes = ["python", "c"] if c_ops.load() else ["python"]
+    for route in routes:
         if cuda:
             use_off_cpu_route(route)
+        else:
+            c_ops.disable(route == "python")
         for tokens in batches:
             x = torch.randn(tokens, hidden, dtype=dtype, device=device)
             base = _runnable(plain, x, device)
@@ -187,9 +275,23 @@ def run(quick: bool = False) -> dict:
                 points.disarm()
                 if n:
                     points.arm(np.arange(n, dtype=np.int64))
-                case = _time_case(points, base, _runnable(captured, x, device), n, rounds, iters)
+                case = _time_case(
+                    points, base, _runnable(captured, x, device), n, rounds, iters, layers
+                )
                 results["cases"].append({"route": route, "tokens": tokens, **case})
     points.disarm()
+    c_ops.disable(False)
+    if not cuda:
+        # The floor: PyTorch's call of a no-op forward pre-hook per layer.
+        hooked = Stack(layers, hidden, inner, dtype)
+        hooked.load_state_dict(plain.state_dict())
+        for layer in hooked.layers:
+            layer.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
+        for tokens in batches:
+            x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+            base, step = _runnable(plain, x, device), _runnable(hooked, x, device)
+            case = _time_case(points, base, step, 0, rounds, iters, layers)
+            results["cases"].append({"route": "no-op hook", "tokens": tokens, **case})
     return results
 
 
@@ -201,7 +303,8 @@ def lines(results: dict) -> list[str]:
     for c in results["cases"]:
         out.append(
             f"  {c['route']:<10} tokens {c['tokens']:>5}  rows {c['rows_armed']:>4}  "
-            f"base {c['base_ms']:8.3f} ms  op {c['overhead_pct']:+6.2f}%  "
+            f"base {c['base_ms']:8.3f} ms  op {c['overhead_pct']:+6.2f}% "
+            f"({c['per_point_us']:6.2f} us/point)  "
             f"op+host copy {c['overhead_with_host_copy_pct']:+6.2f}%"
         )
     return out
@@ -240,11 +343,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     results = run(args.quick)
+    if results["device"] == "cpu":
+        results["per_point"] = per_point_cpu(args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "capture_op-" + ("cuda" if results["device"] != "cpu" else "cpu")
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / f"{stem}.png")
     print("\n".join(lines(results)))
+    if "per_point" in results:
+        pp = results["per_point"]
+        print(f"CPU eager, cost per capture point per forward ({pp['shape']}, one thread):")
+        for c in pp["cases"]:
+            print(f"  {c['route']:<10} rows {c['rows_armed']:>3}  {c['per_point_us']:6.2f} us")
     return results
 
 

@@ -7,7 +7,10 @@ builds a wheel and an sdist from the copy without network or build isolation,
 creates a fresh venv that reuses the vLLM installed in the project's ``.venv``
 (a path line in a ``.pth`` file: the ``.pth`` files of that directory, the
 editable finder among them, are *not* executed) and installs the wheel there.
-Then each test checks one thing.
+Then each test checks one thing. The wheel carries ``vllm_hidden_states._C``
+where CMake and a compiler are found (the build here); two more wheels are
+built without it: one with ``VLLM_HIDDEN_STATES_BUILD_C=0``, one whose build
+fails (no working C++ compiler), which must still succeed, without ``_C``.
 
 ``patch apply`` runs in the new venv against the shared, already patched vLLM:
 it must find the same patch set there and change nothing. It is run only after
@@ -55,7 +58,12 @@ _IGNORED = {
 
 
 def _ignore(_directory: str, names: list[str]) -> set[str]:
-    return {n for n in names if n in _IGNORED or n.endswith(".egg-info")}
+    # _C*.so: the editable install's compiled ops, built in place.
+    return {
+        n
+        for n in names
+        if n in _IGNORED or n.endswith(".egg-info") or (n.startswith("_C") and n.endswith(".so"))
+    }
 
 
 def _env() -> dict[str, str]:
@@ -80,9 +88,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list, cwd: Path) -> subprocess.CompletedProcess:
+def _run(cmd: list, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env={**_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
 
 
@@ -93,8 +106,8 @@ def _show(result: subprocess.CompletedProcess) -> str:
     )
 
 
-def _ok(cmd: list, cwd: Path) -> subprocess.CompletedProcess:
-    result = _run(cmd, cwd)
+def _ok(cmd: list, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = _run(cmd, cwd, env)
     assert result.returncode == 0, _show(result)
     return result
 
@@ -441,3 +454,71 @@ def test_vllm_loads_the_plugin_from_the_installed_wheel(install):
     assert result.returncode == 0, _show(result)
     plugin_file, called_out = result.stdout.strip().splitlines()[-2:]
     assert Path(plugin_file).is_relative_to(install.venv) and called_out == "True", _show(result)
+
+
+# --- the compiled ops (vllm_hidden_states._C) -------------------------------------
+
+
+def _compiled_ops(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as z:
+        return [n for n in z.namelist() if re.fullmatch(rf"{PACKAGE}/_C\.[^/]*\.so", n)]
+
+
+def _c_expected() -> bool:
+    return os.environ.get("VLLM_HIDDEN_STATES_BUILD_C") != "0" and bool(
+        shutil.which("cmake") and (shutil.which("c++") or shutil.which("g++"))
+    )
+
+
+def test_wheel_ships_the_compiled_ops_where_cmake_and_a_compiler_are_found(install):
+    if not _c_expected():
+        pytest.skip("no cmake/C++ compiler, or VLLM_HIDDEN_STATES_BUILD_C=0: no _C to ship")
+    assert len(_compiled_ops(install.wheel)) == 1, zipfile.ZipFile(install.wheel).namelist()
+    assert len(_compiled_ops(install.wheel_from_sdist)) == 1, "the sdist lacks csrc/ or CMake"
+    result = install.py(
+        "from vllm_hidden_states.worker import c_ops; print(c_ops.load(), c_ops.why_not())"
+    )
+    assert result.returncode == 0 and result.stdout.split()[0] == "True", _show(result)
+
+
+def _wheel_without_c(install: Install, name: str, env: dict[str, str]) -> tuple[Path, str]:
+    # A fresh copy: the first builds left build/ (and CMake's cache) in src.
+    src = install.tmp / f"{name}-src"
+    shutil.copytree(install.src, src, symlinks=True, ignore=_ignore)
+    out = install.tmp / name
+    result = _ok(
+        [
+            PYTHON,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            out,
+            src,
+        ],
+        cwd=install.tmp,
+        env=env,
+    )
+    return _only(out, "*.whl"), result.stdout + result.stderr
+
+
+def test_wheel_builds_without_the_compiled_ops_when_turned_off(install):
+    wheel, log = _wheel_without_c(install, "no-c", {"VLLM_HIDDEN_STATES_BUILD_C": "0"})
+    assert _compiled_ops(wheel) == [] and wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    assert "VLLM_HIDDEN_STATES_BUILD_C=0: not building vllm_hidden_states._C" in log
+    assert _wheel_patches(wheel) == install.patches
+
+
+def test_a_failing_compiled_ops_build_still_builds_the_wheel_without_them(install):
+    if shutil.which("cmake") is None:
+        pytest.skip("no cmake: the build is skipped before it can fail")
+    wheel, log = _wheel_without_c(
+        install, "failed-c", {"CXX": "/bin/false", "VLLM_HIDDEN_STATES_BUILD_C": "1"}
+    )
+    assert _compiled_ops(wheel) == [], zipfile.ZipFile(wheel).namelist()
+    assert "building vllm_hidden_states._C failed" in log, log[-3000:]
+    assert _wheel_patches(wheel) == install.patches

@@ -53,8 +53,10 @@ How a capture point's write is made depends on where the forward runs
   armed entries of ``rows`` as a tensor whose length is a dynamic size of
   the graph, set per step: a forward copies the rows armed in it (2 scratch
   rows per point when nobody asked), not one per token.
-* **On CPU in eager mode**: the hook calls the op's body directly, which
-  reads the count (a plain memory read) and returns at once when it is 0.
+* **On CPU in eager mode**: the hook reads the count (a plain memory read,
+  cheaper than any op call) and returns at once when it is 0; otherwise it
+  writes the rows with ``vllm_hidden_states._C``'s C++ kernel
+  (:mod:`.c_ops`), or, where ``_C`` is not built, with the op's Python body.
 
 Invariant on every device: entries of ``rows`` past the armed count are 0
 (:meth:`CapturePoints.arm` keeps them so, :meth:`CapturePoints.disarm` resets
@@ -83,6 +85,7 @@ from vllm_hidden_states.layers import (
     class_name,
     layer_class,
 )
+from vllm_hidden_states.worker import c_ops
 
 logger = init_logger(__name__)
 
@@ -153,7 +156,13 @@ def _capture_rows(
         # A plain memory read on CPU; the "nobody asked" path is this one read.
         n = _host_counts(counts)[index]
         if n:
-            gather_rows(hidden.reshape(-1, hidden.shape[-1]), residual, rows[:n], out[:n], scale)
+            op = c_ops.capture_op()
+            if op is not None:  # the same write in C++, one dispatcher call
+                op(hidden, residual, rows, counts, index, out, scale)
+            else:
+                gather_rows(
+                    hidden.reshape(-1, hidden.shape[-1]), residual, rows[:n], out[:n], scale
+                )
         return
     if hidden.is_cuda and off_cpu_route() == "triton":
         from vllm_hidden_states.worker import capture_kernel
@@ -163,7 +172,10 @@ def _capture_rows(
     _gather_every_entry(hidden, residual, rows, out, scale)
 
 
-OFF_CPU_ROUTES = ("triton", "torch")
+# "c": vllm_hidden_states._C's CUDA kernel (count read on the device, as
+# Triton's). Not the default until benchmarks/gpu/capture_op.py has timed it
+# against Triton on a GPU.
+OFF_CPU_ROUTES = ("triton", "torch", "c")
 _off_cpu_route: str | None = None  # decided on first use
 
 
@@ -184,6 +196,8 @@ def use_off_cpu_route(route: str) -> None:
     global _off_cpu_route
     if route not in OFF_CPU_ROUTES:
         raise ValueError(f"off-CPU route {route!r}; expected one of {OFF_CPU_ROUTES}")
+    if route == "c" and not c_ops.load():
+        raise ValueError(f"off-CPU route 'c': {c_ops.why_not()}")
     _off_cpu_route = route
 
 
@@ -240,6 +254,30 @@ def register_custom_op(
 def register_op() -> None:
     """Register ``torch.ops.vllm.hidden_states_capture`` once per process."""
     register_custom_op(OP_NAME, _capture_rows, _capture_rows_fake, "out")
+
+
+def write_route(device: torch.device) -> str:
+    """How capture points write on ``device``, in words (the engine-start log
+    line names it)."""
+    if count_readable_on_host(device):
+        eager = (
+            "vllm_hidden_states._C (C++)"
+            if c_ops.load()
+            else f"the op's Python body ({c_ops.why_not()})"
+        )
+        return (
+            f"count read on the host; eager forwards write with {eager}, "
+            "compiled ones with aten ops in the graph"
+        )
+    route = off_cpu_route()
+    if route == "triton":
+        return (
+            "one Triton kernel per point, count read on the device (kept until "
+            "benchmarks/gpu/capture_op.py times vllm_hidden_states._C on a GPU)"
+        )
+    if route == "c":
+        return "vllm_hidden_states._C's CUDA kernel per point, count read on the device"
+    return "aten gather of every entry (Triton not importable)"
 
 
 def _is_pp_placeholder(layer: nn.Module) -> bool:
@@ -521,19 +559,35 @@ def capture(
     constants of the graph). ``armed``: on CPU, the armed entries of ``rows``
     as a tensor of dynamic length (:attr:`CapturePoints.armed`)."""
     if not count_readable_on_host(counts.device):
-        torch.ops.vllm.hidden_states_capture(a, b, rows, counts, index, out, scale)
+        if off_cpu_route() == "c":
+            torch.ops.vllm_hidden_states.capture(a, b, rows, counts, index, out, scale)
+        else:
+            torch.ops.vllm.hidden_states_capture(a, b, rows, counts, index, out, scale)
     elif torch.compiler.is_compiling():
         _gather_every_entry(a, b, rows if armed is None else armed, out, scale)
     else:
         _capture_rows(a, b, rows, counts, index, out, scale)
 
 
-def _hook(taps: list[tuple[Reader, str, int, float]], post: bool) -> Callable[..., None]:
+def _hook(
+    taps: list[tuple[Reader, str, int, float]], post: bool, host_counts: np.ndarray | None
+) -> Callable[..., None]:
     """A forward hook (PyTorch's own extension point; Dynamo traces it into the
     compiled graph like the forward) that captures the points read at one
-    module: ``(read, buffer name, index in counts, scale)`` each."""
+    module: ``(read, buffer name, index in counts, scale)`` each.
+    ``host_counts``: on CPU, the counts as a numpy view, so that an eager
+    forward where nobody asked returns after one memory read per point,
+    before reading arguments or buffers (about 1.5 us of Python per point)."""
+    indices = [index for _, _, index, _ in taps]
 
     def capture_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+        # is_compiling() first: Dynamo must not see the numpy view at all.
+        if not torch.compiler.is_compiling() and host_counts is not None:
+            for index in indices:
+                if host_counts[index]:
+                    break
+            else:
+                return
         for read, out_name, index, scale in taps:
             a, b = read(args, kwargs, output)
             capture(
@@ -700,19 +754,19 @@ class CapturePoints:
                 self.neuron_buffers[k] = out
             else:
                 self.buffers[k] = out
+        host_counts = self._counts_np if self._on_host else None
         for (module_id, when), module_taps in hooks.items():
             module = modules[module_id]
             if when == "pre":
-                module.register_forward_pre_hook(_hook(module_taps, False), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    _hook(module_taps, False, host_counts), with_kwargs=True
+                )
             else:
-                module.register_forward_hook(_hook(module_taps, True), with_kwargs=True)
+                module.register_forward_hook(
+                    _hook(module_taps, True, host_counts), with_kwargs=True
+                )
         self.layers = list(self.buffers)
-        if self._on_host:
-            route = "count read on the host"
-        elif off_cpu_route() == "triton":
-            route = "one Triton kernel per point, count read on the device"
-        else:
-            route = "aten gather of every entry (Triton not importable)"
+        route = write_route(self.rows.device)
         if self.layers:
             logger.info(
                 "Hidden states: %d capture points in %d of %d layers of %s.%s (%s), "

@@ -40,7 +40,9 @@ torch.compile the formula at every token as PyTorch ops traced into the
 graph, each token's slot read from a dense map (``token_slots``, int64
 ``[points, max_tokens]``, 0 where nobody steers: slot 0 adds zeros, ``x +
 0`` is ``x``), compiled into the forward's own kernels rather than a Python
-dispatch per point; on CPU in eager mode a count read per steerable point.
+dispatch per point; on CPU in eager mode a count read per steerable point,
+and where it is not 0 ``vllm_hidden_states._C``'s C++ kernel (:mod:`.c_ops`;
+the Python body where ``_C`` is not built).
 """
 
 from collections.abc import Callable
@@ -54,6 +56,7 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm_hidden_states.config import point_of_id
 from vllm_hidden_states.steering import KIND_ORDER, SteeringConfig, vector_files
+from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_points import (
     Reader,
     _child,
@@ -62,6 +65,7 @@ from vllm_hidden_states.worker.capture_points import (
     count_readable_on_host,
     find_decoder_layers,
     layer_layout,
+    off_cpu_route,
     point_tap,
     register_custom_op,
     stream_tap,
@@ -96,6 +100,10 @@ def _steer(
         host = _host_counts(counts)
         n = int(host[index])
         if not n:
+            return
+        op = c_ops.steer_op()
+        if op is not None:  # the same write in C++, one dispatcher call
+            op(target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par)
             return
         if not host[counts.shape[0] // 2 + index]:
             # Only adds armed at this point (no direction, no clamp): the
@@ -226,9 +234,12 @@ def steer(
     steered or not; on CPU in eager mode the op's body, which reads the
     count."""
     if not count_readable_on_host(counts.device):
-        torch.ops.vllm.hidden_states_steer(
-            target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par
-        )
+        # Triton (the op's body) unless the off-CPU route was set to _C's
+        # CUDA kernel (capture_points.use_off_cpu_route, for the benchmarks).
+        op = torch.ops.vllm_hidden_states.steer if off_cpu_route() == "c" else None
+        if op is None:
+            op = torch.ops.vllm.hidden_states_steer
+        op(target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par)
     elif torch.compiler.is_compiling() and token_slots is not None:
         _steer_every_token(target, other, token_slots, index, adds, dirs, scale, enc, dec, par)
     else:
@@ -322,11 +333,23 @@ def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | 
     return SteerTap(tap.module, tap.when, _pair(tap.read), tap.scale, KIND_ORDER[kind])
 
 
-def _hook(entries: list[tuple[Callable, int, float]], post: bool) -> Callable[..., None]:
+def _hook(
+    entries: list[tuple[Callable, int, float]], post: bool, host_counts: np.ndarray | None
+) -> Callable[..., None]:
     """A forward hook that steers the ids written at one module:
-    ``(pair, index in counts, scale)`` each, in network order."""
+    ``(pair, index in counts, scale)`` each, in network order.
+    ``host_counts``: on CPU, the counts as a numpy view, so that an eager
+    forward where nobody steers returns after one memory read per point."""
+    indices = [index for _, index, _ in entries]
 
     def steer_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+        # is_compiling() first: Dynamo must not see the numpy view at all.
+        if not torch.compiler.is_compiling() and host_counts is not None:
+            for index in indices:
+                if host_counts[index]:
+                    break
+            else:
+                return
         for pair, index, scale in entries:
             target, other = pair(args, kwargs, output)
             steer(
@@ -597,19 +620,29 @@ class Steering:
             modules[id(module)] = module
         for (module_id, when), entries in hooks.items():
             entries.sort(key=lambda e: e[0].order)
-            hook = _hook([(t.pair, i, t.scale) for t, i in entries], when == "post")
+            host_counts = self.counts.numpy() if count_readable_on_host(device) else None
+            hook = _hook([(t.pair, i, t.scale) for t, i in entries], when == "post", host_counts)
             module = modules[module_id]
             # prepend: steer before any capture hook at the same module.
             if when == "pre":
                 module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
             else:
                 module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+        if count_readable_on_host(device):
+            route = "eager: " + (
+                "vllm_hidden_states._C (C++)"
+                if c_ops.load()
+                else f"the op's Python body ({c_ops.why_not()})"
+            )
+        else:
+            route = "vllm_hidden_states._C CUDA" if off_cpu_route() == "c" else "Triton"
         logger.info(
-            "vllm-hidden-states: %d steerable points (%s), %d vector slots of %d",
+            "vllm-hidden-states: %d steerable points (%s), %d vector slots of %d; writes: %s",
             len(taps),
             config.describe_points(),
             num_slots,
             hidden_size,
+            route,
         )
 
     # -- per step --------------------------------------------------------------
