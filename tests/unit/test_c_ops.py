@@ -249,7 +249,13 @@ def test_cuda_keeps_triton_until_a_gpu_has_timed_c():
 def test_eager_points_nobody_asked_never_call_an_op(monkeypatch):
     """A forward where nobody asked returns after the count read, before any
     op (neither _C nor aten) or argument read."""
-    from tests.unit.test_capture_points import make_points
+    from tests.unit.test_capture_points import Layer, make_points
+    from vllm_hidden_states import layers
+
+    # The toy layer has vLLM's fused-residual convention (test_capture_points).
+    monkeypatch.setitem(
+        layers.LAYER_CLASSES, layers.class_name(Layer), layers.LayerClass("fused", ("toy",))
+    )
 
     model, points = make_points()
     calls = []

@@ -53,7 +53,7 @@ def has_cuda_kernels() -> bool:
     """Whether ``_C`` was built with its CUDA kernels."""
     if not load():
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key("vllm_hidden_states::capture", "CUDA")
+    return torch.ops.vllm_hidden_states.capture.default.has_kernel_for_dispatch_key("CUDA")
 
 
 def capture_op():
