@@ -16,9 +16,11 @@ scale_out (DP=2 vs DP=1 with "last" on every request, beside plain vLLM's own
 DP=2 vs DP=1), capture_op (the capture op alone on a layer stack, 0/1/64/1024
 rows, with and without the host copy: the GPU micro-benchmark, a smoke test on
 CPU), small_model (a 5 x 256 Llama where the per-step host work shows: nobody
-asks, "last", "all" vs plain vLLM), points (every capture point capturable:
-nobody asks, "last" at one point of each kind, an attention pattern, on the 5 x
-256 Llama), points_wide (the same on four layers of a 0.5B model's width),
+asks, "last", "all" vs plain vLLM), small_model_modes (the same in each of
+vLLM's engine modes, V1/V2 x sync/async, against plain vLLM in that mode),
+points (every capture point capturable: nobody asks, "last" at one point of
+each kind, an attention pattern, on the 5 x 256 Llama), points_wide (the
+same on four layers of a 0.5B model's width),
 points_peers (attn_out, resid_mid, mlp_out at layer 2 on the same prompts: ours
 vs HF hooks, nnsight and interp-engine's eager backend, each checked against HF
 before it is timed), steering (per-request add / ablate at resid_pre.2 vs plain
@@ -41,6 +43,7 @@ SECTIONS = (
     "payload",
     "capture_op",
     "small_model",
+    "small_model_modes",
     "points",
     "points_wide",
     "points_peers",
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "offline": "benchmarks.offline",
                         "server": "benchmarks.server_throughput",
                         "small_model": "benchmarks.small_model",
+                        "small_model_modes": "benchmarks.small_model_modes",
                         "points": "benchmarks.points",
                         "points_wide": "benchmarks.points_wide",
                         "points_peers": "benchmarks.points_peers",

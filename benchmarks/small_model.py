@@ -12,7 +12,8 @@ layer -1 on every request, "all" at layer -2 on every request. Both engines
 live in this process and the variants alternate round by round.
 
 Targets (the CUDA speed issue's CPU proxy): nobody asks >= 0.99, "last" >=
-0.98, "all" >= 0.95.
+0.98, "all" >= 0.95. :mod:`benchmarks.small_model_modes` runs it in each of
+vLLM's engine modes.
 """
 
 import os
@@ -83,8 +84,9 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         enabled, prompts(2), max_tokens=4, return_hidden_states=True, hidden_states_positions="all"
     )
 
+    mode = os.environ.get("VLLM_HS_TEST_MODE")  # benchmarks.small_model_modes
     comparison = Comparison(
-        "small model: per-step host work",
+        "small model: per-step host work" + (f" ({mode})" if mode else ""),
         "generated tok/s",
         baseline="plain vLLM (no hidden states)",
         notes=(
@@ -126,4 +128,5 @@ STEPS_PER_ROUND = 4
 if __name__ == "__main__":
     from benchmarks.common import section_main
 
-    section_main(run, "small_model")
+    mode = os.environ.get("VLLM_HS_TEST_MODE")
+    section_main(run, f"small_model_{mode}" if mode else "small_model")
