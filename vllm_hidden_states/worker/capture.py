@@ -2,8 +2,9 @@
 """The model-runner side of capture: fill the row index before the forward,
 read the buffers after it, hand the rows to the scheduler.
 
-The model runner calls it at four named points (patch 0008, one line each in
-``GPUModelRunner``; the CPU runner inherits them):
+The model runner calls it at four named points (one line each: patch 0008 in
+Model Runner V1's ``GPUModelRunner``, patch 0010 in Model Runner V2's; the
+CPU runners inherit them):
 
 0. once the model is loaded, before compilation and warm-up,
    ``_setup_hidden_states_capture`` makes it (:meth:`HiddenStatesCapture.
@@ -52,9 +53,9 @@ buffers), and the last stage merges it with its own rows per request. The
 entry is added and removed outside the model, so the compiled graph and CUDA
 graphs are the single-stage ones; only steps with a plan send it.
 
-Steps without a plan pay a few attribute checks. A Model Runner V2 port
-needs the same points (after load, step start, around the forward, the
-output) and none of the capture code.
+Steps without a plan pay a few attribute checks. The runners differ only in
+where a step's batch rows are read (:class:`.step_batch.StepBatch`) and in
+how the output leaves the worker (:meth:`HiddenStatesCapture.attach`).
 """
 
 import contextlib
