@@ -183,7 +183,10 @@ def test_streamed_rows_concatenate_to_the_non_streamed_result_bit_for_bit(http, 
     whole = http.post(C, json=body(**common)).json()["choices"][0]["hidden_states"]
     events = stream(http, C, body(stream=True, hidden_states_stream=True, **common))
     objects, _ = streamed_rows(events)
-    assert len(objects) > 2
+    # Every chunk with tokens carries its rows; how many chunks there are is
+    # vLLM's (outputs the client has not read yet are merged), not asserted.
+    chunks = [c for e in events for c in e["choices"] if c.get("token_ids")]
+    assert len(objects) == len(chunks)
     assert np.array_equal(joined(objects), rows_of(whole))
 
 
