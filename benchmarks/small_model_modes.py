@@ -40,7 +40,7 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
             argv += ["--model", str(model)]
         subprocess.run(argv, env=env, cwd=REPO, check=True)
         summary = json.loads((RESULTS / f"small_model_{mode}.json").read_text())
-        (entry,) = summary["small_model"]
+        (entry,) = summary[f"small_model_{mode}"]
         comparisons.append(_comparison(entry))
         if progress is not None:
             progress.update(1)
