@@ -17,7 +17,7 @@ from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
-from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
+from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=4, max_model_len=256)
@@ -30,11 +30,10 @@ def gpt2_dir():
 
 @pytest.fixture(scope="module")
 def gpt2(gpt2_dir):
-    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
-        llm = LLM(model=str(gpt2_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
-    import vllm.envs as envs
-
-    envs.disable_envs_cache()
+    # EngineCore in its own process: shutting an in-process engine down would
+    # tear down the process-wide distributed state that the session's
+    # in-process engine (conftest ``llm``) runs on, in this test process.
+    llm = LLM(model=str(gpt2_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
     yield llm, HFReference(gpt2_dir)
     llm.llm_engine.engine_core.shutdown()
 
