@@ -59,7 +59,7 @@ def _throughput(llm, prompts, **hs) -> float:
 
 def _buffer_mib(llm) -> float:
     """Capture-buffer memory of an engine with hidden states enabled, in MiB."""
-    from vllm_hidden_states.config import HiddenStatesConfig
+    from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 
     vllm_config = llm.llm_engine.vllm_config
     cfg = HiddenStatesConfig.from_vllm_config(vllm_config)

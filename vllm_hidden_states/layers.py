@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, PointKind
+
 # How a layer class's stream and points are read (worker/capture_points.py):
 # "fused": (hidden, residual) in and out, the stream their sum; an add-norm
 #   called with the residual after attention;
@@ -197,3 +199,184 @@ def predicted_layer_classes(model_config: Any, num_layers: int) -> tuple[str | N
         return unknown  # a per-layer prediction needs the model's config
     predicted = tuple(layers(text_config))
     return predicted if len(predicted) == num_layers else unknown
+
+
+_NOT_VERIFIED = (
+    "a layer class whose residual-stream convention is not verified against HF "
+    "transformers here, so its states are refused rather than guessed"
+)
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """The decoder layers of one model as the package knows them.
+
+    Attributes:
+        classes: the qualified class of each decoder layer, predicted from the
+            vLLM model class (None: not predicted).
+        model_class: the vLLM model class the architecture resolves to (for
+            messages), None when vLLM's registry does not know it.
+        experts: whether the model's MLP blocks have routed experts where the
+            layer class's mlp_out / mlp_post are untested with them (Granite
+            4.0-H with ``num_local_experts > 0``).
+    """
+
+    classes: tuple[str | None, ...]
+    model_class: str | None = None
+    experts: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.classes)
+
+    def known(self, i: int) -> "LayerClass | None":
+        name = self.classes[i]
+        return None if name is None else LAYER_CLASSES.get(name)
+
+    def kinds_at(self, i: int) -> tuple[PointKind, ...]:
+        """The point kinds exact at decoder layer ``i``."""
+        known = self.known(i)
+        if known is None:
+            return ("resid_pre",) if i == 0 else ()
+        if not known.points:
+            return ("resid_pre",)
+        lacks: set[str] = set()
+        if not known.attention:
+            lacks.add(PATTERN_KIND)
+        if known.neurons is None:
+            lacks.add(NEURON_KIND)
+        if self.experts and known.layout == "granite_hybrid":
+            lacks |= {"mlp_out", NEURON_KIND}
+        return tuple(k for k in POINT_KINDS if k not in lacks)
+
+    def kinds(self) -> tuple[PointKind, ...]:
+        """The kinds exact at one layer at least."""
+        have = {k for i in range(self.num_layers) for k in self.kinds_at(i)}
+        return tuple(k for k in POINT_KINDS if k in have)
+
+    def layer_exact(self, k: int) -> bool:
+        """Whether HF layer ``k`` (absolute, ``0..L``) is read exactly: the
+        embedding output, the final post-norm state, or the stream entering
+        a decoder layer of a known class."""
+        return k in (0, self.num_layers) or self.known(k) is not None
+
+    def exact_layers(self) -> list[int]:
+        return [k for k in range(self.num_layers + 1) if self.layer_exact(k)]
+
+    def _describe_class(self, i: int) -> str:
+        name = self.classes[i]
+        if name is not None:
+            return f"a {name.rsplit('.', 1)[-1]} ({name})"
+        where = f"{self.model_class}'s" if self.model_class else "this model's"
+        return f"one of {where} decoder layer classes"
+
+    def exact_help(self) -> str:
+        """What is exact on this model, and how to ask for it."""
+        layers = self.exact_layers()
+        n = self.num_layers
+        named = ", ".join(
+            "0 (the embedding output)"
+            if k == 0
+            else f"{n} = -1 (the final post-norm state)"
+            if k == n
+            else str(k)
+            for k in layers
+        )
+        return (
+            f"exact on this model: layers {named}; ask for those (e.g. "
+            f"hidden_states_layers=[0, -1], --hidden-states-layers 0,-1)"
+        )
+
+    def why_not_layer(self, k: int) -> str:
+        """Why HF layer ``k`` (negative: from the end) is refused (it is not
+        :meth:`layer_exact`)."""
+        i = k % (self.num_layers + 1)
+        return (
+            f"layer {k} is the residual stream entering decoder layer {i}, "
+            f"{self._describe_class(i)}: {_NOT_VERIFIED}; {self.exact_help()}"
+        )
+
+    def why_not(self, kind: str, i: int) -> str:
+        """Why point ``kind`` of decoder layer ``i`` is refused."""
+        known = self.known(i)
+        if known is None:
+            return (
+                f"{kind}.{i} is in decoder layer {i}, {self._describe_class(i)}: "
+                f"{_NOT_VERIFIED}; {self.exact_help()}"
+            )
+        name = (self.classes[i] or "").rsplit(".", 1)[-1]
+        if not known.points:
+            return (
+                f"{kind}.{i} is inside decoder layer {i}, a {name}: the points inside "
+                f"its layers are not verified against HF transformers here, only the "
+                f"stream entering each (resid_pre.{i}, the same as layer {i}); "
+                f"{self.exact_help()}"
+            )
+        if kind == PATTERN_KIND and known.layout == "olmo2":
+            return (
+                f"attn_pattern needs vLLM's own attention module in the decoder layer "
+                f"(self_attn.attn); {name} runs on vLLM's Transformers backend"
+            )
+        if kind == PATTERN_KIND:
+            attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
+            return (
+                f"attn_pattern.{i}: decoder layer {i} ({name}) mixes tokens with "
+                f"{known.mixer}, not attention; attention layers: {attention}"
+            )
+        if kind in (NEURON_KIND, "mlp_out") and self.experts:
+            return (
+                f"{kind}.{i}: {name}'s MLP block has routed experts here, untested "
+                "with them (resid_mid and resid_post are exact)"
+            )
+        if kind == NEURON_KIND:
+            return (
+                f"mlp_post (MLP neurons) needs a dense MLP; {name}'s is a mixture "
+                "of experts (mlp_out is its combined output)"
+            )
+        return f"{kind} is not a point of decoder layer {i} ({name})"
+
+    @classmethod
+    def of(cls, model_config: Any, num_layers: int) -> "ModelLayers":
+        """The layers of a model, from its vLLM ``ModelConfig`` (or anything
+        with ``architectures`` and ``hf_text_config``)."""
+        try:
+            model_class = model_class_of(model_config)
+        except Exception:
+            model_class = None
+        text_config = getattr(model_config, "hf_text_config", None)
+        return cls(
+            predicted_layer_classes(model_config, num_layers),
+            model_class,
+            int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
+        )
+
+
+def model_layers_for(architecture: str | None, num_layers: int = 1) -> ModelLayers:
+    """:class:`ModelLayers` of a uniform model of ``architecture`` (every
+    layer of one class), from the name alone."""
+    from types import SimpleNamespace
+
+    return ModelLayers.of(SimpleNamespace(architectures=[architecture]), num_layers)
+
+
+def point_kinds_for(architecture: "str | ModelLayers | None") -> tuple[PointKind, ...]:
+    """The kinds exact at one layer at least of a model (or of a uniform
+    model of an architecture)."""
+    if isinstance(architecture, ModelLayers):
+        return architecture.kinds()
+    return model_layers_for(architecture, 2).kinds_at(1)
+
+
+def missing_kind_reason(kind: str, model: "str | ModelLayers | None", layer: int = 1) -> str:
+    """Why ``kind`` cannot be captured at decoder layer ``layer`` of a model."""
+    if not isinstance(model, ModelLayers):
+        model = model_layers_for(model, max(2, layer + 1))
+    return model.why_not(kind, layer)
+
+
+def point_layout(architecture: str | None) -> str | None:
+    """The layout shared by every decoder layer of a uniform model of
+    ``architecture`` (None: none, or not known). Only a hint for logs: the
+    worker reads each loaded layer by its own class (layers.py)."""
+    known = model_layers_for(architecture, 2).known(1)
+    return None if known is None else known.layout

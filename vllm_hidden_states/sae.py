@@ -20,7 +20,7 @@ A directory holds ``cfg.json`` and ``sae_weights.safetensors`` (what SAELens's
 HF ``output_hidden_states[i]``, so layer ``i`` here; ``blocks.{i}.hook_resid_
 post`` is the stream leaving it, layer ``i + 1``. ``blocks.{i}.hook_attn_out``,
 ``hook_mlp_out`` and ``hook_resid_mid`` are capture points
-(:mod:`vllm_hidden_states.config`): the engine captures the SAE's point
+(:mod:`vllm_hidden_states.points`): the engine captures the SAE's point
 (:func:`point_of_hook`). Other hooks (``hook_z``, per-head outputs) are not
 captured. An explicit ``layer`` always wins.
 

@@ -7,7 +7,7 @@ the model's forward (:mod:`vllm_hidden_states.worker.steering`). One
 intervention is a dict:
 
 * ``point``: a residual-stream point, as addressed for capture
-  (:func:`vllm_hidden_states.config.parse_point`): ``resid_pre.i`` (HF layer
+  (:func:`vllm_hidden_states.points.parse_point`): ``resid_pre.i`` (HF layer
   ``i``), ``attn_out.i``, ``resid_mid.i``, ``mlp_out.i``, ``resid_post.i``;
   the engine steers the points ``--steering-points`` made steerable at start;
 * ``op``: ``"add"`` (``x += strength * v``, the default), ``"ablate"``
@@ -56,17 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_hidden_states.config import (
-    POSITIONS,
-    ModelLayers,
-    Window,
-    check_positions,
-    model_layers_for,
-    parse_point,
-    point_id,
-    window_of,
-    window_problem,
-)
+from vllm_hidden_states.layers import ModelLayers, model_layers_for
+from vllm_hidden_states.points import POSITIONS, Window, parse_point, point_id, window_of
+from vllm_hidden_states.request_fields import check_positions, window_problem
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -272,7 +264,7 @@ class SteeringConfig:
 
     Attributes:
         num_layers: ``L``.
-        ids: steerable capture ids (:func:`vllm_hidden_states.config.point_id`).
+        ids: steerable capture ids (:func:`vllm_hidden_states.points.point_id`).
         points_given: ``--steering-points`` as configured.
         max_interventions: interventions one request may carry.
         vectors: ``{name: length}`` of ``--steering-vectors``.
@@ -296,14 +288,14 @@ class SteeringConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
         """The engine's steering, or None when it is not enabled."""
-        from vllm_hidden_states.config import ADDITIONAL_CONFIG_KEY, num_hidden_layers
+        from vllm_hidden_states.hidden_states_config import ADDITIONAL_CONFIG_KEY, num_hidden_layers
 
         entry = ((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}).get(
             STEERING_KEY
         )
         if entry is None:
             return None
-        from vllm_hidden_states.config import sae_capture_id
+        from vllm_hidden_states.hidden_states_config import sae_capture_id
 
         n = num_hidden_layers(vllm_config)
         architecture = (vllm_config.model_config.architectures or [None])[0]
@@ -418,7 +410,7 @@ def _needs_sae(cfg: SteeringConfig, i: int, key: str) -> None:
 def _sae_point(item: dict[str, Any], cfg: SteeringConfig, i: int) -> str:
     """The point of a clamp: the SAE's (``point`` may be left out; given, it
     must be the SAE's)."""
-    from vllm_hidden_states.config import point_of_id
+    from vllm_hidden_states.points import point_of_id
 
     _needs_sae(cfg, i, "op")
     if cfg.sae_clamp_problem is not None:

@@ -56,7 +56,7 @@ def test_engine_resolves_the_runner_scheduling_and_graphs_of_its_kind(llm):
 
 @pytest.mark.parametrize("positions", ["last", "all"])
 def test_every_capture_point_matches_hf_hooks(llm, hf_gpu, positions):
-    from vllm_hidden_states.config import POINT_KINDS
+    from vllm_hidden_states.points import POINT_KINDS
 
     points = [
         f"{kind}.{i}"

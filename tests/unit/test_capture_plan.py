@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hidden_states.config import HiddenStatesConfig
 from vllm_hidden_states.engine.planner import CapturePlanner
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.wire import HiddenStatesSpec
 from vllm_hidden_states.worker.capture import HiddenStatesCapture
 from vllm_hidden_states.worker.step_batch import StepBatch

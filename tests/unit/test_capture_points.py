@@ -183,7 +183,7 @@ def test_only_the_layers_asked_are_written(mode):
 def test_post_hook_points_of_a_fused_layer_read_its_output(mode):
     """mlp_out / resid_mid are a fused-residual layer's own output items and
     the last layer's resid_post their sum, in both op modes."""
-    from vllm_hidden_states.config import point_id
+    from vllm_hidden_states.points import point_id
 
     ids = {
         "mlp_out.1": point_id("mlp_out", 1, NUM_LAYERS),
@@ -272,7 +272,7 @@ def test_compiled_on_cpu_one_graph_captures_every_armed_count():
 
 
 def test_a_point_the_layer_does_not_have_is_a_lookup_error_naming_the_module():
-    from vllm_hidden_states.config import point_id
+    from vllm_hidden_states.points import point_id
 
     with pytest.raises(LookupError, match="post_attention_layernorm"):
         make_points(ids=(point_id("attn_out", 0, NUM_LAYERS),), layout="fused")

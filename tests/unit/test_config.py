@@ -6,17 +6,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_hidden_states.config import (
+from vllm_hidden_states.engine_args import (
+    add_cli_args,
+    additional_config_entry,
+    join_layers_value,
+    parse_layers_arg,
+)
+from vllm_hidden_states.hidden_states_config import (
     ADDITIONAL_CONFIG_KEY,
     CAPTURE_VERSION,
     DEFAULT_BUFFER_MIB,
     DEFAULT_MAX_ROWS,
     HiddenStatesConfig,
-    add_cli_args,
-    additional_config_entry,
     built_once,
-    join_layers_value,
-    parse_layers_arg,
 )
 
 L = 36  # Qwen3-4B's num_hidden_layers
@@ -211,7 +213,7 @@ def test_built_once_builds_an_engine_config_once_per_vllm_config():
 def test_built_once_forgets_a_vllm_config_that_is_gone():
     import gc
 
-    from vllm_hidden_states import config as config_module
+    from vllm_hidden_states import hidden_states_config as config_module
 
     vllm_config = fake_vllm_config({"layers": [-1]})
     built_once(HiddenStatesConfig, vllm_config)
@@ -426,7 +428,7 @@ def test_additional_config_entry_refuses_a_non_positive_max_rows(bad):
 
 @pytest.mark.parametrize("requested", [None, True, False])
 def test_async_scheduling_is_left_to_vllm(monkeypatch, requested):
-    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+    from vllm_hidden_states.engine_args import ASYNC_SCHEDULING_ENV, async_scheduling_for
 
     monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
     assert async_scheduling_for(requested) is requested
@@ -436,7 +438,7 @@ def test_async_scheduling_is_left_to_vllm(monkeypatch, requested):
 def test_opting_out_of_async_scheduling_switches_it_off_with_one_log_line(
     monkeypatch, caplog, requested
 ):
-    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+    from vllm_hidden_states.engine_args import ASYNC_SCHEDULING_ENV, async_scheduling_for
 
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
     with caplog.at_level(logging.INFO, logger="vllm_hidden_states"):
@@ -446,7 +448,7 @@ def test_opting_out_of_async_scheduling_switches_it_off_with_one_log_line(
 
 
 def test_opting_out_beside_an_explicit_async_scheduling_is_refused_naming_both(monkeypatch):
-    from vllm_hidden_states.config import ASYNC_SCHEDULING_ENV, async_scheduling_for
+    from vllm_hidden_states.engine_args import ASYNC_SCHEDULING_ENV, async_scheduling_for
 
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
     with pytest.raises(ValueError, match="--async-scheduling contradicts") as e:

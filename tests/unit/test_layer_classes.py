@@ -11,13 +11,10 @@ import torch
 from torch import nn
 
 from vllm_hidden_states import layers
-from vllm_hidden_states.config import (
-    HiddenStatesConfig,
-    ModelLayers,
-    additional_config_entry,
-    capturable_point_ids,
-    point_id,
-)
+from vllm_hidden_states.engine_args import additional_config_entry
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, capturable_point_ids
+from vllm_hidden_states.layers import ModelLayers
+from vllm_hidden_states.points import point_id
 from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, _arch_config
 from vllm_hidden_states.worker.capture_points import stream_tap
 

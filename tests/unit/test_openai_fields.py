@@ -246,7 +246,7 @@ def test_a_malformed_window_is_rejected_naming_the_form(window):
 
 
 def test_generated_and_windows_may_stream_every_row():
-    from vllm_hidden_states.config import Window
+    from vllm_hidden_states.points import Window
 
     parsed = ask(hidden_states_positions={"start": 2, "end": 9}, hidden_states_stream=True)
     assert parsed.positions == Window(2, 9) and parsed.stream

@@ -4,21 +4,20 @@
 
 import pytest
 
-from vllm_hidden_states.config import (
+from vllm_hidden_states.engine_args import additional_config_entry
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, capturable_point_ids
+from vllm_hidden_states.layers import point_kinds_for
+from vllm_hidden_states.points import (
     POINT_KINDS,
-    HiddenStatesConfig,
-    additional_config_entry,
-    capturable_point_ids,
-    check_points,
     id_name,
     is_pattern_address,
     is_pattern_id,
     layer_of_id,
     parse_point,
     point_id,
-    point_kinds_for,
     point_of_id,
 )
+from vllm_hidden_states.request_fields import check_points
 
 from .test_config import fake_vllm_config
 

@@ -286,7 +286,7 @@ def test_flags_parse_and_set_the_bounds():
 
 
 def test_the_flags_are_on_the_engine_parser():
-    from vllm_hidden_states.config import add_cli_args as add_all
+    from vllm_hidden_states.engine_args import add_cli_args as add_all
 
     parser = argparse.ArgumentParser()
     add_all(parser)

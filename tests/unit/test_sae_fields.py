@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from vllm_hidden_states.config import HiddenStatesConfig, sae_entry, sae_problems
+from vllm_hidden_states.engine_args import sae_entry, sae_problems
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.server.encoding import ApiError
 from vllm_hidden_states.server.openai_fields import (
     HiddenStatesAsk,

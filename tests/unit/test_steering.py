@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hidden_states.config import additional_config_entry, point_id
+from vllm_hidden_states.engine_args import additional_config_entry
+from vllm_hidden_states.points import point_id
 from vllm_hidden_states.steering import (
     STEERABLE_KINDS,
     SteeringConfig,

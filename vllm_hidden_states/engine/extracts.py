@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
-from vllm_hidden_states.config import EXTRACT_POSITIONS
+from vllm_hidden_states.points import EXTRACT_POSITIONS
 from vllm_hidden_states.wire import HiddenStatesExtractRequest
 
 if TYPE_CHECKING:

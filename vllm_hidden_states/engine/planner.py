@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import EXTRACT_POSITIONS, HiddenStatesConfig
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
+from vllm_hidden_states.points import EXTRACT_POSITIONS
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,

@@ -32,7 +32,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import EXTRACT_POSITIONS
+from vllm_hidden_states.points import EXTRACT_POSITIONS
 from vllm_hidden_states.wire import HiddenStatesExtractRequest, extract_id_for, original_id_of
 
 if TYPE_CHECKING:

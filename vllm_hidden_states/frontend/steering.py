@@ -12,7 +12,7 @@ with a ``VLLMValidationError`` (HTTP 400) naming what is allowed.
 
 from typing import TYPE_CHECKING
 
-from vllm_hidden_states.config import HiddenStatesConfig, built_once
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, built_once
 from vllm_hidden_states.steering import (
     ENABLE_STEERING_HINT,
     SteeringConfig,

@@ -19,20 +19,19 @@ names what is allowed; the engine never sees it.
 
 from typing import TYPE_CHECKING
 
-from vllm_hidden_states.config import (
-    ENABLE_HINT,
-    SAE_HINT,
+from vllm_hidden_states.hidden_states_config import (
     HiddenStatesConfig,
-    Window,
     built_once,
     captures_all_inline,
+)
+from vllm_hidden_states.points import Window, is_neuron_id, is_pattern_id, window_of
+from vllm_hidden_states.request_fields import (
+    ENABLE_HINT,
+    SAE_HINT,
     check_layers,
     check_points,
     check_positions,
     check_sae_features,
-    is_neuron_id,
-    is_pattern_id,
-    window_of,
     window_problem,
 )
 from vllm_hidden_states.wire import HiddenStatesSpec
@@ -191,10 +190,10 @@ def sae_top_k_of(cfg: HiddenStatesConfig, sae_features) -> int:
 
 def _check_pattern_budget(params, prompt_len: int) -> None:
     """Refuse a pattern request whose sequence could pass
-    :data:`vllm_hidden_states.config.MAX_PATTERN_POSITIONS`: a pattern is
+    :data:`vllm_hidden_states.points.MAX_PATTERN_POSITIONS`: a pattern is
     ``[heads, positions, keys]``, square in the sequence length."""
     from vllm.exceptions import VLLMValidationError
-    from vllm_hidden_states.config import MAX_PATTERN_POSITIONS
+    from vllm_hidden_states.points import MAX_PATTERN_POSITIONS
 
     reach = prompt_len + (params.max_tokens or 0) + 1
     if reach > MAX_PATTERN_POSITIONS:

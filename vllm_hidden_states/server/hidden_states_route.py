@@ -80,7 +80,7 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import is_neuron_address, is_pattern_address, point_id
+from vllm_hidden_states.points import is_neuron_address, is_pattern_address, point_id
 from vllm_hidden_states.server import admission
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,

@@ -106,18 +106,20 @@ import orjson
 from fastapi.responses import JSONResponse
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import (
-    REQUEST_FIELDS,
-    SAE_HINT,
+from vllm_hidden_states.points import (
     Positions,
     Window,
+    is_neuron_address,
+    is_pattern_address,
+    parse_point,
+)
+from vllm_hidden_states.request_fields import (
+    REQUEST_FIELDS,
+    SAE_HINT,
     check_layers,
     check_points,
     check_positions,
     check_sae_features,
-    is_neuron_address,
-    is_pattern_address,
-    parse_point,
     window_problem,
 )
 from vllm_hidden_states.server.encoding import (

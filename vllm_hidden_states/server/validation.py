@@ -10,7 +10,8 @@ import sys
 import weakref
 from typing import Any
 
-from vllm_hidden_states.config import ENABLE_HINT, HiddenStatesConfig
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
+from vllm_hidden_states.request_fields import ENABLE_HINT
 from vllm_hidden_states.server.admission import check_layers
 from vllm_hidden_states.server.encoding import invalid_request
 from vllm_hidden_states.steering import ENABLE_STEERING_HINT, SteeringConfig, check_steering

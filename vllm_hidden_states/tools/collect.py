@@ -226,7 +226,7 @@ class CollectConfig:
             )
         if not self.layers and not self.points:
             raise ValueError("name at least one layer (--layers) or point (--points)")
-        from vllm_hidden_states.config import is_neuron_address, is_pattern_address
+        from vllm_hidden_states.points import is_neuron_address, is_pattern_address
 
         other = [p for p in self.points if is_neuron_address(p) or is_pattern_address(p)]
         if other:

@@ -68,7 +68,9 @@ import torch
 from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
-from vllm_hidden_states.config import HiddenStatesConfig, layer_of_id, point_layout
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
+from vllm_hidden_states.layers import point_layout
+from vllm_hidden_states.points import layer_of_id
 from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.wire import CapturedRows, cat_rows, group_rows, slice_rows, without
 from vllm_hidden_states.worker.capture_points import CapturePoints

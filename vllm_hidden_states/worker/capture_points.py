@@ -78,13 +78,13 @@ from torch import nn
 from torch._dynamo import mark_dynamic
 
 from vllm.logger import init_logger
-from vllm_hidden_states.config import NEURON_KIND, PATTERN_KIND, point_of_id
 from vllm_hidden_states.layers import (
     FUSED_RESIDUAL_LAYOUTS,
     LayerClass,
     class_name,
     layer_class,
 )
+from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, point_of_id
 from vllm_hidden_states.worker import c_ops
 
 logger = init_logger(__name__)

@@ -36,7 +36,8 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_hidden_states.config import POINT_KINDS, ModelLayers
+from vllm_hidden_states.layers import ModelLayers
+from vllm_hidden_states.points import POINT_KINDS
 from vllm_hidden_states.steering import STEERABLE_KINDS
 from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, build_tiny_model
 

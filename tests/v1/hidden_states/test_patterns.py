@@ -19,7 +19,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_hidden_states.config import MAX_PATTERN_POSITIONS
+from vllm_hidden_states.points import MAX_PATTERN_POSITIONS
 from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of

@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The address grammar: layers, points and positions, and their capture ids.
+
+Layer convention (the same as HF transformers ``output_hidden_states``), with
+``L = num_hidden_layers``:
+
+* ``0``: the embedding output;
+* ``1..L-1``: the residual stream after decoder layer ``k``
+  (the stream entering decoder layer ``k``, i.e. vLLM's ``hidden + residual``);
+* ``L`` (``-1``): the final, post-norm hidden state, i.e. the LM-head input.
+
+Negative indices count from the end over those ``L + 1`` entries, so ``-2`` is
+``L - 1``: the residual stream entering the last decoder layer, which is what
+Z-Image reads from Qwen3-4B.
+
+Point convention (``hidden_states_points``; SAELens / TransformerLens names):
+``blocks.{i}.hook_{kind}`` or ``{kind}.{i}``, ``i`` a decoder layer
+``0..L-1`` (negative counts from the end), ``kind`` one of :data:`POINT_KINDS`:
+
+* ``resid_pre.i``: the stream entering decoder layer ``i`` (HF layer ``i``);
+* ``attn_out.i``: the attention block's contribution to the stream (after any
+  post-attention norm: Gemma 2/3, OLMo 2);
+* ``resid_mid.i = resid_pre.i + attn_out.i``;
+* ``mlp_out.i``: the MLP (or MoE) block's contribution (after any
+  post-feed-forward norm);
+* ``resid_post.i = resid_mid.i + mlp_out.i`` (HF layer ``i + 1``, except
+  ``resid_post.(L-1)``: the pre-norm stream, where HF's layer ``L`` is
+  post-norm).
+
+Every capturable thing has one integer *capture id* (:func:`point_id`): ids
+``0..L`` are the HF layers, so everything downstream of the request (planner,
+worker buffers, wire rows) carries layers and points alike; ids past ``L`` are
+the points that are not an HF layer.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+# ``hidden_states_positions`` values. "last": the final token of prompt +
+# output; "all": every position; "prompt": every prompt position;
+# "generated": every output position; or a :class:`Window`.
+Positions = Literal["last", "all", "prompt", "generated"]
+POSITIONS: tuple[Positions, ...] = get_args(Positions)
+
+
+@dataclass(frozen=True)
+class Window:
+    """``hidden_states_positions: {"start": s, "end": e}``: positions
+    ``s .. e - 1`` of prompt + output (``end`` None: to the final token).
+    Captured like "all", but only the window's rows."""
+
+    start: int
+    end: int | None = None
+
+    def as_json(self) -> dict[str, int | None]:
+        return {"start": self.start, "end": self.end}
+
+
+# Positions served by a post-sampling HIDDEN_STATES_EXTRACT prefill. "prompt" is
+# captured during the request's own prefill instead: no extract, one pass.
+EXTRACT_POSITIONS: tuple[str, ...] = ("last", "all")
+
+
+def window_of(positions: "Positions | Window", prompt_len: int) -> Window | None:
+    """The window an "all"-like request captures: "generated" is
+    ``{"start": prompt_len}``, "all" none (every position)."""
+    if isinstance(positions, Window):
+        return positions
+    return Window(prompt_len) if positions == "generated" else None
+
+
+# -- capture points (see the module doc) -------------------------------------
+
+PointKind = Literal[
+    "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post"
+]
+POINT_KINDS: tuple[PointKind, ...] = get_args(PointKind)
+# Attention patterns: [heads, query positions, key positions] per layer, not
+# a row of the residual stream (CapturedRows.patterns, not .hidden).
+PATTERN_KIND: PointKind = "attn_pattern"
+# MLP neurons: the down projection's input, [positions, intermediate_size]
+# per layer (CapturedRows.neurons). Dense MLPs only.
+NEURON_KIND: PointKind = "mlp_post"
+# Longest sequence an attention-pattern request may reach: its answer is
+# [heads, positions, keys] per point, square in the length.
+MAX_PATTERN_POSITIONS = 4096
+# Kinds whose every layer has a capture id of its own past L, in id order.
+_OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
+
+_ADDRESS = re.compile(r"^(?:blocks\.(-?\d+)\.hook_([a-z_]+)|([a-z_]+)\.(-?\d+))$")
+# TransformerLens' own name of the pattern hook: blocks.{i}.attn.hook_pattern.
+_TL_PATTERN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_pattern$")
+
+
+def address_help(num_layers: int) -> str:
+    return (
+        f"a point is '<kind>.<i>' or 'blocks.<i>.hook_<kind>' with kind one of "
+        f"{list(POINT_KINDS)} and i a decoder layer in "
+        f"{-num_layers}..{num_layers - 1}"
+    )
+
+
+def parse_point(address: Any, num_layers: int) -> tuple[PointKind, int]:
+    """``(kind, layer)`` of a point address, the layer absolute in
+    ``0..L-1``; ValueError naming the allowed forms."""
+    tl = _TL_PATTERN.match(address) if isinstance(address, str) else None
+    match = _ADDRESS.match(address) if isinstance(address, str) else None
+    if match is None and tl is None:
+        raise ValueError(f"{address!r} is not a point address; {address_help(num_layers)}")
+    kind: str
+    if tl is not None:
+        layer_text, kind = tl[1], PATTERN_KIND
+    elif match is not None and match[1] is not None:
+        layer_text, kind = match[1], match[2]
+    else:
+        assert match is not None
+        layer_text, kind = match[4], match[3]
+    if kind not in POINT_KINDS:
+        raise ValueError(f"{address!r}: unknown kind {kind!r}; {address_help(num_layers)}")
+    layer = int(layer_text)
+    if not -num_layers <= layer < num_layers:
+        raise ValueError(
+            f"{address!r}: layer {layer} is out of range for a {num_layers}-layer "
+            f"model; {address_help(num_layers)}"
+        )
+    return kind, layer % num_layers  # type: ignore[return-value]
+
+
+def point_id(kind: PointKind, layer: int, num_layers: int) -> int:
+    """The capture id of point ``kind.layer`` (``layer`` absolute): HF layer
+    ``layer`` for resid_pre, ``layer + 1`` for resid_post below the last
+    layer, else an id past ``L``."""
+    n = num_layers
+    if kind == "resid_pre":
+        return layer
+    if kind == "resid_post":
+        return layer + 1 if layer < n - 1 else n + 1 + len(_OWN_ID_KINDS) * n
+    if kind == PATTERN_KIND:
+        return n + 2 + len(_OWN_ID_KINDS) * n + layer
+    if kind == NEURON_KIND:
+        return n + 2 + (len(_OWN_ID_KINDS) + 1) * n + layer
+    return n + 1 + _OWN_ID_KINDS.index(kind) * n + layer
+
+
+def point_of_id(capture_id: int, num_layers: int) -> tuple[PointKind, int] | None:
+    """``(kind, layer)`` of a capture id past ``L``; None for an HF layer
+    ``0..L`` (resid_pre of it, or the final post-norm state)."""
+    n = num_layers
+    if capture_id <= n:
+        return None
+    offset = capture_id - (n + 1)
+    if offset == len(_OWN_ID_KINDS) * n:
+        return "resid_post", n - 1
+    if offset > len(_OWN_ID_KINDS) * n:
+        rest = offset - len(_OWN_ID_KINDS) * n - 1
+        return (PATTERN_KIND, rest) if rest < n else (NEURON_KIND, rest - n)
+    return _OWN_ID_KINDS[offset // n], offset % n
+
+
+def is_pattern_id(capture_id: int, num_layers: int) -> bool:
+    """Whether a capture id is an attention pattern (not a residual row)."""
+    point = point_of_id(capture_id, num_layers)
+    return point is not None and point[0] == PATTERN_KIND
+
+
+def is_neuron_id(capture_id: int, num_layers: int) -> bool:
+    """Whether a capture id is an MLP-neuron point (``intermediate_size`` wide)."""
+    point = point_of_id(capture_id, num_layers)
+    return point is not None and point[0] == NEURON_KIND
+
+
+def is_neuron_address(address: str) -> bool:
+    """Whether a (well-formed) point address names MLP neurons (mlp_post)."""
+    match = _ADDRESS.match(address)
+    return match is not None and NEURON_KIND in (match[2], match[3])
+
+
+def is_pattern_address(address: str) -> bool:
+    """Whether a (well-formed) point address names an attention pattern,
+    without knowing the model (the server splits a request's points)."""
+    if _TL_PATTERN.match(address):
+        return True
+    match = _ADDRESS.match(address)
+    return match is not None and PATTERN_KIND in (match[2], match[3])
+
+
+def layer_of_id(capture_id: int, num_layers: int) -> int:
+    """The decoder layer whose forward computes a capture id (for pipeline
+    stages): ``k`` for HF layer ``k < L`` (entering layer ``k``), the layer
+    of a point past ``L``, ``L`` for the final post-norm state."""
+    point = point_of_id(capture_id, num_layers)
+    return capture_id if point is None else point[1]
+
+
+def id_name(capture_id: int, num_layers: int) -> str:
+    """A capture id as users name it: the HF layer, or ``kind.i``."""
+    point = point_of_id(capture_id, num_layers)
+    return str(capture_id) if point is None else f"{point[0]}.{point[1]}"
