@@ -36,7 +36,7 @@ captured data is a new field and its entry in :data:`POSITION_AXIS`.
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import torch
@@ -245,3 +245,152 @@ def without(group: CapturedRows, req_ids: set[str]) -> CapturedRows | None:
     if not kept:
         return None
     return cat_rows([group_rows(rows, req_id) for req_id, rows in kept], grouped=True)
+
+
+# -- the scheduler's capture plan, carried to the workers on SchedulerOutput --
+
+
+class CaptureKind(NamedTuple):
+    """What a capture reads, whatever its positions in one step; requests
+    that ask the same share one (a plan sends each kind once).
+
+    Attributes:
+        layers: absolute HF layer indices, in result order.
+        positions: "last" or "all".
+        sae_top_k: also encode the SAE layer's rows on the device and ship
+            only their k strongest features (0: none). ``layers`` (the full
+            states shipped) may then be empty.
+        buffered: the rows pass the capture buffers (a layer below the final
+            one is read); else they come from the model output alone.
+        patterns: attention patterns (capture ids) to compute once the
+            capture is done, for query positions ``query_start ..
+            query_stop - 1`` (None: to the end) over every key; the capture's
+            rows are then cut to those positions too.
+        neurons: mlp_post capture ids.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    sae_top_k: int = 0
+    buffered: bool = True
+    patterns: tuple[int, ...] = ()
+    query_start: int = 0
+    query_stop: int | None = None
+    neurons: tuple[int, ...] = ()
+
+    @property
+    def rows_only(self) -> bool:
+        """Only rows of ``layers``: no SAE features, patterns or neurons
+        (a step of such captures goes to the host as one group)."""
+        return not (self.sae_top_k or self.patterns or self.neurons)
+
+
+class CapturePlan(NamedTuple):
+    """What the model runner captures in one step, column by column: entry
+    ``i`` of each list belongs to request ``req_ids[i]``.
+
+    Columns, not an object per request: a decode step of many "all" captures
+    is made and pickled to the workers in a few list operations, and the
+    planner, which has every number at hand, works out each request's rows,
+    so the worker's common step only looks up batch rows (per-request objects
+    cost microseconds each, every step).
+
+    Attributes:
+        req_ids: the requests with a capture scheduled in this step.
+        offsets: each one's first captured row, counted from its first
+            scheduled token (batch row ``query_start_loc[its index]``).
+        counts: rows it captures in this step (0: none; a "last" capture
+            before the chunk that computes its last position, an "all"
+            capture recomputing delivered positions or past its window).
+        done: this step computes its last position (its rows are delivered
+            with this step's output).
+        one_group: every entry has one kind of rows only (no SAE features,
+            patterns or neurons), captures at least one row and is done:
+            the step's rows go to the host as one group.
+        starts: sequence position of each one's first scheduled token.
+        num_tokens: length of its sequence known at this step; rows are
+            delivered in the step that computes position ``num_tokens - 1``.
+        firsts: first position to capture ("all"; positions before it were
+            delivered before a preemption, or lie before a window).
+        stops: a window's end: positions from it on are not captured (-1:
+            none). Rows are still delivered in the step that computes
+            position ``num_tokens - 1`` (a window that ends inside a chunked
+            prefill is delivered with the prefill's last chunk).
+        kind_of: index into ``kinds`` of each one's :class:`CaptureKind`.
+        kinds: the distinct kinds of this step.
+    """
+
+    req_ids: list[str]
+    offsets: list[int]
+    counts: list[int]
+    done: list[bool]
+    one_group: bool
+    starts: list[int]
+    num_tokens: list[int]
+    firsts: list[int]
+    stops: list[int]
+    kind_of: list[int]
+    kinds: list[CaptureKind]
+
+    def step(self, i: int) -> "CaptureStep":
+        """Entry ``i`` as one request's :class:`CaptureStep`."""
+        kind = self.kinds[self.kind_of[i]]
+        stop = self.stops[i]
+        return CaptureStep(
+            kind.layers,
+            kind.positions,
+            self.starts[i],
+            self.num_tokens[i],
+            self.firsts[i],
+            kind.sae_top_k,
+            kind.buffered,
+            None if stop < 0 else stop,
+            kind.patterns,
+            kind.query_start,
+            kind.query_stop,
+            kind.neurons,
+        )
+
+
+class CaptureStep(NamedTuple):
+    """What the model runner captures for one request in one step: a
+    :class:`CapturePlan` entry with its kind's fields, as the worker's
+    per-request path (chunked prefills, extracts, SAE features, patterns)
+    reads it.
+
+    Attributes:
+        layers: absolute HF layer indices, in result order.
+        positions: "last" or "all".
+        start: sequence position of this step's first scheduled token.
+        num_tokens: length of the sequence known at this step; rows are
+            delivered in the step that computes position ``num_tokens - 1``.
+        first: first position to capture ("all"; positions before it were
+            delivered before a preemption).
+        sae_top_k: also encode the SAE layer's rows on the device and ship
+            only their k strongest features (0: none). ``layers`` (the full
+            states shipped) may then be empty.
+        buffered: the rows pass the capture buffers (a layer below the final
+            one is read); else they come from the model output alone.
+        stop: a window's end: positions from it on are not captured (None:
+            none). Rows are still delivered in the step that computes
+            position ``num_tokens - 1``: only a step with an output carries
+            them (a window that ends inside a chunked prefill is delivered
+            with the prefill's last chunk).
+        patterns: attention patterns (capture ids) to compute once the
+            capture is done, for query positions ``query_start ..
+            query_stop - 1`` (None: to the end) over every key; the capture's
+            rows are then cut to those positions too.
+    """
+
+    layers: tuple[int, ...]
+    positions: str
+    start: int
+    num_tokens: int
+    first: int = 0
+    sae_top_k: int = 0
+    buffered: bool = True
+    stop: int | None = None
+    patterns: tuple[int, ...] = ()
+    query_start: int = 0
+    query_stop: int | None = None
+    neurons: tuple[int, ...] = ()

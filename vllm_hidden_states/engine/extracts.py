@@ -6,21 +6,22 @@ samples nothing useful: a prefill with ``max_tokens=1`` whose sampled token is
 discarded, so it finishes in the step that computes its last position. It
 otherwise goes through the normal scheduling path, which is the point: the
 normal token budget (chunked when long), prefix caching, preemption, abort and
-block freeing are vLLM's own. :class:`~vllm_hidden_states.engine.planner.
-CapturePlanner` queues it and plans its captures.
+block freeing are vLLM's own. The scheduler's ``CapturePlanner``
+(``engine/planner.py``) queues it and plans its captures; this module only
+builds and checks it, and knows nothing of the planner.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.points import EXTRACT_POSITIONS
 from vllm_hidden_states.wire import HiddenStatesExtractRequest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-    from vllm_hidden_states.engine.planner import CapturePlanner
 
 logger = init_logger(__name__)
 
@@ -57,15 +58,16 @@ def make_extract_request(
 
 
 def problem_with(
-    planner: "CapturePlanner | None", extract: HiddenStatesExtractRequest
+    config: HiddenStatesConfig,
+    max_model_len: int,
+    running: Container[str],
+    extract: HiddenStatesExtractRequest,
 ) -> str | None:
-    """Why an extract cannot run, or None. The front-end validated the original
+    """Why an extract cannot run on an engine of ``config`` whose extracts
+    ``running`` are in flight, or None. The front-end validated the original
     request, so this only guards against a direct EngineCore user."""
-    if planner is None:
-        return "hidden states are not enabled on this engine"
     if extract.positions not in EXTRACT_POSITIONS:
         return f"positions must be 'last' or 'all', got {extract.positions!r}"
-    config = planner.config
     if extract.sae_top_k and (
         config.sae is None or not 1 <= extract.sae_top_k <= config.sae["d_sae"]
     ):
@@ -85,28 +87,14 @@ def problem_with(
             f"layers {bad} are not capturable; capturable layers: "
             f"{config.describe_capturable()} (absolute indices expected)"
         )
-    if not 0 < len(extract.token_ids) < planner.max_model_len:
+    if not 0 < len(extract.token_ids) < max_model_len:
         return (
             f"sequence length {len(extract.token_ids)} must be in "
-            f"1..{planner.max_model_len - 1} (max_model_len={planner.max_model_len})"
+            f"1..{max_model_len - 1} (max_model_len={max_model_len})"
         )
-    if extract.request_id in planner.active:
+    if extract.request_id in running:
         return "an extract with this request id is already running"
     return None
-
-
-def queue_extract(
-    planner: "CapturePlanner | None",
-    scheduler: Any,
-    extract: HiddenStatesExtractRequest,
-    block_hasher: Callable[["Request"], list[Any]] | None,
-) -> str | None:
-    """Queue ``extract`` in ``scheduler``; why it cannot run, or None."""
-    problem = problem_with(planner, extract)
-    if problem is None:
-        assert planner is not None  # problem_with(None, ...) is not None
-        planner.add_extract(scheduler, make_extract_request(extract, block_hasher), extract)
-    return problem
 
 
 def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -> None:
@@ -121,9 +109,12 @@ def add_extracts(engine_core: Any, extracts: list[HiddenStatesExtractRequest]) -
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
     scheduler = engine_core.scheduler
+    planner = scheduler.capture_planner
     for extract in extracts:
-        problem = queue_extract(
-            scheduler.capture_planner, scheduler, extract, engine_core.request_block_hasher
+        problem = (
+            "hidden states are not enabled on this engine"
+            if planner is None
+            else planner.queue_extract(scheduler, extract)
         )
         if problem is None:
             continue

@@ -79,7 +79,7 @@ from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 from vllm_hidden_states.worker.step_batch import StepBatch
 
 if TYPE_CHECKING:
-    from vllm_hidden_states.engine.planner import CaptureKind, CapturePlan, CaptureStep
+    from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
     from vllm_hidden_states.worker.steering import Steering
 
 logger = init_logger(__name__)
