@@ -1,9 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The rules of a request's hidden-state fields, one copy for every surface."""
+"""The one resolver of a request's hidden-state fields, for every surface.
 
-from typing import Any
+:func:`resolve_fields` turns the fields a request carries (:class:`RequestFields`,
+read from ``SamplingParams`` or from an OpenAI request body) into what it asks
+of the engine (:class:`AskedStates`), or raises :class:`FieldError` naming the
+field, what was wrong and what is allowed. The engine front-end
+(``frontend/input_fields.py``) and the HTTP server (``server/``) call it with
+the same fields and raise its message as their own error (``VLLMValidationError``,
+HTTP 400), so a bad field reads the same on both. What only one surface knows
+stays there: the prompt's length (front-end), the wire format and streaming
+(HTTP).
+"""
 
-from vllm_hidden_states.points import POSITIONS, Positions, Window
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_hidden_states.points import (
+    POSITIONS,
+    Positions,
+    Window,
+    is_neuron_id,
+    is_pattern_id,
+)
+
+if TYPE_CHECKING:
+    from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 
 # Layers a request gets when it asks for hidden states without naming any: the
 # final post-norm state. The one place this default is written.
@@ -23,10 +44,155 @@ REQUEST_FIELDS: tuple[str, ...] = (
     "sae_features",
 )
 
-# -- the request rules, one copy for both surfaces --------------------------
-# SamplingParams (frontend/validate.py) and the OpenAI fields
-# (server/openai_fields.py) call these; each surface turns the ValueError into
-# its own error (VLLMValidationError / HTTP 400) naming the field.
+
+class FieldError(ValueError):
+    """A request field breaks a rule; the message says what was wrong and what
+    is allowed, ``parameter`` names the field."""
+
+    def __init__(self, message: str, parameter: str) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """The hidden-state fields of one request, as given (unchecked): the same
+    names on ``SamplingParams`` and in an OpenAI request body."""
+
+    return_hidden_states: Any = None
+    hidden_states_layers: Any = None
+    hidden_states_points: Any = None
+    hidden_states_positions: Any = None
+    sae_features: Any = None
+
+    @classmethod
+    def of(cls, source: Any) -> "RequestFields":
+        """The fields of ``SamplingParams`` (attributes) or of a request
+        body's extra fields (a dict; missing fields are None)."""
+        get = source.get if isinstance(source, dict) else lambda k: getattr(source, k, None)
+        return cls(*(get(name) for name in cls.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class AskedStates:
+    """What one request asks of the engine, checked against it.
+
+    Attributes:
+        layers: the layers as named (HF convention; the default when none is
+            named), in result order.
+        abs_layers: ``layers`` as absolute capture ids ``0..L``.
+        positions: "last", "all", "prompt", "generated" or a :class:`Window`.
+        sae_top_k: k of ``sae_features`` (0: not asked).
+        points, point_ids: residual-stream points beyond the layers, as
+            named, and their capture ids.
+        patterns, pattern_ids: attention-pattern points, and their ids.
+        neurons, neuron_ids: MLP-neuron (mlp_post) points, and their ids.
+    """
+
+    layers: tuple[int, ...]
+    abs_layers: tuple[int, ...]
+    positions: "Positions | Window"
+    sae_top_k: int = 0
+    points: tuple[str, ...] = ()
+    point_ids: tuple[int, ...] = ()
+    patterns: tuple[str, ...] = ()
+    pattern_ids: tuple[int, ...] = ()
+    neurons: tuple[str, ...] = ()
+    neuron_ids: tuple[int, ...] = ()
+
+
+def asks_states(fields: RequestFields) -> bool:
+    """Whether a request asks for captured data: ``return_hidden_states`` is
+    true or ``sae_features`` is given (it implies the flag). Refuses a flag
+    that is not a boolean, and layers or points named without the flag."""
+    flag = fields.return_hidden_states
+    if flag is not None and not isinstance(flag, bool):
+        raise FieldError(
+            f"return_hidden_states must be true or false, got {flag!r}", "return_hidden_states"
+        )
+    if flag or fields.sae_features is not None:
+        return True
+    for name in ("hidden_states_layers", "hidden_states_points"):
+        if getattr(fields, name) is not None:
+            raise FieldError(
+                f"{name} was given but return_hidden_states is not true; set "
+                "return_hidden_states to true to receive hidden states",
+                name,
+            )
+    return False
+
+
+def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> AskedStates:
+    """What a request that :func:`asks_states` asks of an engine of ``cfg``
+    (None: hidden states not enabled); :class:`FieldError` for the first field
+    that breaks a rule, checked in the order of the fields."""
+    if cfg is None:
+        if fields.sae_features is not None:
+            raise _no_sae()
+        raise FieldError(
+            f"hidden states are not enabled on this engine; {ENABLE_HINT}", "return_hidden_states"
+        )
+    positions = _checked(
+        check_positions,
+        "hidden_states_positions",
+        "last" if fields.hidden_states_positions is None else fields.hidden_states_positions,
+    )
+    sae_top_k = 0
+    if fields.sae_features is not None:
+        if cfg.sae is None:
+            raise _no_sae()
+        sae_top_k = _checked(
+            check_sae_features, "sae_features", fields.sae_features, cfg.sae["d_sae"]
+        )
+    asked = _checked(check_points, "hidden_states_points", fields.hidden_states_points)
+    ids = _checked(cfg.resolve_points, "hidden_states_points", asked)
+    # With sae_features or points, full states only for the layers named.
+    layers = _checked(
+        check_layers,
+        "hidden_states_layers",
+        fields.hidden_states_layers,
+        bool(sae_top_k),
+        bool(asked),
+    )
+    abs_layers = _checked(cfg.resolve_all, "hidden_states_layers", layers)
+    # Attention patterns and MLP neurons travel apart from the residual rows.
+    n = cfg.num_layers
+    pattern = [is_pattern_id(k, n) for k in ids]
+    neuron = [is_neuron_id(k, n) for k in ids]
+    row = [not (p or q) for p, q in zip(pattern, neuron)]
+    return AskedStates(
+        layers=tuple(layers),
+        abs_layers=tuple(abs_layers),
+        positions=positions,
+        sae_top_k=sae_top_k,
+        points=_where(asked, row),
+        point_ids=_where(ids, row),
+        patterns=_where(asked, pattern),
+        pattern_ids=_where(ids, pattern),
+        neurons=_where(asked, neuron),
+        neuron_ids=_where(ids, neuron),
+    )
+
+
+def _no_sae() -> FieldError:
+    return FieldError(f"sae_features needs an SAE on this engine; {SAE_HINT}", "sae_features")
+
+
+def _checked(rule: Any, parameter: str, *args: Any) -> Any:
+    """``rule(*args)``, its ValueError raised as a :class:`FieldError` of ``parameter``."""
+    try:
+        return rule(*args)
+    except FieldError:
+        raise
+    except ValueError as e:
+        raise FieldError(str(e), parameter) from None
+
+
+def _where(values: list[Any], keep: list[bool]) -> tuple[Any, ...]:
+    return tuple(v for v, k in zip(values, keep) if k)
+
+
+# -- the rules of single fields ------------------------------------------------
 
 
 def check_positions(value: Any) -> "Positions | Window":

@@ -5,7 +5,7 @@ Three msgspec structs travel over ZMQ:
 
 * :class:`HiddenStatesSpec` rides on ``EngineCoreRequest.return_hidden_states``
   (and on the engine's ``Request.hidden_states_spec``): what a generation
-  request asked for, resolved by :mod:`vllm_hidden_states.frontend.validate`.
+  request asked for, resolved by :mod:`vllm_hidden_states.frontend.input_fields`.
 * :class:`HiddenStatesExtractRequest` is the payload of the
   ``HIDDEN_STATES_EXTRACT`` core request type: the post-sampling prefill
   that completes a finished "last"/"all" request (:func:`extract_for`),

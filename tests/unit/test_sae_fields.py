@@ -10,6 +10,7 @@ import torch
 
 from vllm_hidden_states.engine_args import sae_entry, sae_problems
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
+from vllm_hidden_states.request_fields import FieldError, RequestFields, resolve_fields
 from vllm_hidden_states.server.encoding import ApiError
 from vllm_hidden_states.server.openai_fields import (
     HiddenStatesAsk,
@@ -175,14 +176,20 @@ def test_sae_problems_at_start():
     assert "not capturable" in sae_problems(cfg_with(2, layers=[4]), 16)[0]
 
 
-def test_engine_refuses_sae_features_without_sae():
-    from vllm.exceptions import VLLMValidationError
-    from vllm_hidden_states.frontend.validate import sae_top_k_of
+def sae_top_k_of(cfg: HiddenStatesConfig, sae_features) -> int:
+    fields = RequestFields(sae_features=sae_features, hidden_states_layers=[0])
+    return resolve_fields(cfg, fields).sae_top_k
 
-    with pytest.raises(VLLMValidationError, match="--sae"):
+
+def test_sae_features_need_an_sae_on_the_engine():
+    with pytest.raises(FieldError, match="--sae") as e:
         sae_top_k_of(HiddenStatesConfig(4, (0, 1, 2, 3, 4)), {"top_k": 3})
+    assert e.value.parameter == "sae_features"
+
+
+def test_sae_top_k_is_bounded_by_the_saes_d_sae():
     assert sae_top_k_of(cfg_with(2), {"top_k": 8}) == 8
-    with pytest.raises(VLLMValidationError, match=r"1\.\.8"):
+    with pytest.raises(FieldError, match=r"1\.\.8"):
         sae_top_k_of(cfg_with(2), {"top_k": 9})
 
 

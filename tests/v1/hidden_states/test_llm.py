@@ -219,7 +219,7 @@ def test_bad_positions_value_is_rejected(llm):
 
 
 def test_layers_without_return_flag_is_rejected(llm):
-    with pytest.raises(VLLMValidationError, match="return_hidden_states is not set"):
+    with pytest.raises(VLLMValidationError, match="return_hidden_states is not true"):
         generate(llm, [PROMPT], SamplingParams(max_tokens=2, hidden_states_layers=[1]))
 
 

@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The InputProcessor's call-outs: a request's hidden-state and steering fields.
+
+Called from ``InputProcessor.process_inputs`` (patch 0004) before anything
+reaches the engine. :func:`resolve_request` applies the one resolver
+(``request_fields.py``, which HTTP applies too) and the rules that need the
+tokenized prompt, and builds the request's :class:`HiddenStatesSpec`;
+:func:`resolve_steering` checks ``steering`` (``steering.check_steering``) and
+writes its wire form back. A bad request fails alone with a
+``VLLMValidationError`` (HTTP 400 on the server) naming the field and what is
+allowed; the engine never sees it.
+"""
+
+from typing import TYPE_CHECKING
+
+from vllm_hidden_states.hidden_states_config import (
+    HiddenStatesConfig,
+    built_once,
+    captures_all_inline,
+)
+from vllm_hidden_states.points import MAX_PATTERN_POSITIONS, Window, window_of
+from vllm_hidden_states.request_fields import (
+    FieldError,
+    RequestFields,
+    asks_states,
+    resolve_fields,
+    window_problem,
+)
+from vllm_hidden_states.steering import (
+    ENABLE_STEERING_HINT,
+    SteeringConfig,
+    check_steering,
+    read_after_steering,
+    salted,
+)
+from vllm_hidden_states.wire import HiddenStatesSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.sampling_params import SamplingParams
+
+
+def resolve_request(
+    vllm_config: "VllmConfig",
+    params: "SamplingParams",
+    prompt_len: int,
+    has_mm: bool,
+    has_prompt_embeds: bool,
+    resumable: bool = False,
+) -> HiddenStatesSpec | None:
+    """The request's :class:`HiddenStatesSpec`, or None if it asks for none.
+
+    Raises ``VLLMValidationError`` naming the field and what is allowed. May
+    lower ``params.max_tokens``: the final token's state needs one more
+    position, so prompt + output must stay below max_model_len. For prompt
+    positions captured in the request's own prefill it sets
+    ``params.skip_reading_prefix_cache`` (cached blocks hold KV, not states).
+    """
+    from vllm.exceptions import VLLMValidationError
+
+    fields = RequestFields.of(params)
+    try:
+        if not asks_states(fields):
+            return None
+        asked = resolve_fields(built_once(HiddenStatesConfig, vllm_config), fields)
+    except FieldError as e:
+        raise VLLMValidationError(str(e), parameter=e.parameter) from None
+    if resumable:
+        raise VLLMValidationError(
+            "return_hidden_states is not supported on streaming-input (resumable) requests yet",
+            parameter="return_hidden_states",
+        )
+    if has_mm or has_prompt_embeds:
+        raise VLLMValidationError(
+            "hidden states for multimodal or prompt-embeds prompts are not "
+            "supported yet; send token or text prompts",
+            parameter="return_hidden_states",
+        )
+    cfg = built_once(HiddenStatesConfig, vllm_config)
+    assert cfg is not None  # resolve_fields refuses an engine without hidden states
+    positions = asked.positions
+    # "generated" and windows are "all" over part of the positions.
+    window = window_of(positions, prompt_len)
+    if asked.patterns and positions == "prompt":
+        window = Window(0, prompt_len)  # served by the recomputing extract
+    kind = "all" if window is not None else positions
+    # Patterns need every key: one extract recomputes every position.
+    inline = kind == "all" and captures_all_inline(vllm_config) and not asked.patterns
+    spec = HiddenStatesSpec(
+        layers=list(asked.layers),
+        abs_layers=[*asked.abs_layers, *asked.point_ids],
+        positions=kind,
+        inline=inline,
+        sae_top_k=asked.sae_top_k,
+        sae_layer=cfg.sae_layer if asked.sae_top_k else 0,
+        points=list(asked.points),
+        sae_point=(cfg.sae.get("point") or "") if asked.sae_top_k and cfg.sae else "",
+        start=0 if window is None else window.start,
+        end=None if window is None else window.end,
+        patterns=list(asked.patterns),
+        pattern_ids=list(asked.pattern_ids),
+        neurons=list(asked.neurons),
+        neuron_ids=list(asked.neuron_ids),
+    )
+
+    if asked.patterns:
+        _check_pattern_budget(params, prompt_len)
+    if kind == "prompt" or (inline and spec.start < prompt_len):
+        # Captured during the request's own prefill, so every prompt position
+        # asked must be computed there: cached blocks hold KV, not hidden states.
+        params.skip_reading_prefix_cache = True
+    if kind == "prompt":
+        return spec
+
+    max_model_len = vllm_config.model_config.max_model_len
+    room = max_model_len - 1 - prompt_len
+    if room < 1:
+        raise VLLMValidationError(
+            f"the prompt has {prompt_len} tokens; with return_hidden_states the "
+            f"prompt plus at least one generated token must stay below "
+            f"max_model_len={max_model_len}",
+            parameter="return_hidden_states",
+        )
+    if params.max_tokens is not None and params.max_tokens > room:
+        # The final token's state is computed by a prefill over prompt + output,
+        # which needs that token's position to exist: cap output one short of
+        # max_model_len rather than return a state for the wrong token.
+        params.max_tokens = room
+    if window is not None:
+        reach = prompt_len + (room if params.max_tokens is None else params.max_tokens)
+        if (problem := window_problem(window, prompt_len, reach)) is not None:
+            raise VLLMValidationError(problem, parameter="hidden_states_positions")
+    return spec
+
+
+def _check_pattern_budget(params: "SamplingParams", prompt_len: int) -> None:
+    """Refuse a pattern request whose sequence could pass
+    :data:`~vllm_hidden_states.points.MAX_PATTERN_POSITIONS`: a pattern is
+    ``[heads, positions, keys]``, square in the sequence length."""
+    from vllm.exceptions import VLLMValidationError
+
+    reach = prompt_len + (params.max_tokens or 0) + 1
+    if reach > MAX_PATTERN_POSITIONS:
+        raise VLLMValidationError(
+            f"attention patterns are at most {MAX_PATTERN_POSITIONS} positions long "
+            f"([heads, positions, positions] per point); this request reaches "
+            f"{reach} (prompt {prompt_len} + max_tokens); lower max_tokens or shorten "
+            "the prompt",
+            parameter="hidden_states_points",
+        )
+
+
+def resolve_steering(
+    vllm_config: "VllmConfig",
+    params: "SamplingParams",
+    prompt_len: int,
+    cache_salt: str | None,
+) -> str:
+    """Check ``params.steering`` and replace it by its wire form, on the
+    request's own ``SamplingParams`` (the front-end's clone); the request's
+    cache salt (its own, if any, with the steering digest), so a steered
+    request never shares KV blocks with one steered otherwise."""
+    from vllm.exceptions import VLLMValidationError
+
+    cfg = built_once(SteeringConfig, vllm_config)
+    if cfg is None:
+        raise VLLMValidationError(
+            f"steering is not enabled on this engine; {ENABLE_STEERING_HINT}",
+            parameter="steering",
+        )
+    max_model_len = vllm_config.model_config.max_model_len
+    max_tokens = params.max_tokens
+    reach = max_model_len if max_tokens is None else min(max_model_len, prompt_len + max_tokens)
+    try:
+        wire = check_steering(
+            params.steering, cfg, vllm_config.model_config.get_hidden_size(), prompt_len, reach
+        )
+    except ValueError as e:
+        raise VLLMValidationError(str(e), parameter="steering") from None
+    hidden_states = built_once(HiddenStatesConfig, vllm_config)
+    sae_hook = ((hidden_states and hidden_states.sae) or {}).get("hook_name")
+    points = params.hidden_states_points if params.return_hidden_states else None
+    problem = read_after_steering(
+        wire, points, cfg.num_layers, sae_hook, sae_features=params.sae_features is not None
+    )
+    if problem is not None:
+        raise VLLMValidationError(problem, parameter="steering")
+    params.steering = wire
+    return salted(cache_salt, wire)
