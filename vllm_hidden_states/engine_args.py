@@ -42,7 +42,7 @@ def additional_config_entry(
             ``sae_layer`` (None: from the SAE's config); see :func:`sae_entry`.
         steering, steering_points, steering_vectors, max_steering:
             ``EngineArgs.enable_steering`` and its options; see
-            :func:`vllm_hidden_states.steering.steering_entry`.
+            :func:`vllm_hidden_states.steering_config.steering_entry`.
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
         raise ValueError(f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}")
@@ -55,7 +55,7 @@ def additional_config_entry(
     if sae:
         entry["sae"] = sae_entry(sae, sae_layer)
     if steering:
-        from vllm_hidden_states.steering import STEERING_KEY, steering_entry
+        from vllm_hidden_states.steering_config import STEERING_KEY, steering_entry
 
         entry[STEERING_KEY] = steering_entry(
             steering_points,
@@ -309,7 +309,7 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
 
 def steering_problems(vllm_config: "VllmConfig") -> list[str]:
     """Why ``--enable-steering`` cannot serve this engine (empty: it can)."""
-    from vllm_hidden_states.steering import SteeringConfig
+    from vllm_hidden_states.steering_config import SteeringConfig
 
     try:
         steering = SteeringConfig.from_vllm_config(vllm_config)

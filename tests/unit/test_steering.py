@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Steering: the request contract (vllm_hidden_states.steering) and the
-worker's host-side arithmetic and op (vllm_hidden_states.worker.steering),
+"""Steering: the request contract (vllm_hidden_states.steering_fields) and the
+worker's host-side arithmetic and op (vllm_hidden_states.worker.steering_op),
 on CPU tensors, without an engine."""
 
 import numpy as np
@@ -9,19 +9,21 @@ import torch
 
 from vllm_hidden_states.engine_args import additional_config_entry
 from vllm_hidden_states.points import point_id
-from vllm_hidden_states.steering import (
+from vllm_hidden_states.steering_config import (
     STEERABLE_KINDS,
     SteeringConfig,
-    check_steering,
-    read_after_steering,
     read_vector_names,
-    salted,
     steerable_ids,
-    steering_digest,
     steering_entry,
 )
-from vllm_hidden_states.worker import steering as worker_steering
-from vllm_hidden_states.worker.steering import (
+from vllm_hidden_states.steering_fields import (
+    check_steering,
+    read_after_steering,
+    salted,
+    steering_digest,
+)
+from vllm_hidden_states.worker import steering_op as worker_steering
+from vllm_hidden_states.worker.steering_op import (
     NamedVectors,
     RequestSteering,
     SlotTable,
@@ -900,7 +902,7 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from vllm_hidden_states.worker import steer_kernel
-from vllm_hidden_states.worker.steering import _steer
+from vllm_hidden_states.worker.steering_op import _steer
 
 torch.manual_seed(0)
 H, T, S = 300, 7, 5  # H not a multiple of the kernel's block

@@ -26,13 +26,8 @@ from vllm_hidden_states.request_fields import (
     resolve_fields,
     window_problem,
 )
-from vllm_hidden_states.steering import (
-    ENABLE_STEERING_HINT,
-    SteeringConfig,
-    check_steering,
-    read_after_steering,
-    salted,
-)
+from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, SteeringConfig
+from vllm_hidden_states.steering_fields import check_steering, read_after_steering, salted
 from vllm_hidden_states.wire import HiddenStatesSpec
 
 if TYPE_CHECKING:

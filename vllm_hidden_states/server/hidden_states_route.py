@@ -98,7 +98,7 @@ from vllm_hidden_states.server.validation import (
     validate_points,
     validate_steering,
 )
-from vllm_hidden_states.steering import ENABLE_STEERING_HINT, STEERABLE_KINDS, SteeringConfig
+from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, STEERABLE_KINDS, SteeringConfig
 
 logger = init_logger(__name__)
 

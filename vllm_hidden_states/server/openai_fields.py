@@ -60,7 +60,7 @@ The call-outs, in the order a request meets them (vLLM 0.32.0):
 {"point": "resid_pre.3", "op": "add", "vector": [...] | "name": "honesty",
 "strength": 4, "positions": "all"}, ...]`` writes interventions into the
 residual stream of the request's forward passes (the contract:
-:mod:`vllm_hidden_states.steering`; the vectors of ``--steering-vectors``
+:mod:`vllm_hidden_states.steering_fields`; the vectors of ``--steering-vectors``
 are listed at GET /v1/steering_vectors). It needs no
 ``return_hidden_states``; with it, the states returned are the steered ones.
 :func:`admit` checks the list against the engine with the rules of the

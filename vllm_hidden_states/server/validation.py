@@ -14,7 +14,8 @@ from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.request_fields import ENABLE_HINT
 from vllm_hidden_states.server.admission import check_layers
 from vllm_hidden_states.server.encoding import invalid_request
-from vllm_hidden_states.steering import ENABLE_STEERING_HINT, SteeringConfig, check_steering
+from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, SteeringConfig
+from vllm_hidden_states.steering_fields import check_steering
 
 # engine client -> its HiddenStatesConfig (None when not enabled).
 _engine_configs: "weakref.WeakKeyDictionary[Any, HiddenStatesConfig | None]" = (
@@ -77,7 +78,7 @@ def steering_config(engine_client: Any) -> SteeringConfig | None:
 def validate_steering(engine_client: Any, value: Any) -> None:
     """400 (``param: "steering"``) unless the engine steers and ``value`` is
     a list of interventions it can apply: the rules of the Python API
-    (:func:`vllm_hidden_states.steering.check_steering`) but the positions
+    (:func:`vllm_hidden_states.steering_fields.check_steering`) but the positions
     windows, which need the prompt's length (checked once it is tokenized:
     by the engine front-end, and on chat/completions streams by
     :func:`vllm_hidden_states.server.openai_fields.price`)."""

@@ -80,7 +80,7 @@ from vllm_hidden_states.worker.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
-    from vllm_hidden_states.worker.steering import Steering
+    from vllm_hidden_states.worker.steering_op import Steering
 
 logger = init_logger(__name__)
 
@@ -235,12 +235,12 @@ class HiddenStatesCapture:
     def _install_steering(self, runner: Any) -> "Steering | None":
         """Steering hooks at the steerable points (after the capture hooks:
         they are prepended, so a point is steered before it is captured)."""
-        from vllm_hidden_states.steering import SteeringConfig
+        from vllm_hidden_states.steering_config import SteeringConfig
 
         config = SteeringConfig.from_vllm_config(runner.vllm_config)
         if config is None:
             return None
-        from vllm_hidden_states.worker.steering import Steering
+        from vllm_hidden_states.worker.steering_op import Steering
 
         vllm_config = runner.vllm_config
         return Steering(

@@ -14,7 +14,7 @@ An armed entry ``j`` (row ``r``, slot ``s``) reads the point's value ``x =
 the clamp tables, ``x . enc[s]``) in a first pass over ``hidden_size``, and
 writes ``target[r] += (adds[s] - (x . dirs[s]) dirs[s] + (value -
 act(x . enc[s] + bias)) dec[s]) / scale`` in a second: the same arithmetic
-as :func:`vllm_hidden_states.worker.steering._steer`'s PyTorch path, in
+as :func:`vllm_hidden_states.worker.steering_op._steer`'s PyTorch path, in
 float32, rounded to the target's dtype once. Rows are distinct among armed
 entries (one per position), so programs never write the same row.
 

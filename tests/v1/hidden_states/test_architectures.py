@@ -38,7 +38,7 @@ from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import POINT_KINDS
-from vllm_hidden_states.steering import STEERABLE_KINDS
+from vllm_hidden_states.steering_config import STEERABLE_KINDS
 from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Steering: the shared contract (engine configuration, request rules, wire form).
+"""The ``steering`` field of a request: its form, its rules, its wire form.
 
 A request steers with a list of *interventions* (``SamplingParams.steering``;
 the OpenAI ``steering`` field), each written into the residual stream inside
-the model's forward (:mod:`vllm_hidden_states.worker.steering`). One
+the model's forward (``worker/steering_op.py``). One
 intervention is a dict:
 
 * ``point``: a residual-stream point, as addressed for capture
@@ -44,287 +44,21 @@ prefill of "last") carries it to replay the steering over the positions it
 recomputes. :func:`steering_digest` salts the request's prefix-cache hashes
 (vLLM's ``cache_salt``), so a steered request never shares KV blocks with a
 request steered differently, or not at all.
-
-This module imports nothing from vLLM at module level.
 """
 
 import hashlib
 import math
-import os
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vllm_hidden_states.layers import ModelLayers, model_layers_for
 from vllm_hidden_states.points import POSITIONS, Window, parse_point, point_id, window_of
 from vllm_hidden_states.request_fields import check_positions, window_problem
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
-# ``additional_config["hidden_states"]["steering"]``.
-STEERING_KEY = "steering"
-
-STEERING_OPS: tuple[str, ...] = ("add", "ablate", "clamp_sae_feature")
-# Points that can be steered: those of the residual stream and the blocks'
-# contributions to it (not patterns or neurons).
-STEERABLE_KINDS: tuple[str, ...] = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-# Network order of the kinds inside one decoder layer: interventions written
-# at one module run in this order.
-KIND_ORDER = {kind: i for i, kind in enumerate(STEERABLE_KINDS)}
-DEFAULT_STEERING_POINTS: tuple[str, ...] = ("resid_pre",)
-DEFAULT_MAX_INTERVENTIONS = 4
-
-INTERVENTION_KEYS = (
-    "point",
-    "op",
-    "vector",
-    "name",
-    "sae_feature",
-    "strength",
-    "value",
-    "positions",
+from vllm_hidden_states.steering_config import (
+    INTERVENTION_KEYS,
+    STEERABLE_KINDS,
+    STEERING_OPS,
+    SteeringConfig,
 )
-# The wire form: the request's keys, the point's capture id after it, and the
-# positions as start/end over prompt + output.
-WIRE_KEYS = (INTERVENTION_KEYS[0], "id", *INTERVENTION_KEYS[1:-1], "start", "end")
-
-ENABLE_STEERING_HINT = (
-    "start the engine with enable_steering=True (LLM / EngineArgs) or "
-    "`vllm serve MODEL --enable-steering`"
-)
-
-
-def steering_entry(
-    points: str | list[str] | None,
-    vectors_dir: str | None,
-    max_interventions: int | None,
-    sae_path: str | None = None,
-) -> dict[str, Any]:
-    """``additional_config["hidden_states"]["steering"]`` (it keys vLLM's
-    compile cache with the rest of the entry: the steerable points are in the
-    compiled graph). ``vectors``: ``{name: length}`` of the safetensors files
-    in ``vectors_dir``, read from their headers (the workers load the data)."""
-    if points is None:
-        items = list(DEFAULT_STEERING_POINTS)
-    else:
-        items = list(points) if isinstance(points, (list, tuple)) else str(points).split(",")
-        items = [str(x).strip() for x in items if str(x).strip()]
-        if not items:
-            raise ValueError(
-                "--steering-points must be 'all', kinds such as 'resid_pre,attn_out' "
-                f"(every layer) or addresses such as 'resid_pre.3', got {points!r}"
-            )
-    k = DEFAULT_MAX_INTERVENTIONS if max_interventions is None else max_interventions
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"--max-steering must be a positive integer, got {max_interventions!r}")
-    entry: dict[str, Any] = {"points": items, "max_interventions": k, "vectors": {}}
-    if sae_path:
-        entry["clamp_problem"] = clamp_problem(sae_path)
-    if vectors_dir:
-        entry["vectors_dir"] = os.path.abspath(vectors_dir)
-        entry["vectors"] = read_vector_names(entry["vectors_dir"])
-    return entry
-
-
-def clamp_problem(sae_path: str) -> str | None:
-    """Why ``clamp_sae_feature`` cannot use the SAE at ``sae_path`` (its
-    ``cfg.json``), or None: the feature must depend on the stream through one
-    dot product (``standard`` / ``jumprelu``, no activation normalization)."""
-    import json
-
-    from vllm_hidden_states.sae import CFG_FILE
-
-    cfg = json.loads((Path(sae_path) / CFG_FILE).read_text())
-    architecture = cfg.get("architecture", "standard")
-    norm = cfg.get("normalize_activations") or "none"
-    if architecture not in ("standard", "jumprelu"):
-        return (
-            f"the engine's SAE is {architecture!r}: a feature of a top-k SAE depends "
-            "on every other feature; clamp_sae_feature needs a standard or jumprelu SAE"
-        )
-    if norm != "none":
-        return (
-            f"the engine's SAE normalizes its input ({norm!r}); clamp_sae_feature "
-            "needs normalize_activations 'none'"
-        )
-    return None
-
-
-def read_vector_names(directory: str) -> dict[str, int]:
-    """``{name: length}`` of every 1-D tensor in the ``*.safetensors`` files
-    of ``directory``. A name is ``file stem`` when the file holds one
-    tensor, else ``stem/tensor``. ValueError for a missing directory, a
-    tensor that is not 1-D, or one with a non-finite value or only zeros
-    (it would steer nothing, and an ablation needs a direction): the values
-    are read once here, at start, so no request meets them later."""
-    import numpy as np
-    from safetensors import safe_open
-
-    if not os.path.isdir(directory):
-        raise ValueError(f"--steering-vectors {directory!r} is not a directory")
-    names: dict[str, int] = {}
-    for file in sorted(os.listdir(directory)):
-        if not file.endswith(".safetensors"):
-            continue
-        stem = file[: -len(".safetensors")]
-        with safe_open(os.path.join(directory, file), framework="numpy") as f:
-            keys = list(f.keys())
-            for key in keys:
-                shape = f.get_slice(key).get_shape()
-                name = stem if len(keys) == 1 else f"{stem}/{key}"
-                if len(shape) != 1:
-                    raise ValueError(
-                        f"--steering-vectors: {file} tensor {key!r} has shape "
-                        f"{list(shape)}; steering vectors are 1-D [hidden_size]"
-                    )
-                values = np.asarray(f.get_tensor(key), dtype=np.float64)
-                if not np.isfinite(values).all() or not values.any():
-                    raise ValueError(
-                        f"--steering-vectors: {file} tensor {key!r} has "
-                        f"{'non-finite values' if not np.isfinite(values).all() else 'only zeros'}"
-                        "; a steering vector needs finite values, not all zero"
-                    )
-                names[name] = int(shape[0])
-    return names
-
-
-def vector_files(directory: str) -> dict[str, tuple[str, str]]:
-    """``{name: (file path, tensor key)}`` of ``directory`` (the names of
-    :func:`read_vector_names`)."""
-    from safetensors import safe_open
-
-    out: dict[str, tuple[str, str]] = {}
-    for file in sorted(os.listdir(directory)):
-        if not file.endswith(".safetensors"):
-            continue
-        path = os.path.join(directory, file)
-        stem = file[: -len(".safetensors")]
-        with safe_open(path, framework="numpy") as f:
-            keys = list(f.keys())
-        for key in keys:
-            out[stem if len(keys) == 1 else f"{stem}/{key}"] = (path, key)
-    return out
-
-
-def steerable_ids(
-    items: list[str], num_layers: int, architecture: "str | ModelLayers | None"
-) -> tuple[int, ...]:
-    """Capture ids of ``--steering-points`` (``"all"``: every steerable kind
-    at every layer where it is exact; a kind alone: every layer where it is
-    exact; addresses); ValueError naming what is allowed."""
-    model = (
-        architecture
-        if isinstance(architecture, ModelLayers)
-        else model_layers_for(architecture, num_layers)
-    )
-
-    def kinds_at(i: int) -> list[str]:
-        return [k for k in model.kinds_at(i) if k in STEERABLE_KINDS]
-
-    ids: set[int] = set()
-    wanted: list[tuple[str, int]]
-    for item in items:
-        if item == "all":
-            wanted = [(k, i) for i in range(num_layers) for k in kinds_at(i)]
-        elif item in STEERABLE_KINDS:
-            wanted = [(item, i) for i in range(num_layers) if item in kinds_at(i)]
-            if not wanted:
-                raise ValueError(
-                    f"--steering-points {item!r}: no decoder layer of this model has it "
-                    f"exactly ({model.why_not(item, num_layers - 1)})"
-                )
-        else:
-            try:
-                wanted = [parse_point(item, num_layers)]
-            except ValueError as e:
-                raise ValueError(
-                    f"--steering-points entry {e} (or 'all', or one of the steerable "
-                    f"kinds {list(STEERABLE_KINDS)} alone: every layer)"
-                ) from None
-        for kind, layer in wanted:
-            if kind not in STEERABLE_KINDS:
-                raise ValueError(
-                    f"--steering-points {item!r}: {kind} cannot be steered; steerable "
-                    f"kinds: {list(STEERABLE_KINDS)}"
-                )
-            if kind not in kinds_at(layer):
-                raise ValueError(
-                    f"--steering-points {item!r}: {kind} cannot be steered there: "
-                    f"{model.why_not(kind, layer)}"
-                )
-            ids.add(point_id(kind, layer, num_layers))  # type: ignore[arg-type]
-    return tuple(sorted(ids))
-
-
-@dataclass(frozen=True)
-class SteeringConfig:
-    """What one engine can steer.
-
-    Attributes:
-        num_layers: ``L``.
-        ids: steerable capture ids (:func:`vllm_hidden_states.points.point_id`).
-        points_given: ``--steering-points`` as configured.
-        max_interventions: interventions one request may carry.
-        vectors: ``{name: length}`` of ``--steering-vectors``.
-        vectors_dir: that directory (absolute), None without one.
-        architecture: the model's architecture (its steerable kinds).
-    """
-
-    num_layers: int
-    ids: tuple[int, ...]
-    points_given: tuple[str, ...]
-    max_interventions: int
-    vectors: dict[str, int] = field(default_factory=dict)
-    vectors_dir: str | None = None
-    architecture: str | None = None
-    # The engine's SAE (--sae): its feature count, the capture id it reads
-    # (clamp_sae_feature's point), and why it cannot clamp (None: it can).
-    sae_d_sae: int | None = None
-    sae_id: int | None = None
-    sae_clamp_problem: str | None = None
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
-        """The engine's steering, or None when it is not enabled."""
-        from vllm_hidden_states.hidden_states_config import ADDITIONAL_CONFIG_KEY, num_hidden_layers
-
-        entry = ((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}).get(
-            STEERING_KEY
-        )
-        if entry is None:
-            return None
-        from vllm_hidden_states.hidden_states_config import sae_capture_id
-
-        n = num_hidden_layers(vllm_config)
-        architecture = (vllm_config.model_config.architectures or [None])[0]
-        model = ModelLayers.of(vllm_config.model_config, n)
-        sae = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY].get("sae")
-        return cls(
-            n,
-            steerable_ids(entry["points"], n, model),
-            tuple(entry["points"]),
-            int(entry["max_interventions"]),
-            dict(entry.get("vectors") or {}),
-            entry.get("vectors_dir"),
-            architecture,
-            None if sae is None else int(sae["d_sae"]),
-            None if sae is None else sae_capture_id(sae, n, model),
-            entry.get("clamp_problem"),
-        )
-
-    def describe_points(self) -> str:
-        return ", ".join(
-            f"{item} (every layer)" if item == "all" or item in STEERABLE_KINDS else item
-            for item in self.points_given
-        )
-
-    def table_slots(self, max_num_seqs: int) -> int:
-        """Rows of the worker's vector tables: slot 0 (zeros) and, per running
-        request, one per stretch of positions with the same interventions at
-        a point (at most ``2 * max_interventions - 1``)."""
-        return 1 + max_num_seqs * (2 * self.max_interventions - 1)
 
 
 def _fail(i: int, key: str, message: str) -> ValueError:

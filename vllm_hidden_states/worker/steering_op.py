@@ -55,7 +55,7 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm_hidden_states.points import point_of_id
-from vllm_hidden_states.steering import KIND_ORDER, SteeringConfig, vector_files
+from vllm_hidden_states.steering_config import KIND_ORDER, SteeringConfig, vector_files
 from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_points import (
     Reader,
