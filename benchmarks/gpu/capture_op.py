@@ -37,11 +37,8 @@ import torch
 from torch import nn
 
 from vllm_hidden_states.worker import c_ops
-from vllm_hidden_states.worker.capture_points import (
-    OFF_CPU_ROUTES,
-    CapturePoints,
-    use_off_cpu_route,
-)
+from vllm_hidden_states.worker.capture_op import OFF_CPU_ROUTES, use_off_cpu_route
+from vllm_hidden_states.worker.capture_points import CapturePoints
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = (0, 1, 64, 1024)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_hidden_states.worker import c_ops
-from vllm_hidden_states.worker.capture_points import gather_rows
+from vllm_hidden_states.worker.capture_op import gather_rows
 
 TOKENS, WIDTH, MAX_ROWS = 64, 4096 + 64, 48  # width not a multiple of the block
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_hidden_states.worker import capture_kernel
-from vllm_hidden_states.worker.capture_points import _gather_every_entry
+from vllm_hidden_states.worker.capture_op import _gather_every_entry
 
 TOKENS, WIDTH, MAX_ROWS = 64, 4096 + 64, 48  # width not a multiple of the block
 

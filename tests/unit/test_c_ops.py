@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hidden_states.worker import c_ops, capture_points, steering
-from vllm_hidden_states.worker.capture_points import gather_rows
+from vllm_hidden_states.worker import c_ops, capture_op, capture_points, steering_op
+from vllm_hidden_states.worker.capture_op import gather_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOKENS, WIDTH, MAX_ROWS = 11, 300, 8  # WIDTH: not a multiple of any vector width
@@ -146,7 +146,9 @@ def test_steer_writes_bit_for_bit_what_the_python_body_writes(
     other = _stream(dtype, 1) if with_other else None
     expected = target.clone()
     with python_body():
-        steering._steer(expected, other, rows, slots, counts, 1, adds, dirs, scale, enc, dec, par)
+        steering_op._steer(
+            expected, other, rows, slots, counts, 1, adds, dirs, scale, enc, dec, par
+        )
     got = target.clone()
     c.steer(got, other, rows, slots, counts, 1, adds, dirs, scale, enc, dec, par)
     assert torch.equal(got, expected)
@@ -209,7 +211,7 @@ def test_compiled_steer_traces_the_op_and_steers_as_eager(c, dtype):
     assert any("vllm_hidden_states.steer" in t for t in _graph_targets(forward, _stream(dtype)))
     expected = _stream(dtype) * 2.0
     with python_body():
-        steering._steer(expected, other, rows, slots, counts, 1, adds, dirs, 0.37, enc, dec, par)
+        steering_op._steer(expected, other, rows, slots, counts, 1, adds, dirs, 0.37, enc, dec, par)
     got = torch.compile(forward, backend="aot_eager", fullgraph=True)(_stream(dtype))
     assert torch.equal(got, expected + 1.0)
 
@@ -221,29 +223,29 @@ def test_cpu_eager_capture_writes_with_c_not_the_python_body(c, monkeypatch):
     def python_gather(*args, **kwargs):
         raise AssertionError("the Python body ran where _C is built")
 
-    monkeypatch.setattr(capture_points, "gather_rows", python_gather)
+    monkeypatch.setattr(capture_op, "gather_rows", python_gather)
     hidden, residual, rows, counts, out = _capture_inputs(torch.float32, True, ARMED["1"])
-    capture_points.capture(hidden, residual, rows, counts, 1, out, 1.0)
+    capture_op.capture(hidden, residual, rows, counts, 1, out, 1.0)
     assert torch.equal(out[0], hidden[7] + residual[7])
-    assert "vllm_hidden_states._C (C++)" in capture_points.write_route(torch.device("cpu"))
+    assert "vllm_hidden_states._C (C++)" in capture_op.write_route(torch.device("cpu"))
 
 
 def test_without_c_cpu_eager_writes_with_the_python_body_and_the_log_says_why(c):
     hidden, residual, rows, counts, out = _capture_inputs(torch.float32, True, ARMED["1"])
     with python_body():
-        capture_points.capture(hidden, residual, rows, counts, 1, out, 1.0)
-        route = capture_points.write_route(torch.device("cpu"))
+        capture_op.capture(hidden, residual, rows, counts, 1, out, 1.0)
+        route = capture_op.write_route(torch.device("cpu"))
     assert torch.equal(out[0], hidden[7] + residual[7])
     assert "the op's Python body (turned off" in route
 
 
 def test_cuda_keeps_triton_until_a_gpu_has_timed_c():
-    if capture_points._off_cpu_route is not None:
+    if capture_op._off_cpu_route is not None:
         pytest.skip("the off-CPU route was chosen explicitly in this process")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed: the off-CPU route is aten's")
-    assert capture_points.off_cpu_route() == "triton"
-    assert "kept until" in capture_points.write_route(torch.device("cuda"))
+    assert capture_op.off_cpu_route() == "triton"
+    assert "kept until" in capture_op.write_route(torch.device("cuda"))
 
 
 def test_eager_points_nobody_asked_never_call_an_op(monkeypatch):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vllm_hidden_states import layers
-from vllm_hidden_states.worker import capture_points
+from vllm_hidden_states.worker import capture_op, capture_points
 from vllm_hidden_states.worker.capture_points import CapturePoints
 
 HIDDEN = 8
@@ -62,10 +62,17 @@ def _layer_is_fused(monkeypatch):
     )
 
 
+def pretend_off_cpu(monkeypatch) -> None:
+    """The op's and the points' view of the device: counts not readable on
+    the host, as on a GPU."""
+    for module in (capture_op, capture_points):
+        monkeypatch.setattr(module, "count_readable_on_host", lambda device: False)
+
+
 @pytest.fixture(params=["host count", "sync-free", "compiled"])
 def mode(request, monkeypatch):
     if request.param == "sync-free":
-        monkeypatch.setattr(capture_points, "count_readable_on_host", lambda device: False)
+        pretend_off_cpu(monkeypatch)
     return request.param
 
 
@@ -144,7 +151,7 @@ def test_sync_free_forward_gathers_at_most_one_row_per_token(monkeypatch):
     """Off CPU the op cannot read the count; it gathers min(max_rows, tokens)
     entries of the index, so a small decode step copies a few rows, not the
     whole buffer."""
-    monkeypatch.setattr(capture_points, "count_readable_on_host", lambda device: False)
+    pretend_off_cpu(monkeypatch)
     model, points = make_points(max_rows=16)
     for buffer in points.buffers.values():
         buffer.fill_(float("nan"))
@@ -286,7 +293,7 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from vllm_hidden_states.worker import capture_kernel
-from vllm_hidden_states.worker.capture_points import _gather_every_entry
+from vllm_hidden_states.worker.capture_op import _gather_every_entry
 
 torch.manual_seed(0)
 T, W, MAX_ROWS = 9, 300, 6  # W not a multiple of the kernel's block; fewer rows than tokens

@@ -16,7 +16,7 @@ from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, capturab
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import point_id
 from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, _arch_config
-from vllm_hidden_states.worker.capture_points import stream_tap
+from vllm_hidden_states.worker.taps import stream_tap
 
 from .test_config import fake_vllm_config
 

@@ -23,14 +23,8 @@ from vllm_hidden_states.steering_fields import (
     steering_digest,
 )
 from vllm_hidden_states.worker import steering_op as worker_steering
-from vllm_hidden_states.worker.steering_op import (
-    NamedVectors,
-    RequestSteering,
-    SlotTable,
-    _steer,
-    compose,
-    steer,
-)
+from vllm_hidden_states.worker.steering_op import _steer, compose, steer
+from vllm_hidden_states.worker.steering_tables import NamedVectors, RequestSteering, SlotTable
 
 from .test_config import fake_vllm_config
 

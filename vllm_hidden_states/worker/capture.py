@@ -80,7 +80,7 @@ from vllm_hidden_states.worker.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
-    from vllm_hidden_states.worker.steering_op import Steering
+    from vllm_hidden_states.worker.steering_tables import Steering
 
 logger = init_logger(__name__)
 
@@ -240,7 +240,7 @@ class HiddenStatesCapture:
         config = SteeringConfig.from_vllm_config(runner.vllm_config)
         if config is None:
             return None
-        from vllm_hidden_states.worker.steering_op import Steering
+        from vllm_hidden_states.worker.steering_tables import Steering
 
         vllm_config = runner.vllm_config
         return Steering(

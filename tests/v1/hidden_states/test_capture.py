@@ -8,10 +8,8 @@ import pytest
 
 from vllm import SamplingParams
 from vllm_hidden_states.wire import HiddenStatesExtractRequest, hand_out_captured
-from vllm_hidden_states.worker.capture_points import (
-    find_decoder_layers,
-    has_capture_points,
-)
+from vllm_hidden_states.worker.capture_points import has_capture_points
+from vllm_hidden_states.worker.taps import find_decoder_layers
 
 from .conftest import (
     COMMON_ENGINE_ARGS,
