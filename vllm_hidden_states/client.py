@@ -1,39 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode hidden states returned by the server into numpy arrays or torch tensors.
 
-Accepts, for both encodings (``"float"`` and ``"base64"``):
-
-* a choice's ``hidden_states`` object from /v1/chat/completions or
-  /v1/completions (``{"layers", "shape", "dtype", "encoding_format",
-  "data"}``), as a dict or as the openai client's choice object;
-* a POST /v1/hidden_states response (``{"hidden_states", "shape", ...}``);
-* a batch response (``{"object": "list", "data": [...]}``), giving a list;
-* a binary POST /v1/hidden_states answer (``encoding_format: "bytes"``): pass
-  the HTTP response itself (``httpx``/``requests``: anything with ``headers``
-  and ``content``), or its body to :func:`from_bytes`. The body describes
-  itself: an 8-byte little-endian length N, N bytes of JSON header locating
-  each array, then the arrays. float32 little-endian arrays come back as
-  read-only views over the body (no copy); float16/bfloat16 are widened to
-  float32 (exact).
-
-For "all"/"prompt" choices the shape is ``[len(layers), num_positions,
-hidden_size]``, and streamed chunks carry ``start`` (the first row's
-position): concatenate them along axis 1.
-
-Values come back as float32 with the server's ``shape``: ``[len(layers),
-hidden_size]`` for a choice (rows in the order of ``layers``), ``[seq_len,
-hidden_size]`` for /v1/hidden_states. ``dtype`` in the payload is the model's
-dtype before encoding.
-
-Example::
-
-    from openai import OpenAI
-    from vllm_hidden_states.client import to_numpy
-
-    r = OpenAI(base_url="http://localhost:8000/v1", api_key="-").completions.create(
-        model=MODEL, prompt="Hello", max_tokens=4,
-        extra_body={"return_hidden_states": True, "hidden_states_layers": [-1, -2]})
-    states = to_numpy(r.choices[0])          # [2, hidden_size] float32
+Accepts a choice's ``hidden_states`` object (dict or openai client object), a
+POST /v1/hidden_states response, a batch response, and the binary answer
+(``encoding_format: "bytes"``: the HTTP response or its body,
+:func:`from_bytes`), in either JSON encoding ("float", "base64"). Values come
+back as float32 with the server's ``shape``. Usage and the wire format:
+docs/openai_server.md.
 """
 
 from typing import Any, cast

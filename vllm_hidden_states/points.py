@@ -1,36 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The address grammar: layers, points and positions, and their capture ids.
 
-Layer convention (the same as HF transformers ``output_hidden_states``), with
-``L = num_hidden_layers``:
-
-* ``0``: the embedding output;
-* ``1..L-1``: the residual stream after decoder layer ``k``
-  (the stream entering decoder layer ``k``, i.e. vLLM's ``hidden + residual``);
-* ``L`` (``-1``): the final, post-norm hidden state, i.e. the LM-head input.
-
-Negative indices count from the end over those ``L + 1`` entries, so ``-2`` is
-``L - 1``: the residual stream entering the last decoder layer, which is what
-Z-Image reads from Qwen3-4B.
-
-Point convention (``hidden_states_points``; SAELens / TransformerLens names):
-``blocks.{i}.hook_{kind}`` or ``{kind}.{i}``, ``i`` a decoder layer
-``0..L-1`` (negative counts from the end), ``kind`` one of :data:`POINT_KINDS`:
-
-* ``resid_pre.i``: the stream entering decoder layer ``i`` (HF layer ``i``);
-* ``attn_out.i``: the attention block's contribution to the stream (after any
-  post-attention norm: Gemma 2/3, OLMo 2);
-* ``resid_mid.i = resid_pre.i + attn_out.i``;
-* ``mlp_out.i``: the MLP (or MoE) block's contribution (after any
-  post-feed-forward norm);
-* ``resid_post.i = resid_mid.i + mlp_out.i`` (HF layer ``i + 1``, except
-  ``resid_post.(L-1)``: the pre-norm stream, where HF's layer ``L`` is
-  post-norm).
-
-Every capturable thing has one integer *capture id* (:func:`point_id`): ids
-``0..L`` are the HF layers, so everything downstream of the request (planner,
-worker buffers, wire rows) carries layers and points alike; ids past ``L`` are
-the points that are not an HF layer.
+Layers follow HF transformers' ``output_hidden_states`` (``0`` the embedding
+output, ``L``/``-1`` the final post-norm state); points are SAELens /
+TransformerLens names (``attn_out.3``, ``blocks.3.hook_mlp_out``). Every
+capturable thing has one integer capture id (:func:`point_id`). The
+convention: docs/architecture.md, "Addresses".
 """
 
 import re

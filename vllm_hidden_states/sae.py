@@ -1,35 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sparse autoencoders in the SAELens on-disk format, and a top-k encoder.
 
-A directory holds ``cfg.json`` and ``sae_weights.safetensors`` (what SAELens's
-``SAE.save_model`` writes):
-
-* weights: ``W_enc [d_in, d_sae]``, ``b_enc [d_sae]``, ``W_dec [d_sae, d_in]``,
-  ``b_dec [d_in]``, and for JumpReLU ``threshold [d_sae]`` (or
-  ``log_threshold``, exponentiated on load);
-* ``cfg.json``: ``d_in``, ``d_sae``, ``architecture`` (``"standard"``,
-  ``"jumprelu"`` or ``"topk"`` with its ``k``), ``apply_b_dec_to_input``
-  (default true), ``normalize_activations`` (``"none"``,
-  ``"constant_norm_rescale"`` or ``"layer_norm"``; ``"expected_average_only_
-  in"`` needs a scaling factor that is not on disk, so it is refused),
-  ``dtype``; where it reads from: ``hook_name`` / ``hook_layer`` at the top
-  level (SAELens <= 5) or under ``metadata`` / ``meta`` (SAELens 6).
-
-**Where it reads.** SAELens names TransformerLens hooks.
-``blocks.{i}.hook_resid_pre`` is the residual stream entering block ``i``,
-HF ``output_hidden_states[i]``, so layer ``i`` here; ``blocks.{i}.hook_resid_
-post`` is the stream leaving it, layer ``i + 1``. ``blocks.{i}.hook_attn_out``,
-``hook_mlp_out`` and ``hook_resid_mid`` are capture points
-(:mod:`vllm_hidden_states.points`): the engine captures the SAE's point
-(:func:`point_of_hook`). Other hooks (``hook_z``, per-head outputs) are not
-captured. An explicit ``layer`` always wins.
-
-**Encoding** (SAELens's ``encode``): ``x' = norm(x) - b_dec *
-apply_b_dec_to_input``; ``pre = x' @ W_enc + b_enc``; then ``standard``:
-``relu(pre)``; ``jumprelu``: ``relu(pre) * (pre > threshold)``; ``topk``:
-the ``k`` largest of ``pre`` through ``relu``, the rest 0. :func:`encode_topk`
-returns the ``k`` largest activations per row, strongest first, with feature
-id ``-1`` and value 0 where fewer than ``k`` features are active (> 0).
+A directory holds ``cfg.json`` and ``sae_weights.safetensors``; where it
+reads (its hook name as a layer or a capture point) and how it encodes
+(standard, JumpReLU, top-k; SAELens's ``encode``) are docs/architecture.md,
+"The SAE format". :func:`encode_topk` returns the ``k`` largest activations
+per row, strongest first.
 """
 
 from __future__ import annotations

@@ -1,49 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``steering`` field of a request: its form, its rules, its wire form.
 
-A request steers with a list of *interventions* (``SamplingParams.steering``;
-the OpenAI ``steering`` field), each written into the residual stream inside
-the model's forward (``worker/steering_op.py``). One
-intervention is a dict:
-
-* ``point``: a residual-stream point, as addressed for capture
-  (:func:`vllm_hidden_states.points.parse_point`): ``resid_pre.i`` (HF layer
-  ``i``), ``attn_out.i``, ``resid_mid.i``, ``mlp_out.i``, ``resid_post.i``;
-  the engine steers the points ``--steering-points`` made steerable at start;
-* ``op``: ``"add"`` (``x += strength * v``, the default), ``"ablate"``
-  (``x -= (x . d) d`` with ``d = v / |v|``: the component along ``v`` is
-  removed) or ``"clamp_sae_feature"`` (``x += (value - f(x)) * W_dec[f]``,
-  ``f`` feature ``sae_feature`` of the engine's SAE (``--sae``), at the SAE's
-  point: ``point`` may be left out);
-* for add / ablate, the vector, one of ``vector`` (``hidden_size`` finite
-  numbers), ``name`` (a vector of ``--steering-vectors DIR``, listed at GET
-  /v1/steering_vectors) or ``sae_feature`` (the raw decoder row ``W_dec[f]``
-  of the engine's SAE);
-* ``strength`` (``add`` only; default 1.0); ``value`` (``clamp_sae_feature``
-  only; default 0.0: the feature switched off);
-* ``positions``: ``"all"`` (prompt and output, the default), ``"prompt"``,
-  ``"generated"`` or a window ``{"start": s, "end": e}`` of prompt + output
-  positions.
-
-Order: interventions at one point apply in list order, steering before
-capture (a request that also captures that point sees the steered stream).
-At most one ``ablate`` per point per request (two projections do not compose
-into one), and a ``clamp_sae_feature`` is the only intervention at its point
-(it reads the stream through the SAE's encoder). Clamping needs a
-``standard`` or ``jumprelu`` SAE without activation normalization, where
-``f(x) = act((x - b_dec) . W_enc[:, f] + b_enc[f])`` depends on ``x``
-through one dot product.
-
-The front-end resolves the list once (:func:`check_steering`: the rules both
-surfaces apply) into its *wire form*, a list of dicts with the keys of
-:data:`WIRE_KEYS`, written back on ``SamplingParams.steering``: the vectors of
-``vector`` as float32 values (lists of Python floats), the point as its capture
-id, the positions as ``start``/``end`` over prompt + output. The worker reads
-it from the request's ``SamplingParams``; an extract (the post-sampling
-prefill of "last") carries it to replay the steering over the positions it
-recomputes. :func:`steering_digest` salts the request's prefix-cache hashes
-(vLLM's ``cache_salt``), so a steered request never shares KV blocks with a
-request steered differently, or not at all.
+:func:`check_steering` is the one rule set of both surfaces (the front-end's
+``frontend/input_fields.py`` and HTTP's checks); it returns the list's wire form
+(point as capture id, vectors as float32 values, positions as start/end), which
+the worker reads and an extract replays. :func:`steering_digest` salts the
+request's prefix-cache hashes. The form and its rules: docs/architecture.md,
+"Steering: the request form". Imports nothing from vLLM at module level.
 """
 
 import hashlib

@@ -1,37 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Wire types between the front-end and the EngineCore.
+"""Wire types between the processes: what a request asks, the extract, the
+captured rows, and the scheduler's capture plan.
 
-Three msgspec structs travel over ZMQ:
-
-* :class:`HiddenStatesSpec` rides on ``EngineCoreRequest.return_hidden_states``
-  (and on the engine's ``Request.hidden_states_spec``): what a generation
-  request asked for, resolved by :mod:`vllm_hidden_states.frontend.input_fields`.
-* :class:`HiddenStatesExtractRequest` is the payload of the
-  ``HIDDEN_STATES_EXTRACT`` core request type: the post-sampling prefill
-  that completes a finished "last"/"all" request (:func:`extract_for`),
-  queued by the engine itself when the request finished there without stop
-  strings, otherwise sent by the front-end.
-* :class:`CapturedRows` is what comes back: every kind of captured data of
-  one request over a run of positions, or of a *group* of requests (its
-  ``req_ids`` own consecutive runs of ``counts`` positions). A step's rows
-  travel grouped, one tensor per field for many requests, from the worker
-  (``ModelRunnerOutput.captured``) through the scheduler to the client
-  (``EngineCoreOutputs.captured``), which hands each output its own view
-  (``EngineCoreOutput.captured``, :func:`hand_out_captured`) right after
-  decoding. Per-request tensors would cost a pickle and a msgpack frame each
-  per step, which is most of an "all" request's cost on a small model.
-
-All three are *defined* in the patched ``vllm.v1.engine`` (patch 0001), because vLLM
-must decode them in every process, and a patched vLLM must import without this
-package; they are re-exported here so the package has one place to name them.
-
-``CapturedRows.hidden`` is one CPU tensor ``[num_layers, num_positions,
-hidden_size]`` in the model dtype, layers in the order of the extract's (or
-spec's) distinct absolute layers, ascending; ``sae_ids`` / ``sae_values`` are
-int32 / float32 ``[num_positions, k]``. Typed tensor fields, so msgspec sends
-each as a zero-copy ZMQ frame. :func:`cat_rows`, :func:`slice_rows` and
-:func:`num_positions` are the one path that joins and cuts them: a new kind of
-captured data is a new field and its entry in :data:`POSITION_AXIS`.
+The msgspec structs (:class:`HiddenStatesSpec`, :class:`HiddenStatesExtractRequest`,
+:class:`CapturedRows`) are defined in the patched ``vllm.v1.engine`` (patch 0001)
+and named here; :func:`cat_rows`, :func:`slice_rows` and :func:`split_group` are
+the one path that joins, cuts and groups rows. The capture plan
+(:class:`CapturePlan`) travels on ``SchedulerOutput`` to the workers.
+docs/architecture.md, "Wire types".
 """
 
 import time

@@ -1,45 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the model runner captures each step, and the KV hand-over of "last".
+"""CapturePlanner: what the model runner captures each step, and the KV
+hand-over of "last".
 
-:class:`CapturePlanner` hangs off ``Scheduler.capture_planner`` (patch 0003;
-None when the engine has hidden states disabled, so the scheduler pays one
-``is None`` check per step). It keeps the captures pending in the scheduler,
-by request id:
-
-* HIDDEN_STATES_EXTRACT requests ("last"/"all"), from the moment
-  :meth:`CapturePlanner.add_extract` queues them until they are freed;
-* "prompt" captures of generation requests (registered in
-  :meth:`CapturePlanner.on_new_request`), until their prefill delivered them;
-* inline "all" captures of generation requests: every position the request's
-  own forwards compute (prompt rows in its prefill, position ``p`` in the
-  decode step that feeds token ``p``), delivered with each output, until the
-  request is freed. Only its final token, which no forward computes, goes
-  through an extract (a "last" one, on the parked KV blocks). A position is
-  delivered once: after a preemption the recompute captures only positions
-  past ``CaptureSpec.delivered``.
-
-Each step, after vLLM built the ``SchedulerOutput`` and before it advances
-``num_computed_tokens``, :meth:`CapturePlanner.plan_step` writes
-``SchedulerOutput.capture_plan``: a :class:`CapturePlan`, column by column
-(one entry per scheduled capture, and each distinct :class:`CaptureKind`
-once), which the worker (:mod:`vllm_hidden_states.worker.capture`) turns into
-rows with a few numpy operations whatever the number of requests.
-:meth:`CapturePlanner.attach` moves the captured row groups from
-``ModelRunnerOutput.captured`` onto the ``EngineCoreOutputs`` of their
-requests' clients.
-
-Extracts queued by the engine: a "last"/"all" request that finishes here
-(EOS, stop token, length) without stop strings has its final token list in
-the engine, so :meth:`park` notes it and :meth:`attach` queues its extract in
-the same step and marks its final output
-(``EngineCoreOutput.hidden_states_extract_queued``): the extract runs in the
-next step, not after a round trip through the front-end. With stop strings
-(which the front-end matches and trims) the front-end sends the extract.
-
-KV hand-over: a finished "last" request's blocks are kept (:meth:`park`,
-called from ``_free_request``) until its extract arrives, which takes them over
-through ``Scheduler.hand_over_parked_blocks`` (patch 0003) and so computes one token
-instead of re-prefilling everything after the last full prefix-cached block.
+It hangs off ``Scheduler.capture_planner`` (patch 0003), keeps the captures
+pending in the scheduler by request id (extracts, "prompt" and inline "all"
+captures), writes each step's ``SchedulerOutput.capture_plan``, moves captured
+row groups onto the step's outputs, queues the extracts of requests that
+finished in the engine, and parks a finished "last" request's KV blocks for
+its extract. docs/architecture.md, "The planner".
 """
 
 import time

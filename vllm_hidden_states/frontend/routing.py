@@ -1,31 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Data parallel: each HIDDEN_STATES_EXTRACT goes to the engine that served
-its request.
+its request, where its KV blocks are parked and its prefix cache holds the
+sequence.
 
 Runs in the front-end, inside vLLM's load-balancing DP client
-(``DPLBAsyncMPClient``, patch 0002). That client picks an engine per request
-and records it in ``reqs_in_flight`` only until the request finishes; the
-extract is sent after that, so the engine of a request that will need one is
-kept in ``client.hidden_states_engines`` here until its extract is sent. The
-extract must reach that engine: its finished
-request's KV blocks are parked there (the one-token hand-over), and its
-prefix cache holds the sequence.
-
-The client registers a sent extract like a request of its own
-(``reqs_in_flight``, ``engine_inflight``, in patch 0002), so that vLLM's abort
-routing finds it and the load balancer counts it until its finished output
-arrives; this module only decides the engine.
-
-vLLM runs the data-parallel ranks of a dense model as independent engines
-(their config reads data parallel size 1), and such an engine queues the
-extract of a request that finished there itself. The client then only tracks
-that extract on the engine (:func:`track_queued_extracts`); it sends, and so
-routes, the extracts of requests stopped by a stop string in the front-end,
-and every extract of a MoE model's ranks (which run as one data-parallel
-group).
-
-With one engine per front-end (no DP, or DP with external load balancing)
-none of this is needed: the extract goes to the client's only engine.
+(``DPLBAsyncMPClient``, patch 0002); this module only decides the engine.
+docs/architecture.md, "Data parallel: routing extracts".
 """
 
 from collections import defaultdict

@@ -3,24 +3,13 @@
 
     vllm-hidden-states seam [--check] [--vllm-root DIR] [--docs docs/architecture.md]
 
-Two lists, read statically (``ast``, no import of vLLM):
-
-* **Package references**: every vLLM symbol the package names. ``from vllm.m
-  import S`` gives ``vllm.m:S``; ``import vllm.m as x`` followed by ``x.A``
-  gives ``vllm.m:A``; a private attribute (``obj._name``) that the package
-  reads or calls on a vLLM object is listed as ``vllm:*._name`` (its owner is
-  not known statically, so any vLLM definition of it counts).
-* **Patch sites**: for each hunk of ``patches/*.patch``, the file and the
-  function or class it lands in (read from the installed, patched file).
-
-``--check`` resolves each package reference in the vLLM sources under
-``--vllm-root`` (default: the installed vLLM): a symbol must be defined,
-assigned or imported at the top level of its module, or (for a module
-attribute that vLLM resolves dynamically, such as ``vllm.envs``) named in it;
-a private attribute must be defined (``def``/``self.x =``/class attribute)
-somewhere in vLLM. It exits 1 naming every reference that moved, so a vLLM
-upgrade fails here, in one place, before anything runs. The patches
-themselves are checked by ``patch check`` (they must apply).
+Two lists, read statically (``ast``, no import of vLLM): every vLLM symbol the
+package names (``vllm.m:S``; a private attribute read on a vLLM object as
+``vllm:*._name``), and the site of every patch hunk (file and function). With
+``--check`` each reference must resolve in the vLLM sources (a top-level name
+of its module; a private attribute defined somewhere in vLLM), else it exits 1
+naming what moved: a vLLM upgrade fails here, before anything runs. The patches
+themselves are checked by ``patch check``.
 """
 
 import ast

@@ -5,19 +5,11 @@ no download.
     python -m vllm_hidden_states.tools.serve [--model DIR_OR_ID] [--port 8000] [serve args...]
 
 Without ``--model`` it builds (once) the tiny random-weight Qwen3 of
-:mod:`vllm_hidden_states.tools.tiny_models` under ``$VLLM_HIDDEN_STATES_MODELS``
-(default: ``.models/`` in a source checkout) and serves it as ``tiny-qwen3``.
-It then replaces itself with ``vllm serve MODEL --enable-hidden-states ...``,
-adding these defaults unless the same flag is given:
-
-* ``--enable-hidden-states`` (every layer capturable) and
-  ``--enable-steering`` (resid_pre of every layer steerable);
-* the tiny model: ``--dtype float32 --max-model-len 2048 --served-model-name
-  tiny-qwen3`` and ``--steering-vectors`` with one named vector, ``example``
-  (:func:`example_vectors`);
-* on machines without CUDA: ``--max-model-len 2048
-  --gpu-memory-utilization 0.3`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), since
-  vLLM's CPU backend refuses its 0.92 default on small hosts.
+``tools/tiny_models.py`` under ``$VLLM_HIDDEN_STATES_MODELS`` (default
+``.models/`` in a source checkout) and serves it as ``tiny-qwen3``, replacing
+itself with ``vllm serve MODEL --enable-hidden-states --enable-steering ...``
+(plus, unless given: float32, a 2048-token context, one named steering vector
+``example``, and on machines without CUDA a KV cache that fits a small host).
 """
 
 import argparse

@@ -1,31 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build tiny random-weight models with a real tokenizer, without downloads.
 
-Used by the tests, ``make serve`` and the benchmarks. Every architecture in
-:data:`ARCHS` gets the same tokenizer machinery in one of three styles:
-
-* ChatML, no BOS token: ``qwen3`` (exactness tests), ``qwen2``, ``qwen3_moe``,
-  ``olmo2``, ``granite``;
-* Llama, adds a BOS token (``<s>``) to every encode: ``llama``, ``mistral``,
-  ``mixtral``, ``phi3``;
-* Gemma, adds ``<bos>`` (ids as in Gemma: pad 0, eos 1, bos 2): ``gemma2``,
-  ``gemma3`` (the text-only ``Gemma3ForCausalLM``).
-
-The tokenizer is a byte-level BPE trained with HF ``tokenizers`` on a small
-built-in corpus, so text round-trips and stop strings behave as with a real
-model. Weights are float32 (exact comparison with HF transformers) and drawn
-from a fixed seed, so the same arguments always give the same model.
-Head dim is 64: vLLM's CPU attention kernel rejects smaller ones.
-
-``qwen3`` and ``llama`` are built exactly as before the other architectures
-were added (other tests and the benchmarks depend on those files). The others
-carry what makes each architecture itself, at toy size: biases (Qwen2), MoE
-with 4 experts top-2 (Qwen3-MoE, Mixtral), tied embeddings, scaled embeddings,
-``(1 + w)`` norms, sandwich norms, soft-capping and 8-token sliding windows that
-a 20-token prompt overruns (Gemma 2 and 3), fused QKV and gate-up projections
-(Phi-3), post-norms and full-width QK norms (OLMo 2), embedding, residual and
-attention multipliers (Granite). Their weights are perturbed after HF's
-initialisation, so norms and biases are not the trivial ones and zeros.
+Used by the tests, ``make serve`` and the benchmarks. Each architecture in
+:data:`ARCHS` gets a byte-level BPE tokenizer (ChatML, Llama or Gemma style)
+trained on a small built-in corpus, so text round-trips and stop strings
+behave as with a real model, and float32 weights from a fixed seed, perturbed
+after HF's initialisation so norms and biases are not trivial. Each carries
+what makes its architecture itself at toy size (biases, MoE, tied or scaled
+embeddings, sandwich norms, soft-capping, sliding windows, fused projections,
+multipliers). Head dim is 64: vLLM's CPU attention rejects smaller ones.
+``qwen3`` and ``llama`` stay byte-identical to their first build (tests and
+benchmarks depend on them).
 """
 
 import fcntl

@@ -1,61 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The model-runner side of capture: fill the row index before the forward,
-read the buffers after it, hand the rows to the scheduler.
+"""HiddenStatesCapture: the model-runner side of capture.
 
-The model runner calls it at four named points (one line each: patch 0008 in
-Model Runner V1's ``GPUModelRunner``, patch 0010 in Model Runner V2's; the
-CPU runners inherit them):
-
-0. once the model is loaded, before compilation and warm-up,
-   ``_setup_hidden_states_capture`` makes it (:meth:`HiddenStatesCapture.
-   for_runner`; None when hidden states are disabled) and places the capture
-   points (:mod:`.capture_points`);
-1. at the start of ``execute_model``, :meth:`HiddenStatesCapture.begin_step`
-   takes the step's plan (``scheduler_output.capture_plan``, written by
-   :class:`vllm_hidden_states.engine.planner.CapturePlanner`);
-2. right before the forward, :meth:`HiddenStatesCapture.arm` turns the
-   plan (:class:`CapturePlan`, whose columns already hold each request's
-   row offset and count) into batch rows (this step's ``query_start_loc``
-   offsets: the common decode step is one lookup per request and one
-   array) and arms the capture points with them; the
-   forward writes those rows of every captured layer ``k < L`` into the
-   persistent buffers, inside the compiled graph;
-3. right after it, :meth:`HiddenStatesCapture.collect` reads the buffers (and
-   layer ``L``, the model's post-norm output, at the same rows) and copies
-   them to the host as ``[num_layers, rows, hidden_size]`` per request
-   (:mod:`.host_rows`: on CUDA into pinned memory, not waited on in the step),
-   and disarms: the next forward overwrites the buffers, after the copies in
-   stream order;
-4. once ``sample_tokens`` has built the ``ModelRunnerOutput``,
-   :meth:`HiddenStatesCapture.attach` puts finished captures on
-   ``ModelRunnerOutput.captured`` as row groups (:class:`CapturedRows` with
-   ``req_ids``): a common decode step's rows as one group, one tensor per
-   layer for every request; any other capture as a group of one.
-
-With ``--sae``, the SAE is loaded once here, on the runner's device. A step
-whose capture asks for ``sae_top_k`` encodes the SAE layer's rows
-right after the forward, on the device (:func:`vllm_hidden_states.sae.
-encode_topk`), and only the ``k`` ids (int32) and ``k`` values (float32) per
-row are copied to the host, into the same ``CapturedRows`` (``sae_ids``,
-``sae_values``);
-the full rows are copied only for the layers in ``step.layers``.
-
-Pipeline parallelism: each stage captures the layers it owns (its capture
-points sit on its own decoder layers; layer 0, the embedding output, is on the
-first stage; layer ``L`` is the last stage's model output). A stage that is not
-the last appends its rows, ``[num_layers_so_far, rows, hidden_size]`` in the
-model dtype (the layers of :attr:`HiddenStatesCapture.sent_layers`, those of
-earlier stages first), to the ``IntermediateTensors`` it sends to the next
-stage under :data:`CARRY_KEY`; vLLM's PP send carries a dict's extra entries
-with their shapes. The next stage takes the entry off the received tensors
-before its forward (vLLM copies only the model's own keys into its persistent
-buffers), and the last stage merges it with its own rows per request. The
-entry is added and removed outside the model, so the compiled graph and CUDA
-graphs are the single-stage ones; only steps with a plan send it.
-
-Steps without a plan pay a few attribute checks. The runners differ only in
-where a step's batch rows are read (:class:`.step_batch.StepBatch`) and in
-how the output leaves the worker (:meth:`HiddenStatesCapture.attach`).
+The runner calls it at four named points (patch 0008 in Model Runner V1,
+patch 0010 in V2): after model load, at the start of a step, right before
+the forward (arm) and right after it (collect), and once the step's output is
+built (attach). It turns the step's capture plan into batch rows, reads the
+capture buffers, encodes SAE features on the device, copies rows to the host
+without waiting in the step, and carries rows between pipeline stages.
+docs/architecture.md, "The worker step".
 """
 
 import contextlib

@@ -1,24 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The capture op's write as one Triton kernel, for CUDA.
 
-Off CPU the op cannot read how many rows are armed without a host sync (and
-not at all inside CUDA-graph capture), so its PyTorch route gathers every
-entry a forward of ``tokens`` tokens can have: ``min(max_rows, tokens)``
-rows, with an index-select, an add for the fused residual and a copy, at every
-capture point of every forward, whether or not anyone asked. Here it is one
-kernel per capture point: one program per entry, which reads the point's
-count on the device and returns at once past it. A forward where nobody asks
-pays one near-empty launch per capture point (inside the CUDA graph); one
-that asks copies only the armed rows.
-
-Program ``j < count`` (row ``r = rows[j]``) writes ``out[j] = (hidden[r] +
-residual[r]) * scale``: the sum in float32 rounded to ``out``'s dtype, then
-the scale in float32 rounded again, the roundings of the PyTorch route
-(:func:`vllm_hidden_states.worker.capture_points.gather_rows`). Entries past
-the count are not written: buffers are read only up to the count.
-
-Tested on CPU with Triton's interpreter (``TRITON_INTERPRET=1``,
-``tests/unit/test_capture_points.py``); not yet run on a GPU.
+Off CPU the op cannot read the armed count without a host sync, so here each
+capture point is one kernel of ``min(max_rows, tokens)`` programs that read the
+count on the device and return at once past it: one near-empty launch per
+point where nobody asked (inside the CUDA graph). Program ``j < count`` writes
+``out[j] = (hidden[r] + residual[r]) * scale`` (``r = rows[j]``) with the
+roundings of the PyTorch route (``capture_op.gather_rows``). Tested on CPU with
+Triton's interpreter (``tests/unit/test_capture_points.py``); tests/gpu runs
+it on CUDA. docs/architecture.md, "The capture op".
 """
 
 import torch

@@ -2,20 +2,13 @@
 """Captured rows on their way from the device to the host, without a wait.
 
 :class:`HostCopies` issues the copies; :class:`HostRows` is one capture's
-destination, filled chunk by chunk when a capture spans several steps (a
-chunked prefill), so rows are never concatenated on the CPU, which would have
-to wait for copies still in flight.
-
-On CUDA each copy lands in pinned host memory (PyTorch's caching host
-allocator, so no ``cudaHostAlloc`` per step) and is issued ``non_blocking`` on
-the current stream right after the forward. Nothing in the step waits on it:
-vLLM itself synchronizes that stream before the step's output leaves the
-worker (sync scheduling: the event behind ``_to_list`` of the sampled ids;
-async scheduling: ``AsyncGPUModelRunnerOutput``'s copy stream waits on the
-default stream before its ready event). :meth:`HostCopies.wait` sits on that
-hand-over all the same (an event recorded after the step's last copy), so the
-rows are complete even on a path where vLLM would not sync; by then it returns
-at once. On the CPU the copies are plain and the events are no-ops.
+destination, filled chunk by chunk (a chunked prefill), so rows are never
+concatenated on the CPU while copies are in flight. On CUDA each copy lands in
+pinned memory (PyTorch's caching host allocator), issued ``non_blocking`` right
+after the forward; vLLM syncs that stream before the step's output leaves the
+worker (sync and async scheduling alike), and :meth:`HostCopies.wait` sits on
+that hand-over all the same, so it returns at once. On CPU the copies are
+plain and the events no-ops.
 """
 
 from dataclasses import dataclass

@@ -1,19 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Attention patterns from captured queries and keys.
 
-vLLM's paged attention kernels never materialize the attention weights, and
-this package does not read the paged KV cache (its layout is each backend's
-own). Instead, a pattern point (``attn_pattern.i``) is a capture point on
-vLLM's ``Attention`` module of layer ``i`` (``self_attn.attn``, a forward
-pre-hook) that writes the rows of its ``query`` and ``key`` arguments (after
-rotary embedding and any q/k norm) into two persistent buffers, like any
-other point. A request asking for a pattern is served by an extract that
-recomputes every position, so the worker sees every key; :class:`PatternHistory`
-keeps them (and the queries) on the device across chunks, and once the last
-chunk is computed :func:`attention_pattern` turns them into the weights,
-exactly as the textbook (HF "eager") attention does: ``softmax(scale * q k^T)``
-per query head with grouped key heads repeated, the model's logit
-soft-capping, causal and sliding-window masks. Only the query rows asked
+vLLM's paged attention never materializes the weights, so a pattern point
+(``attn_pattern.i``) captures the ``query`` and ``key`` arguments of layer
+``i``'s ``Attention`` module (after rotary embedding and q/k norms) like any
+point. An extract recomputes every position; :class:`PatternHistory` keeps
+queries and keys on the device across chunks, and :func:`attention_pattern`
+turns them into the weights as HF's eager attention does (grouped heads,
+soft-capping, causal and sliding-window masks). Only the query rows asked
 leave the device: ``[heads, queries, keys]`` float32.
 """
 

@@ -1,25 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The steering op as one Triton kernel, for CUDA.
 
-Off CPU the op cannot read how many rows are armed without a host sync, so
-it runs over every entry a forward of that many tokens can have. Written with
-PyTorch ops that is a dozen kernels per steerable point per forward (gathers,
-a dot product, the adds), whether or not anyone steers. Here it is one
-kernel per point: one program per entry, which reads the entry's slot and
-returns at once when it is 0 (not armed), so a forward where nobody steers
-pays one near-empty launch per steerable point (inside the CUDA graph).
-
-An armed entry ``j`` (row ``r``, slot ``s``) reads the point's value ``x =
-(target[r] + other[r]) * scale`` in float32, takes ``x . dirs[s]`` (and, with
-the clamp tables, ``x . enc[s]``) in a first pass over ``hidden_size``, and
-writes ``target[r] += (adds[s] - (x . dirs[s]) dirs[s] + (value -
-act(x . enc[s] + bias)) dec[s]) / scale`` in a second: the same arithmetic
-as :func:`vllm_hidden_states.worker.steering_op._steer`'s PyTorch path, in
-float32, rounded to the target's dtype once. Rows are distinct among armed
-entries (one per position), so programs never write the same row.
-
-Tested on CPU with Triton's interpreter (``TRITON_INTERPRET=1``,
-``tests/unit/test_steering.py``); not yet run on a GPU.
+Off CPU the op cannot read the armed count without a host sync, so each
+steerable point is one kernel with a program per entry that reads the entry's
+slot and returns at once when it is 0: one near-empty launch per point where
+nobody steers (inside the CUDA graph). An armed entry reads ``x = (target[r] +
+other[r]) * scale`` in float32 and writes the arithmetic of
+``steering_op._steer``'s PyTorch path, rounded to the target's dtype once;
+rows are distinct among armed entries, so programs never write the same row.
+Tested on CPU with Triton's interpreter (``tests/unit/test_steering.py``); not
+yet run on a GPU. docs/architecture.md, "The steering op".
 """
 
 import torch
