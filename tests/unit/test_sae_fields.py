@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from vllm_hidden_states.config import HiddenStatesConfig, sae_entry, sae_problems
-from vllm_hidden_states.server.encoding import ApiError
-from vllm_hidden_states.server.openai_fields import (
-    HiddenStatesAsk,
-    encode_choice_features,
-    parse_ask,
-)
+from vllm_hidden_states.server.errors import ApiError
+from vllm_hidden_states.server.openai_request import HiddenStatesAsk, parse_ask
+from vllm_hidden_states.server.openai_response import encode_choice_features
 
 
 def bad(extra) -> str:
