@@ -279,7 +279,7 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
     results = prompts * n
     check_batch(limits, results, "n", "choices (prompts x n)")
     # "last": one position per result, exact. "all"/"prompt": at least one
-    # (a lower bound); the exact price follows tokenization (_priced_max_tokens).
+    # (a lower bound); the exact price follows tokenization (:func:`price`).
     check_response(
         limits,
         results,
