@@ -275,10 +275,6 @@ def _collect(
     return gen()
 
 
-def _single(res: Any) -> tuple[Any, int]:
-    return res, 0
-
-
 def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStatesAsk) -> str:
     """Add ``hidden_states`` to the choices of one SSE event that are owed
     rows: finishing choices, and with ``ask.stream`` every choice with rows
@@ -383,6 +379,11 @@ class HiddenStatesReply:
     @property
     def ask(self) -> HiddenStatesAsk:
         return self.admitted.ask
+
+
+def _single(res: Any) -> tuple[Any, int]:
+    # chat yields RequestOutput; its choices are numbered by output index.
+    return res, 0
 
 
 def _completion_index(choices_per_prompt: int) -> Callable[[Any], tuple[Any, int]]:
