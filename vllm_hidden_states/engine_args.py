@@ -489,7 +489,7 @@ def add_cli_args(parser) -> None:
         default=None,
         help="Interventions one request may carry. Default: 4.",
     )
-    # Activation store (API server only; read by server.openai_fields).
+    # Activation store (API server only; read by store.choice_writer).
     group.add_argument(
         "--activation-store",
         type=str,
@@ -512,7 +512,7 @@ def add_cli_args(parser) -> None:
         help="Delete store partitions older than this many days. Default: "
         "VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS, else 14.",
     )
-    # Server admission limits (read by vllm_hidden_states.server.admission;
+    # Server admission limits (read by vllm_hidden_states.server.limits;
     # the API server only, EngineArgs ignores them).
     group.add_argument(
         "--hidden-states-max-response-mb",
@@ -537,7 +537,7 @@ def add_cli_args(parser) -> None:
         help="Most characters of input text (prompt, messages, input) one "
         "hidden-states request may send. Default: 2000000.",
     )
-    # Request bounds on every route (read by vllm_hidden_states.server.bounds).
-    from vllm_hidden_states.server.bounds import add_cli_args as add_bounds_args
+    # Request bounds on every route (read by vllm_hidden_states.server.limits).
+    from vllm_hidden_states.server.limits import add_cli_args as add_bounds_args
 
     add_bounds_args(group)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vllm_hidden_states.server.encoding: the wire format and the error body."""
+"""vllm_hidden_states.server.encoding (the wire format) and .errors (the error body)."""
 
 import base64
 from http import HTTPStatus
@@ -12,13 +12,12 @@ import torch
 from vllm_hidden_states.server.encoding import (
     ENCODING_FORMATS,
     ORJSON_OPTIONS,
-    ApiError,
     as_float32,
     dtype_name,
     encode_array,
     encoded_size_bytes,
-    invalid_request,
 )
+from vllm_hidden_states.server.errors import ApiError, invalid_request
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["float32", "float16", "bfloat16"]

@@ -4,7 +4,7 @@
 
 import pytest
 
-from vllm_hidden_states.server.encoding import ApiError
+from vllm_hidden_states.server.errors import ApiError
 from vllm_hidden_states.server.hidden_states_route import negotiate, parse_request
 
 OCTET = "application/octet-stream"

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vllm_hidden_states.server.openai_fields: the request fields and a choice's object.
+"""vllm_hidden_states.server.openai_request and .openai_response: the request
+fields and a choice's object.
 
 Importing the module imports ``vllm`` (its logger), not the engine or the
 OpenAI server; nothing here builds either.
@@ -12,12 +13,9 @@ import pytest
 import torch
 
 from vllm_hidden_states.client import to_numpy
-from vllm_hidden_states.server.encoding import ApiError
-from vllm_hidden_states.server.openai_fields import (
-    HiddenStatesAsk,
-    encode_choice_states,
-    parse_ask,
-)
+from vllm_hidden_states.server.errors import ApiError
+from vllm_hidden_states.server.openai_request import HiddenStatesAsk, parse_ask
+from vllm_hidden_states.server.openai_response import encode_choice_states
 
 
 def ask(**fields):
@@ -302,7 +300,7 @@ def test_encode_choice_states_all_positions_keeps_every_row_per_layer():
 
 
 def test_choice_rows_take_advances_start_by_the_rows_taken():
-    from vllm_hidden_states.server.openai_fields import ChoiceRows
+    from vllm_hidden_states.server.openai_response import ChoiceRows
 
     ask_all = HiddenStatesAsk((-1,), "base64", "all", True)
     rows = ChoiceRows()
@@ -315,7 +313,7 @@ def test_choice_rows_take_advances_start_by_the_rows_taken():
 
 
 def test_choice_rows_take_gives_neurons_their_own_object():
-    from vllm_hidden_states.server.openai_fields import ChoiceRows
+    from vllm_hidden_states.server.openai_response import ChoiceRows
 
     ask = HiddenStatesAsk((), "float", "all", True, neurons=("mlp_post.1",))
     rows = ChoiceRows(start=3)
@@ -327,8 +325,8 @@ def test_choice_rows_take_gives_neurons_their_own_object():
 
 
 def test_price_positions_counts_prompt_plus_max_tokens_per_choice():
-    from vllm_hidden_states.server.admission import Limits
-    from vllm_hidden_states.server.openai_fields import PositionPricing, price_positions
+    from vllm_hidden_states.server.limits import Limits
+    from vllm_hidden_states.server.openai_request import PositionPricing, price_positions
 
     # 1 layer x 8 values x 16 bytes (float JSON) = 128 bytes per position.
     limits = Limits(max_response_bytes=128 * 100, max_batch=8, max_input_chars=100)
@@ -342,8 +340,8 @@ def test_price_positions_counts_prompt_plus_max_tokens_per_choice():
 
 
 def test_price_positions_counts_only_the_prompt_for_prompt_positions():
-    from vllm_hidden_states.server.admission import Limits
-    from vllm_hidden_states.server.openai_fields import PositionPricing, price_positions
+    from vllm_hidden_states.server.limits import Limits
+    from vllm_hidden_states.server.openai_request import PositionPricing, price_positions
 
     limits = Limits(max_response_bytes=128 * 10, max_batch=8, max_input_chars=100)
     pricing = PositionPricing(limits, HiddenStatesAsk((-1,), "float", "prompt"), n=1, hidden_size=8)
@@ -356,7 +354,7 @@ def test_price_positions_counts_only_the_prompt_for_prompt_positions():
 
 
 def test_sae_features_count_toward_the_response_cap_and_are_named():
-    from vllm_hidden_states.server.admission import SAE_FEATURE_BYTES, Limits, check_response
+    from vllm_hidden_states.server.limits import SAE_FEATURE_BYTES, Limits, check_response
 
     positions, top_k = 1000, 64
     cap = positions * top_k * SAE_FEATURE_BYTES - 1  # one byte short

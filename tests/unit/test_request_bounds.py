@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vllm_hidden_states.server.bounds: request bodies measured before parsing.
+"""vllm_hidden_states.server.body_inspection: request bodies measured before
+parsing, against vllm_hidden_states.server.limits.
 
 The counter, the parser's fallbacks, the walker (every limit named in its
 refusal with its value and flag), the limits' configuration, and the ASGI
@@ -16,7 +17,14 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from vllm_hidden_states.server.bounds import (
+from vllm_hidden_states.server.body_inspection import (
+    RequestBoundsMiddleware,
+    count_values,
+    inspect_body,
+)
+from vllm_hidden_states.server.errors import ApiError
+from vllm_hidden_states.server.limits import (
+    BATCH_FLAG,
     BODY_FLAG,
     DEFAULT_MAX_LIST_ITEMS,
     DEPTH_FLAG,
@@ -25,15 +33,11 @@ from vllm_hidden_states.server.bounds import (
     LIST_FLAG,
     MESSAGES_FLAG,
     VALUES_FLAG,
-    Bounds,
-    BoundsError,
-    RequestBoundsMiddleware,
+    Limits,
     add_cli_args,
-    count_values,
-    inspect_body,
 )
 
-SMALL = Bounds(
+SMALL = Limits(
     max_body_bytes=10_000,
     max_json_values=1_000,
     max_json_depth=8,
@@ -42,13 +46,13 @@ SMALL = Bounds(
     max_messages=20,
     max_input_items=10,
     num_layers=4,
-    hidden_states_batch=16,
+    max_batch=16,
 )
 CHAT = "/v1/chat/completions"
 
 
-def refusal(body, route=CHAT, bounds=SMALL) -> BoundsError:
-    with pytest.raises(BoundsError) as e:
+def refusal(body, route=CHAT, bounds=SMALL) -> ApiError:
+    with pytest.raises(ApiError) as e:
         inspect_body(body if isinstance(body, bytes) else orjson.dumps(body), bounds, route)
     return e.value
 
@@ -154,7 +158,7 @@ def test_nesting_past_the_depth_cap_is_a_400():
 
 
 def test_nesting_past_orjsons_1024_levels_is_refused_not_passed_on():
-    e = refusal(b"[" * 2000 + b"]" * 2000, bounds=Bounds())
+    e = refusal(b"[" * 2000 + b"]" * 2000, bounds=Limits())
     assert e.status == 400 and "more than 1024 levels" in e.message
     assert DEPTH_FLAG in e.message
 
@@ -196,7 +200,7 @@ def test_more_layers_than_the_model_has_get_the_admission_refusal():
 
 
 def test_layers_are_not_capped_when_the_model_is_unknown():
-    bounds = Bounds(num_layers=None)
+    bounds = Limits(num_layers=None)
     accepts({"model": "m", "hidden_states_layers": [-1] * 1000}, bounds=bounds)
 
 
@@ -226,7 +230,7 @@ def test_the_walk_names_deep_paths_briefly():
     value = [1] * 101
     for _ in range(8):
         value = {"k": value}
-    e = refusal({"a": value}, bounds=Bounds(max_list_items=100, max_json_depth=64))
+    e = refusal({"a": value}, bounds=Limits(max_list_items=100, max_json_depth=64))
     assert e.message.startswith("'a'.k.k.k.k.k.k.k...")
 
 
@@ -235,21 +239,21 @@ def test_the_walk_names_deep_paths_briefly():
 
 
 def test_defaults_when_no_flag_is_given():
-    b = Bounds.from_args(SimpleNamespace(), None)
+    b = Limits.from_args(SimpleNamespace(), None)
     assert b.max_body_bytes == 64 * 2**20
     assert (b.max_json_values, b.max_json_depth, b.max_list_items) == (2_000_000, 64, 65_536)
     assert (b.max_object_keys, b.max_messages, b.max_input_items) == (16_384, 8_192, 1_024)
-    assert b.num_layers is None and b.hidden_states_batch == 256
+    assert b.num_layers is None and b.max_batch == 256
 
 
 def test_the_list_default_grows_to_max_model_len():
     model = SimpleNamespace(
         max_model_len=131_072, hf_text_config=SimpleNamespace(num_hidden_layers=36)
     )
-    b = Bounds.from_args(None, model)
+    b = Limits.from_args(None, model)
     assert b.max_list_items == 131_072 and b.num_layers == 36
     small = SimpleNamespace(max_model_len=1024, hf_text_config=None)
-    assert Bounds.from_args(None, small).max_list_items == DEFAULT_MAX_LIST_ITEMS
+    assert Limits.from_args(None, small).max_list_items == DEFAULT_MAX_LIST_ITEMS
 
 
 def test_flags_parse_and_set_the_bounds():
@@ -273,7 +277,7 @@ def test_flags_parse_and_set_the_bounds():
             "7",
         ]
     )
-    b = Bounds.from_args(args)
+    b = Limits.from_args(args)
     assert b.max_body_bytes == 2**19
     assert (
         b.max_json_values,
@@ -297,7 +301,7 @@ def test_the_flags_are_on_the_engine_parser():
 @pytest.mark.parametrize("value", [0, -1, "x"])
 def test_a_non_positive_flag_is_refused_naming_it(value):
     with pytest.raises(ValueError, match=MESSAGES_FLAG):
-        Bounds.from_args(SimpleNamespace(request_max_messages=value))
+        Limits.from_args(SimpleNamespace(request_max_messages=value))
 
 
 # --------------------------------------------------------------------------
@@ -426,7 +430,7 @@ def test_bodies_without_a_content_type_are_inspected_too():
 
 
 def test_large_bodies_are_inspected_off_the_event_loop(monkeypatch):
-    import vllm_hidden_states.server.bounds as bounds_module
+    import vllm_hidden_states.server.body_inspection as bounds_module
 
     threads = []
     real = bounds_module.inspect_body
@@ -436,7 +440,7 @@ def test_large_bodies_are_inspected_off_the_event_loop(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(bounds_module, "inspect_body", spy)
-    small = Bounds(off_loop_bytes=100)
+    small = Limits(off_loop_bytes=100)
     drive([body_message(orjson.dumps({"a": "x" * 10}))], bounds=small)
     drive([body_message(orjson.dumps({"a": "x" * 200}))], bounds=small)
     assert threads[0] == threading.get_ident()  # under 100 bytes: on the loop
@@ -444,6 +448,12 @@ def test_large_bodies_are_inspected_off_the_event_loop(monkeypatch):
 
 
 def test_the_hidden_states_input_cap_follows_the_admission_batch_flag():
-    assert Bounds.from_args(SimpleNamespace(hidden_states_max_batch=8)).hidden_states_batch == 8
-    # A bad value is the admission check's to refuse, on each request.
-    assert Bounds.from_args(SimpleNamespace(hidden_states_max_batch=0)).hidden_states_batch is None
+    assert Limits.from_args(SimpleNamespace(hidden_states_max_batch=8)).max_batch == 8
+    e = refusal({"model": "m", "input": ["hi"] * 9}, "/v1/hidden_states", Limits(max_batch=8))
+    assert e.status == 413 and "8 per request" in e.message
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_non_positive_admission_flag_is_refused_naming_it(value):
+    with pytest.raises(ValueError, match=BATCH_FLAG):
+        Limits.from_args(SimpleNamespace(hidden_states_max_batch=value))

@@ -11,12 +11,9 @@ import torch
 from vllm_hidden_states.engine_args import sae_entry, sae_problems
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.request_fields import FieldError, RequestFields, resolve_fields
-from vllm_hidden_states.server.encoding import ApiError
-from vllm_hidden_states.server.openai_fields import (
-    HiddenStatesAsk,
-    encode_choice_features,
-    parse_ask,
-)
+from vllm_hidden_states.server.errors import ApiError
+from vllm_hidden_states.server.openai_request import HiddenStatesAsk, parse_ask
+from vllm_hidden_states.server.openai_response import encode_choice_features
 
 
 def bad(extra) -> str:

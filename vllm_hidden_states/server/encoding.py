@@ -1,47 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The HTTP wire format of hidden states, and the server's error bodies.
+"""The HTTP wire format of hidden states (``client.py`` is the inverse).
 
-Two encodings, the same for every endpoint (``client.py`` is the inverse):
+* ``"float"``: nested JSON lists of float32 values, row-major over ``shape``,
+  handed to orjson as numpy arrays (no Python float per value);
+* ``"base64"``: base64 of the float32 little-endian bytes, row-major over
+  ``shape`` (``np.frombuffer(base64.b64decode(data), "<f4").reshape(shape)``);
+* binary (POST /v1/hidden_states only): one self-describing octet-stream
+  body (:func:`binary_body`).
 
-* ``"float"``: nested JSON lists of float32 values, row-major over ``shape``.
-  The array is handed to orjson as a numpy array (``OPT_SERIALIZE_NUMPY``), so
-  no Python float object is ever made per value; float32 values are written in
-  their shortest round-tripping form.
-* ``"base64"``: base64 of the float32 little-endian bytes of the array in
-  row-major order of ``shape``, taken straight from the tensor's buffer::
-
-      np.frombuffer(base64.b64decode(data), "<f4").reshape(shape)
-
-Whatever the model dtype (bf16, fp16, fp32), values are sent as float32 and the
-model dtype is reported separately as ``dtype``.
-
-POST /v1/hidden_states also answers in binary (``"encoding_format": "bytes"``
-or ``Accept: application/octet-stream``): one self-describing body, so no
-client has to read more than a few bytes of headers (httpx, requests and curl
-refuse header blocks past 64 KiB, which the metadata of a large batch with
-attention masks passes)::
-
-    offset 0       8 bytes   N, unsigned little-endian: the JSON header's length
-    offset 8       N bytes   UTF-8 JSON header, padded with spaces so that
-                             8 + N is a multiple of 8 (arrays start aligned)
-    offset 8 + N   ...       the arrays, back to back in input order
-
-The JSON header is ``{"model", "layer", "dtype", "data": [{"index",
-"embed_dtype", "endianness", "start", "end", "shape"}, ...]}`` (plus
-``"object": "list"`` for a list ``input`` and ``"attention_mask"`` per item on
-request); ``start``/``end`` are byte offsets from the first array. Arrays are in
-``embed_dtype`` (float32 by default; float16 or bfloat16 on request, bfloat16
-as its raw 16 bits) and ``endianness`` (little by default) (:func:`binary_array`,
-:func:`binary_body`; ``client.from_bytes`` is the inverse).
-
-Errors use vLLM's OpenAI error body ``{"error": {"message", "type", "param",
-"code"}}`` with ``code`` the HTTP status, and the OpenAI ``type`` names
-(``invalid_request_error``, ``model_not_found``, ``model_error``,
-``internal_error``).
+Whatever the model dtype, JSON values are float32; the model dtype is
+reported separately as ``dtype``.
 """
 
-from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any, Literal
 
 import numpy as np
@@ -124,7 +94,20 @@ BINARY_ALIGN_BYTES = 8
 def binary_body(
     arrays: list[np.ndarray], items: list[dict[str, Any]], header: dict[str, Any]
 ) -> bytes:
-    """The octet-stream body of a binary answer (layout in the module docstring).
+    """The octet-stream body of a binary answer::
+
+        offset 0       8 bytes   N, unsigned little-endian: the JSON header's length
+        offset 8       N bytes   UTF-8 JSON header, padded with spaces so that
+                                 8 + N is a multiple of 8 (arrays start aligned)
+        offset 8 + N   ...       the arrays, back to back in input order
+
+    The header is ``{"model", "layer", "dtype", "data": [{"index",
+    "embed_dtype", "endianness", "start", "end", "shape"}, ...]}`` (plus
+    ``"object": "list"`` for a list ``input`` and ``"attention_mask"`` per
+    item on request); ``start``/``end`` are byte offsets from the first array.
+    One body, so no client reads more than a few bytes of headers (httpx,
+    requests and curl refuse header blocks past 64 KiB). ``client.from_bytes``
+    is the inverse.
 
     Args:
         arrays: each input's wire array (:func:`binary_array`), in input order.
@@ -164,50 +147,3 @@ def encoded_size_bytes(num_values: int, encoding_format: str) -> int:
     if encoding_format == "base64":
         return 4 * ((4 * num_values + 2) // 3)
     return 16 * num_values
-
-
-@dataclass
-class ApiError(Exception):
-    """A request error to answer with an OpenAI-shaped error body.
-
-    Attributes:
-        message: what was wrong and what is allowed.
-        status: the HTTP status.
-        type: OpenAI error type, e.g. ``invalid_request_error``.
-        param: the request field at fault, when there is one.
-    """
-
-    message: str
-    status: HTTPStatus = HTTPStatus.BAD_REQUEST
-    type: str = "invalid_request_error"
-    param: str | None = None
-
-    def __str__(self) -> str:
-        return self.message
-
-    def to_error_response(self):
-        """vLLM's ``ErrorResponse`` model (what its routes return for errors)."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-
-        return ErrorResponse(
-            error=ErrorInfo(
-                message=self.message,
-                type=self.type,
-                param=self.param,
-                code=int(self.status),
-            )
-        )
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": int(self.status),
-            }
-        }
-
-
-def invalid_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(message, HTTPStatus.BAD_REQUEST, "invalid_request_error", param)

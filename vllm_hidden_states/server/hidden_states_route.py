@@ -1,63 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""POST /v1/hidden_states: every prompt position's state at one layer; GET
-/v1/steering_vectors: what the engine can steer.
+"""POST /v1/hidden_states: every prompt position's state at one layer or point.
 
-The request and response follow the heylookitsanllm text-encoder contract (the
-Z-Image backend), plus a batch form and a ``messages`` form::
-
-    {"model": "m", "input": "<|im_start|>user\\n...", "layer": -2,   # or "point": "attn_out.3"
-     "max_length": 512, "return_attention_mask": false,
-     "encoding_format": "float" | "base64"}
-    -> {"hidden_states": [[...], ...] | "<base64>", "shape": [seq_len, hidden],
-        "model": "m", "layer": -2, "dtype": "bfloat16",
-        "encoding_format": "base64",          # base64 only
-        "attention_mask": [1, ...]}           # return_attention_mask only
-
-* ``input`` is text with any chat template already applied; it is encoded as
-  the tokenizer does by default (special tokens such as BOS added) and cut to
-  its first ``max_length`` tokens.
-* ``input`` as a list of strings gives ``{"object": "list", "data": [one
-  object per input, in order], "model": "m"}``.
-* ``messages`` (instead of ``input``) is a chat conversation; the server applies
-  the model's chat template as /v1/chat/completions does (``add_generation_
-  prompt`` default true, ``chat_template_kwargs`` passed through).
-* Binary: ``"encoding_format": "bytes"`` (or ``Accept: application/octet-stream``
-  and no ``encoding_format``) answers ``application/octet-stream``: the raw
-  arrays in input order, ``embed_dtype`` "float32" (default), "float16" or
-  "bfloat16", ``endianness`` "little" (default), "big" or "native"; a
-  length-prefixed JSON header at the start of the body says where each
-  input's ``[seq_len, hidden]`` array lies (layout in :mod:`.encoding`), and
-  a single input also gets ``X-Hidden-States-Shape: seq_len,hidden`` and
-  ``X-Hidden-States-Dtype``. An ``Accept`` that allows neither JSON nor
-  octet-stream, or that contradicts ``encoding_format``, is a 406.
-
-Each input runs as a ``max_tokens=1`` generation with ``positions="prompt"``:
-the prompt's states are captured during its own prefill (which skips prefix-
-cache reads, so every position is computed), one forward pass per input like
-vLLM's pooling runner; no post-sampling extract is needed.
-
-* ``steering`` (server started with ``--enable-steering``): a list of
-  interventions as on /v1/chat/completions (:mod:`vllm_hidden_states.
-  steering`), applied to every input's forward pass: the states returned are
-  those of the steered forward (steering runs before capture). Checked
-  against the engine before anything is tokenized (400, ``param:
-  "steering"``); its positions windows, once each input's length is known, by
-  the engine front-end (a ``VLLMValidationError``, answered as a 400 here).
-
-GET /v1/steering_vectors answers::
-
-    {"object": "list",
-     "data": [{"object": "steering_vector", "name": "honesty", "length": 4096}, ...],
-     "points": ["resid_pre.0", "resid_pre.1", ...],   # every steerable address
-     "max_interventions": 4}
-
-``data`` lists the named vectors of ``--steering-vectors DIR`` (sorted by
-name; empty without one); ``points`` every address a request may steer
-(``--steering-points``; ``resid_post.i`` and ``resid_pre.(i+1)`` are one
-point under two names, both listed). On a server without
-``--enable-steering`` it is a 404 (an OpenAI error body naming the flag):
-the resource does not exist there, which a client can tell from an engine
-that steers but has no named vectors (``data`` empty).
+The request and response follow the heylookitsanllm text-encoder contract,
+plus a batch form (``input`` a list), a ``messages`` form (the chat template
+applied as /v1/chat/completions does), a binary answer (``encoding_format:
+"bytes"`` or ``Accept: application/octet-stream``, layout in
+:func:`.encoding.binary_body`) and ``steering`` (as on chat/completions; the
+states returned are the steered ones). The contract is told in
+docs/openai_server.md. Each input runs as a ``max_tokens=1`` generation with
+``positions="prompt"``: its states are captured during its own prefill.
 """
 
 import asyncio
@@ -80,27 +31,39 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.points import is_neuron_address, is_pattern_address, point_id
-from vllm_hidden_states.server import admission
+from vllm_hidden_states.points import is_neuron_address, is_pattern_address
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,
     ORJSON_OPTIONS,
-    ApiError,
     binary_array,
     binary_body,
     dtype_name,
     encode_array,
-    invalid_request,
 )
-from vllm_hidden_states.server.validation import (
-    steering_config,
+from vllm_hidden_states.server.errors import ApiError, invalid_request
+from vllm_hidden_states.server.limits import (
+    Limits,
+    check_batch,
+    check_input_chars,
+    check_response,
+    limits_of,
+    text_chars,
+)
+from vllm_hidden_states.server.request_checks import (
     validate_layers,
     validate_points,
     validate_steering,
 )
-from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, STEERABLE_KINDS, SteeringConfig
 
 logger = init_logger(__name__)
+
+# Inputs of one request in the engine at once (tokenized, generated and
+# encoded per slice), so other requests interleave with a large batch.
+ADMISSION_SLICE = 8
+
+# Bodies at least this large are validated in a worker thread, never on the
+# event loop.
+OFF_LOOP_BYTES = 1 << 20
 
 
 class HiddenStatesRequest(BaseModel):
@@ -288,20 +251,20 @@ def _texts(request: HiddenStatesRequest) -> list[str]:
     return [request.input] if isinstance(request.input, str) else list(request.input)
 
 
-def _admit(engine_client: Any, limits: admission.Limits, request: HiddenStatesRequest):
+def _admit(engine_client: Any, limits: Limits, request: HiddenStatesRequest):
     """Price the request before anything is tokenized: input characters, batch
     size, and the smallest response it can produce (one position per input)."""
     if request.messages is not None:
         _check_messages(request.messages)
-        chars = admission.text_chars(request.messages, limits.max_input_chars)
-        admission.check_input_chars(limits, chars, "messages")
+        chars = text_chars(request.messages, limits.max_input_chars)
+        check_input_chars(limits, chars, "messages")
         results = 1
     else:
         texts = _texts(request)
-        admission.check_batch(limits, len(texts), "input", "inputs")
-        admission.check_input_chars(limits, sum(map(len, texts)), "input")
+        check_batch(limits, len(texts), "input", "inputs")
+        check_input_chars(limits, sum(map(len, texts)), "input")
         results = len(texts)
-    admission.check_response(
+    check_response(
         limits,
         results,
         1,
@@ -371,7 +334,7 @@ async def _token_ids(state: Any, request: HiddenStatesRequest) -> list[list[int]
         return [list(tokenizer.encode(text)[:max_length]) for text in batch]
 
     out: list[list[int]] = []
-    step = admission.ADMISSION_SLICE
+    step = ADMISSION_SLICE
     for start in range(0, len(texts), step):
         out.extend(await _run_in_tokenizer_pool(state, encode, texts[start : start + step]))
     for i, ids in enumerate(out):
@@ -419,7 +382,7 @@ async def _render_messages(state: Any, request: HiddenStatesRequest) -> list[int
 
 def _check_limits(
     engine_client: Any,
-    limits: admission.Limits,
+    limits: Limits,
     request: HiddenStatesRequest,
     inputs: list[list[int]],
 ) -> None:
@@ -440,7 +403,7 @@ def _check_limits(
                 "model_error",
                 "max_length",
             )
-    admission.check_response(
+    check_response(
         limits,
         1,
         sum(len(ids) for ids in inputs),
@@ -538,7 +501,7 @@ async def _run_inputs(
     from vllm.utils import random_uuid
 
     base_id = f"hiddenstates-{random_uuid()}"
-    window = asyncio.Semaphore(admission.ADMISSION_SLICE)
+    window = asyncio.Semaphore(ADMISSION_SLICE)
     out: list[Any] = [None] * len(inputs)
     encode = _input_binary if request.encoding_format == "bytes" else _input_object_bytes
 
@@ -560,7 +523,7 @@ async def _run_inputs(
 
 
 async def _parse(body: bytes) -> HiddenStatesRequest:
-    if len(body) >= admission.OFF_LOOP_BYTES:
+    if len(body) >= OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_request, body)
     return parse_request(body)
 
@@ -570,7 +533,7 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
 
     state = raw_request.app.state
     try:
-        limits = admission.limits_of(raw_request)
+        limits = limits_of(raw_request)
         request = negotiate(await _parse(body), raw_request.headers.get("accept"))
         lora_request = _check_model(state, request.model)
         engine_client = state.engine_client
@@ -609,25 +572,23 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
             content = objects[0]
         return Response(content, media_type="application/json")
     except ApiError as e:
-        return _error(e)
+        return e.json_response()
     except VLLMValidationError as e:
-        return _error(invalid_request(str(e), e.parameter))
+        return invalid_request(str(e), e.parameter).json_response()
     except Exception as e:
         logger.exception("POST /v1/hidden_states failed")
-        return _error(
-            ApiError(
-                f"internal error: {type(e).__name__}: {e}",
-                HTTPStatus.INTERNAL_SERVER_ERROR,
-                "internal_error",
-            )
-        )
+        return ApiError(
+            f"internal error: {type(e).__name__}: {e}",
+            HTTPStatus.INTERNAL_SERVER_ERROR,
+            "internal_error",
+        ).json_response()
 
 
 def _binary_response(
     request: HiddenStatesRequest, arrays: list[np.ndarray], model_dtype
 ) -> Response:
     """The octet-stream answer: a JSON header locating each input's array,
-    then the arrays (layout in :mod:`.encoding`)."""
+    then the arrays (layout in :func:`.encoding.binary_body`)."""
     items: list[dict[str, Any]] = []
     for i, array in enumerate(arrays):
         items.append(
@@ -649,12 +610,6 @@ def _binary_response(
     return Response(body, media_type=OCTET_STREAM, headers=headers)
 
 
-def _error(e: ApiError) -> Response:
-    return Response(
-        orjson.dumps(e.body()), status_code=int(e.status), media_type="application/json"
-    )
-
-
 @router.post("/v1/hidden_states")
 async def create_hidden_states(raw_request: Request):
     """POST /v1/hidden_states (see the module docstring)."""
@@ -665,14 +620,12 @@ async def create_hidden_states(raw_request: Request):
     content_type = raw_request.headers.get("content-type", "")
     if content_type.split(";", 1)[0].strip().lower() != "application/json":
         # As /v1/chat/completions and /v1/completions answer (400).
-        return _error(
-            invalid_request(
-                f"unsupported Content-Type {content_type or '(none)'!r}: "
-                "/v1/hidden_states takes a JSON body (Content-Type: "
-                "application/json)",
-                "Content-Type",
-            )
-        )
+        return invalid_request(
+            f"unsupported Content-Type {content_type or '(none)'!r}: "
+            "/v1/hidden_states takes a JSON body (Content-Type: "
+            "application/json)",
+            "Content-Type",
+        ).json_response()
     try:
         body = await raw_request.body()
     except ClientDisconnect:
@@ -683,43 +636,3 @@ async def create_hidden_states(raw_request: Request):
     # with_cancellation cancels _serve (and so aborts the engine requests) when
     # the client disconnects; it needs the body read first, as done above.
     return await with_cancellation(_serve)(body, raw_request)
-
-
-def steerable_points(cfg: SteeringConfig) -> list[str]:
-    """Every address a request may steer, layer by layer in network order."""
-    ids, n = set(cfg.ids), cfg.num_layers
-    return [
-        f"{kind}.{layer}"
-        for layer in range(n)
-        for kind in STEERABLE_KINDS
-        if point_id(kind, layer, n) in ids  # type: ignore[arg-type]
-    ]
-
-
-def steering_vectors_body(cfg: SteeringConfig) -> dict[str, Any]:
-    """The answer of GET /v1/steering_vectors (see the module docstring)."""
-    return {
-        "object": "list",
-        "data": [
-            {"object": "steering_vector", "name": name, "length": length}
-            for name, length in sorted(cfg.vectors.items())
-        ],
-        "points": steerable_points(cfg),
-        "max_interventions": cfg.max_interventions,
-    }
-
-
-@router.get("/v1/steering_vectors")
-async def list_steering_vectors(raw_request: Request):
-    """GET /v1/steering_vectors (see the module docstring)."""
-    cfg = steering_config(raw_request.app.state.engine_client)
-    if cfg is None:
-        return _error(
-            ApiError(
-                f"steering is not enabled on this server, so it has no steering "
-                f"vectors; {ENABLE_STEERING_HINT} (named vectors: --steering-vectors DIR)",
-                HTTPStatus.NOT_FOUND,
-                "invalid_request_error",
-            )
-        )
-    return Response(orjson.dumps(steering_vectors_body(cfg)), media_type="application/json")

@@ -7,7 +7,9 @@
 * :mod:`.activation_store`: the server-side activation store (top-k SAE
   features, optionally hidden states, per request; date partitions, retention,
   DuckDB queries).
+* :mod:`.choice_writer`: the API server's finished choices appended to that
+  store.
 
-Both need the ``store`` extra (``pip install vllm-hidden-states[store]``:
-pyarrow, duckdb, safetensors); neither imports vLLM or torch at import time.
+The stores need the ``store`` extra (``pip install vllm-hidden-states[store]``:
+pyarrow, duckdb, safetensors); none of them imports vLLM or torch at import time.
 """

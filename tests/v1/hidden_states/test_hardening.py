@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from vllm_hidden_states.client import to_torch
-from vllm_hidden_states.server.admission import ADMISSION_SLICE
+from vllm_hidden_states.server.hidden_states_route import ADMISSION_SLICE
 
 from .conftest import assert_close
 from .server_utils import ServerProcess, sse_events, test_server_process, wait_until

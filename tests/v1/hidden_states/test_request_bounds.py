@@ -35,7 +35,7 @@ import orjson
 import pytest
 
 from vllm_hidden_states.client import from_bytes, read_binary_header, to_numpy
-from vllm_hidden_states.server.bounds import (
+from vllm_hidden_states.server.limits import (
     BODY_FLAG,
     DEFAULT_MAX_INPUT_ITEMS,
     DEFAULT_MAX_MESSAGES,

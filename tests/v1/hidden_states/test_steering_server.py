@@ -414,19 +414,19 @@ class _Request:
 
 
 def test_steering_on_an_engine_without_it_is_a_400_naming_the_flag():
-    from vllm_hidden_states.server import openai_fields
+    from vllm_hidden_states.server import openai_request
 
     serving = type("Serving", (), {"engine_client": _EngineClient()})()
     request = _Request({"steering": [{"point": POINT, "vector": [0.0] * 8}]})
     # admit sets context variables: run it in a context of its own.
-    refusal = contextvars.copy_context().run(openai_fields.admit, serving, request, None)
+    refusal = contextvars.copy_context().run(openai_request.admit, serving, request, None)
     error = refusal.error
     assert error.code == 400 and error.param == "steering"
     assert "--enable-steering" in error.message
 
 
 def test_steering_vectors_on_an_engine_without_steering_is_a_404_naming_the_flag():
-    from vllm_hidden_states.server.hidden_states_route import list_steering_vectors
+    from vllm_hidden_states.server.steering_vectors_route import list_steering_vectors
 
     state = type("State", (), {"engine_client": _EngineClient()})()
     raw_request = type("Raw", (), {"app": type("App", (), {"state": state})()})()

@@ -1,40 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Checks of HTTP request fields against the engine behind the server.
+"""HTTP request fields checked against the engine behind the server.
 
-Shared by both routes (:mod:`.openai_fields` and :mod:`.hidden_states_route`);
-the engine's capturable set (and what it can steer) is computed once per
-engine client.
+Shared by both routes (:mod:`.openai_request` and :mod:`.hidden_states_route`):
+layers, points and steering, with the rules of the Python API; the engine's
+configs are built once per engine config (``hidden_states_config.built_once``).
 """
 
 import sys
-import weakref
 from typing import Any
 
-from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
+from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, built_once
 from vllm_hidden_states.request_fields import ENABLE_HINT
-from vllm_hidden_states.server.admission import check_layers
-from vllm_hidden_states.server.encoding import invalid_request
+from vllm_hidden_states.server.errors import invalid_request
+from vllm_hidden_states.server.limits import check_layers
 from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, SteeringConfig
 from vllm_hidden_states.steering_fields import check_steering
 
-# engine client -> its HiddenStatesConfig (None when not enabled).
-_engine_configs: "weakref.WeakKeyDictionary[Any, HiddenStatesConfig | None]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _once_per_client(cache: weakref.WeakKeyDictionary, engine_client: Any, build: Any) -> Any:
-    """``build(engine_client.vllm_config)``, computed once per engine client."""
-    try:
-        return cache[engine_client]
-    except KeyError:
-        cache[engine_client] = value = build(engine_client.vllm_config)
-        return value
-
 
 def engine_config(engine_client: Any) -> HiddenStatesConfig | None:
-    """The engine's ``HiddenStatesConfig`` (None: not enabled), computed once per client."""
-    return _once_per_client(_engine_configs, engine_client, HiddenStatesConfig.from_vllm_config)
+    """The engine's ``HiddenStatesConfig`` (None: not enabled), built once."""
+    return built_once(HiddenStatesConfig, engine_client.vllm_config)
 
 
 def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> None:
@@ -62,17 +47,12 @@ def validate_points(
         raise invalid_request(str(e), param) from None
 
 
-# engine client -> its SteeringConfig (None when steering is not enabled).
-_steering_configs: "weakref.WeakKeyDictionary[Any, SteeringConfig | None]" = (
-    weakref.WeakKeyDictionary()
-)
-
 STEERING_PARAM = "steering"
 
 
 def steering_config(engine_client: Any) -> SteeringConfig | None:
-    """The engine's ``SteeringConfig`` (None: not enabled), computed once per client."""
-    return _once_per_client(_steering_configs, engine_client, SteeringConfig.from_vllm_config)
+    """The engine's ``SteeringConfig`` (None: not enabled), built once."""
+    return built_once(SteeringConfig, engine_client.vllm_config)
 
 
 def validate_steering(engine_client: Any, value: Any) -> None:
@@ -81,7 +61,7 @@ def validate_steering(engine_client: Any, value: Any) -> None:
     (:func:`vllm_hidden_states.steering_fields.check_steering`) but the positions
     windows, which need the prompt's length (checked once it is tokenized:
     by the engine front-end, and on chat/completions streams by
-    :func:`vllm_hidden_states.server.openai_fields.price`)."""
+    :func:`vllm_hidden_states.server.openai_request.price`)."""
     cfg = steering_config(engine_client)
     if cfg is None:
         raise invalid_request(

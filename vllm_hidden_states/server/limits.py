@@ -1,0 +1,362 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The API server's limits: one set of caps, read once from the flags.
+
+Two stations use them: :mod:`.body_inspection` measures every request body
+against the body caps before anything parses it, and the hidden-states routes
+(:mod:`.openai_request`, :mod:`.hidden_states_route`) price a request against
+the admission caps (input characters, results, response size) before any
+tokenization or generation. Each refusal names the limit, its value and the
+flag that sets it. :func:`add_cli_args` adds the body flags (the admission
+flags sit beside it in the engine's flag group).
+"""
+
+import os
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hidden_states.server.encoding import value_bytes
+from vllm_hidden_states.server.errors import invalid_request, too_large
+
+MB = 2**20
+
+# Admission: what a hidden-states request may cost.
+MAX_RESPONSE_ENV = "VLLM_HIDDEN_STATES_MAX_RESPONSE_MB"
+DEFAULT_MAX_RESPONSE_MB = 256.0
+DEFAULT_MAX_BATCH = 256
+DEFAULT_MAX_INPUT_CHARS = 2_000_000
+
+RESPONSE_FLAG = "--hidden-states-max-response-mb"
+BATCH_FLAG = "--hidden-states-max-batch"
+CHARS_FLAG = "--hidden-states-max-input-chars"
+
+# Bodies: what any request body may hold, measured before it is parsed.
+DEFAULT_MAX_BODY_MB = 64.0
+DEFAULT_MAX_JSON_VALUES = 2_000_000
+DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_MAX_LIST_ITEMS = 65_536
+DEFAULT_MAX_OBJECT_KEYS = 16_384
+DEFAULT_MAX_MESSAGES = 8_192
+DEFAULT_MAX_INPUT_ITEMS = 1_024
+
+BODY_FLAG = "--request-max-body-mb"
+VALUES_FLAG = "--request-max-json-values"
+DEPTH_FLAG = "--request-max-json-depth"
+LIST_FLAG = "--request-max-list-items"
+KEYS_FLAG = "--request-max-object-keys"
+MESSAGES_FLAG = "--request-max-messages"
+INPUT_ITEMS_FLAG = "--request-max-input-items"
+
+# Bodies at least this large are counted, parsed and walked in a worker
+# thread; smaller ones (at most ~85k values) take milliseconds on the loop.
+INSPECT_OFF_LOOP_BYTES = 256 * 1024
+
+# Wire bytes of one SAE feature, at most: an int32 id in JSON (11 characters)
+# and a float32 value (15), each with a separator.
+SAE_FEATURE_BYTES = 28
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's limits (the defaults are the flags' defaults).
+
+    Attributes:
+        max_response_bytes: the largest response a hidden-states request may
+            produce (``--hidden-states-max-response-mb``).
+        max_batch: hidden-state results per request (inputs on
+            /v1/hidden_states, prompts x ``n`` on completions, ``n`` on chat).
+        max_input_chars: characters of text per hidden-states request.
+        max_body_bytes ... max_input_items: the body caps (``--request-max-*``).
+        num_layers: the model's ``L`` (``hidden_states_layers`` may hold at
+            most ``L + 1`` entries); None when unknown (no cap on bodies).
+        off_loop_bytes: bodies at least this large are inspected in a thread.
+    """
+
+    max_response_bytes: int = int(DEFAULT_MAX_RESPONSE_MB * MB)
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * MB)
+    max_json_values: int = DEFAULT_MAX_JSON_VALUES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    max_list_items: int = DEFAULT_MAX_LIST_ITEMS
+    max_object_keys: int = DEFAULT_MAX_OBJECT_KEYS
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_input_items: int = DEFAULT_MAX_INPUT_ITEMS
+    num_layers: int | None = None
+    off_loop_bytes: int = INSPECT_OFF_LOOP_BYTES
+
+    @property
+    def max_response_mb(self) -> float:
+        return self.max_response_bytes / MB
+
+    @classmethod
+    def from_args(
+        cls,
+        args: Any = None,
+        model_config: Any = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> "Limits":
+        """From the parsed ``vllm serve`` arguments (None or a missing flag:
+        its default; ``VLLM_HIDDEN_STATES_MAX_RESPONSE_MB`` is the response
+        cap's fallback) and the served model's config (None: unknown).
+        ValueError naming the flag for a value that is not positive.
+
+        The default list cap is ``max(65536, max_model_len)``: a token-id
+        prompt may be as long as the model's context.
+        """
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        max_model_len = getattr(model_config, "max_model_len", None) or 0
+        num_layers = None
+        try:
+            num_layers = int(model_config.hf_text_config.num_hidden_layers)
+        except (AttributeError, TypeError, ValueError):
+            pass
+
+        def flag(name: str, option: str, default, cast=int):
+            value = getattr(args, name, None)
+            return default if value is None else _positive(value, option, cast)
+
+        response_mb = getattr(args, "hidden_states_max_response_mb", None)
+        if response_mb is not None:
+            response_mb = _positive(response_mb, RESPONSE_FLAG, float)
+        else:
+            raw = env.get(MAX_RESPONSE_ENV)
+            response_mb = (
+                DEFAULT_MAX_RESPONSE_MB if raw in (None, "") else _positive(raw, MAX_RESPONSE_ENV)
+            )
+        body_mb = flag("request_max_body_mb", BODY_FLAG, DEFAULT_MAX_BODY_MB, float)
+        return cls(
+            max_response_bytes=int(response_mb * MB),
+            max_batch=flag("hidden_states_max_batch", BATCH_FLAG, DEFAULT_MAX_BATCH),
+            max_input_chars=flag(
+                "hidden_states_max_input_chars", CHARS_FLAG, DEFAULT_MAX_INPUT_CHARS
+            ),
+            max_body_bytes=int(body_mb * MB),
+            max_json_values=flag("request_max_json_values", VALUES_FLAG, DEFAULT_MAX_JSON_VALUES),
+            max_json_depth=flag("request_max_json_depth", DEPTH_FLAG, DEFAULT_MAX_JSON_DEPTH),
+            max_list_items=flag(
+                "request_max_list_items", LIST_FLAG, max(DEFAULT_MAX_LIST_ITEMS, int(max_model_len))
+            ),
+            max_object_keys=flag("request_max_object_keys", KEYS_FLAG, DEFAULT_MAX_OBJECT_KEYS),
+            max_messages=flag("request_max_messages", MESSAGES_FLAG, DEFAULT_MAX_MESSAGES),
+            max_input_items=flag(
+                "request_max_input_items", INPUT_ITEMS_FLAG, DEFAULT_MAX_INPUT_ITEMS
+            ),
+            num_layers=num_layers,
+        )
+
+    def describe_bodies(self) -> str:
+        """The body caps, for the start-up log."""
+        return (
+            f"body <= {self.max_body_bytes / MB:g} MB, <= {self.max_json_values} "
+            f"JSON values and keys, depth <= {self.max_json_depth}, <= {self.max_list_items} "
+            f"items per list, <= {self.max_object_keys} keys per object, <= "
+            f"{self.max_messages} messages, <= {self.max_input_items} /v1/responses "
+            "input items"
+        )
+
+
+def _positive(value: Any, name: str, cast=float):
+    """``cast(value)`` when it is a positive number; ValueError naming ``name``."""
+    try:
+        number = cast(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
+    if isinstance(value, bool) or number <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return number
+
+
+# app -> its Limits (set when the app is built, see body_inspection.install).
+_app_limits: "weakref.WeakKeyDictionary[Any, Limits]" = weakref.WeakKeyDictionary()
+_default_limits: Limits | None = None
+
+
+def limits_for_app(app: Any, args: Any, model_config: Any = None) -> Limits:
+    """The limits of ``app``, read from its flags once."""
+    try:
+        return _app_limits[app]
+    except KeyError:
+        limits = _app_limits[app] = Limits.from_args(args, model_config)
+        return limits
+
+
+def limits_of(raw_request: Any) -> Limits:
+    """The limits of the app serving ``raw_request`` (defaults without one)."""
+    global _default_limits
+    app = getattr(raw_request, "app", None)
+    if app is None:
+        if _default_limits is None:
+            _default_limits = Limits.from_args(None)
+        return _default_limits
+    return limits_for_app(app, getattr(app.state, "args", None))
+
+
+# --------------------------------------------------------------------------
+# Admission: a hidden-states request priced before any work
+
+
+def check_input_chars(limits: Limits, chars: int, param: str) -> None:
+    if chars > limits.max_input_chars:
+        raise too_large(
+            f"'{param}' has {chars} characters, over this server's limit of "
+            f"{limits.max_input_chars} input characters per hidden-states request "
+            f"({CHARS_FLAG}); send less text or split it over requests",
+            param,
+        )
+
+
+def check_batch(limits: Limits, results: int, param: str, what: str) -> None:
+    if results > limits.max_batch:
+        raise too_large(
+            f"this request asks for hidden states of {results} {what}, over this "
+            f"server's limit of {limits.max_batch} per request ({BATCH_FLAG}); "
+            "split it over requests",
+            param,
+        )
+
+
+def check_response(
+    limits: Limits,
+    results: int,
+    positions: int,
+    layers: int,
+    hidden_size: int,
+    encoding_format: str,
+    param: str,
+    advice: str,
+    embed_dtype: str = "float32",
+    sae_top_k: int = 0,
+    pattern_values: int = 0,
+) -> None:
+    """400 when ``results x positions x layers x hidden`` values, plus
+    ``sae_top_k`` SAE features per position and ``pattern_values``
+    attention-pattern weights, would make a response over the cap
+    (``positions`` may be an upper bound)."""
+    values = results * positions * layers * hidden_size
+    size = (values + pattern_values) * value_bytes(encoding_format, embed_dtype)
+    features = ""
+    if sae_top_k:
+        size += results * positions * sae_top_k * SAE_FEATURE_BYTES
+        features = f", plus top-{sae_top_k} SAE features per position"
+    if pattern_values:
+        features += f", plus {pattern_values} attention-pattern weights"
+    if size > limits.max_response_bytes:
+        raise invalid_request(
+            f"the response would be about {size / 2**20:.1f} MB ({results} results x "
+            f"{positions} positions x {layers} layers x {hidden_size} values, "
+            f"encoding_format={encoding_format!r}{features}), over this server's "
+            f"{limits.max_response_mb:g} MB cap ({RESPONSE_FLAG}, or the environment "
+            f"variable {MAX_RESPONSE_ENV}); {advice}",
+            param,
+        )
+
+
+def text_chars(value: Any, budget: int) -> int:
+    """Characters in every string inside ``value`` (a prompt, messages);
+    stops counting once over ``budget`` (the caller refuses then).
+
+    Token-id prompts count one per token."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            if item and isinstance(item[0], int) and not isinstance(item[0], bool):
+                total += len(item)  # token ids
+            else:
+                stack.extend(item)
+        if total > budget:
+            break
+    return total
+
+
+def check_layers(layers: tuple[int, ...], num_layers: int, resolve, param: str) -> None:
+    """At most ``L + 1`` layers, none named twice (``resolve`` gives the
+    absolute index, raising ValueError for a bad layer)."""
+    limit = num_layers + 1
+    if len(layers) > limit:
+        raise invalid_request(
+            f"{param} has {len(layers)} entries; this {num_layers}-layer model has "
+            f"{limit} layers (0..{num_layers}, or -{limit}..-1), and a request may "
+            "name each at most once",
+            param,
+        )
+    seen: dict[int, int] = {}
+    for layer in layers:
+        try:
+            absolute = resolve(layer)
+        except ValueError as e:
+            raise invalid_request(str(e), param) from None
+        if absolute in seen:
+            raise invalid_request(
+                f"{param} names layer {absolute} twice ({seen[absolute]} and "
+                f"{layer}); name each layer once",
+                param,
+            )
+        seen[absolute] = layer
+
+
+# --------------------------------------------------------------------------
+# Flags (the body caps; the engine's flag group adds them)
+
+
+def add_cli_args(group) -> None:
+    """The body flags, on the ``Hidden states (vllm-hidden-states)`` group (the
+    API server reads them; EngineArgs ignores them)."""
+    group.add_argument(
+        BODY_FLAG,
+        type=float,
+        default=None,
+        help="Largest request body, in MB (2**20 bytes), on every route; "
+        "larger ones are refused (413) before they are read or parsed. "
+        f"Default: {DEFAULT_MAX_BODY_MB:g}.",
+    )
+    group.add_argument(
+        VALUES_FLAG,
+        type=int,
+        default=None,
+        help="Most JSON values and object keys (each a Python object once "
+        "parsed) one request body may hold, counted before it is parsed. Default: "
+        f"{DEFAULT_MAX_JSON_VALUES}.",
+    )
+    group.add_argument(
+        DEPTH_FLAG,
+        type=int,
+        default=None,
+        help="Deepest nesting of arrays and objects in a request body. "
+        f"Default: {DEFAULT_MAX_JSON_DEPTH}.",
+    )
+    group.add_argument(
+        LIST_FLAG,
+        type=int,
+        default=None,
+        help="Most items in any one list of a request body. Default: "
+        f"{DEFAULT_MAX_LIST_ITEMS}, or max_model_len if larger (token-id prompts).",
+    )
+    group.add_argument(
+        KEYS_FLAG,
+        type=int,
+        default=None,
+        help=f"Most keys in any one object of a request body. Default: {DEFAULT_MAX_OBJECT_KEYS}.",
+    )
+    group.add_argument(
+        MESSAGES_FLAG,
+        type=int,
+        default=None,
+        help="Most chat messages one request may carry (summed over a batch's "
+        f"conversations). Default: {DEFAULT_MAX_MESSAGES}.",
+    )
+    group.add_argument(
+        INPUT_ITEMS_FLAG,
+        type=int,
+        default=None,
+        help="Most 'input' items one /v1/responses request may carry (vLLM "
+        "validates each malformed one at ~1 MB). Default: "
+        f"{DEFAULT_MAX_INPUT_ITEMS}.",
+    )

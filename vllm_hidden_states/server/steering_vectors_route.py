@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GET /v1/steering_vectors: what the engine behind the server can steer.
+
+Answers ``{"object": "list", "data": [{"object": "steering_vector", "name",
+"length"}, ...], "points": [...], "max_interventions": k}``: the named vectors
+of ``--steering-vectors DIR`` (sorted by name; empty without one) and every
+address a request may steer (``resid_post.i`` and ``resid_pre.(i+1)`` are one
+point under two names, both listed). Without ``--enable-steering`` it is a
+404 naming the flag: the resource does not exist there, which a client can
+tell from an engine that steers but has no named vectors.
+"""
+
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from vllm_hidden_states.points import point_id
+from vllm_hidden_states.server.errors import ApiError
+from vllm_hidden_states.server.request_checks import steering_config
+from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, STEERABLE_KINDS, SteeringConfig
+
+router = APIRouter()
+
+
+def steerable_points(cfg: SteeringConfig) -> list[str]:
+    """Every address a request may steer, layer by layer in network order."""
+    ids, n = set(cfg.ids), cfg.num_layers
+    return [
+        f"{kind}.{layer}"
+        for layer in range(n)
+        for kind in STEERABLE_KINDS
+        if point_id(kind, layer, n) in ids  # type: ignore[arg-type]
+    ]
+
+
+def steering_vectors_body(cfg: SteeringConfig) -> dict[str, Any]:
+    """The answer of GET /v1/steering_vectors (see the module docstring)."""
+    return {
+        "object": "list",
+        "data": [
+            {"object": "steering_vector", "name": name, "length": length}
+            for name, length in sorted(cfg.vectors.items())
+        ],
+        "points": steerable_points(cfg),
+        "max_interventions": cfg.max_interventions,
+    }
+
+
+@router.get("/v1/steering_vectors")
+async def list_steering_vectors(raw_request: Request):
+    """GET /v1/steering_vectors (see the module docstring)."""
+    cfg = steering_config(raw_request.app.state.engine_client)
+    if cfg is None:
+        return ApiError(
+            f"steering is not enabled on this server, so it has no steering "
+            f"vectors; {ENABLE_STEERING_HINT} (named vectors: --steering-vectors DIR)",
+            HTTPStatus.NOT_FOUND,
+            "invalid_request_error",
+        ).json_response()
+    return Response(orjson.dumps(steering_vectors_body(cfg)), media_type="application/json")
