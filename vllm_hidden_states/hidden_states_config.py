@@ -270,6 +270,8 @@ class HiddenStatesConfig:
         """Absolute indices of a request's layers, each named once (``-1`` and
         ``L`` are one layer): the rule both the Python API and HTTP apply.
         ValueError naming what is allowed."""
+        if (problem := layer_count_problem(len(layers), self.num_layers, param)) is not None:
+            raise ValueError(problem)
         seen: dict[int, int] = {}
         for layer in layers:
             absolute = self.resolve(layer)
@@ -280,6 +282,20 @@ class HiddenStatesConfig:
                 )
             seen[absolute] = layer
         return list(seen)
+
+
+def layer_count_problem(count: int, num_layers: int, param: str) -> str | None:
+    """Why ``count`` layers are too many for an ``num_layers``-layer model
+    (each of its ``L + 1`` layers may be named once), or None. Checked before
+    any entry is resolved, so a huge list is refused at once."""
+    limit = num_layers + 1
+    if count <= limit:
+        return None
+    return (
+        f"{param} has {count} entries; this {num_layers}-layer model has "
+        f"{limit} layers (0..{num_layers}, or -{limit}..-1), and a request may "
+        "name each at most once"
+    )
 
 
 _Built = TypeVar("_Built")

@@ -114,12 +114,17 @@ def asks_states(fields: RequestFields) -> bool:
         return True
     for name in ("hidden_states_layers", "hidden_states_points"):
         if getattr(fields, name) is not None:
-            raise FieldError(
-                f"{name} was given but return_hidden_states is not true; set "
-                "return_hidden_states to true to receive hidden states",
-                name,
-            )
+            refuse_without_flag(name)
     return False
+
+
+def refuse_without_flag(name: str) -> None:
+    """Refuse field ``name``, given without ``return_hidden_states``."""
+    raise FieldError(
+        f"{name} was given but return_hidden_states is not true; set "
+        "return_hidden_states to true to receive hidden states",
+        name,
+    )
 
 
 def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> AskedStates:

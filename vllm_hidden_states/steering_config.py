@@ -50,6 +50,8 @@ ENABLE_STEERING_HINT = (
     "start the engine with enable_steering=True (LLM / EngineArgs) or "
     "`vllm serve MODEL --enable-steering`"
 )
+# The refusal of ``steering`` on an engine without it, on every surface.
+STEERING_OFF = f"steering is not enabled on this engine; {ENABLE_STEERING_HINT}"
 
 
 def steering_entry(

@@ -26,7 +26,7 @@ from vllm_hidden_states.request_fields import (
     resolve_fields,
     window_problem,
 )
-from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, SteeringConfig
+from vllm_hidden_states.steering_config import STEERING_OFF, SteeringConfig
 from vllm_hidden_states.steering_fields import check_steering, read_after_steering, salted
 from vllm_hidden_states.wire import HiddenStatesSpec
 
@@ -159,10 +159,7 @@ def resolve_steering(
 
     cfg = built_once(SteeringConfig, vllm_config)
     if cfg is None:
-        raise VLLMValidationError(
-            f"steering is not enabled on this engine; {ENABLE_STEERING_HINT}",
-            parameter="steering",
-        )
+        raise VLLMValidationError(STEERING_OFF, parameter="steering")
     max_model_len = vllm_config.model_config.max_model_len
     max_tokens = params.max_tokens
     reach = max_model_len if max_tokens is None else min(max_model_len, prompt_len + max_tokens)

@@ -21,7 +21,8 @@ from typing import Any
 import orjson
 
 from vllm.logger import init_logger
-from vllm_hidden_states.server.errors import ApiError
+from vllm_hidden_states.hidden_states_config import layer_count_problem
+from vllm_hidden_states.server.errors import ApiError, invalid_request
 from vllm_hidden_states.server.limits import (
     BODY_FLAG,
     DEPTH_FLAG,
@@ -33,7 +34,6 @@ from vllm_hidden_states.server.limits import (
     VALUES_FLAG,
     Limits,
     check_batch,
-    check_layers,
     limits_for_app,
 )
 
@@ -198,14 +198,12 @@ def check_fields(data: Any, limits: Limits, route: str) -> None:
         # The admission check's own refusal (413, the route's message).
         check_batch(limits, len(items), "input", "inputs")
     layers = data.get("hidden_states_layers")
-    if (
-        isinstance(layers, list)
-        and limits.num_layers is not None
-        and len(layers) > limits.num_layers + 1
-    ):
-        # The admission check's own refusal (it refuses on the length before
-        # resolving any entry, and runs again, in full, on the route).
-        check_layers(tuple(layers), limits.num_layers, None, "hidden_states_layers")
+    if isinstance(layers, list) and limits.num_layers is not None:
+        # The resolver's own refusal, before any entry is resolved (it runs
+        # again, in full, on the route).
+        problem = layer_count_problem(len(layers), limits.num_layers, "hidden_states_layers")
+        if problem is not None:
+            raise invalid_request(problem, "hidden_states_layers")
 
 
 def check_structure(data: Any, limits: Limits) -> None:

@@ -50,8 +50,8 @@ from vllm_hidden_states.server.limits import (
     text_chars,
 )
 from vllm_hidden_states.server.request_checks import (
-    validate_layers,
-    validate_points,
+    check_layer_field,
+    check_point_field,
     validate_steering,
 )
 
@@ -538,9 +538,9 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
         lora_request = _check_model(state, request.model)
         engine_client = state.engine_client
         if request.point is None:
-            validate_layers(engine_client, (request.layer,), "layer")
+            check_layer_field(engine_client, request.layer, "layer")
         else:
-            validate_points(engine_client, (request.point,), "point")
+            check_point_field(engine_client, request.point, "point")
             if is_pattern_address(request.point):
                 raise invalid_request(
                     f"{request.point} is an attention pattern, not a state per "

@@ -276,32 +276,6 @@ def text_chars(value: Any, budget: int) -> int:
     return total
 
 
-def check_layers(layers: tuple[int, ...], num_layers: int, resolve, param: str) -> None:
-    """At most ``L + 1`` layers, none named twice (``resolve`` gives the
-    absolute index, raising ValueError for a bad layer)."""
-    limit = num_layers + 1
-    if len(layers) > limit:
-        raise invalid_request(
-            f"{param} has {len(layers)} entries; this {num_layers}-layer model has "
-            f"{limit} layers (0..{num_layers}, or -{limit}..-1), and a request may "
-            "name each at most once",
-            param,
-        )
-    seen: dict[int, int] = {}
-    for layer in layers:
-        try:
-            absolute = resolve(layer)
-        except ValueError as e:
-            raise invalid_request(str(e), param) from None
-        if absolute in seen:
-            raise invalid_request(
-                f"{param} names layer {absolute} twice ({seen[absolute]} and "
-                f"{layer}); name each layer once",
-                param,
-            )
-        seen[absolute] = layer
-
-
 # --------------------------------------------------------------------------
 # Flags (the body caps; the engine's flag group adds them)
 

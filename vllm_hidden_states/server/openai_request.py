@@ -22,11 +22,15 @@ import orjson
 from vllm_hidden_states.points import Positions, Window, is_neuron_address, is_pattern_address
 from vllm_hidden_states.request_fields import (
     REQUEST_FIELDS,
-    SAE_HINT,
+    FieldError,
+    RequestFields,
+    asks_states,
     check_layers,
     check_points,
     check_positions,
     check_sae_features,
+    refuse_without_flag,
+    resolve_fields,
     window_problem,
 )
 from vllm_hidden_states.server.encoding import ENCODING_FORMATS
@@ -42,8 +46,6 @@ from vllm_hidden_states.server.limits import (
 from vllm_hidden_states.server.request_checks import (
     STEERING_PARAM,
     engine_config,
-    validate_layers,
-    validate_points,
     validate_steering,
 )
 from vllm_hidden_states.store import choice_writer
@@ -86,24 +88,15 @@ class HiddenStatesAsk:
         return (*self.layers, *self.points)
 
 
-def parse_sae_features(value: Any, d_sae: int | None = None) -> int:
-    """``k`` of ``sae_features: {"top_k": k}``; 400 naming what is allowed.
-    The engine SAE's ``d_sae`` bound is checked when given (by
-    :func:`validate_ask`, which knows the engine)."""
+def _field(rule: Any, parameter: str, *args: Any) -> Any:
+    """``rule(*args)`` of the one resolver (``request_fields``), its
+    ValueError as this route's 400 naming ``parameter``."""
     try:
-        return check_sae_features(value, d_sae)
+        return rule(*args)
+    except FieldError as e:
+        raise invalid_request(str(e), e.parameter) from None
     except ValueError as e:
-        raise invalid_request(str(e), "sae_features") from None
-
-
-def _refuse_without_flag(extra: dict[str, Any]) -> None:
-    for name in REQUEST_FIELDS[1:-1]:
-        if extra.get(name) not in (None, False):
-            raise invalid_request(
-                f"{name} was given but return_hidden_states is not true; "
-                "set return_hidden_states: true to receive hidden states",
-                name,
-            )
+        raise invalid_request(str(e), parameter) from None
 
 
 def _one_of(extra: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
@@ -124,44 +117,37 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
     """
     if not extra or all(extra.get(f) is None for f in REQUEST_FIELDS):
         return None
-    flag = extra.get("return_hidden_states")
-    if flag is not None and not isinstance(flag, bool):
-        raise invalid_request(
-            f"return_hidden_states must be true or false, got {flag!r}",
-            "return_hidden_states",
-        )
+    fields = RequestFields.of(extra)
+    if not _field(asks_states, "return_hidden_states", fields):
+        # The fields only HTTP has, given without the flag: the same refusal.
+        for name in REQUEST_FIELDS[1:-1]:
+            if extra.get(name) not in (None, False):
+                _field(refuse_without_flag, name, name)
+        return None
     sae_top_k = 0
-    if extra.get("sae_features") is not None:
-        sae_top_k = parse_sae_features(extra["sae_features"])
-        if flag is False:
+    if fields.sae_features is not None:
+        sae_top_k = _field(check_sae_features, "sae_features", fields.sae_features)
+        if fields.return_hidden_states is False:
             raise invalid_request(
                 "sae_features needs hidden states captured; drop "
                 "return_hidden_states: false (sae_features alone is enough)",
                 "return_hidden_states",
             )
-    elif not flag:
-        _refuse_without_flag(extra)
-        return None
-    try:
-        points = check_points(extra.get("hidden_states_points"))
-    except ValueError as e:
-        raise invalid_request(str(e), "hidden_states_points") from None
-    try:
-        # With sae_features or points, full states only for the layers named.
-        layers = check_layers(
-            extra.get("hidden_states_layers"), features_only=bool(sae_top_k), points=bool(points)
-        )
-    except ValueError as e:
-        raise invalid_request(str(e), "hidden_states_layers") from None
+    points = _field(check_points, "hidden_states_points", fields.hidden_states_points)
+    # With sae_features or points, full states only for the layers named.
+    layers = _field(
+        check_layers,
+        "hidden_states_layers",
+        fields.hidden_states_layers,
+        bool(sae_top_k),
+        bool(points),
+    )
     fmt = _one_of(extra, "hidden_states_format", ENCODING_FORMATS)
-    try:
-        positions = check_positions(
-            "last"
-            if extra.get("hidden_states_positions") is None
-            else extra["hidden_states_positions"]
-        )
-    except ValueError as e:
-        raise invalid_request(str(e), "hidden_states_positions") from None
+    positions = _field(
+        check_positions,
+        "hidden_states_positions",
+        "last" if fields.hidden_states_positions is None else fields.hidden_states_positions,
+    )
     stream = extra.get("hidden_states_stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
@@ -221,6 +207,11 @@ def ask_of(request: Any) -> HiddenStatesAsk | None:
     return parse_ask(request.model_extra)
 
 
+def fields_of(request: Any) -> RequestFields:
+    """The hidden-state fields of a vLLM OpenAI request model, as given."""
+    return RequestFields.of(request.model_extra or {})
+
+
 def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenStatesAsk | None:
     """Parse, check and price a chat/completions request against the engine,
     before anything is tokenized or generated (see :mod:`.limits`)."""
@@ -228,17 +219,8 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
     if ask is None:
         return None
     engine_client = serving.engine_client
-    if ask.sae_top_k:
-        cfg = engine_config(engine_client)
-        if cfg is None or cfg.sae is None:
-            raise invalid_request(
-                f"sae_features needs an SAE on this server; {SAE_HINT}", "sae_features"
-            )
-        parse_sae_features(request.model_extra["sae_features"], cfg.sae["d_sae"])
-    if ask.layers or not (ask.sae_top_k or ask.points):
-        validate_layers(engine_client, ask.layers, "hidden_states_layers")
-    if ask.points or ask.patterns or ask.neurons:
-        validate_points(engine_client, (*ask.points, *ask.patterns, *ask.neurons))
+    # The engine's rules, through the one resolver the Python API applies.
+    _field(resolve_fields, "return_hidden_states", engine_config(engine_client), fields_of(request))
     if ask.heads is not None:
         num_heads = int(engine_client.model_config.hf_text_config.num_attention_heads)
         if max(ask.heads) >= num_heads:

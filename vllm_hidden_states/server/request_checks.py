@@ -2,7 +2,8 @@
 """HTTP request fields checked against the engine behind the server.
 
 Shared by both routes (:mod:`.openai_request` and :mod:`.hidden_states_route`):
-layers, points and steering, with the rules of the Python API; the engine's
+the route's own layer and point fields and steering, by the rules of the one
+resolver (``request_fields``) and ``steering_fields``; the engine's
 configs are built once per engine config (``hidden_states_config.built_once``).
 """
 
@@ -10,10 +11,9 @@ import sys
 from typing import Any
 
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, built_once
-from vllm_hidden_states.request_fields import ENABLE_HINT
+from vllm_hidden_states.request_fields import FieldError, RequestFields, resolve_fields
 from vllm_hidden_states.server.errors import invalid_request
-from vllm_hidden_states.server.limits import check_layers
-from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, SteeringConfig
+from vllm_hidden_states.steering_config import STEERING_OFF, SteeringConfig
 from vllm_hidden_states.steering_fields import check_steering
 
 
@@ -22,27 +22,33 @@ def engine_config(engine_client: Any) -> HiddenStatesConfig | None:
     return built_once(HiddenStatesConfig, engine_client.vllm_config)
 
 
-def validate_layers(engine_client: Any, layers: tuple[int, ...], param: str) -> None:
-    """400 unless hidden states are enabled, every layer is capturable, no
-    layer is named twice (``-1`` and ``L`` are one layer) and there are at
-    most ``L + 1`` of them."""
+def engine_rules(engine_client: Any, param: str) -> HiddenStatesConfig:
+    """The engine's config, for a route field named ``param``; 400 with the
+    resolver's refusal when hidden states are not enabled."""
     cfg = engine_config(engine_client)
     if cfg is None:
-        raise invalid_request(f"hidden states are not enabled on this server; {ENABLE_HINT}", param)
-    check_layers(tuple(layers), cfg.num_layers, cfg.resolve, param)
+        try:
+            resolve_fields(None, RequestFields(return_hidden_states=True))
+        except FieldError as e:
+            raise invalid_request(str(e), param) from None
+    assert cfg is not None
+    return cfg
 
 
-def validate_points(
-    engine_client: Any, points: tuple[str, ...], param: str = "hidden_states_points"
-) -> None:
-    """400 unless hidden states are enabled and every point address is
-    capturable on this engine, each named once (the rule of the Python API:
-    :meth:`HiddenStatesConfig.resolve_points`)."""
-    cfg = engine_config(engine_client)
-    if cfg is None:
-        raise invalid_request(f"hidden states are not enabled on this server; {ENABLE_HINT}", param)
+def check_layer_field(engine_client: Any, layer: Any, param: str) -> int:
+    """A route's one layer (POST /v1/hidden_states ``layer``), resolved by
+    the rule of ``hidden_states_layers``; 400 naming what is allowed."""
     try:
-        cfg.resolve_points(list(points))
+        return engine_rules(engine_client, param).resolve_all([layer], param)[0]
+    except ValueError as e:
+        raise invalid_request(str(e), param) from None
+
+
+def check_point_field(engine_client: Any, point: Any, param: str) -> int:
+    """A route's one point address (``point``), resolved by the rule of
+    ``hidden_states_points``; 400 naming what is allowed."""
+    try:
+        return engine_rules(engine_client, param).resolve_points([point])[0]
     except ValueError as e:
         raise invalid_request(str(e), param) from None
 
@@ -64,9 +70,7 @@ def validate_steering(engine_client: Any, value: Any) -> None:
     :func:`vllm_hidden_states.server.openai_request.price`)."""
     cfg = steering_config(engine_client)
     if cfg is None:
-        raise invalid_request(
-            f"steering is not enabled on this server; {ENABLE_STEERING_HINT}", STEERING_PARAM
-        )
+        raise invalid_request(STEERING_OFF, STEERING_PARAM)
     hidden_size = engine_client.model_config.get_hidden_size()
     try:
         # No prompt yet: a reach past every window, so only their form is checked.
