@@ -3,7 +3,7 @@
 
 Three msgspec structs travel over ZMQ:
 
-* :class:`HiddenStatesSpec` rides on ``EngineCoreRequest.return_hidden_states``
+* :class:`HiddenStatesSpec` rides on ``EngineCoreRequest.hidden_states_spec``
   (and on the engine's ``Request.hidden_states_spec``): what a generation
   request asked for, resolved by :mod:`vllm_hidden_states.frontend.validate`.
 * :class:`HiddenStatesExtractRequest` is the payload of the

@@ -55,7 +55,7 @@ def remember_engine(engines: dict[str, bytes], request: "EngineCoreRequest", eng
     """When the client routes a request that asked for hidden states: keep its
     engine in ``engines`` (the client's ``hidden_states_engines``) if the
     request will send an extract ("last", "all")."""
-    if request.return_hidden_states.positions in EXTRACT_POSITIONS:
+    if request.hidden_states_spec.positions in EXTRACT_POSITIONS:
         engines[request.request_id] = engine
         if len(engines) > MAX_REMEMBERED:
             del engines[next(iter(engines))]  # the oldest (dicts keep order)
