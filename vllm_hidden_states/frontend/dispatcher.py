@@ -1,50 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hold finished outputs, dispatch HIDDEN_STATES_EXTRACT requests, release.
 
-Runs in the front-end process, inside vLLM's OutputProcessor (patch 0004):
-
-1. ``OutputProcessor.add_request``: a request whose ``EngineCoreRequest``
-   carries ``return_hidden_states`` gets a :class:`HiddenStatesTracker` on its
-   ``RequestState.hidden_states_tracker``; the OutputProcessor's
-   :class:`ExtractDispatcher` is made then (``ExtractDispatcher.of``).
-2. Each output of such a request passes :meth:`ExtractDispatcher.on_output`.
-   "prompt" states arrive on the output of the step that completed the
-   prefill and are kept until the request finishes. Inline "all" rows arrive
-   with every output (the positions its forwards computed since the last one)
-   and are appended. When a "last"/"all" request finishes (EOS, stop token,
-   stop string, length), its final :class:`OutputEmission` is *held* instead
-   of emitted until a :class:`HiddenStatesExtractRequest` over prompt +
-   output token ids returns: "last" (also for inline "all": only the final
-   token is missing) or "all" (without inline capture: everything
-   recomputed). When the request finished in the engine (length, EOS, stop
-   token) and has no stop strings, the engine already knows the final token
-   list and queued that extract itself in the same step
-   (``EngineCoreOutput.hidden_states_extract_queued``; no round trip through
-   here). Otherwise only the front-end knows the final token list (stop
-   strings are matched and trimmed here), and it queues the extract.
-3. The engine loop (``LLMEngine.step`` / the ``AsyncLLM`` output handler)
-   sends the extracts queued here (:meth:`ExtractDispatcher.take_extracts`)
-   as a ``HIDDEN_STATES_EXTRACT`` core request.
-4. The extract's ``EngineCoreOutput`` (id ``<request id>-hs``, which has no
-   ``RequestState``) reaches :meth:`ExtractDispatcher.release`: its
-   ``captured`` rows go onto the tracker, and the held emission goes back to
-   the OutputProcessor, which emits it unchanged. That output's
-   ``CompletionOutput.hidden_states`` is then ``{layer as requested: rows}``
-   (and ``sae_features`` the SAE's top-k, when asked).
-5. With ``RequestOutputKind.DELTA``, inline "all" outputs each carry the rows
-   that arrived since the previous output
-   (:meth:`HiddenStatesTracker.output_fields`); concatenated, they are the
-   final result of the same request.
-
-Every kind of captured data (hidden states, SAE features) travels in one
-:class:`CapturedRows` and is accumulated, cut and delta-emitted by one path
-(:func:`vllm_hidden_states.wire.cat_rows` / ``slice_rows``).
+Runs in the front-end process, called from vLLM's OutputProcessor (patch 0004,
+one-line call-outs): ``add_request`` gives a request that asked a
+:class:`HiddenStatesTracker`; :meth:`ExtractDispatcher.takes_output` takes a
+finished output that still waits for its final token's states, and queues
+its extract unless the engine queued it; :meth:`ExtractDispatcher.take_extracts`
+hands the queued extracts to the engine loop; :meth:`ExtractDispatcher.release`
+receives the extract's rows and emits the held output. The story (hold,
+dispatch, release, DELTA rows) is told in docs/architecture.md, steps 6-12.
 
 Requests that did not ask never reach this module.
 """
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -65,12 +35,10 @@ from vllm_hidden_states.wire import (
 )
 
 if TYPE_CHECKING:
+    from vllm.outputs import PoolingRequestOutput, RequestError, RequestOutput
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
-    from vllm.v1.engine.output_processor import (
-        OutputEmission,
-        OutputProcessor,
-        RequestState,
-    )
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+    from vllm.v1.metrics.stats import IterationStats
 
 logger = init_logger(__name__)
 
@@ -281,7 +249,20 @@ def merge_delta(completion: Any, following: Any) -> None:
 CAPTURE_FAILED = "hidden_states_capture_failed"
 
 
-def failed_emission(emission: "OutputEmission", reason: str) -> "OutputEmission":
+class OutputEmission(NamedTuple):
+    """What ``process_outputs`` hands ``RequestState.make_request_output`` for
+    one ``EngineCoreOutput`` (its locals after steps 1-3, in vLLM's order)."""
+
+    new_token_ids: list[int]
+    pooling_output: torch.Tensor | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    kv_transfer_params: dict[str, Any] | None
+    ec_transfer_params: dict[str, Any] | None
+    request_error: "RequestError | None"
+
+
+def failed_emission(emission: OutputEmission, reason: str) -> OutputEmission:
     """``emission`` turned into a failure the caller sees instead of
     ``hidden_states=None``: ``finish_reason`` "error" (vLLM's request-level
     error, which its OpenAI server answers with a 500) and ``stop_reason``
@@ -308,18 +289,20 @@ class HeldOutput:
 
     req_state: "RequestState"
     engine_core_output: "EngineCoreOutput"
-    emission: "OutputEmission"
+    emission: OutputEmission
     num_tokens: int  # prompt + output after stop trimming
 
 
 class ExtractDispatcher:
     """Holds finished outputs and produces HIDDEN_STATES_EXTRACT requests.
 
-    One per OutputProcessor (``OutputProcessor.extract_dispatcher``). All
-    methods run on the output-processing path and cost dict lookups.
+    One per OutputProcessor (``OutputProcessor.extract_dispatcher``), which it
+    emits held outputs through. All methods run on the output-processing path
+    and cost dict lookups.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, processor: "OutputProcessor") -> None:
+        self._processor = processor
         self._held: dict[str, HeldOutput] = {}  # extract id -> held output
         self._outgoing: list[HiddenStatesExtractRequest] = []
 
@@ -327,16 +310,16 @@ class ExtractDispatcher:
     def of(cls, processor: "OutputProcessor") -> "ExtractDispatcher":
         """The processor's dispatcher, made on first use."""
         if processor.extract_dispatcher is None:
-            processor.extract_dispatcher = cls()
+            processor.extract_dispatcher = cls(processor)
         return processor.extract_dispatcher
 
     @staticmethod
     def track(request: "EngineCoreRequest") -> HiddenStatesTracker:
-        """The tracker of a request that asked (``return_hidden_states`` set)."""
-        assert request.return_hidden_states is not None
+        """The tracker of a request that asked (``hidden_states_spec`` set)."""
+        assert request.hidden_states_spec is not None
         params = request.sampling_params
         return HiddenStatesTracker(
-            request.return_hidden_states,
+            request.hidden_states_spec,
             request.cache_salt,
             request.priority,
             None if params is None else params.steering,
@@ -354,48 +337,67 @@ class ExtractDispatcher:
         send one more extract)."""
         return extract_id_for(req_state.request_id) in self._held
 
-    def on_output(
+    def takes_output(
         self,
         req_state: "RequestState",
         engine_core_output: "EngineCoreOutput",
-        emission: "OutputEmission",
-    ) -> "OutputEmission | None":
-        """Per output of a request that asked: the emission to emit now, or
-        None when it is held until the request's extract returns.
+        fields: tuple,
+        request_outputs: list["RequestOutput | PoolingRequestOutput"],
+        reqs_to_abort: list[str],
+        iteration_stats: "IterationStats | None",
+    ) -> bool:
+        """Per output of a request that asked, between steps 3 and 4 of
+        ``process_outputs`` (``fields``: the :class:`OutputEmission` fields
+        in order): False when vLLM emits it as usual; True when it was taken
+        here, and the loop goes on to the next output.
 
-        A finished "prompt" request whose prefill delivered no rows is emitted
-        as a failure (:func:`failed_emission`), never with a silent None.
+        A finished request is taken when its final token's states are still
+        to come (held until :meth:`release`), or when its capture failed
+        (emitted now as a failure, :func:`failed_emission`, never with a
+        silent None). Either way a request that finished here (a stop string)
+        is aborted in the engine, as vLLM's step 5 would.
         """
+        emission = OutputEmission(*fields)
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
         if engine_core_output.captured is not None:
             tracker.receive(engine_core_output.captured)
         if emission.finish_reason is None:
-            return emission
-        if tracker.spec.positions == "prompt":
-            if emission.finish_reason != FinishReason.ABORT and not tracker.has_everything:
-                reason = "the engine delivered no prompt rows for this request"
-                tracker.fail(reason)
-                logger.error("Request %s: %s", req_state.request_id, tracker.error)
-                return failed_emission(emission, tracker.error or reason)
-            return emission
+            return False
         token_ids = _sequence(req_state)
-        if emission.finish_reason != FinishReason.ABORT and not tracker.needs_final_token(
+        failure = None
+        if tracker.spec.positions == "prompt":
+            if emission.finish_reason == FinishReason.ABORT or tracker.has_everything:
+                return False
+            tracker.fail("the engine delivered no prompt rows for this request")
+            failure = tracker.error
+        elif emission.finish_reason != FinishReason.ABORT and not tracker.needs_final_token(
             len(token_ids)
         ):
             # An inline window that ended before the final token: no extract.
             tracker.finish_inline(len(token_ids))
-            if tracker.error is not None:
-                logger.error("Request %s: %s", req_state.request_id, tracker.error)
-                return failed_emission(emission, tracker.error)
-            return emission
-        self._hold(req_state, engine_core_output, emission, token_ids)
-        return None
+            if tracker.error is None:
+                return False
+            failure = tracker.error
+        if not engine_core_output.finished:
+            reqs_to_abort.append(req_state.request_id)
+        if failure is None:
+            self._hold(req_state, engine_core_output, emission, token_ids)
+            return True
+        logger.error("Request %s: %s", req_state.request_id, failure)
+        self._emit(
+            req_state,
+            engine_core_output,
+            failed_emission(emission, failure),
+            request_outputs,
+            iteration_stats,
+        )
+        return True
 
     def _hold(
         self,
         req_state: "RequestState",
         engine_core_output: "EngineCoreOutput",
-        emission: "OutputEmission",
+        emission: OutputEmission,
         token_ids: list[int],
     ) -> None:
         """Hold ``emission`` until the extract's rows arrive. The engine queued
@@ -429,17 +431,22 @@ class ExtractDispatcher:
         out, self._outgoing = self._outgoing, []
         return out
 
-    def release(self, engine_core_output: "EngineCoreOutput") -> HeldOutput | None:
-        """Attach an extract's states to its request; the held output, if any.
-
-        Returns None for outputs that belong to no held request (e.g. an
-        extract whose request was aborted meanwhile).
-        """
+    def release(
+        self,
+        engine_core_output: "EngineCoreOutput",
+        request_outputs: list["RequestOutput | PoolingRequestOutput"],
+        iteration_stats: "IterationStats | None",
+    ) -> None:
+        """An output with no ``RequestState``: when it is the result of a held
+        request's extract, attach its rows to the request and emit the held
+        output (as a failure when the rows are not what was asked). Other
+        outputs (e.g. of an extract whose request was aborted meanwhile) are
+        ignored, as vLLM ignores those of aborted requests."""
         if not self._held or not engine_core_output.finished:
-            return None  # extracts emit exactly one (final) output
+            return  # extracts emit exactly one (final) output
         held = self._held.pop(engine_core_output.request_id, None)
         if held is None:
-            return None
+            return
         tracker: HiddenStatesTracker = held.req_state.hidden_states_tracker
         rows = engine_core_output.captured
         if (problem := tracker.problem_with(rows)) is not None:
@@ -456,7 +463,48 @@ class ExtractDispatcher:
         if tracker.error is not None:
             logger.error("Request %s: %s", held.req_state.request_id, tracker.error)
             held.emission = failed_emission(held.emission, tracker.error)
-        return held
+        self._emit(
+            held.req_state,
+            held.engine_core_output,
+            held.emission,
+            request_outputs,
+            iteration_stats,
+        )
+
+    def _emit(
+        self,
+        req_state: "RequestState",
+        engine_core_output: "EngineCoreOutput",
+        emission: OutputEmission,
+        request_outputs: list["RequestOutput | PoolingRequestOutput"],
+        iteration_stats: "IterationStats | None",
+    ) -> None:
+        """Emit a finished request's final output where step 4 of
+        ``process_outputs`` would have (its queue under AsyncLLM,
+        ``request_outputs`` under LLMEngine), then free the request
+        (``OutputProcessor.finish_held_request``, patch 0004: step 5's stats
+        and trace). The engine-side abort was sent when the output was taken.
+        Streaming-input requests, step 5's other branch, never ask for hidden
+        states (frontend/input_fields.py refuses them)."""
+        assert not req_state.streaming_input
+        output = req_state.make_request_output(
+            emission.new_token_ids,
+            emission.pooling_output,
+            emission.finish_reason,
+            emission.stop_reason,
+            emission.kv_transfer_params,
+            emission.ec_transfer_params,
+            error=emission.request_error,
+        )
+        if output is not None:
+            if req_state.queue is not None:
+                req_state.queue.put(output)
+            else:
+                request_outputs.append(output)
+        assert emission.finish_reason is not None
+        self._processor.finish_held_request(
+            req_state, engine_core_output, emission.finish_reason, iteration_stats
+        )
 
     def abort(self, req_state: Any) -> str | None:
         """Forget a held request; the extract id to abort in the engine, if any."""

@@ -35,24 +35,23 @@ def remember_engine(engines: dict[str, bytes], request: "EngineCoreRequest", eng
     """When the client routes a request that asked for hidden states: keep its
     engine in ``engines`` (the client's ``hidden_states_engines``) if the
     request will send an extract ("last", "all")."""
-    if request.return_hidden_states.positions in EXTRACT_POSITIONS:
+    if request.hidden_states_spec.positions in EXTRACT_POSITIONS:
         engines[request.request_id] = engine
         if len(engines) > MAX_REMEMBERED:
             del engines[next(iter(engines))]  # the oldest (dicts keep order)
 
 
 def route_extracts(
-    engines: dict[str, bytes],
-    extracts: list[HiddenStatesExtractRequest],
-    default_engine: bytes,
+    client: "DPLBAsyncMPClient", extracts: list[HiddenStatesExtractRequest]
 ) -> list[tuple[bytes, list[HiddenStatesExtractRequest]]]:
-    """Group extracts by the engine that served their requests (taken off
-    ``engines``, the client's ``hidden_states_engines``). Returns
-    ``[(engine, extracts)]``; the client registers each extract as in flight
-    on its engine (patch 0002)."""
+    """Group extracts by the engine that served their requests (taken off the
+    client's ``hidden_states_engines``) and register each as in flight there
+    like a request of the client's own (``reqs_in_flight`` for abort routing,
+    ``engine_inflight`` for the load balancer). Returns ``[(engine, extracts)]``
+    for the client to send (patch 0002)."""
     by_engine: dict[bytes, list[HiddenStatesExtractRequest]] = defaultdict(list)
     for extract in extracts:
-        engine = engines.pop(original_id_of(extract.request_id), None)
+        engine = client.hidden_states_engines.pop(original_id_of(extract.request_id), None)
         if engine is None:
             # Not routed by this client (cannot happen through AsyncLLM):
             # any engine computes the right states, without the hand-over.
@@ -60,7 +59,10 @@ def route_extracts(
                 "hidden states: no engine recorded for %s; sending its extract to engine 0",
                 extract.request_id,
             )
-            engine = default_engine
+            engine = client.core_engine
+        extract.client_index = client.client_index
+        client.reqs_in_flight[extract.request_id] = engine
+        client.engine_inflight[engine] += 1
         by_engine[engine].append(extract)
     return list(by_engine.items())
 

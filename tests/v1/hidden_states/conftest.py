@@ -413,7 +413,7 @@ def engine_core(llm):
 
 def engine_core_request(req_id: str, prompt_token_ids: list[int], sampling_params, spec):
     """An ``EngineCoreRequest`` as the front-end makes it: ``spec`` is what it
-    asked for, already resolved (``return_hidden_states``); no LoRA, cache
+    asked for, already resolved (``hidden_states_spec``); no LoRA, cache
     salt or data-parallel rank."""
     import time
 
@@ -430,7 +430,7 @@ def engine_core_request(req_id: str, prompt_token_ids: list[int], sampling_param
         lora_request=None,
         cache_salt=None,
         data_parallel_rank=None,
-        return_hidden_states=spec,
+        hidden_states_spec=spec,
     )
 
 

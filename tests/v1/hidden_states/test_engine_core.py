@@ -23,7 +23,7 @@ def _add(
     stop: list[str] | None = None,
 ) -> None:
     """ADD a request as the front-end would send it (``spec``: what it asked for,
-    already resolved, on ``EngineCoreRequest.return_hidden_states``; ``stop``:
+    already resolved, on ``EngineCoreRequest.hidden_states_spec``; ``stop``:
     stop strings, which only the front-end matches)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
     request = engine_core_request(req_id, prompt, params, spec)

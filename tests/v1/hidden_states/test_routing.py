@@ -33,6 +33,8 @@ def _client_with_request_on(engine: bytes) -> SimpleNamespace:
         reqs_in_flight={REQ_ID: engine},
         engine_inflight=Counter({engine: 1}),
         hidden_states_engines={},
+        core_engine=ENGINE_0,
+        client_index=0,
     )
     request = engine_core_request(REQ_ID, [1, 2, 3], SamplingParams(max_tokens=4), SPEC)
     remember_engine(client.hidden_states_engines, request, engine)
@@ -82,5 +84,14 @@ def test_a_request_stopped_by_the_front_end_keeps_its_engine_for_the_extract_it_
     _process(client, _outputs(REQ_ID, extract_queued=False, reason=FinishReason.ABORT))
     assert client.hidden_states_engines == {REQ_ID: ENGINE_1}
     extract = extract_for(SPEC, REQ_ID, [1, 2, 3, 7])
-    routed = route_extracts(client.hidden_states_engines, [extract], default_engine=ENGINE_0)
+    routed = route_extracts(client, [extract])
     assert routed == [(ENGINE_1, [extract])]
+
+
+def test_a_sent_extract_is_tracked_on_its_engine_for_aborts_and_load():
+    client = _client_with_request_on(ENGINE_1)
+    _process(client, _outputs(REQ_ID, extract_queued=False, reason=FinishReason.ABORT))
+    route_extracts(client, [extract_for(SPEC, REQ_ID, [1, 2, 3, 7])])
+    assert client.reqs_in_flight == {extract_id_for(REQ_ID): ENGINE_1}
+    assert client.engine_inflight[ENGINE_1] == 1
+    assert client.hidden_states_engines == {}
