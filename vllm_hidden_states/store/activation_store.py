@@ -2,70 +2,13 @@
 """The activation store: per-request SAE features (and, opt-in, hidden states)
 appended to date-partitioned Parquet, off the serving path.
 
-Layout under the store root::
-
-    sae_features/date=2025-01-31/part-<unix ms>-<8 hex>.parquet
-    hidden_states/date=2025-01-31/part-....parquet      # opt-in only
-
-**``sae_features`` rows** (one per token position per top-k feature; the
-schema of seed 001 module 6 plus ``choice_index`` and ``schema_version``)::
-
-    request_id        string    the response's ``id`` (``cmpl-...``,
-                                ``chatcmpl-...``): what ``store query
-                                --request-id`` takes
-    choice_index      int32     the choice's ``index`` in the response (n > 1,
-                                several prompts); 0 for a single choice
-    step              int32     0 for prompt positions (the prefill); for a
-                                generated position p, p - prompt_len + 1
-    token_position    int32     index in prompt + output token ids
-    token_id          int32
-    created_at        timestamp[us]  UTC (no zone attached), when the rows were queued
-    sae_release       string    the SAE's name (directory name or release id)
-    sae_layer         int16     the model layer the SAE reads (HF indexing);
-                                for an SAE at a capture point, its decoder layer
-    sae_point         string    the capture point the SAE reads ("attn_out.3"),
-                                null for an SAE on a residual-stream layer
-    feature_id        int32
-    activation_value  float32
-    rank              int16     0 = strongest feature of that position
-    source_mode       string    "inline" (encoded in the worker) or "nearline"
-    model_id          string
-    schema_version    int16     SCHEMA_VERSION
-
-Slots the encoder left empty (feature id ``-1``: fewer than k features
-active) are not written.
-
-**``hidden_states`` rows** (opt-in): ``request_id, choice_index, step,
-token_position, token_id, created_at, layer (int16), point (string: the
-capture point, e.g. "mlp_out.3", with ``layer`` its decoder layer; null for
-a residual-stream layer), vector (list<float32>), model_id, schema_version``.
-Adding it did not change ``sae_features`` (the "full vector migration path"
-of the seed: additive, versioned).
-
-**Schema versions.** 1: ``request_id`` was vLLM's engine request id
-(``cmpl-<id>-<prompt>``, ``/<index>`` added for later choices), no
-``choice_index``. 2: ``request_id`` is the response's id and
-``choice_index`` its own column. 3 (now): ``sae_point`` and ``point`` (capture
-points). The query views read every version (``union_by_name``; a version-1
-row's ``choice_index`` reads as 0, older rows' points as null).
-
-**Off the serving path.** :meth:`ActivationStore.append_sae_features` and
-:meth:`~ActivationStore.append_hidden_states` copy nothing big and never
-block or raise: they put the arrays on a bounded queue (``max_queued``
-requests) and return. A daemon thread builds Arrow tables and writes one file
-per flush (every ``flush_rows`` rows or ``flush_interval_s`` seconds). A full
-queue, a failed write (full disk, read-only directory) or an unwritable root
-at start is logged (at most once a minute per kind) and counted in
-:attr:`ActivationStore.stats`; the request is served as usual.
-
-**Retention**: :func:`prune` deletes ``date=`` partitions older than
-``retention_days`` (default 14, env ``VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS``);
-the store runs it at start and at the first flush of each new day.
-
-**Queries** (DuckDB over the Parquet files, no server): :func:`feature_deltas`
-(feature activations over positions within a request, with the change from
-the previous position) and :func:`threshold_search` (requests, across runs,
-where a feature reached a threshold).
+:class:`ActivationStore` queues each request's arrays and returns at once; a
+daemon thread writes one Parquet file per flush under
+``<root>/<table>/date=YYYY-MM-DD/``. A full queue or a failed write is logged
+and counted, never raised: the request is served as usual. :func:`prune`
+applies the retention; :func:`feature_deltas` and :func:`threshold_search`
+query the files with DuckDB. The tables' schemas (:data:`SCHEMA_VERSION`) and
+their history: docs/datasets.md, "Activation store".
 """
 
 from __future__ import annotations

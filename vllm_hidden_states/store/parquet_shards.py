@@ -3,57 +3,13 @@
 
 The harvest (``vllm-hidden-states collect``) hands each finished document to
 :meth:`ShardWriter.submit` and goes back to the engine; a writer thread
-converts, writes and records. Layout of ``out_dir``::
-
-    manifest.json              # what is done (see below), replaced atomically
-    shard-00000.parquet        # or shard-00000.safetensors
-    shard-00001.parquet
-    ...
-
-**Parquet rows**: one per token per layer (or capture point)::
-
-    doc_id    string            the dataset's id of the document
-    position  int32             index in the document's token ids (0-based)
-    token_id  int32             the token at that position
-    layer     int16             the layer as the harvest named it (-2, 16, ...);
-                                for a point, its decoder layer as named
-    point     string            the capture point as the harvest named it
-                                ("attn_out.3"); null for a layer
-    vector    fixed_size_list<T>[hidden_size]
-
-``T`` is the storage dtype: ``float32`` (default; exact for float32, float16
-and bfloat16 models), ``float16`` (Arrow ``halffloat``, Parquet FLOAT16; DuckDB
-reads it as ``FLOAT[]``) or ``bfloat16`` (Arrow has no bfloat16: ``uint16`` raw
-bit patterns, the schema's field metadata says ``{"dtype": "bfloat16"}``;
-``(bits.astype(uint32) << 16).view(float32)`` decodes them). Rows are written
-document by document, layer-major inside a document (all positions of the
-first layer, then the next layer), positions ascending. DuckDB reads the
-shards directly: ``SELECT ... FROM 'out_dir/shard-*.parquet'``.
-
-**safetensors shards** (``fmt="safetensors"``) hold the same rows as tensors
-``vectors [rows, hidden]`` (the storage dtype, bfloat16 native), ``doc_index
-int64 [rows]`` (index into the JSON list in the file's ``doc_ids`` metadata),
-``position int32``, ``token_id int32``, ``layer int16``, ``point_index int16``
-(-1 for a layer, else an index into the JSON list in the ``points`` metadata).
-
-**Manifest and resume.** A document's rows never span two shards. A shard is
-written to ``<name>.tmp`` and renamed into place; only then is the manifest
-rewritten (temp file + ``os.replace``) with the shard and the ids of the
-documents in it. A document is therefore *finished* exactly when its shard is
-in the manifest: after a kill, a rerun reads ``finished_doc_ids()``, skips
-those, deletes shard files the manifest does not list (a kill between rename
-and manifest) and ``*.tmp`` leftovers, and numbers new shards after the
-highest existing one. No document is lost or written twice. The manifest also
-records the harvest settings (:class:`HarvestMeta`); a rerun with different
-settings into the same directory is refused.
-
-**Memory.** :meth:`ShardWriter.submit` queues the document's arrays and
-returns at once while the queued and unwritten bytes stay under
-``max_pending_bytes`` (default 256 MiB); past it, the producer (the engine
-loop) blocks until the writer has caught up. That bound plus one shard being
-built (``rows_per_shard`` rows) is all the memory the writer holds, whatever
-the dataset size. The engine waits on disk only when the disk is slower than
-the engine for longer than that buffer lasts.
+converts, writes (Parquet or safetensors shards, one row per token per layer
+or point) and records each shard in ``manifest.json``, replaced atomically
+after the shard is renamed into place, so a document is finished exactly when
+its shard is listed and a killed harvest resumes without loss or repeats.
+:meth:`ShardWriter.submit` blocks only past ``max_pending_bytes`` of queued
+data. The row schema, storage dtypes, resume and memory: docs/datasets.md,
+"Harvest a dataset".
 """
 
 from __future__ import annotations
