@@ -512,32 +512,111 @@ def add_cli_args(parser) -> None:
         help="Delete store partitions older than this many days. Default: "
         "VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS, else 14.",
     )
-    # Server admission limits (read by vllm_hidden_states.server.limits;
-    # the API server only, EngineArgs ignores them).
+    # The API server's limits (vllm_hidden_states.server.limits; EngineArgs
+    # ignores them).
+    _add_server_limit_args(group)
+
+
+def _add_server_limit_args(group) -> None:
+    """The admission caps of the hidden-states routes and the body caps of
+    every route, named and defaulted by ``server/limits.py``."""
+    from vllm_hidden_states.server.limits import (
+        BATCH_FLAG,
+        BODY_FLAG,
+        CHARS_FLAG,
+        DEFAULT_MAX_BATCH,
+        DEFAULT_MAX_BODY_MB,
+        DEFAULT_MAX_INPUT_CHARS,
+        DEFAULT_MAX_INPUT_ITEMS,
+        DEFAULT_MAX_JSON_DEPTH,
+        DEFAULT_MAX_JSON_VALUES,
+        DEFAULT_MAX_LIST_ITEMS,
+        DEFAULT_MAX_MESSAGES,
+        DEFAULT_MAX_OBJECT_KEYS,
+        DEFAULT_MAX_RESPONSE_MB,
+        DEPTH_FLAG,
+        INPUT_ITEMS_FLAG,
+        KEYS_FLAG,
+        LIST_FLAG,
+        MAX_RESPONSE_ENV,
+        MESSAGES_FLAG,
+        RESPONSE_FLAG,
+        VALUES_FLAG,
+    )
+
     group.add_argument(
-        "--hidden-states-max-response-mb",
+        RESPONSE_FLAG,
         type=float,
         default=None,
         help="Largest response a hidden-states request may produce, in MB "
         "(2**20 bytes), priced before any work. Default: the environment "
-        "variable VLLM_HIDDEN_STATES_MAX_RESPONSE_MB, else 256.",
+        f"variable {MAX_RESPONSE_ENV}, else {DEFAULT_MAX_RESPONSE_MB:g}.",
     )
     group.add_argument(
-        "--hidden-states-max-batch",
+        BATCH_FLAG,
         type=int,
         default=None,
         help="Most hidden-state results one request may ask for (inputs on "
         "/v1/hidden_states, prompts x n on completions, n on chat). "
-        "Default: 256.",
+        f"Default: {DEFAULT_MAX_BATCH}.",
     )
     group.add_argument(
-        "--hidden-states-max-input-chars",
+        CHARS_FLAG,
         type=int,
         default=None,
         help="Most characters of input text (prompt, messages, input) one "
-        "hidden-states request may send. Default: 2000000.",
+        f"hidden-states request may send. Default: {DEFAULT_MAX_INPUT_CHARS}.",
     )
-    # Request bounds on every route (read by vllm_hidden_states.server.limits).
-    from vllm_hidden_states.server.limits import add_cli_args as add_bounds_args
-
-    add_bounds_args(group)
+    """The body flags, on the ``Hidden states (vllm-hidden-states)`` group (the
+    API server reads them; EngineArgs ignores them)."""
+    group.add_argument(
+        BODY_FLAG,
+        type=float,
+        default=None,
+        help="Largest request body, in MB (2**20 bytes), on every route; "
+        "larger ones are refused (413) before they are read or parsed. "
+        f"Default: {DEFAULT_MAX_BODY_MB:g}.",
+    )
+    group.add_argument(
+        VALUES_FLAG,
+        type=int,
+        default=None,
+        help="Most JSON values and object keys (each a Python object once "
+        "parsed) one request body may hold, counted before it is parsed. Default: "
+        f"{DEFAULT_MAX_JSON_VALUES}.",
+    )
+    group.add_argument(
+        DEPTH_FLAG,
+        type=int,
+        default=None,
+        help="Deepest nesting of arrays and objects in a request body. "
+        f"Default: {DEFAULT_MAX_JSON_DEPTH}.",
+    )
+    group.add_argument(
+        LIST_FLAG,
+        type=int,
+        default=None,
+        help="Most items in any one list of a request body. Default: "
+        f"{DEFAULT_MAX_LIST_ITEMS}, or max_model_len if larger (token-id prompts).",
+    )
+    group.add_argument(
+        KEYS_FLAG,
+        type=int,
+        default=None,
+        help=f"Most keys in any one object of a request body. Default: {DEFAULT_MAX_OBJECT_KEYS}.",
+    )
+    group.add_argument(
+        MESSAGES_FLAG,
+        type=int,
+        default=None,
+        help="Most chat messages one request may carry (summed over a batch's "
+        f"conversations). Default: {DEFAULT_MAX_MESSAGES}.",
+    )
+    group.add_argument(
+        INPUT_ITEMS_FLAG,
+        type=int,
+        default=None,
+        help="Most 'input' items one /v1/responses request may carry (vLLM "
+        "validates each malformed one at ~1 MB). Default: "
+        f"{DEFAULT_MAX_INPUT_ITEMS}.",
+    )

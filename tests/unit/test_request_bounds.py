@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
+from vllm_hidden_states.engine_args import add_cli_args
 from vllm_hidden_states.server.body_inspection import (
     RequestBoundsMiddleware,
     count_values,
@@ -34,7 +35,6 @@ from vllm_hidden_states.server.limits import (
     MESSAGES_FLAG,
     VALUES_FLAG,
     Limits,
-    add_cli_args,
 )
 
 SMALL = Limits(
@@ -258,7 +258,7 @@ def test_the_list_default_grows_to_max_model_len():
 
 def test_flags_parse_and_set_the_bounds():
     parser = argparse.ArgumentParser()
-    add_cli_args(parser.add_argument_group("g"))
+    add_cli_args(parser)
     args = parser.parse_args(
         [
             BODY_FLAG,
@@ -290,10 +290,8 @@ def test_flags_parse_and_set_the_bounds():
 
 
 def test_the_flags_are_on_the_engine_parser():
-    from vllm_hidden_states.engine_args import add_cli_args as add_all
-
     parser = argparse.ArgumentParser()
-    add_all(parser)
+    add_cli_args(parser)
     args = parser.parse_args([MESSAGES_FLAG, "99"])
     assert args.request_max_messages == 99 and args.request_max_body_mb is None
 

@@ -6,8 +6,8 @@ against the body caps before anything parses it, and the hidden-states routes
 (:mod:`.openai_request`, :mod:`.hidden_states_route`) price a request against
 the admission caps (input characters, results, response size) before any
 tokenization or generation. Each refusal names the limit, its value and the
-flag that sets it. :func:`add_cli_args` adds the body flags (the admission
-flags sit beside it in the engine's flag group).
+flag that sets it. The flags themselves are added with the package's others
+(``engine_args.add_cli_args``).
 """
 
 import os
@@ -274,63 +274,3 @@ def text_chars(value: Any, budget: int) -> int:
         if total > budget:
             break
     return total
-
-
-# --------------------------------------------------------------------------
-# Flags (the body caps; the engine's flag group adds them)
-
-
-def add_cli_args(group) -> None:
-    """The body flags, on the ``Hidden states (vllm-hidden-states)`` group (the
-    API server reads them; EngineArgs ignores them)."""
-    group.add_argument(
-        BODY_FLAG,
-        type=float,
-        default=None,
-        help="Largest request body, in MB (2**20 bytes), on every route; "
-        "larger ones are refused (413) before they are read or parsed. "
-        f"Default: {DEFAULT_MAX_BODY_MB:g}.",
-    )
-    group.add_argument(
-        VALUES_FLAG,
-        type=int,
-        default=None,
-        help="Most JSON values and object keys (each a Python object once "
-        "parsed) one request body may hold, counted before it is parsed. Default: "
-        f"{DEFAULT_MAX_JSON_VALUES}.",
-    )
-    group.add_argument(
-        DEPTH_FLAG,
-        type=int,
-        default=None,
-        help="Deepest nesting of arrays and objects in a request body. "
-        f"Default: {DEFAULT_MAX_JSON_DEPTH}.",
-    )
-    group.add_argument(
-        LIST_FLAG,
-        type=int,
-        default=None,
-        help="Most items in any one list of a request body. Default: "
-        f"{DEFAULT_MAX_LIST_ITEMS}, or max_model_len if larger (token-id prompts).",
-    )
-    group.add_argument(
-        KEYS_FLAG,
-        type=int,
-        default=None,
-        help=f"Most keys in any one object of a request body. Default: {DEFAULT_MAX_OBJECT_KEYS}.",
-    )
-    group.add_argument(
-        MESSAGES_FLAG,
-        type=int,
-        default=None,
-        help="Most chat messages one request may carry (summed over a batch's "
-        f"conversations). Default: {DEFAULT_MAX_MESSAGES}.",
-    )
-    group.add_argument(
-        INPUT_ITEMS_FLAG,
-        type=int,
-        default=None,
-        help="Most 'input' items one /v1/responses request may carry (vLLM "
-        "validates each malformed one at ~1 MB). Default: "
-        f"{DEFAULT_MAX_INPUT_ITEMS}.",
-    )
