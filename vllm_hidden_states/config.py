@@ -248,6 +248,8 @@ class ModelLayers:
         if not known.points:
             return ("resid_pre",)
         lacks: set[str] = set()
+        if known.kinds is not None:  # e.g. a single-block layer (Nemotron-H)
+            lacks |= set(POINT_KINDS) - set(known.kinds)
         if not known.attention:
             lacks.add(PATTERN_KIND)
         if known.neurons is None:
@@ -319,6 +321,14 @@ class ModelLayers:
                 f"stream entering each (resid_pre.{i}, the same as layer {i}); "
                 f"{self.exact_help()}"
             )
+        if known.kinds is not None and kind not in known.kinds:
+            why = f"{kind}.{i}: decoder layer {i} ({name}) {known.lacks}; its points: " + (
+                ", ".join(self.kinds_at(i))
+            )
+            if kind != PATTERN_KIND:
+                return why
+            attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
+            return f"{why}; it is not attention; attention layers: {attention}"
         if kind == PATTERN_KIND and known.layout == "olmo2":
             return (
                 f"attn_pattern needs vLLM's own attention module in the decoder layer "

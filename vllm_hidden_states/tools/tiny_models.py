@@ -86,12 +86,8 @@ ARCHS = (
     "olmo2",
     "granite",
     "granitemoehybrid",
+    "nemotron_h",
 )
-
-# Exact at every layer (the stream entering each decoder layer), tested in
-# test_architectures.py under "last" and "all"; the points inside their layers
-# are not verified, so they are refused (vllm_hidden_states/layers.py).
-LAYER_ARCHS = ("nemotron_h",)
 
 # Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
 # vLLM runs them, but their decoder layer classes are not verified here, so
@@ -322,7 +318,7 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    if arch not in ARCHS + LAYER_ARCHS + REFUSED_ARCHS:
+    if arch not in ARCHS + REFUSED_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(

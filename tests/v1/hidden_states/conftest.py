@@ -66,6 +66,16 @@ def down_projection_of(layer):
     return getattr(mlp, "down_proj", None) or getattr(mlp, "output_linear", None)
 
 
+def single_block_point(layer) -> str | None:
+    """The point a single-block layer's (Nemotron-H's) block output is:
+    ``attn_out`` for a token mixer (Mamba2, attention), ``mlp_out`` for an
+    MLP; None for a layer with two blocks."""
+    block = getattr(layer, "block_type", None)
+    if block is None:
+        return None
+    return "mlp_out" if block == "mlp" else "attn_out"
+
+
 class HFReference:
     """HF transformers forward over exact token ids, float32, on CPU.
 
@@ -117,6 +127,13 @@ class HFReference:
             handles.append(module.register_forward_pre_hook(hook))
 
         for i, layer in enumerate(self.model.model.layers):
+            single = single_block_point(layer)
+            if single is not None:  # Nemotron-H: norm, mixer, add
+                output_of(f"{single}.{i}", layer.mixer)
+                output_of(f"resid_post.{i}", layer)
+                if single == "mlp_out":
+                    input_of(f"mlp_post.{i}", layer.mixer.down_proj)
+                continue
             scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
             post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
             attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
@@ -212,6 +229,8 @@ class HFReference:
             post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
             if kind == "resid_pre":
                 on_input(layer, item)
+            elif kind == single_block_point(layer):  # Nemotron-H's block output
+                on_output(layer.mixer, item)
             elif kind == "attn_out":
                 on_output(
                     layer.post_attention_layernorm if post_norms else mixer_of(layer), item, scale

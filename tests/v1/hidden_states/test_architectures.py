@@ -38,7 +38,7 @@ from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.config import POINT_KINDS, ModelLayers
 from vllm_hidden_states.steering import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
 
@@ -132,13 +132,6 @@ def arch(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module", params=LAYER_ARCHS)
-def layer_arch(request) -> str:
-    """Architectures exact at every layer whose inner points are refused
-    (Nemotron-H)."""
-    return request.param
-
-
 @pytest.fixture(scope="module", params=COMPILED_ARCHS)
 def compiled_arch(request) -> str:
     return request.param
@@ -179,43 +172,31 @@ def test_every_layer_of_every_position_matches_hf(arch):
     assert_every_layer_matches_hf(out, hf, "all", arch)
 
 
-@pytest.mark.parametrize("positions", ["last", "all"])
-def test_every_layer_of_a_layers_only_architecture_matches_hf(layer_arch, positions):
-    """Nemotron-H: Mamba2, attention and MLP layers, one block each."""
-    llm, hf = engine_for(layer_arch)
-    (out,) = llm.generate([PROMPT], every_layer(hf, positions), use_tqdm=False)
-    assert_every_layer_matches_hf(out, hf, positions, layer_arch)
-
-
-def test_a_layers_only_architecture_refuses_the_points_inside_its_layers(layer_arch):
-    llm, hf = engine_for(layer_arch)
-    params = SamplingParams(
-        max_tokens=1, return_hidden_states=True, hidden_states_points=["resid_post.1"]
+def test_a_single_block_layer_refuses_resid_mid_per_request():
+    """Nemotron-H's layers are one block each (norm, mixer, add): resid_mid
+    has no meaning there, so it is refused, to capture (naming the layer
+    class and the points it has) and to steer (no steerable point; the
+    message at start is tested in tests/unit/test_layer_classes.py)."""
+    llm, hf = engine_for("nemotron_h")
+    capture = SamplingParams(
+        max_tokens=1, return_hidden_states=True, hidden_states_points=["resid_mid.1"]
     )
+    points = "resid_pre, attn_out, resid_post, attn_pattern"
     with pytest.raises(
-        VLLMValidationError, match=r"resid_post.1 is inside decoder layer 1.*not verified"
+        VLLMValidationError,
+        match=rf"resid_mid.1: decoder layer 1 \(NemotronHAttentionDecoderLayer\).*{points}",
     ):
-        llm.generate([PROMPT], params, use_tqdm=False)
-
-
-def test_add_at_every_layer_of_a_layers_only_architecture_matches_hf_hooks(layer_arch):
-    llm, hf = engine_for(layer_arch)
-    steering = [
-        [{"point": f"resid_pre.{i}", "vector": random_vector(hf, i), "strength": STRENGTH}]
-        for i in range(hf.num_layers)
-    ]
-    outs = llm.generate(
-        [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False
-    )
-    for i, (out, s) in enumerate(zip(outs, steering)):
-        assert_steered_like_hf(out, hf, s, f"{layer_arch} add at resid_pre.{i}")
+        llm.generate([PROMPT], capture, use_tqdm=False)
+    steer = steered(hf, [{"point": "resid_mid.2", "vector": random_vector(hf, 0)}])
+    with pytest.raises(VLLMValidationError, match="'resid_mid.2' is not steerable"):
+        llm.generate([PROMPT], steer, use_tqdm=False)
 
 
 # Hybrids keep Mamba state per request: a prompt prefilled in chunks carries
 # it from chunk to chunk, and the "last" extract of a finished request (a
 # prefill of its tokens after sampling) must recompute it, not read the
 # request's final state nor another request's.
-HYBRID_ARCHS = ("granitemoehybrid",)
+HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h")
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
@@ -228,7 +209,6 @@ def test_a_hybrid_over_a_chunked_prefill_matches_hf_at_every_layer(hybrid_arch):
     in chunks), then "last" of the same prompt again (its prefix cached where
     vLLM caches hybrids), each against HF."""
     llm, hf = engine_for(hybrid_arch)
-    assert len(hf.model.config.layer_types) == hf.num_layers
     for positions in ("all", "last"):
         params = every_layer(hf, positions)
         params.ignore_eos = True
@@ -341,16 +321,24 @@ def test_every_point_of_every_position_matches_hf(arch):
 
 
 def test_points_satisfy_the_residual_identities(arch):
-    """resid_mid = resid_pre + attn_out, resid_post = resid_mid + mlp_out,
-    resid_post.i = resid_pre.(i+1) = HF layer i+1 below the last layer."""
+    """resid_mid = resid_pre + attn_out, resid_post = resid_mid + mlp_out
+    (a single-block layer, Nemotron-H's: resid_post = resid_pre + its block's
+    attn_out or mlp_out), resid_post.i = resid_pre.(i+1) = HF layer i+1
+    below the last layer."""
     llm, hf = engine_for(arch)
     states, ids = points_of(llm, hf, "all")
     by_name = {_kind_layer(a): t for a, t in states.items()}
     layers = hf.states(ids)
+    model = layers_of(hf)
     for i in range(hf.num_layers):
-        pre, mid, post = (by_name[f"{k}.{i}"] for k in ("resid_pre", "resid_mid", "resid_post"))
-        assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
-        assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
+        pre, post = by_name[f"resid_pre.{i}"], by_name[f"resid_post.{i}"]
+        if "resid_mid" in model.kinds_at(i):
+            mid = by_name[f"resid_mid.{i}"]
+            assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
+            assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
+        else:
+            (block,) = (k for k in ("attn_out", "mlp_out") if k in model.kinds_at(i))
+            assert_close(pre + by_name[f"{block}.{i}"], post, f"{arch} resid_post.{i}")
         assert_close(pre, layers[i], f"{arch} resid_pre.{i} = HF layer {i}")
         if i < hf.num_layers - 1:
             assert torch.equal(post, by_name[f"resid_pre.{i + 1}"]), (arch, i)
