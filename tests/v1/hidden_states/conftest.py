@@ -71,7 +71,7 @@ def single_block_point(layer) -> str | None:
     ``attn_out`` for a token mixer (Mamba2, attention), ``mlp_out`` for an
     MLP; None for a layer with two blocks."""
     block = getattr(layer, "block_type", None)
-    if block is None:
+    if block is None or not hasattr(layer, "mixer"):  # Granite 4.0-H has a block_type too
         return None
     return "mlp_out" if block == "mlp" else "attn_out"
 
