@@ -12,6 +12,10 @@ attention blocks to the Mamba state's page), too few for 4 requests that
 cross their 128th token together: vLLM preempts some of them. (Seen: 2
 preemptions, and the resumed requests prefilled from scratch, with no prefix
 cache hit.) One engine, its EngineCore in its own process.
+
+Then data parallel 2 (``vllm serve --data-parallel-size 2``): concurrent
+requests spread over both engines, each keeping its requests' Mamba state;
+every state exact, and nothing held afterwards on either engine.
 """
 
 import pytest
@@ -27,6 +31,8 @@ from .conftest import (
     num_preemptions,
     token_ids_of,
 )
+from .server_utils import post_concurrently, test_server_process
+from .test_scale_out import assert_nothing_held, check_choice, served_by_engine
 
 ARCH = "granitemoehybrid"
 # ~121 tokens each (different last words: no shared cache block), so that
@@ -84,3 +90,71 @@ def test_preempted_hybrid_requests_match_hf_at_every_layer(
         for layer, tensor in states.items():
             expected = reference[layer] if positions == "all" else reference[layer][-1:]
             assert_close(tensor, expected, f"preempted hybrid {j} {positions} layer {layer}")
+
+
+# --------------------------------------------------------------------------
+# data parallel 2
+
+DP_MODEL = f"tiny-{ARCH}"
+
+
+@pytest.fixture(scope="module")
+def dp2_hybrid(tmp_path_factory):
+    model_dir = build_tiny_model(MODELS / DP_MODEL, arch=ARCH)
+    args = [
+        "--enable-hidden-states",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "64",
+        "--enable-server-load-tracking",
+        "--data-parallel-size",
+        "2",
+    ]
+    log = tmp_path_factory.mktemp("hybrid-dp2-logs") / "dp2.log"
+    server = test_server_process(model_dir, args, log, name=DP_MODEL)
+    server.start()
+    try:
+        yield server.wait_ready(timeout=900)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_data_parallel_2_hybrid_requests_are_exact_on_both_engines(dp2_hybrid, hf_hybrid):
+    """ "last" (an extract after the request finished), "all" and "prompt",
+    over a prompt prefilled in chunks too, all at once: every layer exact."""
+    layers = list(range(hf_hybrid.num_layers + 1))
+
+    def body(prompt: str, **kwargs) -> dict:
+        return {
+            "model": DP_MODEL,
+            "prompt": prompt,
+            "max_tokens": 5,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_hidden_states": True,
+            "hidden_states_layers": layers,
+            **kwargs,
+        }
+
+    stories = [f"Story {i}: once upon a time there was a robot who" for i in range(6)]
+    jobs = [("last", body(p)) for p in stories[:3]]
+    jobs += [
+        ("all", body(stories[3], hidden_states_positions="all")),
+        ("all", body(PROMPTS[0], hidden_states_positions="all")),  # > 64 tokens: chunked
+        ("prompt", body(stories[4], hidden_states_positions="prompt")),
+        ("last", body(stories[5], max_tokens=9)),
+    ]
+    before = served_by_engine(dp2_hybrid)
+    results = post_concurrently(dp2_hybrid.base_url, "/v1/completions", jobs)
+    for positions, r in results:
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        check_choice(hf_hybrid, choice, positions, layers)
+    after = served_by_engine(dp2_hybrid)
+    served = {e: after[e] - before[e] for e in after}
+    assert sum(served.values()) == len(jobs)
+    assert served["0"] > 0 and served["1"] > 0, served
+    assert_nothing_held(dp2_hybrid)
