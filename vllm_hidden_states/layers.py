@@ -30,8 +30,11 @@ from typing import Any, Literal
 #   adds scaled by residual_multiplier; the mixer is attention or Mamba2;
 # "single_block": Nemotron-H: "fused"'s (hidden, residual) in and out, but one
 #   block per layer (norm, mixer, add): it returns (block output, resid_pre);
-#   no resid_mid.
-Layout = Literal["fused", "granite", "olmo2", "granite_hybrid", "single_block"]
+#   no resid_mid;
+# "parallel_hybrid": Falcon-H1: the stream in hidden only, plain adds;
+#   attention and a Mamba2 mixer side by side on the same normed input, their
+#   sum (each times a muP multiplier) added, then an MLP: no single attn_out.
+Layout = Literal["fused", "granite", "olmo2", "granite_hybrid", "single_block", "parallel_hybrid"]
 FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused", "single_block")
 
 _V = "vllm.model_executor.models."
@@ -126,6 +129,17 @@ LAYER_CLASSES[_V + "nemotron_h.NemotronHMLPDecoderLayer"] = LayerClass(
     lacks=_SINGLE_BLOCK.format(block="an MLP", other="token mixer (attn_out, attn_pattern)"),
 )
 
+# Falcon-H1: one layer class; attention patterns on its attention branch.
+LAYER_CLASSES[_V + "falcon_h1.FalconH1ParallelHybrid"] = LayerClass(
+    "parallel_hybrid",
+    ("falcon_h1",),
+    neurons="feed_forward.down_proj",
+    kinds=("resid_pre", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+    lacks="runs attention and a Mamba2 mixer side by side and adds their sum (each "
+    "times its muP multiplier), so no one block's attn_out: their joint contribution "
+    "is resid_mid minus resid_pre",
+)
+
 
 def class_name(cls: type) -> str:
     """A class's qualified name, the key of :data:`LAYER_CLASSES`."""
@@ -170,6 +184,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granite.GraniteForCausalLM": _V + "granite.GraniteDecoderLayer",
     _V + "granitemoehybrid.GraniteMoeHybridForCausalLM": _granite_hybrid_layers,
     _V + "nemotron_h.NemotronHForCausalLM": _nemotron_h_layers,
+    _V + "falcon_h1.FalconH1ForCausalLM": _V + "falcon_h1.FalconH1ParallelHybrid",
 }
 
 

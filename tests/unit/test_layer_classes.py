@@ -94,6 +94,23 @@ def test_a_single_block_layer_refuses_the_points_it_has_not(point, message):
         capturable_point_ids([point], L, model)
 
 
+def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
+    """Falcon-H1: attention and Mamba2 side by side, their sum added: no one
+    block's attn_out; the rest, patterns of its attention branch included."""
+    model = model_layers(tiny_config("falcon_h1"))
+    assert model.exact_layers() == list(range(L + 1))
+    every = ("resid_pre", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post")
+    assert all(model.kinds_at(i) == every for i in range(L))
+    message = (
+        r"attn_out.2: decoder layer 2 \(FalconH1ParallelHybrid\) runs attention and a "
+        r"Mamba2 mixer side by side.*resid_mid minus resid_pre; its points: resid_pre, "
+    )
+    with pytest.raises(ValueError, match=message):
+        capturable_point_ids(["attn_out.2"], L, model)
+    with pytest.raises(ValueError, match=r"'attn_out': no decoder layer .*side by side"):
+        capturable_point_ids(["attn_out"], L, model)
+
+
 def test_a_single_block_model_refuses_resid_mid_as_a_steering_point_at_start():
     from vllm_hidden_states.steering import steerable_ids
 

@@ -87,6 +87,7 @@ ARCHS = (
     "granite",
     "granitemoehybrid",
     "nemotron_h",
+    "falcon_h1",
 )
 
 # Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
@@ -103,6 +104,7 @@ _STYLE = {
     "granite": "chatml",
     "granitemoehybrid": "chatml",
     "nemotron_h": "chatml",
+    "falcon_h1": "chatml",
     "gpt2": "chatml",
     "llama": "llama",
     "mistral": "llama",
@@ -300,6 +302,36 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
             tie_word_embeddings=False,
             **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         ), T.NemotronHForCausalLM
+    if arch == "falcon_h1":
+        # Falcon-H1's layout: attention and a Mamba2 mixer side by side on the
+        # same normed input, their sum added to the stream, then an MLP; muP
+        # multipliers on the embedding, both branches' inputs and outputs,
+        # the keys, the MLP's gate and output, and Mamba2's in-projection.
+        # Mamba2 heads 8 x 32 (d_ssm 256), d_state 16.
+        return T.FalconH1Config(
+            mamba_d_ssm=2 * common["hidden_size"],
+            mamba_n_heads=8,
+            mamba_d_head=2 * common["hidden_size"] // 8,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            mamba_rms_norm=True,
+            # vLLM's Mamba2 norm gates before normalizing, as Falcon-H1's
+            # checkpoints ask (HF's default, True, is not what vLLM runs).
+            mamba_norm_before_gate=False,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.8, 1.5],
+            key_multiplier=0.7,
+            attention_in_multiplier=1.3,
+            attention_out_multiplier=0.6,
+            ssm_in_multiplier=1.2,
+            ssm_out_multiplier=0.9,
+            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+            **common,
+        ), T.FalconH1ForCausalLM
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 

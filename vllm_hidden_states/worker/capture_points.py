@@ -509,6 +509,14 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
                 raise LookupError(f"{point}: routed experts in {type(layer).__name__}: untested")
             return Tap(_child(layer, "shared_mlp", point), "post", _output_tensor, scale)
         return Tap(layer, "post", _output_item(1))
+    if layout == "parallel_hybrid":
+        # Falcon-H1: resid + (attention + Mamba2), then resid + MLP (its muP
+        # multiplier applied inside); the MLP's norm reads resid_mid.
+        if kind == "mlp_out":
+            return Tap(_child(layer, "feed_forward", point), "post", _output_tensor)
+        return Tap(
+            _child(layer, "pre_ff_layernorm", point), "pre", _first_arg(("x", "hidden_states"))
+        )
     if layout == "granite":
         # resid + block(x) * residual_multiplier, twice.
         scale = float(layer.residual_multiplier)

@@ -54,8 +54,10 @@ def mixer_of(layer):
 def mlp_of(layer):
     """An HF decoder layer's MLP block (Granite 4.0-H without experts: its
     shared MLP)."""
-    mlp = getattr(layer, "mlp", None)
-    return mlp if mlp is not None else layer.shared_mlp
+    for name in ("mlp", "feed_forward"):  # Falcon-H1: feed_forward
+        if getattr(layer, name, None) is not None:
+            return getattr(layer, name)
+    return layer.shared_mlp
 
 
 def down_projection_of(layer):
@@ -140,6 +142,8 @@ class HFReference:
             output_of(f"attn_out.{i}", attn, scale)
             if hasattr(layer, "pre_feedforward_layernorm"):
                 input_of(f"resid_mid.{i}", layer.pre_feedforward_layernorm)
+            elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
+                input_of(f"resid_mid.{i}", layer.pre_ff_layernorm)
             else:
                 input_of(
                     f"resid_mid.{i}", layer.mlp if post_norms else layer.post_attention_layernorm
@@ -238,6 +242,8 @@ class HFReference:
             elif kind == "resid_mid":
                 if hasattr(layer, "pre_feedforward_layernorm"):
                     on_input(layer.pre_feedforward_layernorm, item)
+                elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
+                    on_input(layer.pre_ff_layernorm, item)
                 else:
                     on_input(layer.mlp if post_norms else layer.post_attention_layernorm, item)
             elif kind == "mlp_out":

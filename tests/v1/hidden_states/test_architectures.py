@@ -172,23 +172,43 @@ def test_every_layer_of_every_position_matches_hf(arch):
     assert_every_layer_matches_hf(out, hf, "all", arch)
 
 
-def test_a_single_block_layer_refuses_resid_mid_per_request():
-    """Nemotron-H's layers are one block each (norm, mixer, add): resid_mid
-    has no meaning there, so it is refused, to capture (naming the layer
-    class and the points it has) and to steer (no steerable point; the
-    message at start is tested in tests/unit/test_layer_classes.py)."""
-    llm, hf = engine_for("nemotron_h")
-    capture = SamplingParams(
-        max_tokens=1, return_hidden_states=True, hidden_states_points=["resid_mid.1"]
-    )
-    points = "resid_pre, attn_out, resid_post, attn_pattern"
+# A point whose meaning does not fit the layer, per hybrid family: (its
+# architecture, the point, the layer class, the points that layer has).
+MISFIT_POINTS = [
+    # Nemotron-H: one block per layer (norm, mixer, add): no resid_mid.
+    (
+        "nemotron_h",
+        "resid_mid.1",
+        "NemotronHAttentionDecoderLayer",
+        "resid_pre, attn_out, resid_post, attn_pattern",
+    ),
+    # Falcon-H1: attention and Mamba2 side by side: no one block's attn_out.
+    (
+        "falcon_h1",
+        "attn_out.1",
+        "FalconH1ParallelHybrid",
+        "resid_pre, resid_mid, mlp_out, resid_post, attn_pattern, mlp_post",
+    ),
+]
+
+
+@pytest.mark.parametrize(("misfit_arch", "point", "layer_class", "points"), MISFIT_POINTS)
+def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
+    misfit_arch, point, layer_class, points
+):
+    """Refused to capture (naming the layer class and the points it has)
+    and to steer (not a steerable point of the engine; the message at start
+    is tested in tests/unit/test_layer_classes.py)."""
+    llm, hf = engine_for(misfit_arch)
+    capture = SamplingParams(max_tokens=1, return_hidden_states=True, hidden_states_points=[point])
+    kind, layer = point.split(".")
     with pytest.raises(
         VLLMValidationError,
-        match=rf"resid_mid.1: decoder layer 1 \(NemotronHAttentionDecoderLayer\).*{points}",
+        match=rf"{point}: decoder layer {layer} \({layer_class}\).*its points: {points}",
     ):
         llm.generate([PROMPT], capture, use_tqdm=False)
-    steer = steered(hf, [{"point": "resid_mid.2", "vector": random_vector(hf, 0)}])
-    with pytest.raises(VLLMValidationError, match="'resid_mid.2' is not steerable"):
+    steer = steered(hf, [{"point": point, "vector": random_vector(hf, 0)}])
+    with pytest.raises(VLLMValidationError, match=f"'{point}' is not steerable"):
         llm.generate([PROMPT], steer, use_tqdm=False)
 
 
@@ -196,7 +216,7 @@ def test_a_single_block_layer_refuses_resid_mid_per_request():
 # it from chunk to chunk, and the "last" extract of a finished request (a
 # prefill of its tokens after sampling) must recompute it, not read the
 # request's final state nor another request's.
-HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h")
+HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
@@ -321,10 +341,10 @@ def test_every_point_of_every_position_matches_hf(arch):
 
 
 def test_points_satisfy_the_residual_identities(arch):
-    """resid_mid = resid_pre + attn_out, resid_post = resid_mid + mlp_out
-    (a single-block layer, Nemotron-H's: resid_post = resid_pre + its block's
-    attn_out or mlp_out), resid_post.i = resid_pre.(i+1) = HF layer i+1
-    below the last layer."""
+    """resid_mid = resid_pre + attn_out (where there is one attn_out: not
+    Falcon-H1's), resid_post = resid_mid + mlp_out (a single-block layer,
+    Nemotron-H's: resid_post = resid_pre + its block's attn_out or mlp_out),
+    resid_post.i = resid_pre.(i+1) = HF layer i+1 below the last layer."""
     llm, hf = engine_for(arch)
     states, ids = points_of(llm, hf, "all")
     by_name = {_kind_layer(a): t for a, t in states.items()}
@@ -334,7 +354,8 @@ def test_points_satisfy_the_residual_identities(arch):
         pre, post = by_name[f"resid_pre.{i}"], by_name[f"resid_post.{i}"]
         if "resid_mid" in model.kinds_at(i):
             mid = by_name[f"resid_mid.{i}"]
-            assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
+            if "attn_out" in model.kinds_at(i):  # not Falcon-H1's two mixers side by side
+                assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
             assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
         else:
             (block,) = (k for k in ("attn_out", "mlp_out") if k in model.kinds_at(i))
@@ -537,10 +558,12 @@ def test_points_are_captured_after_the_steering_at_them(arch):
 
 def test_attention_patterns_are_those_of_the_steered_forward(arch):
     """Patterns are served by an extract that recomputes every position: it
-    replays the request's steering (an add at attn_out.0), so every later
-    layer's weights are HF eager's under the same hook."""
+    replays the request's steering (an add at attn_out.0; Falcon-H1, without
+    one attn_out: at resid_mid.0), so every later layer's weights are HF
+    eager's under the same hook."""
     llm, hf = engine_for(arch)
-    steering = [{"point": "attn_out.0", "vector": random_vector(hf, 300), "strength": STRENGTH}]
+    point = "attn_out.0" if "attn_out" in layers_of(hf).kinds_at(0) else "resid_mid.0"
+    steering = [{"point": point, "vector": random_vector(hf, 300), "strength": STRENGTH}]
     layers = pattern_layers(hf) or list(range(hf.num_layers))  # OLMo 2: all, refused
     patterns = [f"attn_pattern.{i}" for i in layers]
     params = SamplingParams(
