@@ -5,7 +5,7 @@ Used by the tests, ``make serve`` and the benchmarks. Every architecture in
 :data:`ARCHS` gets the same tokenizer machinery in one of three styles:
 
 * ChatML, no BOS token: ``qwen3`` (exactness tests), ``qwen2``, ``qwen3_moe``,
-  ``olmo2``, ``granite``;
+  ``olmo2``, ``granite`` and the hybrids;
 * Llama, adds a BOS token (``<s>``) to every encode: ``llama``, ``mistral``,
   ``mixtral``, ``phi3``;
 * Gemma, adds ``<bos>`` (ids as in Gemma: pad 0, eos 1, bos 2): ``gemma2``,
@@ -24,8 +24,10 @@ with 4 experts top-2 (Qwen3-MoE, Mixtral), tied embeddings, scaled embeddings,
 ``(1 + w)`` norms, sandwich norms, soft-capping and 8-token sliding windows that
 a 20-token prompt overruns (Gemma 2 and 3), fused QKV and gate-up projections
 (Phi-3), post-norms and full-width QK norms (OLMo 2), embedding, residual and
-attention multipliers (Granite). Their weights are perturbed after HF's
-initialisation, so norms and biases are not the trivial ones and zeros.
+attention multipliers (Granite), Mamba2 beside attention (the hybrids:
+Granite 4.0-H, Nemotron-H, Falcon-H1 with its muP multipliers). Their weights
+are perturbed after HF's initialisation, so norms and biases are not the
+trivial ones and zeros.
 """
 
 import fcntl
