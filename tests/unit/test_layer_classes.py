@@ -15,7 +15,7 @@ from vllm_hidden_states.engine_args import additional_config_entry
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig, capturable_point_ids
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import point_id
-from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, _arch_config
+from vllm_hidden_states.tools.tiny_models import ARCHS, _arch_config
 from vllm_hidden_states.worker.taps import stream_tap
 
 from .test_config import fake_vllm_config
@@ -60,14 +60,72 @@ def test_every_tested_architecture_loads_layer_classes_that_are_known(arch):
     assert model.exact_layers() == list(range(L + 1))
 
 
-@pytest.mark.parametrize("arch", LAYER_ARCHS)
-def test_a_layers_only_architecture_serves_every_layer_and_no_inner_point(arch):
-    model = model_layers(tiny_config(arch))
-    assert all(model.known(i) is not None for i in range(L)), model.classes
+def test_a_single_block_layer_has_the_points_of_its_block_only():
+    """Nemotron-H (M * - M): a Mamba2 or attention block gives attn_out, an
+    MLP block mlp_out and mlp_post; none has resid_mid."""
+    model = model_layers(tiny_config("nemotron_h"))
     assert model.exact_layers() == list(range(L + 1))
-    assert all(model.kinds_at(i) == ("resid_pre",) for i in range(L))
-    with pytest.raises(ValueError, match=r"attn_out.1 is inside decoder layer 1, a NemotronH"):
-        capturable_point_ids(["attn_out.1"], L, model)
+    mixer = ("resid_pre", "attn_out", "resid_post")
+    assert model.kinds_at(0) == model.kinds_at(3) == mixer
+    assert model.kinds_at(1) == ("resid_pre", "attn_out", "resid_post", "attn_pattern")
+    assert model.kinds_at(2) == ("resid_pre", "mlp_out", "resid_post", "mlp_post")
+
+
+@pytest.mark.parametrize(
+    ("point", "message"),
+    [
+        (
+            "resid_mid.1",
+            r"resid_mid.1: decoder layer 1 \(NemotronHAttentionDecoderLayer\) has one block "
+            r"\(norm, attention, residual add\), so no resid_mid.*its points: resid_pre, "
+            r"attn_out, resid_post, attn_pattern",
+        ),
+        ("mlp_out.0", r"mlp_out.0: decoder layer 0 \(NemotronHMambaDecoderLayer\) has one"),
+        ("attn_out.2", r"attn_out.2: decoder layer 2 \(NemotronHMLPDecoderLayer\).*no token"),
+        ("attn_pattern.3", r"attn_pattern.3: .*not attention; attention layers: \[1\]"),
+    ],
+)
+def test_a_single_block_layer_refuses_the_points_it_has_not(point, message):
+    model = model_layers(tiny_config("nemotron_h"))
+    with pytest.raises(ValueError, match=message):
+        capturable_point_ids([point], L, model)
+
+
+def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
+    """Falcon-H1: attention and Mamba2 side by side, their sum added: no one
+    block's attn_out; the rest, patterns of its attention branch included."""
+    model = model_layers(tiny_config("falcon_h1"))
+    assert model.exact_layers() == list(range(L + 1))
+    every = ("resid_pre", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post")
+    assert all(model.kinds_at(i) == every for i in range(L))
+    message = (
+        r"attn_out.2: decoder layer 2 \(FalconH1ParallelHybrid\) runs attention and a "
+        r"Mamba2 mixer side by side.*resid_mid minus resid_pre; its points: resid_pre, "
+    )
+    with pytest.raises(ValueError, match=message):
+        capturable_point_ids(["attn_out.2"], L, model)
+    with pytest.raises(ValueError, match=r"'attn_out': no decoder layer .*side by side"):
+        capturable_point_ids(["attn_out"], L, model)
+
+
+def test_falcon_h1_with_norm_before_gate_is_not_verified():
+    """vLLM's Mamba2 norm gates first whatever the config says, so with
+    mamba_norm_before_gate true its Falcon-H1 is not HF's: refused inside."""
+    model = model_layers(tiny_config("falcon_h1", mamba_norm_before_gate=True))
+    assert model.exact_layers() == [0, L]
+    with pytest.raises(ValueError, match=r"mamba_norm_before_gate=true.*not verified"):
+        capturable_point_ids(["resid_mid.1"], L, model)
+
+
+def test_a_single_block_model_refuses_resid_mid_as_a_steering_point_at_start():
+    from vllm_hidden_states.steering_config import steerable_ids
+
+    model = model_layers(tiny_config("nemotron_h"))
+    with pytest.raises(ValueError, match=r"'resid_mid': no decoder layer .*has one block"):
+        steerable_ids(["resid_mid"], L, model)
+    every = steerable_ids(["all"], L, model)
+    assert point_id("resid_mid", 1, L) not in every
+    assert point_id("mlp_out", 2, L) in every
 
 
 def test_nemotron_h_moe_layers_are_not_verified():
@@ -80,7 +138,7 @@ def test_nemotron_h_moe_layers_are_not_verified():
 
 def test_every_known_layer_class_is_tested_by_a_tiny_model():
     tested = {a for c in layers.LAYER_CLASSES.values() for a in c.tested_by}
-    assert tested <= set(ARCHS + LAYER_ARCHS)
+    assert tested <= set(ARCHS)
 
 
 def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_state():

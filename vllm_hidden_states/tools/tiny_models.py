@@ -8,9 +8,9 @@ behave as with a real model, and float32 weights from a fixed seed, perturbed
 after HF's initialisation so norms and biases are not trivial. Each carries
 what makes its architecture itself at toy size (biases, MoE, tied or scaled
 embeddings, sandwich norms, soft-capping, sliding windows, fused projections,
-multipliers). Head dim is 64: vLLM's CPU attention rejects smaller ones.
-``qwen3`` and ``llama`` stay byte-identical to their first build (tests and
-benchmarks depend on them).
+multipliers; Mamba2 beside attention in the hybrids). Head dim is 64: vLLM's
+CPU attention rejects smaller ones. ``qwen3`` and ``llama`` stay
+byte-identical to their first build (tests and benchmarks depend on them).
 """
 
 import fcntl
@@ -71,12 +71,9 @@ ARCHS = (
     "olmo2",
     "granite",
     "granitemoehybrid",
+    "nemotron_h",
+    "falcon_h1",
 )
-
-# Exact at every layer (the stream entering each decoder layer), tested in
-# test_architectures.py under "last" and "all"; the points inside their layers
-# are not verified, so they are refused (vllm_hidden_states/layers.py).
-LAYER_ARCHS = ("nemotron_h",)
 
 # Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
 # vLLM runs them, but their decoder layer classes are not verified here, so
@@ -92,6 +89,7 @@ _STYLE = {
     "granite": "chatml",
     "granitemoehybrid": "chatml",
     "nemotron_h": "chatml",
+    "falcon_h1": "chatml",
     "gpt2": "chatml",
     "llama": "llama",
     "mistral": "llama",
@@ -289,6 +287,36 @@ def _arch_config(arch: str, common: dict, token_ids: dict):
             tie_word_embeddings=False,
             **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         ), T.NemotronHForCausalLM
+    if arch == "falcon_h1":
+        # Falcon-H1's layout: attention and a Mamba2 mixer side by side on the
+        # same normed input, their sum added to the stream, then an MLP; muP
+        # multipliers on the embedding, both branches' inputs and outputs,
+        # the keys, the MLP's gate and output, and Mamba2's in-projection.
+        # Mamba2 heads 8 x 32 (d_ssm 256), d_state 16.
+        return T.FalconH1Config(
+            mamba_d_ssm=2 * common["hidden_size"],
+            mamba_n_heads=8,
+            mamba_d_head=2 * common["hidden_size"] // 8,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            mamba_rms_norm=True,
+            # vLLM's Mamba2 norm gates before normalizing, as Falcon-H1's
+            # checkpoints ask (HF's default, True, is not what vLLM runs).
+            mamba_norm_before_gate=False,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.8, 1.5],
+            key_multiplier=0.7,
+            attention_in_multiplier=1.3,
+            attention_out_multiplier=0.6,
+            ssm_in_multiplier=1.2,
+            ssm_out_multiplier=0.9,
+            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+            **common,
+        ), T.FalconH1ForCausalLM
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 
@@ -307,7 +335,7 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    if arch not in ARCHS + LAYER_ARCHS + REFUSED_ARCHS:
+    if arch not in ARCHS + REFUSED_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(

@@ -223,9 +223,16 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
     class that is not known, or a layer that is not as its class says."""
     known = layer_layout(layer, point)
     layout = known.layout
-    fused = layout == "fused"
+    fused = layout in FUSED_RESIDUAL_LAYOUTS
+    if known.kinds is not None and kind not in known.kinds:
+        raise LookupError(f"{point}: {type(layer).__name__} {known.lacks}")
     if kind == "resid_post":  # the layer's output (the last layer's: pre-norm)
         return Tap(layer, "post", _output_sum if fused else _output_tensor)
+    if layout == "single_block":
+        # (hidden, residual) in and out, one block: the layer returns (block
+        # output, resid_pre); the block is a token mixer (attn_out) or an MLP
+        # (mlp_out), as the class's kinds say.
+        return Tap(layer, "post", _output_item(0))
     if fused:
         # (hidden, residual) in and out: the layer returns (mlp_out, resid_mid);
         # the add-norm after attention (Gemma: after its post-attention norm)
@@ -250,6 +257,14 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
                 raise LookupError(f"{point}: routed experts in {type(layer).__name__}: untested")
             return Tap(child_module(layer, "shared_mlp", point), "post", _output_tensor, scale)
         return Tap(layer, "post", _output_item(1))
+    if layout == "parallel_hybrid":
+        # Falcon-H1: resid + (attention + Mamba2), then resid + MLP (its muP
+        # multiplier applied inside); the MLP's norm reads resid_mid.
+        if kind == "mlp_out":
+            return Tap(child_module(layer, "feed_forward", point), "post", _output_tensor)
+        return Tap(
+            child_module(layer, "pre_ff_layernorm", point), "pre", first_arg(("x", "hidden_states"))
+        )
     if layout == "granite":
         # resid + block(x) * residual_multiplier, twice.
         scale = float(layer.residual_multiplier)

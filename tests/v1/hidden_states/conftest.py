@@ -54,8 +54,10 @@ def mixer_of(layer):
 def mlp_of(layer):
     """An HF decoder layer's MLP block (Granite 4.0-H without experts: its
     shared MLP)."""
-    mlp = getattr(layer, "mlp", None)
-    return mlp if mlp is not None else layer.shared_mlp
+    for name in ("mlp", "feed_forward"):  # Falcon-H1: feed_forward
+        if getattr(layer, name, None) is not None:
+            return getattr(layer, name)
+    return layer.shared_mlp
 
 
 def down_projection_of(layer):
@@ -64,6 +66,16 @@ def down_projection_of(layer):
         return None
     mlp = mlp_of(layer)
     return getattr(mlp, "down_proj", None) or getattr(mlp, "output_linear", None)
+
+
+def single_block_point(layer) -> str | None:
+    """The point a single-block layer's (Nemotron-H's) block output is:
+    ``attn_out`` for a token mixer (Mamba2, attention), ``mlp_out`` for an
+    MLP; None for a layer with two blocks."""
+    block = getattr(layer, "block_type", None)
+    if block is None or not hasattr(layer, "mixer"):  # Granite 4.0-H has a block_type too
+        return None
+    return "mlp_out" if block == "mlp" else "attn_out"
 
 
 class HFReference:
@@ -117,12 +129,21 @@ class HFReference:
             handles.append(module.register_forward_pre_hook(hook))
 
         for i, layer in enumerate(self.model.model.layers):
+            single = single_block_point(layer)
+            if single is not None:  # Nemotron-H: norm, mixer, add
+                output_of(f"{single}.{i}", layer.mixer)
+                output_of(f"resid_post.{i}", layer)
+                if single == "mlp_out":
+                    input_of(f"mlp_post.{i}", layer.mixer.down_proj)
+                continue
             scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
             post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
             attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
             output_of(f"attn_out.{i}", attn, scale)
             if hasattr(layer, "pre_feedforward_layernorm"):
                 input_of(f"resid_mid.{i}", layer.pre_feedforward_layernorm)
+            elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
+                input_of(f"resid_mid.{i}", layer.pre_ff_layernorm)
             else:
                 input_of(
                     f"resid_mid.{i}", layer.mlp if post_norms else layer.post_attention_layernorm
@@ -212,6 +233,8 @@ class HFReference:
             post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
             if kind == "resid_pre":
                 on_input(layer, item)
+            elif kind == single_block_point(layer):  # Nemotron-H's block output
+                on_output(layer.mixer, item)
             elif kind == "attn_out":
                 on_output(
                     layer.post_attention_layernorm if post_norms else mixer_of(layer), item, scale
@@ -219,6 +242,8 @@ class HFReference:
             elif kind == "resid_mid":
                 if hasattr(layer, "pre_feedforward_layernorm"):
                     on_input(layer.pre_feedforward_layernorm, item)
+                elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
+                    on_input(layer.pre_ff_layernorm, item)
                 else:
                     on_input(layer.mlp if post_norms else layer.post_attention_layernorm, item)
             elif kind == "mlp_out":

@@ -39,7 +39,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import POINT_KINDS
 from vllm_hidden_states.steering_config import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import ARCHS, LAYER_ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
 
@@ -133,13 +133,6 @@ def arch(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module", params=LAYER_ARCHS)
-def layer_arch(request) -> str:
-    """Architectures exact at every layer whose inner points are refused
-    (Nemotron-H)."""
-    return request.param
-
-
 @pytest.fixture(scope="module", params=COMPILED_ARCHS)
 def compiled_arch(request) -> str:
     return request.param
@@ -180,43 +173,51 @@ def test_every_layer_of_every_position_matches_hf(arch):
     assert_every_layer_matches_hf(out, hf, "all", arch)
 
 
-@pytest.mark.parametrize("positions", ["last", "all"])
-def test_every_layer_of_a_layers_only_architecture_matches_hf(layer_arch, positions):
-    """Nemotron-H: Mamba2, attention and MLP layers, one block each."""
-    llm, hf = engine_for(layer_arch)
-    (out,) = llm.generate([PROMPT], every_layer(hf, positions), use_tqdm=False)
-    assert_every_layer_matches_hf(out, hf, positions, layer_arch)
+# A point whose meaning does not fit the layer, per hybrid family: (its
+# architecture, the point, the layer class, the points that layer has).
+MISFIT_POINTS = [
+    # Nemotron-H: one block per layer (norm, mixer, add): no resid_mid.
+    (
+        "nemotron_h",
+        "resid_mid.1",
+        "NemotronHAttentionDecoderLayer",
+        "resid_pre, attn_out, resid_post, attn_pattern",
+    ),
+    # Falcon-H1: attention and Mamba2 side by side: no one block's attn_out.
+    (
+        "falcon_h1",
+        "attn_out.1",
+        "FalconH1ParallelHybrid",
+        "resid_pre, resid_mid, mlp_out, resid_post, attn_pattern, mlp_post",
+    ),
+]
 
 
-def test_a_layers_only_architecture_refuses_the_points_inside_its_layers(layer_arch):
-    llm, hf = engine_for(layer_arch)
-    params = SamplingParams(
-        max_tokens=1, return_hidden_states=True, hidden_states_points=["resid_post.1"]
-    )
+@pytest.mark.parametrize(("misfit_arch", "point", "layer_class", "points"), MISFIT_POINTS)
+def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
+    misfit_arch, point, layer_class, points
+):
+    """Refused to capture (naming the layer class and the points it has)
+    and to steer (not a steerable point of the engine; the message at start
+    is tested in tests/unit/test_layer_classes.py)."""
+    llm, hf = engine_for(misfit_arch)
+    capture = SamplingParams(max_tokens=1, return_hidden_states=True, hidden_states_points=[point])
+    kind, layer = point.split(".")
     with pytest.raises(
-        VLLMValidationError, match=r"resid_post.1 is inside decoder layer 1.*not verified"
+        VLLMValidationError,
+        match=rf"{point}: decoder layer {layer} \({layer_class}\).*its points: {points}",
     ):
-        llm.generate([PROMPT], params, use_tqdm=False)
-
-
-def test_add_at_every_layer_of_a_layers_only_architecture_matches_hf_hooks(layer_arch):
-    llm, hf = engine_for(layer_arch)
-    steering = [
-        [{"point": f"resid_pre.{i}", "vector": random_vector(hf, i), "strength": STRENGTH}]
-        for i in range(hf.num_layers)
-    ]
-    outs = llm.generate(
-        [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False
-    )
-    for i, (out, s) in enumerate(zip(outs, steering)):
-        assert_steered_like_hf(out, hf, s, f"{layer_arch} add at resid_pre.{i}")
+        llm.generate([PROMPT], capture, use_tqdm=False)
+    steer = steered(hf, [{"point": point, "vector": random_vector(hf, 0)}])
+    with pytest.raises(VLLMValidationError, match=f"'{point}' is not steerable"):
+        llm.generate([PROMPT], steer, use_tqdm=False)
 
 
 # Hybrids keep Mamba state per request: a prompt prefilled in chunks carries
 # it from chunk to chunk, and the "last" extract of a finished request (a
 # prefill of its tokens after sampling) must recompute it, not read the
 # request's final state nor another request's.
-HYBRID_ARCHS = ("granitemoehybrid",)
+HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
@@ -229,7 +230,6 @@ def test_a_hybrid_over_a_chunked_prefill_matches_hf_at_every_layer(hybrid_arch):
     in chunks), then "last" of the same prompt again (its prefix cached where
     vLLM caches hybrids), each against HF."""
     llm, hf = engine_for(hybrid_arch)
-    assert len(hf.model.config.layer_types) == hf.num_layers
     for positions in ("all", "last"):
         params = every_layer(hf, positions)
         params.ignore_eos = True
@@ -342,16 +342,25 @@ def test_every_point_of_every_position_matches_hf(arch):
 
 
 def test_points_satisfy_the_residual_identities(arch):
-    """resid_mid = resid_pre + attn_out, resid_post = resid_mid + mlp_out,
+    """resid_mid = resid_pre + attn_out (where there is one attn_out: not
+    Falcon-H1's), resid_post = resid_mid + mlp_out (a single-block layer,
+    Nemotron-H's: resid_post = resid_pre + its block's attn_out or mlp_out),
     resid_post.i = resid_pre.(i+1) = HF layer i+1 below the last layer."""
     llm, hf = engine_for(arch)
     states, ids = points_of(llm, hf, "all")
     by_name = {_kind_layer(a): t for a, t in states.items()}
     layers = hf.states(ids)
+    model = layers_of(hf)
     for i in range(hf.num_layers):
-        pre, mid, post = (by_name[f"{k}.{i}"] for k in ("resid_pre", "resid_mid", "resid_post"))
-        assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
-        assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
+        pre, post = by_name[f"resid_pre.{i}"], by_name[f"resid_post.{i}"]
+        if "resid_mid" in model.kinds_at(i):
+            mid = by_name[f"resid_mid.{i}"]
+            if "attn_out" in model.kinds_at(i):  # not Falcon-H1's two mixers side by side
+                assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
+            assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
+        else:
+            (block,) = (k for k in ("attn_out", "mlp_out") if k in model.kinds_at(i))
+            assert_close(pre + by_name[f"{block}.{i}"], post, f"{arch} resid_post.{i}")
         assert_close(pre, layers[i], f"{arch} resid_pre.{i} = HF layer {i}")
         if i < hf.num_layers - 1:
             assert torch.equal(post, by_name[f"resid_pre.{i + 1}"]), (arch, i)
@@ -550,10 +559,12 @@ def test_points_are_captured_after_the_steering_at_them(arch):
 
 def test_attention_patterns_are_those_of_the_steered_forward(arch):
     """Patterns are served by an extract that recomputes every position: it
-    replays the request's steering (an add at attn_out.0), so every later
-    layer's weights are HF eager's under the same hook."""
+    replays the request's steering (an add at attn_out.0; Falcon-H1, without
+    one attn_out: at resid_mid.0), so every later layer's weights are HF
+    eager's under the same hook."""
     llm, hf = engine_for(arch)
-    steering = [{"point": "attn_out.0", "vector": random_vector(hf, 300), "strength": STRENGTH}]
+    point = "attn_out.0" if "attn_out" in layers_of(hf).kinds_at(0) else "resid_mid.0"
+    steering = [{"point": point, "vector": random_vector(hf, 300), "strength": STRENGTH}]
     layers = pattern_layers(hf) or list(range(hf.num_layers))  # OLMo 2: all, refused
     patterns = [f"attn_pattern.{i}" for i in layers]
     params = SamplingParams(
