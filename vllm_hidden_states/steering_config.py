@@ -242,6 +242,9 @@ class SteeringConfig:
     sae_d_sae: int | None = None
     sae_id: int | None = None
     sae_clamp_problem: str | None = None
+    # Its decoder layers' classes: why a point is not steerable where its
+    # layer lacks it (None: configs built by hand).
+    model_layers: ModelLayers | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
@@ -270,6 +273,7 @@ class SteeringConfig:
             None if sae is None else int(sae["d_sae"]),
             None if sae is None else sae_capture_id(sae, n, model),
             entry.get("clamp_problem"),
+            model,
         )
 
     def describe_points(self) -> str:

@@ -212,6 +212,9 @@ def check_steering(
             point = _sae_point(item, cfg, i)
         kind, layer = _parse_steerable(point, i, n)
         capture_id = point_id(kind, layer, n)  # type: ignore[arg-type]
+        model = cfg.model_layers
+        if capture_id not in cfg.ids and model is not None and kind not in model.kinds_at(layer):
+            raise _fail(i, "point", model.why_not(kind, layer))
         if capture_id not in cfg.ids:
             raise _fail(
                 i,

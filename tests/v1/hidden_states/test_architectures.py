@@ -197,19 +197,17 @@ MISFIT_POINTS = [
 def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
     misfit_arch, point, layer_class, points
 ):
-    """Refused to capture (naming the layer class and the points it has)
-    and to steer (not a steerable point of the engine; the message at start
-    is tested in tests/unit/test_layer_classes.py)."""
+    """Refused to capture and to steer, each naming the layer class and the
+    points it has (the message at start is tested in
+    tests/unit/test_layer_classes.py)."""
     llm, hf = engine_for(misfit_arch)
     capture = SamplingParams(max_tokens=1, return_hidden_states=True, hidden_states_points=[point])
     kind, layer = point.split(".")
-    with pytest.raises(
-        VLLMValidationError,
-        match=rf"{point}: decoder layer {layer} \({layer_class}\).*its points: {points}",
-    ):
+    why = rf"{point}: decoder layer {layer} \({layer_class}\).*its points: {points}"
+    with pytest.raises(VLLMValidationError, match=why):
         llm.generate([PROMPT], capture, use_tqdm=False)
     steer = steered(hf, [{"point": point, "vector": random_vector(hf, 0)}])
-    with pytest.raises(VLLMValidationError, match=f"'{point}' is not steerable"):
+    with pytest.raises(VLLMValidationError, match=why):
         llm.generate([PROMPT], steer, use_tqdm=False)
 
 
