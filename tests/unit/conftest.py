@@ -5,9 +5,15 @@ Only cheap imports here: torch and vLLM are imported by the test modules that
 need them, so a module that does not pay for them.
 """
 
+import json
+import queue
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO
 
 import pytest
 
@@ -46,3 +52,90 @@ def modules_loaded_by() -> Callable[[str], set[str]]:
         return set(out.stdout.split())
 
     return loaded
+
+
+# Runs in a fresh interpreter: Triton reads TRITON_INTERPRET when a kernel is
+# decorated, that is when its module is imported, so this process (where the
+# kernels may already be imported for real) cannot interpret them. It serves
+# one request per line, [script, cases], and answers a line per case, then
+# "done".
+_INTERPRETER = r"""
+import json, os, sys, traceback
+os.environ["TRITON_INTERPRET"] = "1"
+for request in sys.stdin:
+    script, cases = json.loads(request)
+    namespace = {"__name__": "interpreted_check"}
+    try:
+        exec(compile(script, "<interpreted check>", "exec"), namespace)
+        loaded = None
+    except Exception:
+        loaded = traceback.format_exc()
+    for case in cases:
+        try:
+            result = loaded or "ok " + str(namespace["check"](*case))
+        except Exception:
+            result = traceback.format_exc()
+        print("case " + json.dumps([case, result]), flush=True)
+    print("done", flush=True)
+"""
+
+
+@pytest.fixture(scope="session")
+def triton_interpreted() -> Iterator[
+    Callable[[str, Sequence[Sequence[str]]], dict[tuple[str, ...], str]]
+]:
+    """``triton_interpreted(script, cases)``: ``check(*case)``, defined by
+    ``script``, for each case, with Triton's interpreter on, in one Python
+    process started for the session (torch, Triton and vLLM imported once for
+    every caller); per case ``"ok <what check returned>"`` or the traceback
+    it raised. A process that dies or hangs fails the caller."""
+    errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: nothing to drain
+    process = subprocess.Popen(
+        [sys.executable, "-c", _INTERPRETER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read(stdout: IO[str]) -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put("")  # the process is gone
+
+    threading.Thread(target=read, args=(process.stdout,), daemon=True).start()
+
+    def exited() -> str:
+        errors.seek(0)
+        return f"the interpreter process exited: {errors.read()[-2000:]}"
+
+    def run(script: str, cases: Sequence[Sequence[str]]) -> dict[tuple[str, ...], str]:
+        assert process.stdin is not None
+        assert process.poll() is None, exited()
+        process.stdin.write(json.dumps([script, [list(c) for c in cases]]) + "\n")
+        process.stdin.flush()
+        results: dict[tuple[str, ...], str] = {}
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise AssertionError("the interpreter process answered nothing in 600 s") from None
+            if line == "":
+                raise AssertionError(exited())
+            if line == "done\n":
+                return results
+            if line.startswith("case "):
+                case, result = json.loads(line[len("case ") :])
+                results[tuple(case)] = result
+
+    yield run
+    process.stdin.close()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    errors.close()
