@@ -6,16 +6,33 @@ need them, so a module that does not pay for them.
 """
 
 import json
+import os
 import queue
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while a unit module runs: its tensors are a few
+    rows, where intra-op threads cost more than they save (and their
+    spin-waits take the second core from the rest of the tier). Only where a
+    test module imported torch: this file imports nothing heavy."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -90,6 +107,7 @@ class _Interpreter:
         self.errors = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen(
             [sys.executable, "-c", _INTERPRETER],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},  # as one_torch_thread, here
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.errors,
