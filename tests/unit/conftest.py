@@ -161,7 +161,10 @@ _interpreter: list[_Interpreter] = []  # started at most once per session
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Started as soon as the session's tests are known, so that its imports
-    # overlap the tests that run before the first that needs it.
+    # overlap the tests that run before the first that needs it (not in an
+    # xdist worker, which runs only some of the tests it collected).
+    if hasattr(session.config, "workerinput"):
+        return
     if any("triton_interpreted" in getattr(i, "fixturenames", ()) for i in session.items):
         _interpreter.append(_Interpreter())
 
