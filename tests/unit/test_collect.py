@@ -14,13 +14,14 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from vllm_hidden_states.tools import collect as collect_mod  # noqa: E402
 from vllm_hidden_states.tools.collect import (  # noqa: E402
+    LOCK_FILE,
     CollectConfig,
     OutputLocked,
     collect,
     lock_output,
     read_dataset,
+    tokens,
 )
 
 # -- ids ---------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def test_collect_into_a_directory_another_collect_holds_is_refused_at_once(tmp_p
     msg = str(e.value)
     assert str(out) in msg and "another `vllm-hidden-states collect`" in msg
     assert "another output directory" in msg
-    assert list(out.iterdir()) == [out / collect_mod.LOCK_FILE]  # nothing else touched
+    assert list(out.iterdir()) == [out / LOCK_FILE]  # nothing else touched
 
 
 def test_lock_is_released_when_the_run_ends(tmp_path):
@@ -109,7 +110,7 @@ LONG = (
 @pytest.mark.parametrize("max_length", [1, 7, 64, 300])
 def test_text_prefix_encodes_to_the_same_first_tokens_as_the_whole_text(tokenizer, max_length):
     full = tokenizer.encode(LONG)
-    prefix = collect_mod._text_prefix(tokenizer, LONG, full, max_length)
+    prefix = tokens.text_prefix(tokenizer, LONG, full, max_length)
     assert prefix is not None and LONG.startswith(prefix)
     assert len(prefix) < len(LONG) // 10  # what is sent is about max_length tokens
     assert tokenizer.encode(prefix)[:max_length] == full[:max_length]
@@ -121,11 +122,11 @@ def test_messages_prefix_renders_to_the_same_first_tokens_as_the_whole_conversat
         {"role": "user", "content": LONG},
         {"role": "assistant", "content": LONG},
     ]
-    full = collect_mod._render_ids(tokenizer, messages)
-    cut = collect_mod._messages_prefix(tokenizer, messages, full, 100)
+    full = tokens.render_ids(tokenizer, messages)
+    cut = tokens.messages_prefix(tokenizer, messages, full, 100)
     assert cut is not None
     assert sum(len(m["content"]) for m in cut) < len(LONG) // 10
-    assert collect_mod._render_ids(tokenizer, cut)[:100] == full[:100]
+    assert tokens.render_ids(tokenizer, cut)[:100] == full[:100]
 
 
 @pytest.mark.parametrize("point", ["mlp_post.1", "attn_pattern.0", "blocks.0.attn.hook_pattern"])

@@ -17,6 +17,11 @@ def references():
 
 
 @pytest.fixture(scope="module")
+def sites() -> list[seam.PatchSite]:
+    return seam.patch_sites()
+
+
+@pytest.fixture(scope="module")
 def scratch_vllm(tmp_path_factory) -> Path:
     """A copy of the installed vLLM's Python sources."""
     root = tmp_path_factory.mktemp("scratch") / "vllm"
@@ -71,15 +76,19 @@ def test_a_renamed_private_vllm_attribute_is_reported(scratch_vllm):
     ]
 
 
-def test_patch_sites_name_the_function_each_hunk_lands_in():
-    sites = {(s.patch, s.symbol) for s in seam.patch_sites()}
-    assert ("0008-model-runner-capture.patch", "GPUModelRunner.execute_model") in sites
-    assert ("0008-model-runner-capture.patch", "CPUModelRunner.load_model") in sites
-    assert ("0010-model-runner-v2-capture.patch", "GPUModelRunner.execute_model") in sites
-    assert ("0010-model-runner-v2-capture.patch", "GPUModelRunner.sample_tokens") in sites
+def test_patch_sites_name_the_function_each_hunk_lands_in(sites):
+    landed = {(s.patch, s.symbol) for s in sites}
+    assert ("0008-model-runner-capture.patch", "GPUModelRunner.execute_model") in landed
+    assert ("0008-model-runner-capture.patch", "CPUModelRunner.load_model") in landed
+    assert ("0010-model-runner-v2-capture.patch", "GPUModelRunner.execute_model") in landed
+    assert ("0010-model-runner-v2-capture.patch", "GPUModelRunner.sample_tokens") in landed
 
 
-def test_architecture_doc_prints_the_current_inventory():
+def test_architecture_doc_prints_the_current_inventory(references, sites, monkeypatch):
+    # The inventory from the lists the tests above read (each costs seconds of
+    # parsing vLLM's sources): the same calls, made once for the module.
+    monkeypatch.setattr(seam, "package_references", lambda: references)
+    monkeypatch.setattr(seam, "patch_sites", lambda root=None: sites)
     doc = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
     text = doc.read_text()
     assert text == seam.docs_with_inventory(text), (

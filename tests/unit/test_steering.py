@@ -892,67 +892,64 @@ def test_without_a_count_read_entries_past_the_count_are_applied_so_disarm_must_
 # the CUDA kernel, run by Triton's interpreter on CPU tensors
 
 _KERNEL_CHECK = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from vllm_hidden_states.worker import steer_kernel
 from vllm_hidden_states.worker.steering_op import _steer
 
-torch.manual_seed(0)
-H, T, S = 300, 7, 5  # H not a multiple of the kernel's block
-dtype = getattr(torch, sys.argv[1])
-target = torch.randn(T, H).to(dtype)
-other = torch.randn(T, H).to(dtype) if sys.argv[2] == "other" else None
-scale = float(sys.argv[3])
-clamp = sys.argv[4] == "clamp"
-adds, dirs = torch.zeros(S, H), torch.zeros(S, H)
-adds[1] = torch.randn(H)                                   # add
-dirs[2] = torch.nn.functional.normalize(torch.randn(H), dim=0)  # ablate
-adds[3], dirs[3] = torch.randn(H), dirs[2]                 # composed
-enc = dec = par = None
-if clamp:
-    enc, dec, par = torch.zeros(S, H), torch.zeros(S, H), torch.zeros(S, 3)
-    enc[4], dec[4] = torch.randn(H) / H**0.5, torch.randn(H)
-    par[4] = torch.tensor([0.1, 0.05, 3.0])
-rows = torch.tensor([[2, 0, 5, 6, 1, 0, 0]])
-slots = torch.tensor([[1, 2, 3, 4 if clamp else 1, 0, 0, 0]])
-counts = torch.tensor([4, 1])
-expected = target.clone()
-_steer(expected, other, rows, slots, counts, 0, adds, dirs, scale, enc, dec, par)
-got = target.clone()
-steer_kernel.steer(got, other, rows[0], slots[0], T, adds, dirs, scale, enc, dec, par)
-untouched = [r for r in range(T) if r not in (2, 0, 5, 6)]
-assert torch.equal(got[untouched], target[untouched]), "rows with slot 0 changed"
-tol = 1e-5 if dtype == torch.float32 else 2e-2
-err = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-assert err < tol, f"kernel vs torch path: relative error {err:.2e}"
-assert not torch.equal(got, target), "nothing was steered"
-print("ok", err)
+
+def check(dtype_name, other_kind, scale_text, clamp_kind):
+    torch.manual_seed(0)
+    H, T, S = 300, 7, 5  # H not a multiple of the kernel's block
+    dtype = getattr(torch, dtype_name)
+    target = torch.randn(T, H).to(dtype)
+    other = torch.randn(T, H).to(dtype) if other_kind == "other" else None
+    scale = float(scale_text)
+    clamp = clamp_kind == "clamp"
+    adds, dirs = torch.zeros(S, H), torch.zeros(S, H)
+    adds[1] = torch.randn(H)                                   # add
+    dirs[2] = torch.nn.functional.normalize(torch.randn(H), dim=0)  # ablate
+    adds[3], dirs[3] = torch.randn(H), dirs[2]                 # composed
+    enc = dec = par = None
+    if clamp:
+        enc, dec, par = torch.zeros(S, H), torch.zeros(S, H), torch.zeros(S, 3)
+        enc[4], dec[4] = torch.randn(H) / H**0.5, torch.randn(H)
+        par[4] = torch.tensor([0.1, 0.05, 3.0])
+    rows = torch.tensor([[2, 0, 5, 6, 1, 0, 0]])
+    slots = torch.tensor([[1, 2, 3, 4 if clamp else 1, 0, 0, 0]])
+    counts = torch.tensor([4, 1])
+    expected = target.clone()
+    _steer(expected, other, rows, slots, counts, 0, adds, dirs, scale, enc, dec, par)
+    got = target.clone()
+    steer_kernel.steer(got, other, rows[0], slots[0], T, adds, dirs, scale, enc, dec, par)
+    untouched = [r for r in range(T) if r not in (2, 0, 5, 6)]
+    assert torch.equal(got[untouched], target[untouched]), "rows with slot 0 changed"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    assert err < tol, f"kernel vs torch path: relative error {err:.2e}"
+    assert not torch.equal(got, target), "nothing was steered"
+    return err
 """
 
+KERNEL_CASES = [
+    ("float32", "none", "1.0", "none"),
+    ("float32", "other", "1.0", "clamp"),
+    ("float32", "none", "0.25", "clamp"),
+    ("bfloat16", "other", "1.0", "none"),
+]
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("float32", "none", "1.0", "none"),
-        ("float32", "other", "1.0", "clamp"),
-        ("float32", "none", "0.25", "clamp"),
-        ("bfloat16", "other", "1.0", "none"),
-    ],
-    ids=lambda a: "-".join(a),
-)
-def test_the_cuda_kernel_computes_what_the_torch_path_does(args):
+
+@pytest.fixture(scope="module")
+def kernel_results(triton_interpreted) -> dict[tuple[str, ...], str]:
+    return triton_interpreted(_KERNEL_CHECK, KERNEL_CASES)
+
+
+@pytest.mark.parametrize("args", KERNEL_CASES, ids=lambda a: "-".join(a))
+def test_the_cuda_kernel_computes_what_the_torch_path_does(args, kernel_results):
     """The Triton kernel (CUDA's path) on CPU tensors through Triton's
     interpreter, against the op's PyTorch path: the same rows steered, the
     same values, slot-0 entries untouched bit for bit."""
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", _KERNEL_CHECK, *args], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("ok")
+    result = kernel_results.get(args, "not run")
+    assert result.startswith("ok"), result[-2000:]
 
 
 def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_as_eager():

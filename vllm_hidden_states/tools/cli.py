@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     sae.add_argument("--d-sae", type=int, default=64)
     sae.add_argument("--architecture", choices=["standard", "jumprelu"], default="standard")
     sae.add_argument("--seed", type=int, default=0)
-    from vllm_hidden_states.tools import collect
+    from vllm_hidden_states.tools import collect, store_cli
 
     c = sub.add_parser("collect", help="harvest hidden states of a dataset to Parquet shards")
     collect.add_arguments(c)
     st = sub.add_parser("store", help="query or prune an activation store")
-    collect.add_store_arguments(st)
+    store_cli.add_arguments(st)
     sub.add_parser(
         "seam", add_help=False, help="the vLLM symbols the package and patches touch (--check)"
     )
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "collect":
         return collect.run(args)
     if args.command == "store":
-        return collect.run_store(args)
+        return store_cli.run(args)
 
     if args.command == "tiny-sae":
         import json

@@ -247,6 +247,7 @@ def patch_sites(root: Path | None = None) -> list[PatchSite]:
     """Where each hunk lands, read from the installed (patched) files."""
     root = root or vllm_root()
     sites: list[PatchSite] = []
+    trees: dict[Path, ast.Module] = {}  # a file parsed once, not once per hunk
     for patch in sorted(PATCH_DIR.glob("*.patch")):
         current = None
         for line in patch.read_text().splitlines():
@@ -257,15 +258,17 @@ def patch_sites(root: Path | None = None) -> list[PatchSite]:
                 assert header is not None, f"not a unified-diff hunk header: {line!r}"
                 new_start = int(header.group(1))
                 path = root.parent / current
-                symbol = _enclosing(path, new_start + 3) if path.is_file() else "?"
+                symbol = _enclosing(trees, path, new_start + 3) if path.is_file() else "?"
                 site = PatchSite(patch.name, current, symbol)
                 if site not in sites:
                     sites.append(site)
     return sites
 
 
-def _enclosing(path: Path, line: int) -> str:
-    tree = ast.parse(path.read_text())
+def _enclosing(trees: dict[Path, ast.Module], path: Path, line: int) -> str:
+    if path not in trees:
+        trees[path] = ast.parse(path.read_text())
+    tree = trees[path]
     best: list[str] = []
 
     def visit(node: ast.AST, stack: list[str]) -> None:
