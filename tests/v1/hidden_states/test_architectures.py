@@ -43,7 +43,17 @@ from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
 
-COMPILED_ARCHS = ("llama", "gemma2", "olmo2", "qwen3_moe")
+# Compiled (torch.compile, the default off eager) for one of each reader and
+# every hybrid.
+COMPILED_ARCHS = (
+    "llama",
+    "gemma2",
+    "olmo2",
+    "qwen3_moe",
+    "granitemoehybrid",
+    "nemotron_h",
+    "falcon_h1",
+)
 
 # ~20 tokens: longer than the Gemma models' 8-token sliding window.
 PROMPT = "Once upon a time there was a small robot who loved to count"
@@ -400,14 +410,16 @@ def test_compiled_engine_points_over_a_chunked_prefill(compiled_arch, positions)
 
 
 def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
-    """The pattern point's query/key capture inside the compiled graph (OLMo 2,
-    on vLLM's Transformers backend, has no vLLM attention module: refused)."""
+    """The pattern point's query/key capture inside the compiled graph, at
+    every attention layer (OLMo 2, on vLLM's Transformers backend, has no vLLM
+    attention module: refused; Granite 4.0-H: its attention layers)."""
     llm, hf = engine_for(compiled_arch, compiled=True)
+    layers = pattern_layers(hf) or list(range(hf.num_layers))  # OLMo 2: all, refused
     params = SamplingParams(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
         return_hidden_states=True,
-        hidden_states_points=[f"attn_pattern.{i}" for i in range(hf.num_layers)],
+        hidden_states_points=[f"attn_pattern.{i}" for i in layers],
         hidden_states_positions="all",
     )
     if compiled_arch == "olmo2":
@@ -418,9 +430,11 @@ def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
     ids = token_ids_of(out)
     with torch.inference_mode():
         reference = hf.model(torch.tensor([ids]), output_attentions=True).attentions
-    for i in range(hf.num_layers):
+    # HF returns one pattern per attention layer, in layer order.
+    for j, i in enumerate(layers):
+        expected = reference[i if len(reference) == hf.num_layers else j][0]
         got = out.outputs[0].hidden_states[f"attn_pattern.{i}"]
-        assert_close(got, reference[i][0], f"compiled {compiled_arch} attn_pattern.{i}")
+        assert_close(got, expected, f"compiled {compiled_arch} attn_pattern.{i}")
 
 
 # --------------------------------------------------------------------------
@@ -600,14 +614,19 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
 
 
 def test_compiled_engine_steers_like_hf_hooks(compiled_arch):
+    """An add, an ablate at the last MLP, and both inside block 0, at the
+    points each layer has (a hybrid's layers lack some)."""
     llm, hf = engine_for(compiled_arch, compiled=True)
+    model = layers_of(hf)
+    mlp = max(i for i in range(hf.num_layers) if "mlp_out" in model.kinds_at(i))
+    inside = [
+        {"point": "attn_out.0", "vector": random_vector(hf, 3), "strength": STRENGTH},
+        {"point": "resid_mid.0", "op": "ablate", "vector": random_vector(hf, 4)},
+    ]
     steering = [
         [{"point": "resid_pre.1", "vector": random_vector(hf, 1), "strength": STRENGTH}],
-        [{"point": f"mlp_out.{hf.num_layers - 1}", "op": "ablate", "vector": random_vector(hf, 2)}],
-        [
-            {"point": "attn_out.0", "vector": random_vector(hf, 3), "strength": STRENGTH},
-            {"point": "resid_mid.0", "op": "ablate", "vector": random_vector(hf, 4)},
-        ],
+        [{"point": f"mlp_out.{mlp}", "op": "ablate", "vector": random_vector(hf, 2)}],
+        [item for item in inside if item["point"].split(".")[0] in model.kinds_at(0)],
     ]
     outs = llm.generate(
         [PROMPT] * len(steering), [steered(hf, s) for s in steering], use_tqdm=False

@@ -22,19 +22,11 @@ from .server_utils import running_server
 PROMPT = "The capital of France is"
 
 
-def _layers() -> int:
-    from transformers import AutoConfig
-
-    from .conftest import MODELS
-
-    return AutoConfig.from_pretrained(MODELS / "tiny-qwen3").num_hidden_layers
-
-
-# One bad request per rule: (rule, the fields). Shapes come from the model
+# One bad request per rule: {rule: the fields}. Shapes come from the model
 # config where a rule depends on them.
-def bad_fields(num_layers: int) -> list[tuple[str, dict]]:
+def bad_fields(num_layers: int) -> dict[str, dict]:
     ask = {"return_hidden_states": True}
-    return [
+    rules = [
         ("flag_not_a_boolean", {"return_hidden_states": "yes"}),
         ("layers_without_flag", {"hidden_states_layers": [0]}),
         ("points_without_flag", {"hidden_states_points": ["attn_out.0"]}),
@@ -61,9 +53,17 @@ def bad_fields(num_layers: int) -> list[tuple[str, dict]]:
             {"steering": [{"point": "attn_pattern.1", "name": STEERING_VECTOR}]},
         ),
     ]
+    return dict(rules)
 
 
-RULES = bad_fields(_layers())
+RULES = list(bad_fields(num_layers=2))
+
+
+@pytest.fixture(scope="module")
+def num_layers(qwen3_dir) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(qwen3_dir).num_hidden_layers
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,9 @@ def http_refusal(client, fields: dict) -> tuple[str, str | None]:
     return error["message"].removesuffix(f" (parameter={param})"), param
 
 
-@pytest.mark.parametrize("fields", [f for _, f in RULES], ids=[rule for rule, _ in RULES])
-def test_a_bad_field_reads_the_same_in_python_and_over_http(llm, client, fields):
+@pytest.mark.parametrize("rule", RULES)
+def test_a_bad_field_reads_the_same_in_python_and_over_http(llm, client, num_layers, rule):
+    fields = bad_fields(num_layers)[rule]
     message, parameter = python_refusal(llm, fields)
     assert http_refusal(client, fields) == (message, parameter)
 
