@@ -39,11 +39,7 @@ def capturable_point_ids(
     where it is exact (ValueError if none), an address that one point
     (ValueError where it is not exact: a kind the layer lacks, or a layer of
     a class not verified, :class:`ModelLayers`)."""
-    model = (
-        architecture
-        if isinstance(architecture, ModelLayers)
-        else model_layers_for(architecture, num_layers)
-    )
+    model = model_layers_for(architecture, num_layers)
     ids: set[int] = set()
     for item in given:
         if item == "all":
@@ -76,11 +72,7 @@ def sae_capture_id(
     """The capture id an SAE (:func:`sae_entry`) reads: its HF layer, or the
     id of its point; None when the model has no such layer or point, or not
     exactly (:func:`sae_problems` says why at start)."""
-    model = (
-        architecture
-        if isinstance(architecture, ModelLayers)
-        else model_layers_for(architecture, num_layers)
-    )
+    model = model_layers_for(architecture, num_layers)
     if sae.get("point") is None:
         layer = sae["layer"]
         if not -(num_layers + 1) <= layer <= num_layers:

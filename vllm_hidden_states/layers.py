@@ -418,9 +418,11 @@ class ModelLayers:
         )
 
 
-def model_layers_for(architecture: str | None, num_layers: int = 1) -> ModelLayers:
+def model_layers_for(architecture: "str | ModelLayers | None", num_layers: int = 1) -> ModelLayers:
     """:class:`ModelLayers` of a uniform model of ``architecture`` (every
-    layer of one class), from the name alone."""
+    layer of one class), from the name alone; a :class:`ModelLayers` as it is."""
+    if isinstance(architecture, ModelLayers):
+        return architecture
     from types import SimpleNamespace
 
     return ModelLayers.of(SimpleNamespace(architectures=[architecture]), num_layers)

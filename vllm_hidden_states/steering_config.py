@@ -172,11 +172,7 @@ def steerable_ids(
     """Capture ids of ``--steering-points`` (``"all"``: every steerable kind
     at every layer where it is exact; a kind alone: every layer where it is
     exact; addresses); ValueError naming what is allowed."""
-    model = (
-        architecture
-        if isinstance(architecture, ModelLayers)
-        else model_layers_for(architecture, num_layers)
-    )
+    model = model_layers_for(architecture, num_layers)
 
     def kinds_at(i: int) -> list[str]:
         return [k for k in model.kinds_at(i) if k in STEERABLE_KINDS]
