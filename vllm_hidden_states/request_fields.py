@@ -137,7 +137,7 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         raise FieldError(
             f"hidden states are not enabled on this engine; {ENABLE_HINT}", "return_hidden_states"
         )
-    positions = _checked(
+    positions = checked(
         check_positions,
         "hidden_states_positions",
         "last" if fields.hidden_states_positions is None else fields.hidden_states_positions,
@@ -146,20 +146,20 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
     if fields.sae_features is not None:
         if cfg.sae is None:
             raise _no_sae()
-        sae_top_k = _checked(
+        sae_top_k = checked(
             check_sae_features, "sae_features", fields.sae_features, cfg.sae["d_sae"]
         )
-    asked = _checked(check_points, "hidden_states_points", fields.hidden_states_points)
-    ids = _checked(cfg.resolve_points, "hidden_states_points", asked)
+    asked = checked(check_points, "hidden_states_points", fields.hidden_states_points)
+    ids = checked(cfg.resolve_points, "hidden_states_points", asked)
     # With sae_features or points, full states only for the layers named.
-    layers = _checked(
+    layers = checked(
         check_layers,
         "hidden_states_layers",
         fields.hidden_states_layers,
         bool(sae_top_k),
         bool(asked),
     )
-    abs_layers = _checked(cfg.resolve_all, "hidden_states_layers", layers)
+    abs_layers = checked(cfg.resolve_all, "hidden_states_layers", layers)
     # Attention patterns and MLP neurons travel apart from the residual rows.
     n = cfg.num_layers
     pattern = [is_pattern_id(k, n) for k in ids]
@@ -183,8 +183,9 @@ def _no_sae() -> FieldError:
     return FieldError(f"sae_features needs an SAE on this engine; {SAE_HINT}", "sae_features")
 
 
-def _checked(rule: Any, parameter: str, *args: Any) -> Any:
-    """``rule(*args)``, its ValueError raised as a :class:`FieldError` of ``parameter``."""
+def checked(rule: Any, parameter: str, *args: Any) -> Any:
+    """``rule(*args)``, its ValueError raised as a :class:`FieldError` of
+    ``parameter`` (one that is a FieldError already keeps its own)."""
     try:
         return rule(*args)
     except FieldError:

@@ -29,6 +29,7 @@ from vllm_hidden_states.request_fields import (
     check_points,
     check_positions,
     check_sae_features,
+    checked,
     refuse_without_flag,
     resolve_fields,
     window_problem,
@@ -89,14 +90,12 @@ class HiddenStatesAsk:
 
 
 def _field(rule: Any, parameter: str, *args: Any) -> Any:
-    """``rule(*args)`` of the one resolver (``request_fields``), its
-    ValueError as this route's 400 naming ``parameter``."""
+    """``rule(*args)`` of the one resolver (``request_fields.checked``), its
+    :class:`FieldError` as this route's 400."""
     try:
-        return rule(*args)
+        return checked(rule, parameter, *args)
     except FieldError as e:
         raise invalid_request(str(e), e.parameter) from None
-    except ValueError as e:
-        raise invalid_request(str(e), parameter) from None
 
 
 def _one_of(extra: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
