@@ -25,8 +25,14 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 # "fused": (hidden, residual) in and out, the stream their sum; an add-norm
 #   called with the residual after attention;
 # "granite": plain adds scaled by residual_multiplier;
-# "olmo2": post-norms on both blocks, plain adds (HF's layer on vLLM's
-#   Transformers backend);
+# "post_norm": the stream in hidden only, plain adds of each block's output
+#   after its own post-norm (OLMo 2, HF's layer on vLLM's Transformers
+#   backend; Exaone 4); the MLP reads resid_mid unnormed;
+# "plain": the stream in hidden only, pre-norm blocks and plain adds (GPT-2);
+#   resid_mid is the input of the norm before the MLP (``mid_norm``);
+# "parallel": Cohere's: one norm, attention and MLP side by side on its
+#   output, both added to the stream in hidden (the residual argument is
+#   ignored, and returned as it came); no resid_mid;
 # "granite_hybrid": Granite 4.0-H: (hidden, residual) arguments, but the whole
 #   stream in hidden (residual is ignored); returns (resid_post, resid_mid);
 #   adds scaled by residual_multiplier; the mixer is attention or Mamba2;
@@ -36,7 +42,16 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 # "parallel_hybrid": Falcon-H1: the stream in hidden only, plain adds;
 #   attention and a Mamba2 mixer side by side on the same normed input, their
 #   sum (each times a muP multiplier) added, then an MLP: no single attn_out.
-Layout = Literal["fused", "granite", "olmo2", "granite_hybrid", "single_block", "parallel_hybrid"]
+Layout = Literal[
+    "fused",
+    "granite",
+    "post_norm",
+    "plain",
+    "parallel",
+    "granite_hybrid",
+    "single_block",
+    "parallel_hybrid",
+]
 FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused", "single_block")
 
 _V = "vllm.model_executor.models."
@@ -49,6 +64,10 @@ class LayerClass:
     Attributes:
         layout: its reader (:data:`Layout`).
         mixer: the child module that mixes tokens (attention or Mamba).
+        mlp: the child module of the MLP block (dense or experts), where a
+            layout reads ``mlp_out`` at its output.
+        mid_norm: the "plain" layout's norm before the MLP, whose input is
+            ``resid_mid``.
         attention: whether ``<mixer>.attn`` is vLLM's ``Attention``, whose
             queries and keys give attention patterns.
         neurons: the dotted path of the dense MLP's down projection, whose
@@ -66,6 +85,8 @@ class LayerClass:
     layout: Layout
     tested_by: tuple[str, ...]
     mixer: str = "self_attn"
+    mlp: str = "mlp"
+    mid_norm: str = "post_attention_layernorm"
     attention: bool = True
     neurons: str | None = "mlp.down_proj"
     points: bool = True
@@ -74,7 +95,7 @@ class LayerClass:
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
-    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3")),
+    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45")),
     _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
     _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2",)),
     _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
@@ -84,7 +105,7 @@ LAYER_CLASSES: dict[str, LayerClass] = {
     _V + "gemma3.Gemma3DecoderLayer": LayerClass("fused", ("gemma3",)),
     _V + "granite.GraniteDecoderLayer": LayerClass("granite", ("granite",)),
     "transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer": LayerClass(
-        "olmo2", ("olmo2",), attention=False
+        "post_norm", ("olmo2",), attention=False
     ),
     _V + "granitemoehybrid.GraniteMoeHybridAttentionDecoderLayer": LayerClass(
         "granite_hybrid", ("granitemoehybrid",), neurons="shared_mlp.output_linear"
@@ -97,6 +118,29 @@ LAYER_CLASSES: dict[str, LayerClass] = {
         neurons="shared_mlp.output_linear",
     ),
 }
+
+# The frontier families (issue 48); MoE blocks' mlp_out is the whole block's
+# output (routed experts, plus shared experts where the family has them),
+# the one tensor the layer adds to the stream; they have no mlp_post.
+LAYER_CLASSES.update(
+    {
+        _V + "gemma.GemmaDecoderLayer": LayerClass("fused", ("gemma",)),
+        _V + "qwen2_moe.Qwen2MoeDecoderLayer": LayerClass("fused", ("qwen2_moe",), neurons=None),
+        _V + "olmoe.OlmoeDecoderLayer": LayerClass("fused", ("olmoe",), neurons=None),
+        _V + "glm4.Glm4DecoderLayer": LayerClass("fused", ("glm4",)),
+        _V + "glm4_moe.Glm4MoeDecoderLayer": LayerClass("fused", ("glm4_moe",), neurons=None),
+        _V + "llama4.Llama4DecoderLayer": LayerClass(
+            "fused", ("llama4",), mlp="feed_forward", neurons=None
+        ),
+        _V + "exaone4.Exaone4DecoderLayer": LayerClass("post_norm", ("exaone4",)),
+        _V + "granitemoe.GraniteMoeDecoderLayer": LayerClass(
+            "granite", ("granitemoe",), mlp="block_sparse_moe", neurons=None
+        ),
+        _V + "gpt2.GPT2Block": LayerClass(
+            "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
+        ),
+    }
+)
 
 # Nemotron-H: one block per layer (a Mamba2 mixer, attention, or an MLP), with
 # vLLM's fused residual: (hidden, residual) in and out, the stream their sum.
@@ -188,6 +232,17 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "mistral.MistralForCausalLM": _V + "mistral.MistralDecoderLayer",
     # vLLM's Phi-3 is its Llama with fused projections' weight names.
     _V + "phi3.Phi3ForCausalLM": _V + "llama.LlamaDecoderLayer",
+    # vLLM's Ernie 4.5 is its Llama (interleaved rotary, no o_proj bias).
+    _V + "ernie45.Ernie4_5ForCausalLM": _V + "llama.LlamaDecoderLayer",
+    _V + "gemma.GemmaForCausalLM": _V + "gemma.GemmaDecoderLayer",
+    _V + "qwen2_moe.Qwen2MoeForCausalLM": _V + "qwen2_moe.Qwen2MoeDecoderLayer",
+    _V + "olmoe.OlmoeForCausalLM": _V + "olmoe.OlmoeDecoderLayer",
+    _V + "glm4.Glm4ForCausalLM": _V + "glm4.Glm4DecoderLayer",
+    _V + "glm4_moe.Glm4MoeForCausalLM": _V + "glm4_moe.Glm4MoeDecoderLayer",
+    _V + "llama4.Llama4ForCausalLM": _V + "llama4.Llama4DecoderLayer",
+    _V + "exaone4.Exaone4ForCausalLM": _V + "exaone4.Exaone4DecoderLayer",
+    _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
+    _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
     _V + "qwen2.Qwen2ForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
     _V + "qwen3.Qwen3ForCausalLM": _V + "qwen3.Qwen3DecoderLayer",
     _V + "qwen3_moe.Qwen3MoeForCausalLM": _V + "qwen3_moe.Qwen3MoeDecoderLayer",
@@ -379,7 +434,7 @@ class ModelLayers:
                 return why
             attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
             return f"{why}; it is not attention; attention layers: {attention}"
-        if kind == PATTERN_KIND and known.layout == "olmo2":
+        if kind == PATTERN_KIND and (self.classes[i] or "").startswith("transformers."):
             return (
                 f"attn_pattern needs vLLM's own attention module in the decoder layer "
                 f"(self_attn.attn); {name} runs on vLLM's Transformers backend"

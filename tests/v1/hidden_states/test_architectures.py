@@ -39,9 +39,17 @@ from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import POINT_KINDS
 from vllm_hidden_states.steering_config import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, build_tiny_model
 
-from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, env_set, token_ids_of
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    MODELS,
+    REL_TOL,
+    HFReference,
+    assert_close,
+    env_set,
+    token_ids_of,
+)
 
 # Compiled (torch.compile, the default off eager) for one of each reader and
 # every hybrid.
@@ -138,7 +146,7 @@ def _last_engine_is_shut_down():
     _shutdown()
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=CORE_ARCHS)
 def arch(request) -> str:
     return request.param
 
@@ -352,7 +360,8 @@ def test_every_point_of_every_position_matches_hf(arch):
 def test_points_satisfy_the_residual_identities(arch):
     """resid_mid = resid_pre + attn_out (where there is one attn_out: not
     Falcon-H1's), resid_post = resid_mid + mlp_out (a single-block layer,
-    Nemotron-H's: resid_post = resid_pre + its block's attn_out or mlp_out),
+    Nemotron-H's: resid_post = resid_pre + its block's attn_out or mlp_out;
+    Cohere's side-by-side blocks: resid_post = resid_pre + attn_out + mlp_out),
     resid_post.i = resid_pre.(i+1) = HF layer i+1 below the last layer."""
     llm, hf = engine_for(arch)
     states, ids = points_of(llm, hf, "all")
@@ -366,9 +375,11 @@ def test_points_satisfy_the_residual_identities(arch):
             if "attn_out" in model.kinds_at(i):  # not Falcon-H1's two mixers side by side
                 assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
             assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
-        else:
-            (block,) = (k for k in ("attn_out", "mlp_out") if k in model.kinds_at(i))
-            assert_close(pre + by_name[f"{block}.{i}"], post, f"{arch} resid_post.{i}")
+        else:  # one block (Nemotron-H), or two side by side (Cohere)
+            blocks = [
+                by_name[f"{k}.{i}"] for k in ("attn_out", "mlp_out") if k in model.kinds_at(i)
+            ]
+            assert_close(pre + sum(blocks), post, f"{arch} resid_post.{i}")
         assert_close(pre, layers[i], f"{arch} resid_pre.{i} = HF layer {i}")
         if i < hf.num_layers - 1:
             assert torch.equal(post, by_name[f"resid_pre.{i + 1}"]), (arch, i)
@@ -478,9 +489,10 @@ def assert_steered_like_hf(out, hf: HFReference, steering: list[dict], what: str
     states = out.outputs[0].hidden_states
     for layer in range(hf.num_layers + 1):
         assert_close(states[layer], reference[layer], f"{what} layer {layer}")
-    # The intervention did something (the comparison is not plain vs plain).
+    # The intervention did something the comparison would see: three times
+    # its tolerance (so it is not plain vs plain).
     changed = (reference[-1] - plain[-1]).abs().max() / plain[-1].abs().max()
-    assert changed > 1e-2, f"{what}: steering changed the final state by only {changed:.1e}"
+    assert changed > 3 * REL_TOL, f"{what}: steering changed the final state by only {changed:.1e}"
 
 
 def test_add_at_every_layer_matches_hf_hooks(arch):
