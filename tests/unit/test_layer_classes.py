@@ -171,9 +171,7 @@ def test_an_engine_asked_for_a_layer_of_an_unknown_class_refuses_at_start_naming
 
 def test_a_request_for_a_layer_of_an_unknown_class_is_refused_naming_what_is_exact():
     cfg = HiddenStatesConfig.from_vllm_config(
-        fake_vllm_config(
-            additional_config_entry(None), num_layers=L, architecture="OPTForCausalLM"
-        )
+        fake_vllm_config(additional_config_entry(None), num_layers=L, architecture="OPTForCausalLM")
     )
     assert cfg is not None
     assert cfg.resolve_all([0, -1]) == [0, L]

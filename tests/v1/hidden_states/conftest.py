@@ -203,6 +203,50 @@ class HFReference:
         return found
 
     @torch.inference_mode()
+    def layer_by_layer(
+        self, token_ids: list[int], inputs: dict[int, torch.Tensor], interventions: list[dict] = ()
+    ) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor], tuple]:
+        """Every point of every layer with each decoder layer ``i`` fed
+        ``inputs[i]`` (``[len(token_ids), hidden]``, e.g. the engine's own
+        resid_pre.i) in place of HF's stream: each layer is compared on its
+        own, errors of a lower precision not carried from layer to layer.
+        Returns the points (``{"kind.i": rows}``, resid_post.i = layer i's
+        output on its given input), the routing margin per MoE layer (the
+        gap between the last chosen and the first unchosen router logit, per
+        row; where it is near zero the routes of two precisions may part),
+        and HF's eager attention weights; ``interventions`` as
+        :meth:`steering`."""
+        handles = []
+        margins: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(decoder_layers_of(self.model)):
+
+            def feed(module, args, kwargs, given=inputs[i]):
+                x = args[0] if args else kwargs["hidden_states"]
+                sequence_rows(x).copy_(given.to(x.dtype))
+
+            handles.append(layer.register_forward_pre_hook(feed, with_kwargs=True))
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            top_k = getattr(gate, "top_k", None)
+            if gate is not None and top_k is not None:
+
+                def margin(module, args, output, i=i, k=top_k):
+                    logits = (output[0] if isinstance(output, tuple) else output).float()
+                    ranked = logits.sort(dim=-1, descending=True).values
+                    margins[i] = (ranked[:, k - 1] - ranked[:, k]) / ranked.abs().amax(-1)
+
+                handles.append(gate.register_forward_hook(margin))
+        try:
+            with self.steering(list(interventions)):
+                found = self.points(token_ids)
+                attentions = self.model(
+                    torch.tensor([token_ids]), output_attentions=True
+                ).attentions
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found, margins, attentions
+
+    @torch.inference_mode()
     def steered_states(
         self, token_ids: list[int], interventions: list[dict]
     ) -> tuple[torch.Tensor, ...]:
