@@ -66,8 +66,10 @@ class LayerClass:
         mixer: the child module that mixes tokens (attention or Mamba).
         mlp: the child module of the MLP block (dense or experts), where a
             layout reads ``mlp_out`` at its output.
-        mid_norm: the "plain" layout's norm before the MLP, whose input is
-            ``resid_mid``.
+        mid_norm: the norm before the MLP, whose input is ``resid_mid`` (in
+            the "fused" layout the add-norm that forms it, its first
+            argument being ``attn_out``; Gemma 2/3: their
+            ``pre_feedforward_layernorm``).
         attention: whether ``<mixer>.attn`` is vLLM's ``Attention``, whose
             queries and keys give attention patterns.
         neurons: the dotted path of the dense MLP's down projection, whose
@@ -153,6 +155,20 @@ LAYER_CLASSES.update(
             "read there",
             float16="vLLM scales DeepSeek's residual stream by 1/routed_scaling_factor "
             "in float16 (an overflow guard), so its states there are not the model's",
+        ),
+        # LFM2: vLLM's fused residual around attention or a gated short
+        # convolution, ffn_norm the add-norm before the MLP (feed_forward).
+        _V + "lfm2.Lfm2AttentionDecoderLayer": LayerClass(
+            "fused", ("lfm2",), mlp="feed_forward", mid_norm="ffn_norm", neurons="feed_forward.w2"
+        ),
+        _V + "lfm2.Lfm2ShortConvDecoderLayer": LayerClass(
+            "fused",
+            ("lfm2",),
+            mixer="short_conv",
+            attention=False,
+            mlp="feed_forward",
+            mid_norm="ffn_norm",
+            neurons="feed_forward.w2",
         ),
         _V + "gpt2.GPT2Block": LayerClass(
             "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
@@ -274,6 +290,11 @@ def _nemotron_h_layers(config: Any) -> list[str]:
     ]
 
 
+def _lfm2_layers(config: Any) -> list[str]:
+    kinds = {"full_attention": "Lfm2AttentionDecoderLayer", "conv": "Lfm2ShortConvDecoderLayer"}
+    return [_V + "lfm2." + kinds.get(t, "?" + t) for t in config.layer_types]
+
+
 def _falcon_h1_layers(config: Any) -> list[str]:
     # vLLM's Mamba2 norm gates before normalizing whatever the config says:
     # with mamba_norm_before_gate true (HF's default) vLLM's model is not
@@ -304,6 +325,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "exaone4.Exaone4ForCausalLM": _V + "exaone4.Exaone4DecoderLayer",
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
+    _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(

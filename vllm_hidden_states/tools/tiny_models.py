@@ -94,6 +94,7 @@ FRONTIER_ARCHS = (
     "qwen3_next",
     "deepseek_v2",
     "deepseek_v3",
+    "lfm2",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -133,6 +134,7 @@ _STYLE = {
     "qwen3_5_moe": "chatml",
     "deepseek_v2": "chatml",
     "deepseek_v3": "chatml",
+    "lfm2": "chatml",
     "llama4": "llama",
     "gemma": "gemma",
     "llama": "llama",
@@ -577,6 +579,33 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
         )
         config.scoring_func = "sigmoid"
         return config, T.DeepseekV3ForCausalLM
+    if arch == "lfm2":
+        # Short gated convolutions beside attention (conv, attention, ...).
+        # One attention head: vLLM's eager CPU rotary kernel rotates the
+        # wrong rows of LFM2's [tokens, heads, head_dim] queries and keys when
+        # there are more (vLLM's deviation, not this model's); vLLM ties the
+        # LM head to the embeddings whatever the config says.
+        hidden = common["hidden_size"]
+        config = T.Lfm2Config(
+            vocab_size=common["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=layers,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            max_position_embeddings=common["max_position_embeddings"],
+            norm_eps=1e-5,
+            tie_word_embeddings=True,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            conv_L_cache=3,
+            conv_bias=False,
+            block_multiple_of=256,
+            block_auto_adjust_ff_dim=True,
+            block_ffn_dim_multiplier=1.0,
+            **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        )
+        config.conv_dim = config.block_dim = hidden  # read by vLLM
+        return config, T.Lfm2ForCausalLM
     if arch == "granitemoe":
         return T.GraniteMoeConfig(
             num_local_experts=4,

@@ -242,7 +242,7 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             name = (
                 "pre_feedforward_layernorm"
                 if hasattr(layer, "pre_feedforward_layernorm")
-                else "post_attention_layernorm"
+                else known.mid_norm
             )
             return Tap(child_module(layer, name, point), "pre", first_arg(("x", "hidden_states")))
         return Tap(layer, "post", _output_item(1 if kind == "resid_mid" else 0))

@@ -46,8 +46,9 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, what: str = ""):
 
 def mixer_of(layer):
     """An HF decoder layer's token mixer: its attention (GPT-2: ``attn``),
-    Granite 4.0-H's Mamba2 block, or Qwen3-Next's linear attention."""
-    for name in ("self_attn", "attn", "linear_attn", "mamba"):
+    Granite 4.0-H's Mamba2 block, Qwen3-Next's linear attention or LFM2's
+    short convolution."""
+    for name in ("self_attn", "attn", "linear_attn", "mamba", "conv"):  # LFM2: conv
         if getattr(layer, name, None) is not None:
             return getattr(layer, name)
     raise LookupError(f"no token mixer in {type(layer).__name__}")
@@ -67,7 +68,7 @@ def down_projection_of(layer):
     if getattr(layer, "block_sparse_moe", None) is not None:
         return None
     mlp = mlp_of(layer)
-    for name in ("down_proj", "output_linear", "c_proj"):  # GPT-2: c_proj
+    for name in ("down_proj", "output_linear", "c_proj", "w2"):  # GPT-2: c_proj; LFM2: w2
         if getattr(mlp, name, None) is not None:
             return getattr(mlp, name)
     return None
@@ -125,6 +126,8 @@ def point_sites(layer) -> dict[str, tuple]:
         sites["resid_mid"] = (layer.pre_ff_layernorm, "in", 1.0)
     elif hasattr(layer, "ln_2"):  # GPT-2
         sites["resid_mid"] = (layer.ln_2, "in", 1.0)
+    elif hasattr(layer, "ffn_norm"):  # LFM2
+        sites["resid_mid"] = (layer.ffn_norm, "in", 1.0)
     elif post_norms:  # OLMo 2, Exaone 4: the MLP reads resid_mid unnormed
         sites["resid_mid"] = (layer.mlp, "in", 1.0)
     elif hasattr(layer, "post_attention_layernorm"):

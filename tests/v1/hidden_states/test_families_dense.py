@@ -2,13 +2,14 @@
 """Frontier families with dense MLPs, exact against HF at every layer and
 point (family_matrix.py): Gemma, GPT-2 (pre-norm plain adds), Ernie 4.5
 (vLLM's Llama layer), GLM-4 (sandwich norms), Exaone 4 (post-norms, sliding
-and NoPE layers); the first two also compiled."""
+and NoPE layers), LFM2 (gated short convolutions beside attention); GPT-2 and
+Exaone 4 also compiled."""
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-DENSE = ("gemma", "gpt2", "ernie45", "glm4", "exaone4")
+DENSE = ("gemma", "gpt2", "ernie45", "glm4", "exaone4", "lfm2")
 
 
 @pytest.fixture(scope="module", params=DENSE)
