@@ -27,7 +27,8 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 # "granite": plain adds scaled by residual_multiplier;
 # "post_norm": the stream in hidden only, plain adds of each block's output
 #   after its own post-norm (OLMo 2, HF's layer on vLLM's Transformers
-#   backend; Exaone 4); the MLP reads resid_mid unnormed;
+#   backend; Exaone 4; Gemma 4); resid_mid is the input of ``mid_norm`` (the
+#   MLP itself where it reads the stream unnormed);
 # "plain": the stream in hidden only, pre-norm blocks and plain adds (GPT-2);
 #   resid_mid is the input of the norm before the MLP (``mid_norm``);
 # "parallel": Cohere's: one norm, attention and MLP side by side on its
@@ -110,7 +111,7 @@ LAYER_CLASSES: dict[str, LayerClass] = {
     _V + "gemma3.Gemma3DecoderLayer": LayerClass("fused", ("gemma3",)),
     _V + "granite.GraniteDecoderLayer": LayerClass("granite", ("granite",)),
     "transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer": LayerClass(
-        "post_norm", ("olmo2",), attention=False
+        "post_norm", ("olmo2",), attention=False, mid_norm="mlp"
     ),
     _V + "granitemoehybrid.GraniteMoeHybridAttentionDecoderLayer": LayerClass(
         "granite_hybrid", ("granitemoehybrid",), neurons="shared_mlp.output_linear"
@@ -137,7 +138,15 @@ LAYER_CLASSES.update(
         _V + "llama4.Llama4DecoderLayer": LayerClass(
             "fused", ("llama4",), mlp="feed_forward", neurons=None
         ),
-        _V + "exaone4.Exaone4DecoderLayer": LayerClass("post_norm", ("exaone4",)),
+        _V + "exaone4.Exaone4DecoderLayer": LayerClass("post_norm", ("exaone4",), mid_norm="mlp"),
+        # Gemma 4: sandwich norms around each block (the MLP reads resid_mid
+        # through pre_feedforward_layernorm); after the MLP's add, the
+        # per-layer input embedding's gated projection is added and the sum
+        # scaled by the layer's scalar: resid_post is that layer output, not
+        # resid_mid + mlp_out. Dense MLP only (its MoE variant is untested).
+        _V + "gemma4.Gemma4DecoderLayer": LayerClass(
+            "post_norm", ("gemma4",), mid_norm="pre_feedforward_layernorm"
+        ),
         _V + "granitemoe.GraniteMoeDecoderLayer": LayerClass(
             "granite", ("granitemoe",), mlp="block_sparse_moe", neurons=None
         ),
@@ -295,6 +304,22 @@ def _lfm2_layers(config: Any) -> list[str]:
     return [_V + "lfm2." + kinds.get(t, "?" + t) for t in config.layer_types]
 
 
+def _gemma4_layers(config: Any) -> list[str]:
+    # KV-sharing layers (Gemma 4's E2B / E4B) reuse an earlier layer's keys,
+    # and MoE layers run experts beside the dense MLP: both untested here,
+    # so named as no reader has them.
+    name = _V + "gemma4.Gemma4DecoderLayer"
+    n = config.num_hidden_layers
+    shared_from = n - int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    moe = bool(getattr(config, "enable_moe_block", False))
+    return [
+        name
+        + ("[kv shared: untested]" if i >= shared_from else "")
+        + ("[experts: untested]" if moe else "")
+        for i in range(n)
+    ]
+
+
 def _falcon_h1_layers(config: Any) -> list[str]:
     # vLLM's Mamba2 norm gates before normalizing whatever the config says:
     # with mamba_norm_before_gate true (HF's default) vLLM's model is not
@@ -326,6 +351,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
     _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
+    _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(

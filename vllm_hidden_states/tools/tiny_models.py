@@ -95,6 +95,7 @@ FRONTIER_ARCHS = (
     "deepseek_v2",
     "deepseek_v3",
     "lfm2",
+    "gemma4",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -105,7 +106,7 @@ ARCHS = CORE_ARCHS + FRONTIER_ARCHS
 REFUSED_ARCHS = ("opt",)
 
 # Built to compare plain vLLM with HF (tools and probes); not verified.
-UNVERIFIED_ARCHS = ("gpt_oss", "cohere2", "ernie45_moe")
+UNVERIFIED_ARCHS = ("gpt_oss", "cohere2", "ernie45_moe", "minimax_m2")
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -135,6 +136,8 @@ _STYLE = {
     "deepseek_v2": "chatml",
     "deepseek_v3": "chatml",
     "lfm2": "chatml",
+    "minimax_m2": "chatml",
+    "gemma4": "gemma",
     "llama4": "llama",
     "gemma": "gemma",
     "llama": "llama",
@@ -606,6 +609,37 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
         )
         config.conv_dim = config.block_dim = hidden  # read by vLLM
         return config, T.Lfm2ForCausalLM
+    if arch == "gemma4":
+        # Gemma 4 (text): sandwich norms, per-layer input embeddings (PLE)
+        # gated into every layer's output, a learned per-layer scalar,
+        # sliding layers with RoPE and a full layer with proportional RoPE;
+        # vLLM ties the LM head to the embeddings.
+        return T.Gemma4TextConfig(
+            head_dim=common["hidden_size"] // num_heads,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=SHORT_WINDOW,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=common["vocab_size"],
+            per_layer_config={},
+            **dict(common, tie_word_embeddings=True),
+        ), T.Gemma4ForCausalLM
+    if arch == "minimax_m2":
+        # Sigmoid routing with a correction bias (vLLM's CPU router runs
+        # softmax only: seen failing at the first generate).
+        config = T.MiniMaxM2Config(
+            head_dim=common["hidden_size"] // num_heads,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **dict(common, intermediate_size=moe),
+        )
+        # What the released config.json carries and vLLM reads.
+        config.rotary_dim = config.head_dim
+        config.scoring_func = "sigmoid"
+        config.use_routing_bias = True
+        return config, T.MiniMaxM2ForCausalLM
     if arch == "granitemoe":
         return T.GraniteMoeConfig(
             num_local_experts=4,

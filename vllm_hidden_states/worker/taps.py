@@ -289,7 +289,8 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             child_module(layer, known.mid_norm, point), "pre", first_arg(("x", "hidden_states"))
         )
     if layout == "post_norm":
-        # resid + post_norm(block(x)), twice; the MLP reads resid_mid unnormed.
+        # resid + post_norm(block(x)), twice; resid_mid read where the MLP
+        # block takes it (the MLP itself, or Gemma 4's pre-MLP norm).
         if kind == "attn_out":
             return Tap(
                 child_module(layer, "post_attention_layernorm", point), "post", _output_tensor
@@ -298,7 +299,9 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             return Tap(
                 child_module(layer, "post_feedforward_layernorm", point), "post", _output_tensor
             )
-        return Tap(child_module(layer, "mlp", point), "pre", first_arg(("hidden_states", "x")))
+        return Tap(
+            child_module(layer, known.mid_norm, point), "pre", first_arg(("hidden_states", "x"))
+        )
     raise LookupError(f"{point}: no reader for layout {layout!r} of {type(layer).__name__}")
 
 

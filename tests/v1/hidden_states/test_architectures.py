@@ -47,6 +47,7 @@ from .conftest import (
     REL_TOL,
     HFReference,
     assert_close,
+    decoder_layers_of,
     env_set,
     token_ids_of,
 )
@@ -373,20 +374,23 @@ def test_points_satisfy_the_residual_identities(arch):
     """resid_mid = resid_pre + attn_out (where there is one attn_out: not
     Falcon-H1's), resid_post = resid_mid + mlp_out (a single-block layer,
     Nemotron-H's: resid_post = resid_pre + its block's attn_out or mlp_out;
-    Cohere's side-by-side blocks: resid_post = resid_pre + attn_out + mlp_out),
+    Cohere's side-by-side blocks: resid_post = resid_pre + attn_out + mlp_out;
+    Gemma 4 adds its per-layer input and scales after the MLP's add),
     resid_post.i = resid_pre.(i+1) = HF layer i+1 below the last layer."""
     llm, hf = engine_for(arch)
     states, ids = points_of(llm, hf, "all")
     by_name = {_kind_layer(a): t for a, t in states.items()}
     layers = hf.states(ids)
     model = layers_of(hf)
+    hf_layers = decoder_layers_of(hf.model)
     for i in range(hf.num_layers):
         pre, post = by_name[f"resid_pre.{i}"], by_name[f"resid_post.{i}"]
         if "resid_mid" in model.kinds_at(i):
             mid = by_name[f"resid_mid.{i}"]
             if "attn_out" in model.kinds_at(i):  # not Falcon-H1's two mixers side by side
                 assert_close(pre + by_name[f"attn_out.{i}"], mid, f"{arch} resid_mid.{i}")
-            assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
+            if not hasattr(hf_layers[i], "per_layer_input_gate"):  # Gemma 4: + PLE, x scalar
+                assert_close(mid + by_name[f"mlp_out.{i}"], post, f"{arch} resid_post.{i}")
         else:  # one block (Nemotron-H), or two side by side (Cohere)
             blocks = [
                 by_name[f"{k}.{i}"] for k in ("attn_out", "mlp_out") if k in model.kinds_at(i)
