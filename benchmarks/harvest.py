@@ -283,11 +283,13 @@ def check_hf(base_url: str, hf: HFHarvest) -> float:
 def run(
     rounds: int = 3, quick: bool = False, model: Path | None = None, tiny: bool = False
 ) -> list[Comparison]:
-    """``tiny``: the tiny model, 4 documents a round (a smoke test)."""
+    """``tiny``: the tiny model, 4 documents a round, an eager server (a
+    smoke test)."""
     model = model or bench_model("tiny" if tiny else "default")
     n_docs = 4 if tiny else 64 if quick else 256
     work = Path(tempfile.mkdtemp(prefix="harvest-bench-"))
-    server = Server(model, *SERVER_ARGS, name="harvest").wait()
+    eager = ("--enforce-eager",) if tiny else ()  # no compile in a smoke test
+    server = Server(model, *SERVER_ARGS, *eager, name="harvest").wait()
     hf = HFHarvest(model)
     load0 = os.getloadavg()
     name = (

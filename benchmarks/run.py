@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.report is not None:
         return report_from(args.report)
+    args.quick = args.quick or args.tiny  # the sections without a tiny size
     sections = [s for s in args.only.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
