@@ -22,6 +22,8 @@ from typing import Any, Literal
 from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, PointKind
 
 # How a layer class's stream and points are read (worker/capture_points.py):
+# "stream_only": a layer of vLLM's Transformers backend (HF's own class),
+#   read only where the stream enters it (its input ``hidden_states``);
 # "fused": (hidden, residual) in and out, the stream their sum; an add-norm
 #   called with the residual after attention;
 # "granite": plain adds scaled by residual_multiplier;
@@ -44,6 +46,7 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 #   attention and a Mamba2 mixer side by side on the same normed input, their
 #   sum (each times a muP multiplier) added, then an MLP: no single attn_out.
 Layout = Literal[
+    "stream_only",
     "fused",
     "granite",
     "post_norm",
@@ -273,6 +276,32 @@ LAYER_CLASSES[_V + "falcon_h1.FalconH1ParallelHybrid"] = LayerClass(
 )
 
 
+# vLLM's Transformers backend runs HF's own decoder layers, and HF builds
+# output_hidden_states from what passes between them (each layer's output, the
+# next one's input), so the stream entering such a layer is HF's definition,
+# whatever the model: served at every layer. The points inside are refused
+# unless the class is listed above (OLMo 2). Tested on the families named
+# (Seed-OSS and Hunyuan dense seen exact too, outside the suite).
+TRANSFORMERS_BACKEND_LAYER = LayerClass(
+    "stream_only",
+    ("gpt_neox", "olmo3", "smollm3"),
+    attention=False,
+    neurons=None,
+    points=False,
+)
+_HF_MODULES = "transformers.models."
+
+
+def known_layer_class(name: str | None) -> LayerClass | None:
+    """What is known of the decoder layer class named ``name`` (None: nothing)."""
+    if name is None:
+        return None
+    known = LAYER_CLASSES.get(name)
+    if known is None and name.startswith(_HF_MODULES) and "[" not in name:
+        return TRANSFORMERS_BACKEND_LAYER
+    return known
+
+
 def class_name(cls: type) -> str:
     """A class's qualified name, the key of :data:`LAYER_CLASSES`."""
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -280,7 +309,7 @@ def class_name(cls: type) -> str:
 
 def layer_class(cls: type) -> LayerClass | None:
     """What is known of a loaded decoder layer's class (None: nothing)."""
-    return LAYER_CLASSES.get(class_name(cls))
+    return known_layer_class(class_name(cls))
 
 
 def _granite_hybrid_layers(config: Any) -> list[str]:
@@ -458,8 +487,7 @@ class ModelLayers:
         return len(self.classes)
 
     def known(self, i: int) -> "LayerClass | None":
-        name = self.classes[i]
-        return None if name is None else LAYER_CLASSES.get(name)
+        return known_layer_class(self.classes[i])
 
     def kinds_at(self, i: int) -> tuple[PointKind, ...]:
         """The point kinds exact at decoder layer ``i``."""

@@ -239,3 +239,28 @@ def test_a_granite_hybrid_layer_is_read_from_hidden_alone(monkeypatch):
     tap = stream_tap(UnknownLayer(), 1)
     a, b = tap.read((None, hidden, residual), {}, None)
     assert a is hidden and b is None
+
+
+def test_any_layer_on_the_transformers_backend_serves_the_stream_entering_it_only():
+    """HF's own decoder layer classes (vLLM's Transformers backend): every
+    layer's stream (HF's output_hidden_states), no point inside."""
+    name = "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer"
+    model = ModelLayers((name,) * L, "transformers:GPTNeoXForCausalLM")
+    assert model.exact_layers() == list(range(L + 1))
+    assert model.kinds_at(1) == ("resid_pre",)
+    assert "not verified against HF transformers here" in model.why_not("attn_out", 1)
+    # A name no reader has (an untested variant) stays unknown.
+    assert model.known(0) is layers.TRANSFORMERS_BACKEND_LAYER
+    assert layers.known_layer_class(name + "[float16: x]") is None
+
+
+def test_deepseek_layers_are_refused_inside_in_float16():
+    """vLLM rescales DeepSeek's stream by 1/routed_scaling_factor in float16."""
+    config = tiny_config("deepseek_v3")
+    for dtype, exact in ((torch.float32, list(range(L + 1))), (torch.float16, [0, L])):
+        model = ModelLayers.of(
+            SimpleNamespace(architectures=config.architectures, hf_text_config=config, dtype=dtype),
+            L,
+        )
+        assert model.exact_layers() == exact, dtype
+    assert "routed_scaling_factor" in model.why_not_layer(1)

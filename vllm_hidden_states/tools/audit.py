@@ -270,11 +270,16 @@ decoder layers; a model that defines none is followed to its base class's module
 
 
 FOOTER = """\
-Not in this registry: architectures vLLM runs on its **Transformers backend**
-(HF's own decoder layer classes). OLMo 2 is tested exact there (tiny model
-`olmo2`, `Olmo2DecoderLayer`), except attention patterns (no vLLM attention
-module). A tiny Bamba went to that backend and was refused by vLLM itself ("does
-not dispatch through the Transformers attention interface").
+Not in this table: architectures vLLM runs on its **Transformers backend**
+(HF's own decoder layer classes). HF builds `output_hidden_states` from what
+passes between its decoder layers, so on that backend the stream entering
+every layer is served, as HF defines it, for any model; the points inside a
+layer are refused unless its class is tested. Tested: OLMo 2 at every point
+but attention patterns (no vLLM attention module), and the stream of GPT-NeoX
+(parallel residual), OLMo 3 and SmolLM3 (`test_transformers_backend.py`);
+Seed-OSS and Hunyuan dense were seen exact too. A tiny Bamba went to that
+backend and was refused by vLLM itself ("does not dispatch through the
+Transformers attention interface").
 """
 
 

@@ -108,6 +108,13 @@ REFUSED_ARCHS = ("opt",)
 # Built to compare plain vLLM with HF (tools and probes); not verified.
 UNVERIFIED_ARCHS = ("gpt_oss", "cohere2", "ernie45_moe", "minimax_m2")
 
+# On vLLM's Transformers backend: the stream between HF's decoder layers
+# (HF's own output_hidden_states) is served, the points inside refused
+# (tests/v1/hidden_states/test_transformers_backend.py).
+TRANSFORMERS_BACKEND_ARCHS = ("gpt_neox", "olmo3", "smollm3")
+# Seen exact here too, not in the suite (an engine process each costs ~50 s).
+TRANSFORMERS_BACKEND_SEEN = ("seed_oss", "hunyuan_dense")
+
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
     "qwen3": "chatml",
@@ -138,6 +145,11 @@ _STYLE = {
     "lfm2": "chatml",
     "minimax_m2": "chatml",
     "gemma4": "gemma",
+    "gpt_neox": "chatml",
+    "olmo3": "chatml",
+    "smollm3": "chatml",
+    "seed_oss": "chatml",
+    "hunyuan_dense": "chatml",
     "llama4": "llama",
     "gemma": "gemma",
     "llama": "llama",
@@ -626,6 +638,28 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             per_layer_config={},
             **dict(common, tie_word_embeddings=True),
         ), T.Gemma4ForCausalLM
+    # vLLM's Transformers backend (HF's own decoder layers).
+    if arch == "gpt_neox":
+        eps = common.pop("rms_norm_eps", 1e-5)
+        common.pop("num_key_value_heads", None)
+        return T.GPTNeoXConfig(
+            layer_norm_eps=eps, use_parallel_residual=True, attention_bias=True, **common
+        ), T.GPTNeoXForCausalLM
+    if arch == "olmo3":
+        common["num_key_value_heads"] = num_heads
+        return T.Olmo3Config(sliding_window=SHORT_WINDOW, **common), T.Olmo3ForCausalLM
+    if arch == "smollm3":
+        return T.SmolLM3Config(
+            no_rope_layers=[0 if (i + 1) % 4 == 0 else 1 for i in range(layers)], **common
+        ), T.SmolLM3ForCausalLM
+    if arch == "seed_oss":
+        return T.SeedOssConfig(
+            head_dim=common["hidden_size"] // num_heads, attention_bias=True, **common
+        ), T.SeedOssForCausalLM
+    if arch == "hunyuan_dense":
+        return T.HunYuanDenseV1Config(
+            head_dim=common["hidden_size"] // num_heads, **common
+        ), T.HunYuanDenseV1ForCausalLM
     if arch == "minimax_m2":
         # Sigmoid routing with a correction bias (vLLM's CPU router runs
         # softmax only: seen failing at the first generate).
@@ -668,7 +702,8 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    if arch not in ARCHS + REFUSED_ARCHS + UNVERIFIED_ARCHS:
+    built = ARCHS + REFUSED_ARCHS + UNVERIFIED_ARCHS + TRANSFORMERS_BACKEND_ARCHS
+    if arch not in built + TRANSFORMERS_BACKEND_SEEN:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(
