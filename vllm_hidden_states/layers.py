@@ -458,6 +458,14 @@ def predicted_layer_classes(model_config: Any, num_layers: int) -> tuple[str | N
     return predicted if len(predicted) == num_layers else unknown
 
 
+# Models whose decoder layers take no single [tokens, hidden] stream: layer 0
+# (the input of the first decoder layer) is refused as well as the inner ones.
+NO_SINGLE_STREAM: dict[str, str] = {
+    _V + "gemma3n.Gemma3nForCausalLM": "Gemma 3n's decoder layers take four AltUp streams "
+    "stacked ([4, tokens, hidden]; HF's own hidden_states stack them too), so no layer "
+    "has one residual stream to serve; its final post-norm state (layer -1) is one",
+}
+
 _NOT_VERIFIED = (
     "a layer class whose residual-stream convention is not verified against HF "
     "transformers here, so its states are refused rather than guessed"
@@ -476,11 +484,14 @@ class ModelLayers:
         experts: whether the model's MLP blocks have routed experts where the
             layer class's mlp_out / mlp_post are untested with them (Granite
             4.0-H with ``num_local_experts > 0``).
+        no_single_stream: why the model's layers carry no single stream
+            (:data:`NO_SINGLE_STREAM`; empty: they do).
     """
 
     classes: tuple[str | None, ...]
     model_class: str | None = None
     experts: bool = False
+    no_single_stream: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -493,7 +504,7 @@ class ModelLayers:
         """The point kinds exact at decoder layer ``i``."""
         known = self.known(i)
         if known is None:
-            return ("resid_pre",) if i == 0 else ()
+            return ("resid_pre",) if i == 0 and not self.no_single_stream else ()
         if not known.points:
             return ("resid_pre",)
         lacks: set[str] = set()
@@ -516,6 +527,8 @@ class ModelLayers:
         """Whether HF layer ``k`` (absolute, ``0..L``) is read exactly: the
         embedding output, the final post-norm state, or the stream entering
         a decoder layer of a known class."""
+        if k == 0 and self.no_single_stream:
+            return False
         return k in (0, self.num_layers) or self.known(k) is not None
 
     def exact_layers(self) -> list[int]:
@@ -540,15 +553,19 @@ class ModelLayers:
             else str(k)
             for k in layers
         )
+        example = "0, -1" if 0 in layers else "-1"
         return (
-            f"exact on this model: layers {named}; ask for those (e.g. "
-            f"hidden_states_layers=[0, -1], --hidden-states-layers 0,-1)"
+            f"exact on this model: {'layers' if len(layers) > 1 else 'layer'} {named}; ask "
+            f"for those (e.g. hidden_states_layers=[{example}], --hidden-states-layers "
+            f"{example.replace(' ', '')})"
         )
 
     def why_not_layer(self, k: int) -> str:
         """Why HF layer ``k`` (negative: from the end) is refused (it is not
         :meth:`layer_exact`)."""
         i = k % (self.num_layers + 1)
+        if self.no_single_stream:
+            return f"layer {k}: {self.no_single_stream}; {self.exact_help()}"
         return (
             f"layer {k} is the residual stream entering decoder layer {i}, "
             f"{self._describe_class(i)}: {_NOT_VERIFIED}; {self.exact_help()}"
@@ -557,6 +574,8 @@ class ModelLayers:
     def why_not(self, kind: str, i: int) -> str:
         """Why point ``kind`` of decoder layer ``i`` is refused."""
         known = self.known(i)
+        if known is None and self.no_single_stream:
+            return f"{kind}.{i}: {self.no_single_stream}; {self.exact_help()}"
         if known is None:
             return (
                 f"{kind}.{i} is in decoder layer {i}, {self._describe_class(i)}: "
@@ -617,6 +636,7 @@ class ModelLayers:
             classes,
             model_class,
             int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
+            NO_SINGLE_STREAM.get(model_class or "", ""),
         )
 
 

@@ -103,7 +103,7 @@ ARCHS = CORE_ARCHS + FRONTIER_ARCHS
 # Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
 # vLLM runs them, but their decoder layer classes are not verified here, so
 # only layer 0 and the final state are served. Not in the exactness matrix.
-REFUSED_ARCHS = ("opt",)
+REFUSED_ARCHS = ("opt", "gemma3n")
 
 # Built to compare plain vLLM with HF (tools and probes); not verified.
 UNVERIFIED_ARCHS = ("gpt_oss", "cohere2", "ernie45_moe", "minimax_m2")
@@ -145,6 +145,7 @@ _STYLE = {
     "lfm2": "chatml",
     "minimax_m2": "chatml",
     "gemma4": "gemma",
+    "gemma3n": "gemma",
     "gpt_neox": "chatml",
     "olmo3": "chatml",
     "smollm3": "chatml",
@@ -638,6 +639,29 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             per_layer_config={},
             **dict(common, tie_word_embeddings=True),
         ), T.Gemma4ForCausalLM
+    if arch == "gemma3n":
+        # Gemma 3n (text): four AltUp streams stacked through every layer,
+        # LAuReL, per-layer inputs, KV sharing in the last layers.
+        return T.Gemma3nTextConfig(
+            head_dim=common["hidden_size"] // num_heads,
+            intermediate_size=[ffn] * layers,
+            # A full layer before the KV-shared one, which shares its kind's
+            # last KV.
+            layer_types=[
+                "full_attention" if i % 4 == 2 else "sliding_attention" for i in range(layers)
+            ],
+            sliding_window=SHORT_WINDOW,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=common["vocab_size"],
+            laurel_rank=8,
+            num_kv_shared_layers=1,
+            activation_sparsity_pattern=[0.0] * layers,
+            **{
+                k: v
+                for k, v in dict(common, tie_word_embeddings=True).items()
+                if k != "intermediate_size"
+            },
+        ), T.Gemma3nForCausalLM
     # vLLM's Transformers backend (HF's own decoder layers).
     if arch == "gpt_neox":
         eps = common.pop("rms_norm_eps", 1e-5)
