@@ -264,3 +264,24 @@ def test_deepseek_layers_are_refused_inside_in_float16():
         )
         assert model.exact_layers() == exact, dtype
     assert "routed_scaling_factor" in model.why_not_layer(1)
+
+
+def test_every_frontier_family_is_in_one_family_test_module():
+    """Each frontier tiny model runs in exactly one test_families_*.py group
+    (its ``arch`` fixture), so none leaves the matrix unnoticed."""
+    import ast
+    from pathlib import Path
+
+    from vllm_hidden_states.tools.tiny_models import FRONTIER_ARCHS
+
+    grouped: list[str] = []
+    tests = Path(__file__).resolve().parents[1] / "v1" / "hidden_states"
+    for path in sorted(tests.glob("test_families_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+                names = [getattr(e, "value", None) for e in node.value.elts]
+                target = node.targets[0]
+                named = isinstance(target, ast.Name) and target.id.isupper()
+                if named and all(n in FRONTIER_ARCHS for n in names):
+                    grouped += names
+    assert sorted(grouped) == sorted(FRONTIER_ARCHS)
