@@ -182,6 +182,9 @@ LAYER_CLASSES.update(
             mid_norm="ffn_norm",
             neurons="feed_forward.w2",
         ),
+        _V + "gpt_oss.TransformerBlock": LayerClass(
+            "fused", ("gpt_oss",), mixer="attn", neurons=None
+        ),
         _V + "gpt2.GPT2Block": LayerClass(
             "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
         ),
@@ -380,6 +383,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
     _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
+    _V + "gpt_oss.GptOssForCausalLM": _V + "gpt_oss.TransformerBlock",
     _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",

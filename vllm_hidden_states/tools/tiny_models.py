@@ -96,6 +96,7 @@ FRONTIER_ARCHS = (
     "deepseek_v3",
     "lfm2",
     "gemma4",
+    "gpt_oss",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -106,7 +107,7 @@ ARCHS = CORE_ARCHS + FRONTIER_ARCHS
 REFUSED_ARCHS = ("opt", "gemma3n")
 
 # Built to compare plain vLLM with HF (tools and probes); not verified.
-UNVERIFIED_ARCHS = ("gpt_oss", "cohere2", "ernie45_moe", "minimax_m2")
+UNVERIFIED_ARCHS = ("cohere2", "ernie45_moe", "minimax_m2")
 
 # On vLLM's Transformers backend: the stream between HF's decoder layers
 # (HF's own output_hidden_states) is served, the points inside refused
@@ -484,6 +485,9 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
         ), T.Llama4ForCausalLM
     if arch == "gpt_oss":
         # Attention sinks, sliding and full attention alternating, MoE.
+        # vLLM's gpt-oss norms use eps 1e-5 whatever the config says (the
+        # released models' own).
+        common["rms_norm_eps"] = 1e-5
         return T.GptOssConfig(
             head_dim=common["hidden_size"] // num_heads,
             num_local_experts=4,
