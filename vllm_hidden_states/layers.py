@@ -185,6 +185,15 @@ LAYER_CLASSES.update(
         _V + "gpt_oss.TransformerBlock": LayerClass(
             "fused", ("gpt_oss",), mixer="attn", neurons=None
         ),
+        # Cohere (Command R, Command A): one LayerNorm, attention and MLP
+        # side by side on its output, both added to the stream; no resid_mid.
+        _V + "commandr.CohereDecoderLayer": LayerClass(
+            "parallel",
+            ("cohere2",),
+            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+            lacks="runs attention and the MLP side by side on one norm's output, so the "
+            "stream has no point between them",
+        ),
         _V + "gpt2.GPT2Block": LayerClass(
             "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
         ),
@@ -383,6 +392,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
     _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
+    _V + "commandr.CohereForCausalLM": _V + "commandr.CohereDecoderLayer",
     _V + "gpt_oss.GptOssForCausalLM": _V + "gpt_oss.TransformerBlock",
     _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",

@@ -97,6 +97,7 @@ FRONTIER_ARCHS = (
     "lfm2",
     "gemma4",
     "gpt_oss",
+    "cohere2",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -107,7 +108,7 @@ ARCHS = CORE_ARCHS + FRONTIER_ARCHS
 REFUSED_ARCHS = ("opt", "gemma3n")
 
 # Built to compare plain vLLM with HF (tools and probes); not verified.
-UNVERIFIED_ARCHS = ("cohere2", "ernie45_moe", "minimax_m2")
+UNVERIFIED_ARCHS = ("ernie45_moe", "minimax_m2")
 
 # On vLLM's Transformers backend: the stream between HF's decoder layers
 # (HF's own output_hidden_states) is served, the points inside refused
@@ -519,7 +520,8 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             ],
             logit_scale=0.5,
             layer_norm_eps=eps,
-            **common,
+            # vLLM's Cohere ties the LM head to the embeddings, as released.
+            **dict(common, tie_word_embeddings=True),
         ), T.Cohere2ForCausalLM
     if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         # Gated delta-net layers, full (gated) attention every 4th; heads of

@@ -39,7 +39,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import POINT_KINDS
 from vllm_hidden_states.steering_config import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, SHORT_WINDOW, build_tiny_model
 
 from .conftest import (
     COMMON_ENGINE_ARGS,
@@ -69,6 +69,12 @@ PROMPT = "Once upon a time there was a small robot who loved to count"
 MAX_TOKENS = 4
 
 ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=8, max_model_len=512)
+# Where vLLM runs a family by another convention than HF's code: the HF
+# reference runs it by vLLM's (test_families_dense.py shows the difference).
+# Cohere's sliding layers see the window's keys plus the query's own (vLLM
+# passes sliding_window + 1, "the training convention"; HF's mask one fewer).
+REFERENCE_CONFIG = {"cohere2": dict(sliding_window=SHORT_WINDOW + 1)}
+
 # vLLM picks its AMX MLA backend on CPUs with AMX, which takes bfloat16
 # weights only; its portable one runs float32.
 ARCH_ENGINE_ARGS = {
@@ -116,6 +122,8 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
         _Current.key = key
         model_dir = build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
         _Current.reference = HFReference(model_dir)
+        for key, value in REFERENCE_CONFIG.get(arch, {}).items():
+            setattr(_Current.reference.model.config, key, value)
         # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
         _Current.reference.model.set_attn_implementation("eager")
         multiprocessing = "1" if on_transformers_backend(model_dir) else "0"

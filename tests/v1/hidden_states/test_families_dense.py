@@ -3,14 +3,22 @@
 point (family_matrix.py): Gemma, GPT-2 (pre-norm plain adds), Ernie 4.5
 (vLLM's Llama layer), GLM-4 (sandwich norms), Exaone 4 (post-norms, sliding
 and NoPE layers), LFM2 (gated short convolutions beside attention), Gemma 4 (sandwich norms,
-per-layer input embeddings, a per-layer scalar); GPT-2 and
+per-layer input embeddings, a per-layer scalar), Cohere 2 (attention and MLP
+side by side; compared with HF run by vLLM's sliding-window convention, one
+key wider, and shown to differ from HF's own only beyond the window); GPT-2 and
 Exaone 4 also compiled."""
 
 import pytest
+import torch
 
+from vllm import SamplingParams
+from vllm_hidden_states.tools.tiny_models import SHORT_WINDOW
+
+from .conftest import HFReference, assert_close, token_ids_of
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
+from .test_architectures import PROMPT, engine_for
 
-DENSE = ("gemma", "gpt2", "ernie45", "glm4", "exaone4", "lfm2", "gemma4")
+DENSE = ("gemma", "gpt2", "ernie45", "glm4", "exaone4", "lfm2", "gemma4", "cohere2")
 
 
 @pytest.fixture(scope="module", params=DENSE)
@@ -21,3 +29,40 @@ def arch(request) -> str:
 @pytest.fixture(scope="module", params=("gpt2", "exaone4"))
 def compiled_arch(request) -> str:
     return request.param
+
+
+def test_cohere2_differs_from_hfs_own_mask_only_beyond_its_window():
+    """vLLM's Cohere attends to one key more than HF's sliding mask (its
+    "training convention"): against HF's own code every layer matches on the
+    positions inside the window and differs past it; the final state, put
+    through the tied LM head and logit scale, gives the engine's own prompt
+    logprobs (the state served is the engine's)."""
+    llm, by_vllm_convention = engine_for("cohere2")
+    hf = HFReference(by_vllm_convention.model.name_or_path)  # HF's own window
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        prompt_logprobs=0,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(hf.num_layers + 1)),
+        hidden_states_positions="prompt",
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    ids = out.prompt_token_ids
+    assert len(ids) > SHORT_WINDOW + 2
+    states = out.outputs[0].hidden_states
+    reference = hf.states(ids)
+    inside = slice(0, SHORT_WINDOW)
+    for layer in range(hf.num_layers + 1):
+        assert_close(states[layer][inside], reference[layer][inside], f"layer {layer}")
+    final = states[hf.num_layers]
+    beyond = (final[SHORT_WINDOW:] - reference[-1][SHORT_WINDOW:]).abs().max()
+    assert beyond / reference[-1].abs().max() > 1e-2
+    config = hf.model.config
+    with torch.inference_mode():
+        logits = hf.model.lm_head(final) * config.logit_scale
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for pos in range(1, len(ids)):
+        engine = next(iter(out.prompt_logprobs[pos].values())).logprob
+        assert abs(engine - float(logprobs[pos - 1, ids[pos]])) < 1e-4, pos
+    assert token_ids_of(out)
