@@ -50,8 +50,9 @@ class SupportedVersion:
         return sorted(self.patch_dir.glob("*.patch"))
 
     def install_hint(self) -> str:
-        cpu = f" (or {self.cpu_distribution}=={self.version} on CPU)" if self.cpu_distribution else ""
-        return f"vllm=={self.version}{cpu}"
+        if self.cpu_distribution is None:
+            return f"vllm=={self.version}"
+        return f"vllm=={self.version} (or {self.cpu_distribution}=={self.version} on CPU)"
 
 
 # Oldest first; the last one is the newest set, the base of the next rebase.

@@ -157,41 +157,39 @@ def _copy_files(src_root: Path, dst_root: Path, files: list[str]) -> None:
         shutil.copyfile(src_root / rel, target)
 
 
-def _patch_new_files(patch: Path) -> list[str]:
-    return release_check.patched_files([patch])
-
-
 def rebase(
     to: str,
     workdir: Path,
-    out: Path | None = None,
-    sources: Path | None = None,
-    base: versions.SupportedVersion | None = None,
-    old_sources: Path | None = None,
+    *,
+    base: str,
+    patches: list[Path],
+    old_sources: Path,
+    new_sources: Path,
+    out: Path,
     go_on: bool = False,
     say=print,
 ) -> RebaseState:
-    """Carry ``base``'s set (default: the newest supported) to ``to``; the
-    state reached. Writes the new set to ``out`` (default
-    ``patches/<to>/``) when every patch is done."""
-    base = base or newest_set(excluding=to)
-    out = out or versions.PATCHES_ROOT / to
+    """Carry ``patches`` (a zero-fuzz set for vLLM ``base``, whose sources
+    hold ``vllm/`` under ``old_sources``) to the sources under
+    ``new_sources`` (vLLM ``to``); the state reached. The new set is written
+    to ``out`` once every patch is done. ``go_on``: after a hand fix."""
     workdir.mkdir(parents=True, exist_ok=True)
-    patches = base.patch_files()
     if not patches:
-        raise RebaseError(f"no patches in {base.patch_dir}")
+        raise RebaseError(f"no patches to carry from vLLM {base}")
     files = release_check.patched_files(patches)
     old_tree, new_tree, written = workdir / "old", workdir / "new", workdir / "out"
 
     if go_on:
         state = RebaseState.load(workdir)
-        if state.to != to or state.base != base.version:
+        if state.to != to or state.base != base:
             raise RebaseError(
                 f"--continue: {workdir} holds a rebase of {state.base} to {state.to}, "
-                f"not of {base.version} to {to}"
+                f"not of {base} to {to}"
             )
         leftovers = sorted(
-            str(p.relative_to(new_tree)) for p in new_tree.rglob("*") if p.suffix in (".rej", ".orig")
+            str(p.relative_to(new_tree))
+            for p in new_tree.rglob("*")
+            if p.suffix in (".rej", ".orig")
         )
         if leftovers:
             raise RebaseError(
@@ -199,31 +197,27 @@ def rebase(
                 "their hunks are carried into the files by hand"
             )
     else:
-        old_root = old_sources or _sources(base.version, None, workdir)
-        new_root = _sources(to, sources, workdir)
         for tree in (old_tree, new_tree, written):
             shutil.rmtree(tree, ignore_errors=True)
         # Only the files the set touches: copies of the whole of vLLM would
         # cost seconds and say nothing more.
-        _copy_files(old_root, old_tree, files)
-        _copy_files(new_root, new_tree, files)
+        _copy_files(old_sources, old_tree, files)
+        _copy_files(new_sources, new_tree, files)
         written.mkdir()
-        state = RebaseState(base.version, to, [p.name for p in patches])
+        state = RebaseState(base, to, [p.name for p in patches])
 
+    before, old_before = workdir / "before", workdir / "old-before"
     while state.done < len(patches):
         patch = patches[state.done]
-        touched = _patch_new_files(patch)
-        before = workdir / "before"
+        touched = release_check.patched_files([patch])
         if state.stopped:
             # The hand fix is in new/; before/ holds the files as they were
             # before this patch.
             state.stopped = False
         else:
-            shutil.rmtree(before, ignore_errors=True)
-            _copy_files(new_tree, before, touched)
-            stale_old = workdir / "old-before"
-            shutil.rmtree(stale_old, ignore_errors=True)
-            _copy_files(old_tree, stale_old, touched)
+            for tree, source in ((before, new_tree), (old_before, old_tree)):
+                shutil.rmtree(tree, ignore_errors=True)
+                _copy_files(source, tree, touched)
             code, hunks, output = run_patch(patch, new_tree, 2)
             failed = False
             for h in hunks:
@@ -234,7 +228,7 @@ def rebase(
                 say(line)
                 if not h.applied or h.fuzz:
                     failed |= not h.applied
-                    for text in _upstream_of(patch, h, stale_old, before, base.version, to):
+                    for text in _upstream_of(patch, h, old_before, before, base, to):
                         say(f"    {text}")
             if code != 0 and not failed:
                 raise RebaseError(f"{patch.name}: GNU patch failed: {output.strip()[-400:]}")
@@ -243,7 +237,7 @@ def rebase(
             old_code, _, old_output = run_patch(patch, old_tree, 0)
             if old_code != 0:
                 raise RebaseError(
-                    f"{patch.name} does not apply with zero fuzz to vLLM {base.version}'s "
+                    f"{patch.name} does not apply with zero fuzz to vLLM {base}'s "
                     f"sources: run `vllm-hidden-states patch verify` ({old_output.strip()[-300:]})"
                 )
             if failed:
@@ -265,10 +259,7 @@ def rebase(
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(written, out)
-    say(
-        f"wrote {len(patches)} patches to {out}; add vLLM {to} to versions.SUPPORTED "
-        "and run `vllm-hidden-states patch verify`"
-    )
+    say(f"wrote {len(patches)} patches to {out}")
     return state
 
 
@@ -295,31 +286,49 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vllm-hidden-states patch rebase")
     parser.add_argument("--to", required=True, help="the new vLLM version, X.Y.Z")
     parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=None,
-        help="scratch directory (default: ~/.cache/vllm-hidden-states/rebase-X.Y.Z)",
-    )
-    parser.add_argument(
-        "--sources", type=Path, default=None, help="directory holding the new vllm/ (default: its wheel)"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="where to write the new set (default: patches/X.Y.Z)"
-    )
-    parser.add_argument(
         "--from",
         dest="base",
         choices=[v.version for v in versions.SUPPORTED],
         default=None,
         help="the set to carry (default: the newest supported one)",
     )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="scratch directory (default: ~/.cache/vllm-hidden-states/rebase-X.Y.Z)",
+    )
+    parser.add_argument(
+        "--sources",
+        type=Path,
+        default=None,
+        help="directory holding the new release's vllm/ (default: from its wheel)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where to write the new set (default: patches/X.Y.Z)"
+    )
     parser.add_argument("--continue", dest="go_on", action="store_true", help="after a hand fix")
     args = parser.parse_args(argv)
     workdir = args.workdir or release_check.wheel_cache().parent / f"rebase-{args.to}"
+    out = args.out or versions.PATCHES_ROOT / args.to
     try:
-        base = versions.for_version(args.base) if args.base else None
-        state = rebase(args.to, workdir, args.out, args.sources, base=base, go_on=args.go_on)
+        base = versions.for_version(args.base) if args.base else newest_set(excluding=args.to)
+        state = rebase(
+            args.to,
+            workdir,
+            base=base.version,
+            patches=base.patch_files(),
+            old_sources=_sources(base.version, None, workdir),
+            new_sources=_sources(args.to, args.sources, workdir),
+            out=out,
+            go_on=args.go_on,
+        )
     except (RebaseError, release_check.CheckError) as e:
         print(f"vllm-hidden-states: {e}", file=sys.stderr)
         return 2
+    if not state.stopped and args.to not in {v.version for v in versions.SUPPORTED}:
+        print(
+            f"next: add vLLM {args.to} to SUPPORTED in vllm_hidden_states/versions.py "
+            "and run `vllm-hidden-states patch verify`"
+        )
     return 1 if state.stopped else 0
