@@ -99,12 +99,20 @@ def fetch_wheel(entry: versions.SupportedVersion, cache: Path | None = None) -> 
             f"{entry.wheel.distribution}=={entry.version}; found "
             f"{sorted(p.name for p in cache.glob('*.whl'))}"
         )
+    # Hashing 340 MB costs seconds of every run: a stamp beside the wheel
+    # records a digest once verified, with the size and time it had then.
+    stat = path.stat()
+    verified = f"{entry.wheel.sha256} {stat.st_size} {stat.st_mtime_ns}"
+    stamp = path.with_name(path.name + ".verified")
+    if stamp.is_file() and stamp.read_text() == verified:
+        return path
     digest = _sha256(path)
     if digest != entry.wheel.sha256:
         raise CheckError(
             f"{path} has sha256 {digest}, not the {entry.wheel.sha256} that "
             f"versions.py records for vLLM {entry.version}: delete it to download it again"
         )
+    stamp.write_text(verified)
     return path
 
 
@@ -215,14 +223,17 @@ class VersionReport:
         )
 
 
-def check_sources(entry: versions.SupportedVersion, site: Path) -> VersionReport:
-    """Apply ``entry``'s set with zero fuzz to the pristine sources under
-    ``site`` (modified in place), compile what it patched, run the seam
-    check there."""
+def check_sources(
+    entry: versions.SupportedVersion, site: Path, patch_dir: Path | None = None
+) -> VersionReport:
+    """Apply ``entry``'s set (or the one in ``patch_dir``) with zero fuzz to
+    the pristine sources under ``site`` (modified in place), compile what it
+    patched, run the seam check there."""
     report = VersionReport(entry.version)
-    patches = entry.patch_files()
+    patch_dir = patch_dir or entry.patch_dir
+    patches = sorted(patch_dir.glob("*.patch"))
     if not patches:
-        report.problems.append(f"no patches in {entry.patch_dir}")
+        report.problems.append(f"no patches in {patch_dir}")
         return report
     for patch in patches:
         code, hunks, output = run_patch(patch, site, 0)
@@ -243,11 +254,16 @@ def check_sources(entry: versions.SupportedVersion, site: Path) -> VersionReport
             report.compiled += 1
         except (SyntaxError, OSError) as e:
             report.problems.append(f"{rel} does not compile after patching: {e}")
+    if report.problems:
+        # The seam read on a tree the set did not fully patch, or that does
+        # not parse, would only repeat the problems above.
+        report.problems.append("seam check not run: the set must apply and compile first")
+        return report
     root = site / "vllm"
     references = seam.package_references(root)
     report.references = len(references)
     report.problems += [f"seam: {p}" for p in seam.missing(references, root)]
-    report.sites = seam.patch_sites(root, entry.patch_dir)
+    report.sites = seam.patch_sites(root, patch_dir)
     report.problems += [
         f"seam: {s.patch} lands in {s.file}, which is not in vLLM {entry.version}"
         for s in report.sites
