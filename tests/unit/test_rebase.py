@@ -167,8 +167,11 @@ def test_a_hunk_that_fails_stops_for_a_hand_fix_and_continue_writes_the_set(tmp_
     (work / "sched.py").write_text(fixed)
     for leftover in list(work.glob("*.rej")) + list(work.glob("*.orig")):
         leftover.unlink()
-    state = _run(tmp_path, patches, NEW, go_on=True)
+    lines.clear()
+    state = _run(tmp_path, patches, NEW, go_on=True, lines=lines)
     assert not state.stopped and state.done == 1
+    # The fix moved the call-out, it did not change it.
+    assert not any("differ from vLLM" in line for line in lines), lines
     result = _applies_exactly(tmp_path / "out" / "0001-sched.patch", NEW, tmp_path / "check")
     assert result == fixed
 
@@ -190,3 +193,47 @@ def test_parse_hunks_keeps_a_removed_line_that_starts_with_dashes():
     assert [h.lines[1] for h in hunks["vllm/x.py"]] == ["--- a comment that starts with dashes"]
     assert len(hunks["vllm/x.py"][0].lines) == 4
     assert [(h.old_start, h.old_len) for h in hunks["vllm/y.py"]] == [(3, 1)]
+
+
+def test_a_hand_fix_that_changes_a_call_out_is_reported(tmp_path):
+    patches = _set(tmp_path)
+    _run(tmp_path, patches, NEW)
+    work = tmp_path / "work" / "new" / "vllm"
+    fixed = (
+        (work / "sched.py")
+        .read_text()
+        .replace(
+            "    log(reply)\n",
+            "    log(reply)\n    reply = hidden_states.finish(reply, final=True)\n",
+        )
+    )
+    (work / "sched.py").write_text(fixed)
+    for leftover in list(work.glob("*.rej")) + list(work.glob("*.orig")):
+        leftover.unlink()
+    lines: list[str] = []
+    state = _run(tmp_path, patches, NEW, go_on=True, lines=lines)
+    assert "0001-sched.patch: its added or removed lines differ from vLLM 9.9.8's set" in lines
+    assert state.reports[-1] == lines[-2]
+
+
+def test_the_real_0_32_set_carried_to_its_own_sources_is_written_back_byte_identical(tmp_path):
+    # The tool writes sets in the project's own form: regenerating the 0.32.0
+    # set from pristine 0.32.0 changes no byte.
+    from vllm_hidden_states import versions
+
+    entry = versions.for_version("0.32.0")
+    sources = tmp_path / "pristine"
+    release_check.extract_sources(release_check.fetch_wheel(entry), sources)
+    state = rebase.rebase(
+        entry.version,
+        tmp_path / "work",
+        base=entry.version,
+        patches=entry.patch_files(),
+        old_sources=sources,
+        new_sources=sources,
+        out=tmp_path / "out",
+        say=[].append,
+    )
+    assert not state.stopped and state.reports == []
+    written = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").glob("*.patch"))}
+    assert written == {p.name: p.read_bytes() for p in entry.patch_files()}

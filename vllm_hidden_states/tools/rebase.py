@@ -99,6 +99,18 @@ def _grown(hunk: Hunk, line: str) -> Hunk:
     return Hunk(hunk.old_start, hunk.old_len, hunk.new_start, hunk.new_len, (*hunk.lines, line))
 
 
+def changed_lines(diff: str) -> list[str]:
+    """A diff's added and removed lines, in order, without file headers: what
+    a patch does, wherever it lands."""
+    return [
+        line
+        for hunks in parse_hunks(diff).values()
+        for hunk in hunks
+        for line in hunk.lines[1:]
+        if line[:1] in ("+", "-")
+    ]
+
+
 def unified_diff(old: Path, new: Path, label: str) -> str:
     """``diff -u`` of two files, both labelled ``a/label`` and ``b/label``
     (GNU diff: it marks a missing final newline, as GNU patch expects)."""
@@ -253,6 +265,12 @@ def rebase(
             p.unlink()  # GNU patch's backups of fuzzed files
         diff = "".join(unified_diff(before / rel, new_tree / rel, rel) for rel in touched)
         (written / patch.name).write_text(diff)
+        if changed_lines(diff) != changed_lines(patch.read_text()):
+            # A hand fix may have to change a call-out, not only move it: said
+            # here so that the review looks at it.
+            line = f"{patch.name}: its added or removed lines differ from vLLM {base}'s set"
+            state.reports.append(line)
+            say(line)
         state.done += 1
         state.save(workdir)
 
