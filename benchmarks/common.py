@@ -26,7 +26,8 @@ from typing import Any
 from tests.support.server_process import ServerProcess, rss_by_process  # noqa: F401 (load.py)
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+# Where results, plots and server logs go (a smoke test points it elsewhere).
+RESULTS = Path(os.environ.get("VLLM_HIDDEN_STATES_BENCH_RESULTS", REPO / "benchmarks" / "results"))
 MODELS = Path(os.environ.get("VLLM_HIDDEN_STATES_MODELS", REPO / ".models"))
 
 
@@ -316,15 +317,21 @@ def section_main(
     run: Callable[..., list["Comparison"]], stem: str, argv: list[str] | None = None
 ) -> None:
     """``python -m benchmarks.<section>``: run one section alone, print its
-    table and write ``benchmarks/results/<stem>.json``."""
+    table and write ``benchmarks/results/<stem>.json``. ``--tiny`` where the
+    section's ``run`` takes ``tiny``: the smallest run that goes through
+    every step (a smoke test; its figures mean nothing)."""
     import argparse
+    import inspect
 
     p = argparse.ArgumentParser(description=f"the {stem} benchmark section alone")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", type=Path, default=None)
+    if "tiny" in inspect.signature(run).parameters:
+        p.add_argument("--tiny", action="store_true", help="a smoke test's size")
     args = p.parse_args(argv)
-    comps = run(args.rounds, args.quick, args.model)
+    kwargs = {"tiny": True} if getattr(args, "tiny", False) else {}
+    comps = run(args.rounds, args.quick, args.model, **kwargs)
     for comp in comps:
         print("\n".join(comp.lines()))
     path = write_results({"machine": machine(), stem: [c.summary() for c in comps]}, stem=stem)

@@ -38,7 +38,7 @@ timing, one collected shard is checked against the baseline's arrays for the
 same documents (equal float32), and one document's HF vectors against the
 route's (``max|diff| <= 1e-4 * max|ref|``).
 
-Run alone: ``python -m benchmarks.harvest [--quick] [--rounds N] [--model DIR]``.
+Run alone: ``python -m benchmarks.harvest [--quick | --tiny] [--rounds N] [--model DIR]``.
 """
 
 import os
@@ -280,11 +280,16 @@ def check_hf(base_url: str, hf: HFHarvest) -> float:
     return rel
 
 
-def run(rounds: int = 3, quick: bool = False, model: Path | None = None) -> list[Comparison]:
-    model = model or bench_model()
-    n_docs = 64 if quick else 256
+def run(
+    rounds: int = 3, quick: bool = False, model: Path | None = None, tiny: bool = False
+) -> list[Comparison]:
+    """``tiny``: the tiny model, 4 documents a round, an eager server (a
+    smoke test)."""
+    model = model or bench_model("tiny" if tiny else "default")
+    n_docs = 4 if tiny else 64 if quick else 256
     work = Path(tempfile.mkdtemp(prefix="harvest-bench-"))
-    server = Server(model, *SERVER_ARGS, name="harvest").wait()
+    eager = ("--enforce-eager",) if tiny else ()  # no compile in a smoke test
+    server = Server(model, *SERVER_ARGS, *eager, name="harvest").wait()
     hf = HFHarvest(model)
     load0 = os.getloadavg()
     name = (

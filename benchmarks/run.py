@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``make bench``: every comparison of issue 4 in one session.
 
-    python -m benchmarks.run [--rounds 3] [--quick] [--only offline,server,...]
+    python -m benchmarks.run [--rounds 3] [--quick] [--tiny] [--only offline,server,...]
                              [--model DIR]
 
 Writes ``benchmarks/results/latest.json`` and PNG plots next to it, and prints
@@ -32,6 +32,7 @@ against HF's greedy tokens before it is timed).
 
 import argparse
 import importlib
+import inspect
 import time
 from pathlib import Path
 
@@ -111,6 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer shapes")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a smoke test's size, in the sections that have one (capture_op, small_model, "
+        "small_model_modes, harvest, scale_out); its figures mean nothing",
+    )
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument(
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.report is not None:
         return report_from(args.report)
+    args.quick = args.quick or args.tiny  # the sections without a tiny size
     sections = [s for s in args.only.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(),
         "rounds": args.rounds,
         "quick": args.quick,
+        "tiny": args.tiny,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "comparisons": [],
     }
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
             elif section == "capture_op":
                 from benchmarks.gpu import capture_op
 
-                results["capture_op"] = capture_op.run(args.quick)
+                results["capture_op"] = capture_op.run(args.quick, args.tiny)
                 report += capture_op.lines(results["capture_op"])
             elif section == "load":
                 from benchmarks import load
@@ -173,7 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "scale_out": "benchmarks.scale_out",
                     }[section]
                 )
-                kwargs = {"model": args.model} if args.model else {}
+                kwargs: dict = {"model": args.model} if args.model else {}
+                if args.tiny and "tiny" in inspect.signature(module.run).parameters:
+                    kwargs["tiny"] = True
                 comps: list[Comparison] = module.run(args.rounds, args.quick, **kwargs)
                 for comp in comps:
                     results["comparisons"].append(comp.summary())

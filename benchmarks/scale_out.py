@@ -76,9 +76,14 @@ LAST = {
 }
 
 
-def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
-    model = model or bench_model()
-    n, prompt_len, max_tokens, conc = (8, 64, 16, 8) if quick else (32, 128, 32, 16)
+def run(
+    rounds: int, quick: bool, model: Path | None = None, progress=None, tiny: bool = False
+) -> list[Comparison]:
+    """``tiny``: the tiny model, 2 requests x (8 + 4) tokens (a smoke test)."""
+    model = model or bench_model("tiny" if tiny else "default")
+    n, prompt_len, max_tokens, conc = (
+        (2, 8, 4, 2) if tiny else (8, 64, 16, 8) if quick else (32, 128, 32, 16)
+    )
     prompts = _prompts(n, prompt_len)
     cfg = (
         f"{n} requests, concurrency {conc}, {prompt_len} prompt + {max_tokens} "

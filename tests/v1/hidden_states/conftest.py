@@ -45,16 +45,19 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, what: str = ""):
 
 
 def mixer_of(layer):
-    """An HF decoder layer's token mixer: its attention, or (Granite 4.0-H's
-    Mamba layers) its Mamba2 block."""
-    attn = getattr(layer, "self_attn", None)
-    return attn if attn is not None else layer.mamba
+    """An HF decoder layer's token mixer: its attention (GPT-2: ``attn``),
+    Granite 4.0-H's Mamba2 block, Qwen3-Next's linear attention or LFM2's
+    short convolution."""
+    for name in ("self_attn", "attn", "linear_attn", "mamba", "conv"):  # LFM2: conv
+        if getattr(layer, name, None) is not None:
+            return getattr(layer, name)
+    raise LookupError(f"no token mixer in {type(layer).__name__}")
 
 
 def mlp_of(layer):
     """An HF decoder layer's MLP block (Granite 4.0-H without experts: its
-    shared MLP)."""
-    for name in ("mlp", "feed_forward"):  # Falcon-H1: feed_forward
+    shared MLP; Granite MoE: its experts)."""
+    for name in ("mlp", "feed_forward", "block_sparse_moe"):  # Falcon-H1, Llama 4: feed_forward
         if getattr(layer, name, None) is not None:
             return getattr(layer, name)
     return layer.shared_mlp
@@ -65,7 +68,22 @@ def down_projection_of(layer):
     if getattr(layer, "block_sparse_moe", None) is not None:
         return None
     mlp = mlp_of(layer)
-    return getattr(mlp, "down_proj", None) or getattr(mlp, "output_linear", None)
+    for name in ("down_proj", "output_linear", "c_proj", "w2"):  # GPT-2: c_proj; LFM2: w2
+        if getattr(mlp, name, None) is not None:
+            return getattr(mlp, name)
+    return None
+
+
+def sequence_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``[positions, width]`` of a one-sequence batch: HF modules return
+    ``[1, positions, width]``, some MoE blocks (Llama 4's) flattened rows."""
+    return tensor[0] if tensor.dim() == 3 else tensor
+
+
+def decoder_layers_of(model):
+    """An HF causal LM's decoder layers (GPT-2: ``transformer.h``)."""
+    base = getattr(model, "model", None) or model.transformer
+    return base.layers if hasattr(base, "layers") else base.h
 
 
 def single_block_point(layer) -> str | None:
@@ -76,6 +94,49 @@ def single_block_point(layer) -> str | None:
     if block is None or not hasattr(layer, "mixer"):  # Granite 4.0-H has a block_type too
         return None
     return "mlp_out" if block == "mlp" else "attn_out"
+
+
+def point_sites(layer) -> dict[str, tuple]:
+    """Where each point of an HF decoder layer is read and steered:
+    ``{kind: (module, "in" | "out", scale)}``, the point's value being the
+    module's first input or its output, times ``scale`` (Granite's residual
+    multiplier on the blocks' outputs). resid_pre is the layer's input.
+    Written from HF's own modeling code, independently of the package."""
+    sites: dict[str, tuple] = {"resid_pre": (layer, "in", 1.0), "resid_post": (layer, "out", 1.0)}
+    single = single_block_point(layer)
+    if single is not None:  # Nemotron-H: norm, mixer, add
+        sites[single] = (layer.mixer, "out", 1.0)
+        if single == "mlp_out":
+            sites["mlp_post"] = (layer.mixer.down_proj, "in", 1.0)
+        return sites
+    scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
+    post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2, Exaone 4
+    sandwich = hasattr(layer, "post_mlp_layernorm")  # GLM-4
+    if sandwich:
+        sites["attn_out"] = (layer.post_self_attn_layernorm, "out", 1.0)
+        sites["mlp_out"] = (layer.post_mlp_layernorm, "out", 1.0)
+    else:
+        attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
+        mlp = layer.post_feedforward_layernorm if post_norms else mlp_of(layer)
+        sites["attn_out"] = (attn, "out", scale)
+        sites["mlp_out"] = (mlp, "out", scale)
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        sites["resid_mid"] = (layer.pre_feedforward_layernorm, "in", 1.0)
+    elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
+        sites["resid_mid"] = (layer.pre_ff_layernorm, "in", 1.0)
+    elif hasattr(layer, "ln_2"):  # GPT-2
+        sites["resid_mid"] = (layer.ln_2, "in", 1.0)
+    elif hasattr(layer, "ffn_norm"):  # LFM2
+        sites["resid_mid"] = (layer.ffn_norm, "in", 1.0)
+    elif post_norms:  # OLMo 2, Exaone 4: the MLP reads resid_mid unnormed
+        sites["resid_mid"] = (layer.mlp, "in", 1.0)
+    elif hasattr(layer, "post_attention_layernorm"):
+        sites["resid_mid"] = (layer.post_attention_layernorm, "in", 1.0)
+    # else Cohere: attention and MLP side by side, no resid_mid
+    down = down_projection_of(layer)
+    if down is not None:  # a dense MLP: its neurons
+        sites["mlp_post"] = (down, "in", 1.0)
+    return sites
 
 
 class HFReference:
@@ -118,42 +179,24 @@ class HFReference:
 
         def output_of(name: str, module, scale: float = 1.0) -> None:
             def hook(module, args, output, name=name, scale=scale):
-                found[name] = first(output)[0] * scale
+                found[name] = sequence_rows(first(output)) * scale
 
             handles.append(module.register_forward_hook(hook))
 
         def input_of(name: str, module) -> None:
-            def hook(module, args, name=name):
-                found[name] = args[0][0].clone()
+            def hook(module, args, kwargs, name=name):
+                found[name] = (args[0] if args else kwargs["hidden_states"])[0].clone()
 
-            handles.append(module.register_forward_pre_hook(hook))
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
-        for i, layer in enumerate(self.model.model.layers):
-            single = single_block_point(layer)
-            if single is not None:  # Nemotron-H: norm, mixer, add
-                output_of(f"{single}.{i}", layer.mixer)
-                output_of(f"resid_post.{i}", layer)
-                if single == "mlp_out":
-                    input_of(f"mlp_post.{i}", layer.mixer.down_proj)
-                continue
-            scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
-            post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
-            attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
-            output_of(f"attn_out.{i}", attn, scale)
-            if hasattr(layer, "pre_feedforward_layernorm"):
-                input_of(f"resid_mid.{i}", layer.pre_feedforward_layernorm)
-            elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
-                input_of(f"resid_mid.{i}", layer.pre_ff_layernorm)
-            else:
-                input_of(
-                    f"resid_mid.{i}", layer.mlp if post_norms else layer.post_attention_layernorm
-                )
-            mlp = layer.post_feedforward_layernorm if post_norms else mlp_of(layer)
-            output_of(f"mlp_out.{i}", mlp, scale)
-            output_of(f"resid_post.{i}", layer)
-            down = down_projection_of(layer)
-            if down is not None:  # a dense MLP: its neurons
-                input_of(f"mlp_post.{i}", down)
+        for i, layer in enumerate(decoder_layers_of(self.model)):
+            for kind, (module, where, scale) in point_sites(layer).items():
+                if kind == "resid_pre":
+                    continue  # HF's own output_hidden_states, below
+                if where == "out":
+                    output_of(f"{kind}.{i}", module, scale)
+                else:
+                    input_of(f"{kind}.{i}", module)
         try:
             states = self.states(token_ids)
         finally:
@@ -161,6 +204,50 @@ class HFReference:
                 handle.remove()
         found.update({f"resid_pre.{i}": states[i] for i in range(self.num_layers)})
         return found
+
+    @torch.inference_mode()
+    def layer_by_layer(
+        self, token_ids: list[int], inputs: dict[int, torch.Tensor], interventions: list[dict] = ()
+    ) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor], tuple]:
+        """Every point of every layer with each decoder layer ``i`` fed
+        ``inputs[i]`` (``[len(token_ids), hidden]``, e.g. the engine's own
+        resid_pre.i) in place of HF's stream: each layer is compared on its
+        own, errors of a lower precision not carried from layer to layer.
+        Returns the points (``{"kind.i": rows}``, resid_post.i = layer i's
+        output on its given input), the routing margin per MoE layer (the
+        gap between the last chosen and the first unchosen router logit, per
+        row; where it is near zero the routes of two precisions may part),
+        and HF's eager attention weights; ``interventions`` as
+        :meth:`steering`."""
+        handles = []
+        margins: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(decoder_layers_of(self.model)):
+
+            def feed(module, args, kwargs, given=inputs[i]):
+                x = args[0] if args else kwargs["hidden_states"]
+                sequence_rows(x).copy_(given.to(x.dtype))
+
+            handles.append(layer.register_forward_pre_hook(feed, with_kwargs=True))
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            top_k = getattr(gate, "top_k", None)
+            if gate is not None and top_k is not None:
+
+                def margin(module, args, output, i=i, k=top_k):
+                    logits = (output[0] if isinstance(output, tuple) else output).float()
+                    ranked = logits.sort(dim=-1, descending=True).values
+                    margins[i] = (ranked[:, k - 1] - ranked[:, k]) / ranked.abs().amax(-1)
+
+                handles.append(gate.register_forward_hook(margin))
+        try:
+            with self.steering(list(interventions)):
+                found = self.points(token_ids)
+                attentions = self.model(
+                    torch.tensor([token_ids]), output_attentions=True
+                ).attentions
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found, margins, attentions
 
     @torch.inference_mode()
     def steered_states(
@@ -194,7 +281,8 @@ class HFReference:
         handles = []
 
         def apply(tensor: torch.Tensor, item: dict, scale: float) -> None:
-            rows = tensor[0, item["start"] : item["end"]]  # a view: [positions, hidden]
+            # a view: [positions, hidden]
+            rows = sequence_rows(tensor)[item["start"] : item["end"]]
             if item["op"] == "clamp_sae_feature":
                 # x += (value - f(x)) * W_dec[f], f(x) by the SAE's own
                 # definition: act(((x - b_dec) @ W_enc + b_enc)[f]), float64.
@@ -228,31 +316,8 @@ class HFReference:
 
         for item in interventions:
             kind, i = item["point"].split(".")
-            layer = self.model.model.layers[int(i)]
-            scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
-            post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2
-            if kind == "resid_pre":
-                on_input(layer, item)
-            elif kind == single_block_point(layer):  # Nemotron-H's block output
-                on_output(layer.mixer, item)
-            elif kind == "attn_out":
-                on_output(
-                    layer.post_attention_layernorm if post_norms else mixer_of(layer), item, scale
-                )
-            elif kind == "resid_mid":
-                if hasattr(layer, "pre_feedforward_layernorm"):
-                    on_input(layer.pre_feedforward_layernorm, item)
-                elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
-                    on_input(layer.pre_ff_layernorm, item)
-                else:
-                    on_input(layer.mlp if post_norms else layer.post_attention_layernorm, item)
-            elif kind == "mlp_out":
-                on_output(
-                    layer.post_feedforward_layernorm if post_norms else mlp_of(layer), item, scale
-                )
-            else:
-                assert kind == "resid_post", kind
-                on_output(layer, item)
+            module, where, scale = point_sites(decoder_layers_of(self.model)[int(i)])[kind]
+            (on_output if where == "out" else on_input)(module, item, scale)
         try:
             yield
         finally:

@@ -20,16 +20,17 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.points import MAX_PATTERN_POSITIONS
-from vllm_hidden_states.tools.tiny_models import ARCHS, build_tiny_model
+from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, build_tiny_model
 
 from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
-# Every architecture with vLLM's own attention module in every layer (OLMo 2
+# Every architecture of the first matrix with vLLM's own attention module in every
+# layer (the frontier families' patterns: test_families_*.py; OLMo 2
 # runs on the Transformers backend: refused; the hybrids' attention layers
 # are checked on test_architectures.py's engines, beside their Mamba2 mixers).
 HYBRIDS = ("granitemoehybrid", "nemotron_h", "falcon_h1")
-PATTERN_ARCHS = tuple(a for a in ARCHS if a != "olmo2" and a not in HYBRIDS)
+PATTERN_ARCHS = tuple(a for a in CORE_ARCHS if a != "olmo2" and a not in HYBRIDS)
 
 
 @pytest.fixture(scope="module", params=PATTERN_ARCHS)

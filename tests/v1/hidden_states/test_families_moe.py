@@ -1,0 +1,23 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Frontier families with routed experts, exact against HF at every layer
+and point (family_matrix.py): Qwen2-MoE and OLMoE, GLM-4.5 (sigmoid grouped
+routing, a dense first layer, shared experts), Llama 4 text (MoE every other
+layer, NoPE layers, q/k norms), Granite MoE (multipliers); Llama 4 also
+compiled. An MoE block's ``mlp_out`` is its whole output (shared experts
+included); ``mlp_post`` is refused."""
+
+import pytest
+
+from .family_matrix import *  # noqa: F403  (the checks, collected here)
+
+MOE = ("qwen2_moe", "olmoe", "glm4_moe", "llama4", "granitemoe")
+
+
+@pytest.fixture(scope="module", params=MOE)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=("llama4",))
+def compiled_arch(request) -> str:
+    return request.param
