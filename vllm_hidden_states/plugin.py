@@ -25,11 +25,10 @@ def _share_vllm_logging() -> None:
 
 
 def register() -> None:
-    import vllm
     from vllm.v1.engine import EngineCoreRequestType
 
     try:
-        versions.for_version(vllm.__version__)
+        versions.running()
     except versions.UnsupportedVersion as e:
         raise RuntimeError(f"{e} Or uninstall vllm-hidden-states.") from None
     if not hasattr(EngineCoreRequestType, "HIDDEN_STATES_EXTRACT"):

@@ -165,3 +165,10 @@ def test_patching_module_does_not_import_vllm(modules_loaded_by):
     loaded = modules_loaded_by("vllm_hidden_states.tools.patching")
     assert "vllm_hidden_states" in loaded
     assert "vllm" not in loaded
+
+
+def test_the_running_vllm_is_a_supported_version():
+    # vllm_hidden_states.versions.running() is what the plugin asks at start.
+    entry = versions.running()
+    assert entry.version in SUPPORTED
+    assert entry.patch_dir.is_dir()
