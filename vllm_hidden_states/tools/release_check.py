@@ -44,7 +44,7 @@ def wheel_cache() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "vllm-hidden-states" / "wheels"
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -106,7 +106,7 @@ def fetch_wheel(entry: versions.SupportedVersion, cache: Path | None = None) -> 
     stamp = path.with_name(path.name + ".verified")
     if stamp.is_file() and stamp.read_text() == verified:
         return path
-    digest = _sha256(path)
+    digest = sha256_of(path)
     if digest != entry.wheel.sha256:
         raise CheckError(
             f"{path} has sha256 {digest}, not the {entry.wheel.sha256} that "
