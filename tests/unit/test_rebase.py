@@ -153,7 +153,10 @@ def test_a_hunk_that_fails_stops_for_a_hand_fix_and_continue_writes_the_set(tmp_
     assert (work / "sched.py.rej").is_file()
 
     # --continue refuses while the reject is still there.
-    with pytest.raises(rebase.RebaseError, match=r"--continue: delete vllm/sched\.py\.orig, vllm/sched\.py\.rej under "):
+    with pytest.raises(
+        rebase.RebaseError,
+        match=r"--continue: delete vllm/sched\.py\.orig, vllm/sched\.py\.rej under ",
+    ):
         _run(tmp_path, patches, NEW, go_on=True)
 
     # The hand fix: the call-out after upstream's new line.
