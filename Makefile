@@ -37,8 +37,9 @@ else
 	# Qwen3.5 imports it through Qwen3-VL); its ops stay unavailable, loudly.
 	$(PY) -m pip install -q --no-deps "torchvision==0.28.0"
 	site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
-	  patch -p1 -R --dry-run --batch --silent -d $$site -i $(CURDIR)/cpu/torchvision-0.28.0-cpu.patch \
-	  || patch -p1 --forward --batch -d $$site -i $(CURDIR)/cpu/torchvision-0.28.0-cpu.patch
+	  if patch -p1 --forward --dry-run --batch --silent -d $$site -i $(CURDIR)/cpu/torchvision-0.28.0-cpu.patch; \
+	  then patch -p1 --forward --batch -d $$site -i $(CURDIR)/cpu/torchvision-0.28.0-cpu.patch; fi
+	$(PY) -c "import torchvision"
 endif
 	# No build isolation: setup.py builds vllm_hidden_states._C (csrc/) against
 	# the torch installed above, where CMake and a compiler are found (else,

@@ -22,6 +22,8 @@ from typing import Any, Literal
 from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, PointKind
 
 # How a layer class's stream and points are read (worker/capture_points.py):
+# "stream_only": a layer of vLLM's Transformers backend (HF's own class),
+#   read only where the stream enters it (its input ``hidden_states``);
 # "fused": (hidden, residual) in and out, the stream their sum; an add-norm
 #   called with the residual after attention;
 # "granite": plain adds scaled by residual_multiplier;
@@ -44,6 +46,7 @@ from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Po
 #   attention and a Mamba2 mixer side by side on the same normed input, their
 #   sum (each times a muP multiplier) added, then an MLP: no single attn_out.
 Layout = Literal[
+    "stream_only",
     "fused",
     "granite",
     "post_norm",
@@ -179,6 +182,9 @@ LAYER_CLASSES.update(
             mid_norm="ffn_norm",
             neurons="feed_forward.w2",
         ),
+        _V + "gpt_oss.TransformerBlock": LayerClass(
+            "fused", ("gpt_oss",), mixer="attn", neurons=None
+        ),
         _V + "gpt2.GPT2Block": LayerClass(
             "plain", ("gpt2",), mixer="attn", mid_norm="ln_2", neurons="mlp.c_proj"
         ),
@@ -273,6 +279,32 @@ LAYER_CLASSES[_V + "falcon_h1.FalconH1ParallelHybrid"] = LayerClass(
 )
 
 
+# vLLM's Transformers backend runs HF's own decoder layers, and HF builds
+# output_hidden_states from what passes between them (each layer's output, the
+# next one's input), so the stream entering such a layer is HF's definition,
+# whatever the model: served at every layer. The points inside are refused
+# unless the class is listed above (OLMo 2). Tested on the families named
+# (Seed-OSS and Hunyuan dense seen exact too, outside the suite).
+TRANSFORMERS_BACKEND_LAYER = LayerClass(
+    "stream_only",
+    ("gpt_neox", "olmo3", "smollm3"),
+    attention=False,
+    neurons=None,
+    points=False,
+)
+_HF_MODULES = "transformers.models."
+
+
+def known_layer_class(name: str | None) -> LayerClass | None:
+    """What is known of the decoder layer class named ``name`` (None: nothing)."""
+    if name is None:
+        return None
+    known = LAYER_CLASSES.get(name)
+    if known is None and name.startswith(_HF_MODULES) and "[" not in name:
+        return TRANSFORMERS_BACKEND_LAYER
+    return known
+
+
 def class_name(cls: type) -> str:
     """A class's qualified name, the key of :data:`LAYER_CLASSES`."""
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -280,7 +312,7 @@ def class_name(cls: type) -> str:
 
 def layer_class(cls: type) -> LayerClass | None:
     """What is known of a loaded decoder layer's class (None: nothing)."""
-    return LAYER_CLASSES.get(class_name(cls))
+    return known_layer_class(class_name(cls))
 
 
 def _granite_hybrid_layers(config: Any) -> list[str]:
@@ -351,6 +383,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
     _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
+    _V + "gpt_oss.GptOssForCausalLM": _V + "gpt_oss.TransformerBlock",
     _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
@@ -429,6 +462,14 @@ def predicted_layer_classes(model_config: Any, num_layers: int) -> tuple[str | N
     return predicted if len(predicted) == num_layers else unknown
 
 
+# Models whose decoder layers take no single [tokens, hidden] stream: layer 0
+# (the input of the first decoder layer) is refused as well as the inner ones.
+NO_SINGLE_STREAM: dict[str, str] = {
+    _V + "gemma3n.Gemma3nForCausalLM": "Gemma 3n's decoder layers take four AltUp streams "
+    "stacked ([4, tokens, hidden]; HF's own hidden_states stack them too), so no layer "
+    "has one residual stream to serve; its final post-norm state (layer -1) is one",
+}
+
 _NOT_VERIFIED = (
     "a layer class whose residual-stream convention is not verified against HF "
     "transformers here, so its states are refused rather than guessed"
@@ -447,25 +488,27 @@ class ModelLayers:
         experts: whether the model's MLP blocks have routed experts where the
             layer class's mlp_out / mlp_post are untested with them (Granite
             4.0-H with ``num_local_experts > 0``).
+        no_single_stream: why the model's layers carry no single stream
+            (:data:`NO_SINGLE_STREAM`; empty: they do).
     """
 
     classes: tuple[str | None, ...]
     model_class: str | None = None
     experts: bool = False
+    no_single_stream: str = ""
 
     @property
     def num_layers(self) -> int:
         return len(self.classes)
 
     def known(self, i: int) -> "LayerClass | None":
-        name = self.classes[i]
-        return None if name is None else LAYER_CLASSES.get(name)
+        return known_layer_class(self.classes[i])
 
     def kinds_at(self, i: int) -> tuple[PointKind, ...]:
         """The point kinds exact at decoder layer ``i``."""
         known = self.known(i)
         if known is None:
-            return ("resid_pre",) if i == 0 else ()
+            return ("resid_pre",) if i == 0 and not self.no_single_stream else ()
         if not known.points:
             return ("resid_pre",)
         lacks: set[str] = set()
@@ -488,6 +531,8 @@ class ModelLayers:
         """Whether HF layer ``k`` (absolute, ``0..L``) is read exactly: the
         embedding output, the final post-norm state, or the stream entering
         a decoder layer of a known class."""
+        if k == 0 and self.no_single_stream:
+            return False
         return k in (0, self.num_layers) or self.known(k) is not None
 
     def exact_layers(self) -> list[int]:
@@ -512,15 +557,19 @@ class ModelLayers:
             else str(k)
             for k in layers
         )
+        example = "0, -1" if 0 in layers else "-1"
         return (
-            f"exact on this model: layers {named}; ask for those (e.g. "
-            f"hidden_states_layers=[0, -1], --hidden-states-layers 0,-1)"
+            f"exact on this model: {'layers' if len(layers) > 1 else 'layer'} {named}; ask "
+            f"for those (e.g. hidden_states_layers=[{example}], --hidden-states-layers "
+            f"{example.replace(' ', '')})"
         )
 
     def why_not_layer(self, k: int) -> str:
         """Why HF layer ``k`` (negative: from the end) is refused (it is not
         :meth:`layer_exact`)."""
         i = k % (self.num_layers + 1)
+        if self.no_single_stream:
+            return f"layer {k}: {self.no_single_stream}; {self.exact_help()}"
         return (
             f"layer {k} is the residual stream entering decoder layer {i}, "
             f"{self._describe_class(i)}: {_NOT_VERIFIED}; {self.exact_help()}"
@@ -529,6 +578,8 @@ class ModelLayers:
     def why_not(self, kind: str, i: int) -> str:
         """Why point ``kind`` of decoder layer ``i`` is refused."""
         known = self.known(i)
+        if known is None and self.no_single_stream:
+            return f"{kind}.{i}: {self.no_single_stream}; {self.exact_help()}"
         if known is None:
             return (
                 f"{kind}.{i} is in decoder layer {i}, {self._describe_class(i)}: "
@@ -589,6 +640,7 @@ class ModelLayers:
             classes,
             model_class,
             int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
+            NO_SINGLE_STREAM.get(model_class or "", ""),
         )
 
 

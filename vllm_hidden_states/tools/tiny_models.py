@@ -96,6 +96,7 @@ FRONTIER_ARCHS = (
     "deepseek_v3",
     "lfm2",
     "gemma4",
+    "gpt_oss",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -103,10 +104,17 @@ ARCHS = CORE_ARCHS + FRONTIER_ARCHS
 # Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
 # vLLM runs them, but their decoder layer classes are not verified here, so
 # only layer 0 and the final state are served. Not in the exactness matrix.
-REFUSED_ARCHS = ("opt",)
+REFUSED_ARCHS = ("opt", "gemma3n")
 
 # Built to compare plain vLLM with HF (tools and probes); not verified.
-UNVERIFIED_ARCHS = ("gpt_oss", "cohere2", "ernie45_moe", "minimax_m2")
+UNVERIFIED_ARCHS = ("cohere2", "ernie45_moe", "minimax_m2")
+
+# On vLLM's Transformers backend: the stream between HF's decoder layers
+# (HF's own output_hidden_states) is served, the points inside refused
+# (tests/v1/hidden_states/test_transformers_backend.py).
+TRANSFORMERS_BACKEND_ARCHS = ("gpt_neox", "olmo3", "smollm3")
+# Seen exact here too, not in the suite (an engine process each costs ~50 s).
+TRANSFORMERS_BACKEND_SEEN = ("seed_oss", "hunyuan_dense")
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -138,6 +146,12 @@ _STYLE = {
     "lfm2": "chatml",
     "minimax_m2": "chatml",
     "gemma4": "gemma",
+    "gemma3n": "gemma",
+    "gpt_neox": "chatml",
+    "olmo3": "chatml",
+    "smollm3": "chatml",
+    "seed_oss": "chatml",
+    "hunyuan_dense": "chatml",
     "llama4": "llama",
     "gemma": "gemma",
     "llama": "llama",
@@ -471,6 +485,9 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
         ), T.Llama4ForCausalLM
     if arch == "gpt_oss":
         # Attention sinks, sliding and full attention alternating, MoE.
+        # vLLM's gpt-oss norms use eps 1e-5 whatever the config says (the
+        # released models' own).
+        common["rms_norm_eps"] = 1e-5
         return T.GptOssConfig(
             head_dim=common["hidden_size"] // num_heads,
             num_local_experts=4,
@@ -626,6 +643,51 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             per_layer_config={},
             **dict(common, tie_word_embeddings=True),
         ), T.Gemma4ForCausalLM
+    if arch == "gemma3n":
+        # Gemma 3n (text): four AltUp streams stacked through every layer,
+        # LAuReL, per-layer inputs, KV sharing in the last layers.
+        return T.Gemma3nTextConfig(
+            head_dim=common["hidden_size"] // num_heads,
+            intermediate_size=[ffn] * layers,
+            # A full layer before the KV-shared one, which shares its kind's
+            # last KV.
+            layer_types=[
+                "full_attention" if i % 4 == 2 else "sliding_attention" for i in range(layers)
+            ],
+            sliding_window=SHORT_WINDOW,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=common["vocab_size"],
+            laurel_rank=8,
+            num_kv_shared_layers=1,
+            activation_sparsity_pattern=[0.0] * layers,
+            **{
+                k: v
+                for k, v in dict(common, tie_word_embeddings=True).items()
+                if k != "intermediate_size"
+            },
+        ), T.Gemma3nForCausalLM
+    # vLLM's Transformers backend (HF's own decoder layers).
+    if arch == "gpt_neox":
+        eps = common.pop("rms_norm_eps", 1e-5)
+        common.pop("num_key_value_heads", None)
+        return T.GPTNeoXConfig(
+            layer_norm_eps=eps, use_parallel_residual=True, attention_bias=True, **common
+        ), T.GPTNeoXForCausalLM
+    if arch == "olmo3":
+        common["num_key_value_heads"] = num_heads
+        return T.Olmo3Config(sliding_window=SHORT_WINDOW, **common), T.Olmo3ForCausalLM
+    if arch == "smollm3":
+        return T.SmolLM3Config(
+            no_rope_layers=[0 if (i + 1) % 4 == 0 else 1 for i in range(layers)], **common
+        ), T.SmolLM3ForCausalLM
+    if arch == "seed_oss":
+        return T.SeedOssConfig(
+            head_dim=common["hidden_size"] // num_heads, attention_bias=True, **common
+        ), T.SeedOssForCausalLM
+    if arch == "hunyuan_dense":
+        return T.HunYuanDenseV1Config(
+            head_dim=common["hidden_size"] // num_heads, **common
+        ), T.HunYuanDenseV1ForCausalLM
     if arch == "minimax_m2":
         # Sigmoid routing with a correction bias (vLLM's CPU router runs
         # softmax only: seen failing at the first generate).
@@ -668,7 +730,8 @@ def build_tiny_model(
     ``arch`` is one of :data:`ARCHS`. Skips the work when ``out`` already holds
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
-    if arch not in ARCHS + REFUSED_ARCHS + UNVERIFIED_ARCHS:
+    built = ARCHS + REFUSED_ARCHS + UNVERIFIED_ARCHS + TRANSFORMERS_BACKEND_ARCHS
+    if arch not in built + TRANSFORMERS_BACKEND_SEEN:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(

@@ -66,6 +66,14 @@ def _hook(
                 return
         for read, out_name, index, scale in taps:
             a, b = read(args, kwargs, output)
+            if a.dim() != 2:
+                # A last guard: a layer that takes several streams stacked
+                # (Gemma 3n's AltUp) has no rows of tokens to copy; the front
+                # end refuses such layers first (layers.NO_SINGLE_STREAM).
+                raise RuntimeError(
+                    f"hidden states: {type(module).__name__} passes a {tuple(a.shape)} "
+                    "tensor, not [tokens, hidden]; refusing to copy rows from it"
+                )
             capture(
                 a,
                 b,

@@ -7,7 +7,7 @@ vLLM's paged attention never materializes the weights, so a pattern point
 point. An extract recomputes every position; :class:`PatternHistory` keeps
 queries and keys on the device across chunks, and :func:`attention_pattern`
 turns them into the weights as HF's eager attention does (grouped heads,
-soft-capping, causal and sliding-window masks). Only the query rows asked
+soft-capping, causal and sliding-window masks, attention sinks). Only the query rows asked
 leave the device: ``[heads, queries, keys]`` float32.
 """
 
@@ -48,8 +48,9 @@ def attention_pattern(
     len(q), len(k)]``.
 
     ``attn`` is vLLM's ``Attention`` module of the layer: head counts, head
-    size and sliding window from it, scale and logit soft-cap from its
-    backend implementation (every backend keeps both).
+    size and sliding window from it, scale, logit soft-cap and attention
+    sinks (gpt-oss) from its backend implementation (every backend keeps
+    them).
     """
     heads, kv_heads, head_size = attn.num_heads, attn.num_kv_heads, attn.head_size
     nq, nk = q.shape[0], k.shape[0]
@@ -66,4 +67,10 @@ def attention_pattern(
     if window:
         hidden |= q_pos - k_pos >= window
     scores.masked_fill_(hidden, float("-inf"))
-    return scores.softmax(dim=-1)
+    sinks = getattr(attn.impl, "sinks", None)
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    # Attention sinks (gpt-oss): one more logit per head in the softmax,
+    # attached to no key; the weights over the keys then sum to less than 1.
+    sink = sinks.float().view(heads, 1, 1).expand(heads, nq, 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]

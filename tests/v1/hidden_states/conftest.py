@@ -51,16 +51,21 @@ def mixer_of(layer):
     for name in ("self_attn", "attn", "linear_attn", "mamba", "conv"):  # LFM2: conv
         if getattr(layer, name, None) is not None:
             return getattr(layer, name)
-    raise LookupError(f"no token mixer in {type(layer).__name__}")
+    return None  # a layer this reference does not know inside (GPT-NeoX's)
 
 
 def mlp_of(layer):
     """An HF decoder layer's MLP block (Granite 4.0-H without experts: its
     shared MLP; Granite MoE: its experts)."""
-    for name in ("mlp", "feed_forward", "block_sparse_moe"):  # Falcon-H1, Llama 4: feed_forward
+    for name in (
+        "mlp",
+        "feed_forward",
+        "block_sparse_moe",
+        "shared_mlp",
+    ):  # Falcon-H1, Llama 4: feed_forward
         if getattr(layer, name, None) is not None:
             return getattr(layer, name)
-    return layer.shared_mlp
+    return None
 
 
 def down_projection_of(layer):
@@ -81,8 +86,9 @@ def sequence_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layers_of(model):
-    """An HF causal LM's decoder layers (GPT-2: ``transformer.h``)."""
-    base = getattr(model, "model", None) or model.transformer
+    """An HF causal LM's decoder layers (its base model's ``layers``; GPT-2:
+    ``transformer.h``)."""
+    base = model.base_model
     return base.layers if hasattr(base, "layers") else base.h
 
 
@@ -118,6 +124,8 @@ def point_sites(layer) -> dict[str, tuple]:
     else:
         attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
         mlp = layer.post_feedforward_layernorm if post_norms else mlp_of(layer)
+        if attn is None or mlp is None:  # only the stream entering it is compared
+            return sites
         sites["attn_out"] = (attn, "out", scale)
         sites["mlp_out"] = (mlp, "out", scale)
     if hasattr(layer, "pre_feedforward_layernorm"):

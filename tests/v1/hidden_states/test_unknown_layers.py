@@ -90,3 +90,54 @@ def test_a_request_for_a_state_it_cannot_read_is_refused_naming_why(opt, field, 
     # The engine keeps serving.
     (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
     assert out.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def gemma3n_dir():
+    return build_tiny_model(MODELS / "tiny-gemma3n", arch="gemma3n", max_position_embeddings=256)
+
+
+def test_gemma3n_refuses_layer_0_its_layers_take_four_stacked_streams(gemma3n_dir):
+    with pytest.raises(ValueError, match=r"--hidden-states-layers 0: .*four AltUp streams"):
+        LLM(
+            model=str(gemma3n_dir),
+            enable_hidden_states=True,
+            hidden_states_layers=[0, -1],
+            enforce_eager=True,
+            **ENGINE_ARGS,
+        )
+
+
+def test_gemma3n_serves_its_final_state_the_one_its_logits_come_from(gemma3n_dir):
+    """HF's own hidden_states[-1] for Gemma 3n is not the final post-norm
+    state, and vLLM's Gemma 3n differs from HF's (its prompt logprobs, seen:
+    up to 0.17): the served layer -1, through HF's LM head and soft-cap, gives
+    the engine's own prompt logprobs. Layer 0 is refused per request too."""
+    llm = LLM(model=str(gemma3n_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
+    try:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            prompt_logprobs=0,
+            return_hidden_states=True,
+            hidden_states_layers=[-1],
+            hidden_states_positions="prompt",
+        )
+        (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+        hf = HFReference(gemma3n_dir)
+        final = out.outputs[0].hidden_states[-1]
+        assert final.shape == (len(out.prompt_token_ids), hf.hidden_size)
+        cap = hf.model.config.final_logit_softcapping
+        with torch.inference_mode():
+            logits = hf.model.lm_head(final)
+            logits = torch.tanh(logits / cap) * cap
+        logprobs = torch.log_softmax(logits, dim=-1)
+        ids = out.prompt_token_ids
+        for pos in range(1, len(ids)):
+            engine = next(iter(out.prompt_logprobs[pos].values())).logprob
+            assert abs(engine - float(logprobs[pos - 1, ids[pos]])) < 1e-4, pos
+        params.hidden_states_layers = [0]
+        with pytest.raises(VLLMValidationError, match="four AltUp streams"):
+            llm.generate([PROMPT], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
