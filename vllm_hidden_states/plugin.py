@@ -3,11 +3,12 @@
 
 vLLM runs it once in every process it starts (CLI, API server, EngineCore,
 workers) before engines, schedulers and model runners are built. It refuses to
-start on a vLLM that is not 0.32.0 or not patched (the model runner reaches the
-capture code through the patch set's call-outs). It is idempotent.
+start on a vLLM version with no patch set here
+(:mod:`vllm_hidden_states.versions`) or not patched (the model runner reaches
+the capture code through the patch set's call-outs). It is idempotent.
 """
 
-from vllm_hidden_states.tools.patching import VLLM_VERSION
+from vllm_hidden_states import versions
 
 
 def _share_vllm_logging() -> None:
@@ -24,16 +25,12 @@ def _share_vllm_logging() -> None:
 
 
 def register() -> None:
-    import vllm
     from vllm.v1.engine import EngineCoreRequestType
 
-    version = vllm.__version__.split("+")[0]
-    if version != VLLM_VERSION:
-        raise RuntimeError(
-            f"vllm-hidden-states supports vLLM {VLLM_VERSION} exactly; found "
-            f"{vllm.__version__}. Install vllm=={VLLM_VERSION}, or uninstall "
-            "vllm-hidden-states."
-        )
+    try:
+        versions.running()
+    except versions.UnsupportedVersion as e:
+        raise RuntimeError(f"{e} Or uninstall vllm-hidden-states.") from None
     if not hasattr(EngineCoreRequestType, "HIDDEN_STATES_EXTRACT"):
         raise RuntimeError(
             "vllm-hidden-states is installed but vLLM is not patched; run "

@@ -113,11 +113,25 @@ def _ok(cmd: list, cwd: Path, env: dict[str, str] | None = None) -> subprocess.C
 
 
 def _source_patches(src: Path) -> dict[str, bytes]:
-    """The checkout's patch set (as copied: edits made meanwhile do not count)."""
+    """The checkout's patch sets, every supported version's, keyed
+    ``<version>/<name>`` (as copied: edits made meanwhile do not count)."""
     directory = src / PACKAGE / "patches"
-    patches = {p.name: p.read_bytes() for p in sorted(directory.glob("*.patch"))}
-    assert patches, f"no *.patch in {directory}"
+    patches = {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.glob("*/*.patch"))
+    }
+    assert patches, f"no */*.patch in {directory}"
     return patches
+
+
+def _installed_set(patches: dict[str, bytes]) -> list[str]:
+    """The names of the installed vLLM's set among ``patches``
+    (``<version>/<name>`` keys)."""
+    from vllm_hidden_states import versions
+    from vllm_hidden_states.tools import patching
+
+    version = versions.for_version(patching.check_version()).version
+    return [key.split("/", 1)[1] for key in patches if key.startswith(f"{version}/")]
 
 
 def _only(directory: Path, pattern: str) -> Path:
@@ -350,8 +364,8 @@ def test_sdist_ships_every_patch_byte_identical(install):
         found = {}
         for m in t.getmembers():
             parts = m.name.split("/")
-            if parts[1:3] == [PACKAGE, "patches"] and len(parts) == 4 and m.isfile():
-                found[parts[3]] = t.extractfile(m).read()
+            if parts[1:3] == [PACKAGE, "patches"] and len(parts) == 5 and m.isfile():
+                found["/".join(parts[3:])] = t.extractfile(m).read()
     assert found == install.patches, sorted(t.getnames())
 
 
@@ -377,7 +391,7 @@ def test_installed_copy_reads_its_own_patches(install):
     )
     assert result.returncode == 0, _show(result)
     directory, names = result.stdout.strip().splitlines()
-    assert Path(directory).is_relative_to(install.venv) and names.split(",") == list(
+    assert Path(directory).is_relative_to(install.venv) and names.split(",") == _installed_set(
         install.patches
     ), _show(result)
 
@@ -385,7 +399,8 @@ def test_installed_copy_reads_its_own_patches(install):
 def test_patch_check_lists_every_patch_as_applied(install):
     result = install.hidden_states("patch", "check")
     assert result.returncode == 0 and all(
-        f"applied      {name}" in result.stdout.splitlines() for name in install.patches
+        f"applied      {name}" in result.stdout.splitlines()
+        for name in _installed_set(install.patches)
     ), _show(result)
 
 

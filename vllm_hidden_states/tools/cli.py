@@ -2,6 +2,8 @@
 """``vllm-hidden-states`` console script.
 
 vllm-hidden-states patch apply|check|revert
+vllm-hidden-states patch verify [--version X.Y.Z]   (every supported set on its pristine wheel)
+vllm-hidden-states patch rebase --to X.Y.Z [...]    (the newest set carried to a new release)
 vllm-hidden-states tiny-model DIR [--arch qwen3|llama|gemma2|...] [...]
 vllm-hidden-states collect DATASET OUT (--model M | --server-url URL) [...]
 vllm-hidden-states store query ROOT deltas|threshold|sql ... | store prune ROOT
@@ -17,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-hidden-states")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("patch", help="manage the patches on the installed vLLM")
-    p.add_argument("action", choices=["apply", "check", "revert"])
+    p.add_argument(
+        "action",
+        choices=["apply", "check", "revert", "verify", "rebase"],
+        help="verify and rebase take their own options (--help after them)",
+    )
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model")
     t.add_argument("out")
     t.add_argument("--arch", choices=ARCHS, default="qwen3")
@@ -46,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_hidden_states.tools import seam as seam_tool
 
         return seam_tool.main(rest)
+    if args.command == "patch" and args.action == "verify":
+        from vllm_hidden_states.tools import release_check
+
+        return release_check.main(rest)
+    if args.command == "patch" and args.action == "rebase":
+        from vllm_hidden_states.tools import rebase
+
+        return rebase.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 

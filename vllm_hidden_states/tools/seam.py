@@ -9,7 +9,8 @@ package names (``vllm.m:S``; a private attribute read on a vLLM object as
 ``--check`` each reference must resolve in the vLLM sources (a top-level name
 of its module; a private attribute defined somewhere in vLLM), else it exits 1
 naming what moved: a vLLM upgrade fails here, before anything runs. The patches
-themselves are checked by ``patch check``.
+themselves are checked by ``patch check``; both, against every supported
+version's pristine sources, by :mod:`vllm_hidden_states.tools.release_check`.
 """
 
 import ast
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
-PATCH_DIR = PACKAGE / "patches"
 
 # Private attributes the package uses on its own objects, not vLLM's.
 _OWN_PRIVATE = {"_asdict", "_replace", "_fields"}
@@ -63,8 +63,10 @@ def _own_private_names() -> set[str]:
     return names
 
 
-def package_references() -> list[Reference]:
-    """Every vLLM symbol the package's own modules name (tests excluded)."""
+def package_references(root: Path | None = None) -> list[Reference]:
+    """Every vLLM symbol the package's own modules name (tests excluded);
+    ``root`` (default: the installed vLLM) tells modules from other names."""
+    root = root or vllm_root()
     own = _own_private_names()
     found: dict[tuple[str, str], Reference] = {}
 
@@ -96,14 +98,14 @@ def package_references() -> list[Reference]:
             value = node.value
             if isinstance(value, ast.Name) and value.id in aliases:
                 target = aliases[value.id]
-                if _is_module_path(target):
+                if _is_module_path(root, target):
                     add(target, node.attr, path, node.lineno)
             elif isinstance(value, ast.Attribute):
                 dotted = _dotted(value)
                 if dotted and dotted.split(".")[0] in aliases:
                     head, _, rest = dotted.partition(".")
                     module = f"{aliases[head]}.{rest}" if rest else aliases[head]
-                    if _is_module_path(module):
+                    if _is_module_path(root, module):
                         add(module, node.attr, path, node.lineno)
             if (
                 node.attr.startswith("_")
@@ -125,10 +127,9 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def _is_module_path(dotted: str) -> bool:
-    """Whether ``dotted`` names a vLLM module (a file or package), as far as
-    the installed sources tell; class-qualified names are not modules."""
-    root = vllm_root()
+def _is_module_path(root: Path, dotted: str) -> bool:
+    """Whether ``dotted`` names a vLLM module (a file or package) under
+    ``root``; class-qualified names are not modules."""
     rel = Path(*dotted.split("."))
     return (root.parent / rel).with_suffix(".py").is_file() or (
         root.parent / rel / "__init__.py"
@@ -243,12 +244,15 @@ class PatchSite:
     symbol: str  # innermost enclosing class/function of the hunk, or "<module>"
 
 
-def patch_sites(root: Path | None = None) -> list[PatchSite]:
-    """Where each hunk lands, read from the installed (patched) files."""
+def patch_sites(root: Path | None = None, patch_dir: Path | None = None) -> list[PatchSite]:
+    """Where each hunk of the set in ``patch_dir`` lands, read from the
+    patched files under ``root`` (default: the installed vLLM and its
+    version's set)."""
     root = root or vllm_root()
+    patch_dir = patch_dir or installed_patch_dir()
     sites: list[PatchSite] = []
     trees: dict[Path, ast.Module] = {}  # a file parsed once, not once per hunk
-    for patch in sorted(PATCH_DIR.glob("*.patch")):
+    for patch in sorted(patch_dir.glob("*.patch")):
         current = None
         for line in patch.read_text().splitlines():
             if line.startswith("+++ b/"):
@@ -263,6 +267,14 @@ def patch_sites(root: Path | None = None) -> list[PatchSite]:
                 if site not in sites:
                     sites.append(site)
     return sites
+
+
+def installed_patch_dir() -> Path:
+    """The patch set of the installed vLLM's version (read from its
+    metadata, without importing it)."""
+    from vllm_hidden_states.tools import patching
+
+    return patching.patches_dir()
 
 
 def _enclosing(trees: dict[Path, ast.Module], path: Path, line: int) -> str:
