@@ -79,7 +79,7 @@ REFUSED: frozenset[str] = frozenset(
     """
     AfmoeForCausalLM ApertusForCausalLM AXK1ForCausalLM BailingMoeForCausalLM
     BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
-    BloomForCausalLM ChatGLMModel ChatGLMForConditionalGeneration CohereForCausalLM
+    BloomForCausalLM ChatGLMModel ChatGLMForConditionalGeneration
     Cohere2MoeForCausalLM DbrxForCausalLM DeciLMForCausalLM
     DeepseekForCausalLM
     DeepseekV32ForCausalLM DeepseekV4ForCausalLM
