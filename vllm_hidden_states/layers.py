@@ -137,6 +137,9 @@ LAYER_CLASSES.update(
         _V + "qwen2_moe.Qwen2MoeDecoderLayer": LayerClass("fused", ("qwen2_moe",), neurons=None),
         _V + "olmoe.OlmoeDecoderLayer": LayerClass("fused", ("olmoe",), neurons=None),
         _V + "glm4.Glm4DecoderLayer": LayerClass("fused", ("glm4",)),
+        _V + "ernie45_moe.Ernie4_5_MoeDecoderLayer": LayerClass(
+            "fused", ("ernie45_moe",), neurons=None
+        ),
         _V + "glm4_moe.Glm4MoeDecoderLayer": LayerClass("fused", ("glm4_moe",), neurons=None),
         _V + "llama4.Llama4DecoderLayer": LayerClass(
             "fused", ("llama4",), mlp="feed_forward", neurons=None
@@ -392,6 +395,7 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granitemoe.GraniteMoeForCausalLM": _V + "granitemoe.GraniteMoeDecoderLayer",
     _V + "gpt2.GPT2LMHeadModel": _V + "gpt2.GPT2Block",
     _V + "lfm2.Lfm2ForCausalLM": _lfm2_layers,
+    _V + "ernie45_moe.Ernie4_5_MoeForCausalLM": _V + "ernie45_moe.Ernie4_5_MoeDecoderLayer",
     _V + "commandr.CohereForCausalLM": _V + "commandr.CohereDecoderLayer",
     _V + "gpt_oss.GptOssForCausalLM": _V + "gpt_oss.TransformerBlock",
     _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,

@@ -62,6 +62,8 @@ NOTES: dict[str, str] = {
     "layers see one key more than HF's mask (its convention): inner layers are compared "
     "with HF run by it, and differ from HF's own beyond the window",
     "CohereForCausalLM": "as Cohere2ForCausalLM (the same layer class), not run here",
+    "Ernie4_5_MoeForCausalLM": "tested with a zero routing correction bias: vLLM's CPU "
+    "router ignores a softmax router's e_score_correction_bias (vLLM's deviation)",
     "GptOssForCausalLM": "patterns with its attention sinks; no mlp_post (MoE)",
     "Gemma4ForCausalLM": "resid_post is the layer output after its per-layer input and "
     "scalar; KV-shared layers (E2B, E4B) and MoE layers (26B-A4B) are refused inside, "
@@ -83,7 +85,7 @@ REFUSED: frozenset[str] = frozenset(
     Cohere2MoeForCausalLM DbrxForCausalLM DeciLMForCausalLM
     DeepseekForCausalLM
     DeepseekV32ForCausalLM DeepseekV4ForCausalLM
-    Ernie4_5_MoeForCausalLM ExaoneForCausalLM ExaoneMoeForCausalLM
+    ExaoneForCausalLM ExaoneMoeForCausalLM
     ExaoneMoEForCausalLM FalconForCausalLM
     Rnj1ForCausalLM Gemma3nForCausalLM
     Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM

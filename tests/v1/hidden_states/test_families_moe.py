@@ -3,7 +3,8 @@
 and point (family_matrix.py): Qwen2-MoE and OLMoE, GLM-4.5 (sigmoid grouped
 routing, a dense first layer, shared experts), Llama 4 text (MoE every other
 layer, NoPE layers, q/k norms), Granite MoE (multipliers), gpt-oss
-(attention sinks, sliding and full layers alternating); Llama 4 and gpt-oss
+(attention sinks, sliding and full layers alternating), Ernie 4.5 MoE (a
+dense first layer, shared experts); Llama 4 and gpt-oss
 also compiled. An MoE block's ``mlp_out`` is its whole output (shared experts
 included); ``mlp_post`` is refused."""
 
@@ -11,7 +12,7 @@ import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-MOE = ("qwen2_moe", "olmoe", "glm4_moe", "llama4", "granitemoe", "gpt_oss")
+MOE = ("qwen2_moe", "olmoe", "glm4_moe", "llama4", "granitemoe", "gpt_oss", "ernie45_moe")
 
 
 @pytest.fixture(scope="module", params=MOE)
