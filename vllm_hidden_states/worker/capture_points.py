@@ -66,10 +66,11 @@ def _hook(
                 return
         for read, out_name, index, scale in taps:
             a, b = read(args, kwargs, output)
-            if a.dim() != 2:
+            if a.dim() != 2 and not (a.dim() == 3 and a.shape[0] == 1):
                 # A last guard: a layer that takes several streams stacked
                 # (Gemma 3n's AltUp) has no rows of tokens to copy; the front
                 # end refuses such layers first (layers.NO_SINGLE_STREAM).
+                # HF's layers (Transformers backend) take a batch of one.
                 raise RuntimeError(
                     f"hidden states: {type(module).__name__} passes a {tuple(a.shape)} "
                     "tensor, not [tokens, hidden]; refusing to copy rows from it"
