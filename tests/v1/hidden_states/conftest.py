@@ -88,8 +88,11 @@ def sequence_rows(tensor: torch.Tensor) -> torch.Tensor:
 def decoder_layers_of(model):
     """An HF causal LM's decoder layers (its base model's ``layers``; GPT-2:
     ``transformer.h``)."""
-    base = model.base_model
-    return base.layers if hasattr(base, "layers") else base.h
+    for base in (model.base_model, getattr(model, "model", None)):  # Llama 4: model
+        for name in ("layers", "h"):
+            if hasattr(base, name):
+                return getattr(base, name)
+    raise LookupError(f"no decoder layers found in {type(model).__name__}")
 
 
 def single_block_point(layer) -> str | None:
