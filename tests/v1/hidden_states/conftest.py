@@ -535,6 +535,18 @@ def engine_core_request(req_id: str, prompt_token_ids: list[int], sampling_param
     )
 
 
+def assert_prompt_logprobs_match(output, logits: torch.Tensor, tol: float, what: str = ""):
+    """The engine's prompt logprobs of ``output`` equal ``log_softmax(logits)``
+    (``[prompt positions, vocab]``, from the served final state) within
+    ``tol``: the state served is the one the engine's logits came from."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = output.prompt_token_ids
+    for pos in range(1, len(ids)):
+        engine = next(iter(output.prompt_logprobs[pos].values())).logprob
+        ours = float(logprobs[pos - 1, ids[pos]])
+        assert abs(engine - ours) < tol, (what, pos, engine, ours)
+
+
 def token_ids_of(output) -> list[int]:
     """prompt + generated token ids of the first completion of an output."""
     return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)

@@ -26,7 +26,14 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, env_set, token_ids_of
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    MODELS,
+    HFReference,
+    assert_prompt_logprobs_match,
+    env_set,
+    token_ids_of,
+)
 from .test_architectures import LONG_PROMPT, PROMPT, STRENGTH, layers_of, random_vector
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -151,12 +158,7 @@ def test_the_final_state_gives_the_engines_own_prompt_logprobs(family):
     )
     (out,) = llm.generate([PROMPT], params, use_tqdm=False)
     final = out.outputs[0].hidden_states[-1].float()
-    logprobs = torch.log_softmax(hf.model.lm_head(final), dim=-1)
-    ids = out.prompt_token_ids
-    for pos in range(1, len(ids)):
-        engine = next(iter(out.prompt_logprobs[pos].values())).logprob
-        ours = float(logprobs[pos - 1, ids[pos]])
-        assert abs(engine - ours) < 5e-2, (arch, pos, engine, ours)
+    assert_prompt_logprobs_match(out, hf.model.lm_head(final), 5e-2, arch)
 
 
 def test_the_linear_attention_state_carries_over_chunks_extracts_and_cached_prefixes(family):

@@ -14,7 +14,7 @@ import torch
 from vllm import SamplingParams
 from vllm_hidden_states.tools.tiny_models import SHORT_WINDOW
 
-from .conftest import HFReference, assert_close, token_ids_of
+from .conftest import HFReference, assert_close, assert_prompt_logprobs_match, token_ids_of
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 from .test_architectures import PROMPT, engine_for
 
@@ -61,8 +61,5 @@ def test_cohere2_differs_from_hfs_own_mask_only_beyond_its_window():
     config = hf.model.config
     with torch.inference_mode():
         logits = hf.model.lm_head(final) * config.logit_scale
-    logprobs = torch.log_softmax(logits, dim=-1)
-    for pos in range(1, len(ids)):
-        engine = next(iter(out.prompt_logprobs[pos].values())).logprob
-        assert abs(engine - float(logprobs[pos - 1, ids[pos]])) < 1e-4, pos
+    assert_prompt_logprobs_match(out, logits, 1e-4, "cohere2")
     assert token_ids_of(out)

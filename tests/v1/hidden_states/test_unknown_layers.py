@@ -17,7 +17,14 @@ from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
-from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    MODELS,
+    HFReference,
+    assert_close,
+    assert_prompt_logprobs_match,
+    token_ids_of,
+)
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=4, max_model_len=256)
@@ -131,11 +138,7 @@ def test_gemma3n_serves_its_final_state_the_one_its_logits_come_from(gemma3n_dir
         with torch.inference_mode():
             logits = hf.model.lm_head(final)
             logits = torch.tanh(logits / cap) * cap
-        logprobs = torch.log_softmax(logits, dim=-1)
-        ids = out.prompt_token_ids
-        for pos in range(1, len(ids)):
-            engine = next(iter(out.prompt_logprobs[pos].values())).logprob
-            assert abs(engine - float(logprobs[pos - 1, ids[pos]])) < 1e-4, pos
+        assert_prompt_logprobs_match(out, logits, 1e-4, "gemma3n")
         params.hidden_states_layers = [0]
         with pytest.raises(VLLMValidationError, match="four AltUp streams"):
             llm.generate([PROMPT], params, use_tqdm=False)
