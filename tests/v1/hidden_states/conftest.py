@@ -379,6 +379,34 @@ def env_set(name: str, value: str):
             os.environ[name] = saved
 
 
+@contextmanager
+def in_process_engine():
+    """Build an engine inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING
+    =0``) on distributed state of its own.
+
+    vLLM's parallel groups are process globals and a new engine reuses any it
+    finds: behind the session's dense ``llm`` a MoE model would find no expert
+    parallel group (a dense engine never makes one) and fail to load. So the
+    groups left by another in-process engine are released first; every
+    in-process engine's shutdown releases them the same way. Building an
+    engine also freezes vLLM's env reads (envs cache); they are unfrozen after,
+    so the next engine reads its own ``VLLM_ENABLE_V1_MULTIPROCESSING``.
+    """
+    import vllm.envs as envs
+    from vllm.distributed.parallel_state import (
+        cleanup_dist_env_and_memory,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        cleanup_dist_env_and_memory()
+    try:
+        with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+            yield
+    finally:
+        envs.disable_envs_cache()
+
+
 COMMON_ENGINE_ARGS = dict(
     dtype="float32",
     gpu_memory_utilization=0.2,
@@ -428,7 +456,7 @@ def llm(qwen3_dir, steering_vectors_dir):
     named), so every test on it also runs with the steering hooks in place."""
     from vllm import LLM
 
-    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+    with in_process_engine():
         engine = LLM(
             model=str(qwen3_dir),
             enable_hidden_states=True,
@@ -442,13 +470,6 @@ def llm(qwen3_dir, steering_vectors_dir):
             max_model_len=1024,
             **COMMON_ENGINE_ARGS,
         )
-    # Building an engine freezes vLLM's env reads (envs cache) with
-    # VLLM_ENABLE_V1_MULTIPROCESSING=0 in it; unfreeze them, or every later
-    # engine would be in-process too, and shutting one down would tear down
-    # the process-wide distributed state this engine runs on.
-    import vllm.envs as envs
-
-    envs.disable_envs_cache()
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

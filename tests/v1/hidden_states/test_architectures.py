@@ -49,6 +49,7 @@ from .conftest import (
     assert_close,
     decoder_layers_of,
     env_set,
+    in_process_engine,
     token_ids_of,
 )
 
@@ -126,9 +127,15 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
             setattr(_Current.reference.model.config, key, value)
         # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
         _Current.reference.model.set_attn_implementation("eager")
-        multiprocessing = "1" if on_transformers_backend(model_dir) else "0"
+        # vLLM's Transformers backend decorates HF's classes in place: its
+        # engines run in their own process (see the module docstring).
+        place = (
+            env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+            if on_transformers_backend(model_dir)
+            else in_process_engine()
+        )
         try:
-            with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing):
+            with place:
                 _Current.engine = LLM(
                     model=str(model_dir),
                     enable_hidden_states=True,
@@ -145,9 +152,7 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
             _Current.error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            # Starting an engine freezes vLLM's env reads (envs cache) with
-            # this engine's VLLM_ENABLE_V1_MULTIPROCESSING; unfreeze them so
-            # the next engine, here or in a later module, reads its own.
+            # A spawned engine freezes vLLM's env reads (envs cache) too.
             import vllm.envs as envs
 
             envs.disable_envs_cache()

@@ -31,7 +31,7 @@ from .conftest import (
     MODELS,
     HFReference,
     assert_prompt_logprobs_match,
-    env_set,
+    in_process_engine,
     token_ids_of,
 )
 from .test_architectures import LONG_PROMPT, PROMPT, STRENGTH, layers_of, random_vector
@@ -62,7 +62,7 @@ def family(request):
     # The engine's weights: the checkpoint rounded to bfloat16; fp32 arithmetic.
     hf.model.to(torch.bfloat16).float()
     hf.model.set_attn_implementation("eager")
-    with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+    with in_process_engine():
         llm = LLM(
             model=str(model_dir),
             enable_hidden_states=True,
@@ -73,9 +73,6 @@ def family(request):
             max_model_len=512,
             **dict(COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8),
         )
-    import vllm.envs as envs
-
-    envs.disable_envs_cache()
     yield arch, llm, hf
     llm.llm_engine.engine_core.shutdown()
     del llm
