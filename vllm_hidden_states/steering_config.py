@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 # ``additional_config["hidden_states"]["steering"]``.
 STEERING_KEY = "steering"
 
-STEERING_OPS: tuple[str, ...] = ("add", "ablate", "clamp_sae_feature")
+STEERING_OPS: tuple[str, ...] = ("add", "ablate", "clamp_sae_feature", "patch", "sae_splice")
+# The ops that replace the stream (rather than add to it): each is the only
+# intervention of its request at its point.
+REWRITE_OPS: tuple[str, ...] = ("patch", "sae_splice")
 # Points that can be steered: those of the residual stream and the blocks'
 # contributions to it (not patterns or neurons).
 STEERABLE_KINDS: tuple[str, ...] = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -31,6 +34,11 @@ STEERABLE_KINDS: tuple[str, ...] = ("resid_pre", "attn_out", "resid_mid", "mlp_o
 KIND_ORDER = {kind: i for i, kind in enumerate(STEERABLE_KINDS)}
 DEFAULT_STEERING_POINTS: tuple[str, ...] = ("resid_pre",)
 DEFAULT_MAX_INTERVENTIONS = 4
+# Rows of the worker's patch table (every patched position of the requests in
+# flight, all points together), float32 [rows, hidden_size] on the device.
+DEFAULT_MAX_PATCH_ROWS = 2048
+# Feature edits one sae_splice may carry (the worker's edit tables are this wide).
+MAX_SAE_EDITS = 16
 
 INTERVENTION_KEYS = (
     "point",
@@ -40,11 +48,15 @@ INTERVENTION_KEYS = (
     "sae_feature",
     "strength",
     "value",
+    "rows",
+    "capture",
+    "edits",
+    "keep_error",
     "positions",
 )
 # The wire form: the request's keys, the point's capture id after it, and the
-# positions as start/end over prompt + output.
-WIRE_KEYS = (INTERVENTION_KEYS[0], "id", *INTERVENTION_KEYS[1:-1], "start", "end")
+# positions as start/end over prompt + output; n: a patch's row count (0 otherwise).
+WIRE_KEYS = (INTERVENTION_KEYS[0], "id", *INTERVENTION_KEYS[1:-1], "start", "end", "n")
 
 ENABLE_STEERING_HINT = (
     "start the engine with enable_steering=True (LLM / EngineArgs) or "
@@ -59,6 +71,7 @@ def steering_entry(
     vectors_dir: str | None,
     max_interventions: int | None,
     sae_path: str | None = None,
+    max_patch_rows: int | None = None,
 ) -> dict[str, Any]:
     """``additional_config["hidden_states"]["steering"]`` (it keys vLLM's
     compile cache with the rest of the entry: the steerable points are in the
@@ -77,13 +90,45 @@ def steering_entry(
     k = DEFAULT_MAX_INTERVENTIONS if max_interventions is None else max_interventions
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"--max-steering must be a positive integer, got {max_interventions!r}")
-    entry: dict[str, Any] = {"points": items, "max_interventions": k, "vectors": {}}
+    rows = DEFAULT_MAX_PATCH_ROWS if max_patch_rows is None else max_patch_rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(
+            f"--max-patch-rows must be an integer >= 0 (0: no patching), got {max_patch_rows!r}"
+        )
+    entry: dict[str, Any] = {
+        "points": items,
+        "max_interventions": k,
+        "max_patch_rows": rows,
+        "vectors": {},
+        "matrices": {},
+    }
     if sae_path:
         entry["clamp_problem"] = clamp_problem(sae_path)
+        entry["splice_problem"] = splice_problem(sae_path)
     if vectors_dir:
         entry["vectors_dir"] = os.path.abspath(vectors_dir)
-        entry["vectors"] = read_vector_names(entry["vectors_dir"])
+        entry["vectors"], entry["matrices"] = read_vector_names(entry["vectors_dir"])
     return entry
+
+
+def splice_problem(sae_path: str) -> str | None:
+    """Why ``sae_splice`` cannot use the SAE at ``sae_path``, or None: the
+    reconstruction ``decode(encode(x))`` is of ``x`` itself only where the
+    SAE reads ``x`` unnormalized (a normalizing SAE reconstructs the
+    normalized stream, whose scale per token it does not keep)."""
+    import json
+
+    from vllm_hidden_states.sae import CFG_FILE
+
+    cfg = json.loads((Path(sae_path) / CFG_FILE).read_text())
+    norm = cfg.get("normalize_activations") or "none"
+    if norm != "none":
+        return (
+            f"the engine's SAE normalizes its input ({norm!r}): decode(encode(x)) "
+            "reconstructs the normalized stream, not x; sae_splice needs "
+            "normalize_activations 'none'"
+        )
+    return None
 
 
 def clamp_problem(sae_path: str) -> str | None:
@@ -110,11 +155,12 @@ def clamp_problem(sae_path: str) -> str | None:
     return None
 
 
-def read_vector_names(directory: str) -> dict[str, int]:
-    """``{name: length}`` of every 1-D tensor in the ``*.safetensors`` files
-    of ``directory``. A name is ``file stem`` when the file holds one
-    tensor, else ``stem/tensor``. ValueError for a missing directory, a
-    tensor that is not 1-D, or one with a non-finite value or only zeros
+def read_vector_names(directory: str) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """``({name: length}, {name: [rows, width]})``: the 1-D vectors and the
+    2-D matrices (rows for ``patch``) in the ``*.safetensors`` files of
+    ``directory``. A name is ``file stem`` when the file holds one tensor,
+    else ``stem/tensor``. ValueError for a missing directory, a tensor of
+    another rank, or one with a non-finite value, or a vector of only zeros
     (it would steer nothing, and an ablation needs a direction): the values
     are read once here, at start, so no request meets them later."""
     import numpy as np
@@ -123,6 +169,7 @@ def read_vector_names(directory: str) -> dict[str, int]:
     if not os.path.isdir(directory):
         raise ValueError(f"--steering-vectors {directory!r} is not a directory")
     names: dict[str, int] = {}
+    matrices: dict[str, list[int]] = {}
     for file in sorted(os.listdir(directory)):
         if not file.endswith(".safetensors"):
             continue
@@ -132,20 +179,28 @@ def read_vector_names(directory: str) -> dict[str, int]:
             for key in keys:
                 shape = f.get_slice(key).get_shape()
                 name = stem if len(keys) == 1 else f"{stem}/{key}"
-                if len(shape) != 1:
+                if len(shape) not in (1, 2):
                     raise ValueError(
                         f"--steering-vectors: {file} tensor {key!r} has shape "
-                        f"{list(shape)}; steering vectors are 1-D [hidden_size]"
+                        f"{list(shape)}; steering vectors are 1-D [hidden_size], "
+                        "patch rows 2-D [positions, hidden_size]"
                     )
                 values = np.asarray(f.get_tensor(key), dtype=np.float64)
-                if not np.isfinite(values).all() or not values.any():
+                if not np.isfinite(values).all():
                     raise ValueError(
-                        f"--steering-vectors: {file} tensor {key!r} has "
-                        f"{'non-finite values' if not np.isfinite(values).all() else 'only zeros'}"
-                        "; a steering vector needs finite values, not all zero"
+                        f"--steering-vectors: {file} tensor {key!r} has non-finite "
+                        "values; steering vectors and patch rows must be finite"
+                    )
+                if len(shape) == 2:
+                    matrices[name] = [int(shape[0]), int(shape[1])]
+                    continue
+                if not values.any():
+                    raise ValueError(
+                        f"--steering-vectors: {file} tensor {key!r} has only zeros; "
+                        "a steering vector needs finite values, not all zero"
                     )
                 names[name] = int(shape[0])
-    return names
+    return names, matrices
 
 
 def vector_files(directory: str) -> dict[str, tuple[str, str]]:
@@ -222,6 +277,8 @@ class SteeringConfig:
         points_given: ``--steering-points`` as configured.
         max_interventions: interventions one request may carry.
         vectors: ``{name: length}`` of ``--steering-vectors``.
+        matrices: ``{name: [rows, width]}``: its 2-D tensors (patch rows).
+        max_patch_rows: rows of the worker's patch table (0: no patching).
         vectors_dir: that directory (absolute), None without one.
         architecture: the model's architecture (its steerable kinds).
     """
@@ -241,6 +298,10 @@ class SteeringConfig:
     # Its decoder layers' classes: why a point is not steerable where its
     # layer lacks it (None: configs built by hand).
     model_layers: ModelLayers | None = None
+    matrices: dict[str, list[int]] = field(default_factory=dict)
+    max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS
+    # Why the engine's SAE cannot be spliced (None: it can, or no SAE).
+    sae_splice_problem: str | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
@@ -270,6 +331,9 @@ class SteeringConfig:
             None if sae is None else sae_capture_id(sae, n, model),
             entry.get("clamp_problem"),
             model,
+            dict(entry.get("matrices") or {}),
+            int(entry.get("max_patch_rows", DEFAULT_MAX_PATCH_ROWS)),
+            entry.get("splice_problem"),
         )
 
     def describe_points(self) -> str:

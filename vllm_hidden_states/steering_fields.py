@@ -18,6 +18,8 @@ from vllm_hidden_states.points import POSITIONS, Window, parse_point, point_id, 
 from vllm_hidden_states.request_fields import check_positions, window_problem
 from vllm_hidden_states.steering_config import (
     INTERVENTION_KEYS,
+    MAX_SAE_EDITS,
+    REWRITE_OPS,
     STEERABLE_KINDS,
     STEERING_OPS,
     SteeringConfig,
@@ -105,13 +107,15 @@ def _needs_sae(cfg: SteeringConfig, i: int, key: str) -> None:
 
 
 def _sae_point(item: dict[str, Any], cfg: SteeringConfig, i: int) -> str:
-    """The point of a clamp: the SAE's (``point`` may be left out; given, it
-    must be the SAE's)."""
+    """The point of a clamp or a splice: the SAE's (``point`` may be left
+    out; given, it must be the SAE's)."""
     from vllm_hidden_states.points import point_of_id
 
+    op = item.get("op")
     _needs_sae(cfg, i, "op")
-    if cfg.sae_clamp_problem is not None:
-        raise _fail(i, "op", cfg.sae_clamp_problem)
+    problem = cfg.sae_clamp_problem if op == "clamp_sae_feature" else cfg.sae_splice_problem
+    if problem is not None:
+        raise _fail(i, "op", problem)
     n = cfg.num_layers
     assert cfg.sae_id is not None  # an SAE's capture id is known at start
     if cfg.sae_id >= n and point_of_id(cfg.sae_id, n) is None:
@@ -127,8 +131,7 @@ def _sae_point(item: dict[str, Any], cfg: SteeringConfig, i: int) -> str:
             raise _fail(
                 i,
                 "point",
-                f"clamp_sae_feature writes at the SAE's point, {address!r}; got {given!r} "
-                "(leave point out)",
+                f"{op} writes at the SAE's point, {address!r}; got {given!r} (leave point out)",
             )
     return address
 
@@ -172,17 +175,121 @@ def _vector_source(
     return None, name, None
 
 
+def _patch_rows(
+    item: dict[str, Any], cfg: SteeringConfig, hidden_size: int, i: int
+) -> tuple[bytes | None, str | None, int]:
+    """``(rows as wire bytes, matrix name, row count)`` of a patch: exactly
+    one of ``rows`` and ``name``."""
+    from vllm_hidden_states.patch_rows import decode_rows, rows_bytes
+
+    if item.get("capture") is not None:
+        raise _fail(
+            i,
+            "capture",
+            "a reference to stored rows is resolved by the API server (HTTP, with "
+            "--activation-store); here give 'rows' or 'name'",
+        )
+    given = [k for k in ("rows", "name") if item.get(k) is not None]
+    if len(given) != 1:
+        raise _fail(
+            i,
+            "rows",
+            "give exactly one of 'rows' (the replacement rows), 'name' (a [n, hidden_size] "
+            "matrix of --steering-vectors) or, over HTTP, 'capture' (rows of an earlier "
+            f"request in the activation store); got {given or 'none'}",
+        )
+    if given[0] == "rows":
+        try:
+            rows = decode_rows(item["rows"], hidden_size)
+        except ValueError as e:
+            raise _fail(i, "rows", str(e)) from None
+        return rows_bytes(rows), None, rows.shape[0]
+    name = item["name"]
+    if not isinstance(name, str) or name not in cfg.matrices:
+        known = sorted(cfg.matrices) or "none (2-D tensors of --steering-vectors DIR)"
+        raise _fail(i, "name", f"unknown matrix of patch rows {name!r}; known: {known}")
+    n, width = cfg.matrices[name]
+    if width != hidden_size:
+        raise _fail(
+            i,
+            "name",
+            f"matrix {name!r} is [{n}, {width}]; this model's hidden_size is {hidden_size}",
+        )
+    return None, name, n
+
+
+def _patch_span(
+    item: dict[str, Any], n: int, prompt_len: int | None, reach: int, i: int
+) -> tuple[int, int | None]:
+    """``(start, end)`` of a patch's ``n`` rows: ``positions`` a window or
+    ``"prompt"`` of exactly ``n`` positions (default: the first ``n``).
+    ``prompt_len`` None: not known yet ("prompt" is checked later)."""
+    positions = item.get("positions")
+    if positions is None:
+        positions = {"start": 0, "end": n}
+    if positions == "prompt":
+        if prompt_len is None:
+            return 0, None
+        if prompt_len != n:
+            raise _fail(
+                i, "rows", f"has {n} rows; positions 'prompt' has {prompt_len} (one row each)"
+            )
+        return 0, prompt_len
+    if not (isinstance(positions, dict) and positions.get("end") is not None):
+        raise _fail(
+            i,
+            "positions",
+            "a patch replaces a known number of positions, one row each: give "
+            f"{{'start': s, 'end': e}} or 'prompt'; got {positions!r}",
+        )
+    start, end = _span(positions, prompt_len or 0, reach, i)
+    assert end is not None
+    if end - start != n:
+        raise _fail(
+            i,
+            "rows",
+            f"has {n} rows; positions {start}..{end - 1} are {end - start} (one row each)",
+        )
+    return start, end
+
+
+def _splice_edits(item: dict[str, Any], cfg: SteeringConfig, i: int) -> list[list[float]]:
+    """An sae_splice's ``edits`` as ``[feature, mode, value]`` (mode 0 sets
+    the feature to ``value``, 1 scales it by ``value``)."""
+    edits = item.get("edits")
+    if edits is None:
+        return []
+    form = '[{"feature": f, "set": v} or {"feature": f, "scale": s}, ...]'
+    if not isinstance(edits, (list, tuple)) or len(edits) > MAX_SAE_EDITS:
+        raise _fail(i, "edits", f"must be a list of at most {MAX_SAE_EDITS} edits {form}")
+    out: list[list[float]] = []
+    seen: set[int] = set()
+    for j, edit in enumerate(edits):
+        if not isinstance(edit, dict) or len(edit) != 2 or "feature" not in edit:
+            raise _fail(i, f"edits[{j}]", f"must be one of {form}")
+        feature = _sae_feature(edit["feature"], cfg, i)
+        if feature in seen:
+            raise _fail(i, f"edits[{j}]", f"feature {feature} is edited twice")
+        seen.add(feature)
+        mode = "set" if "set" in edit else "scale" if "scale" in edit else None
+        if mode is None or not _finite_number(edit[mode]):
+            raise _fail(i, f"edits[{j}]", f"must be one of {form} with a finite number")
+        out.append([feature, 0 if mode == "set" else 1, float(edit[mode])])
+    return out
+
+
 def check_steering(
     value: Any,
     cfg: SteeringConfig,
     hidden_size: int,
-    prompt_len: int,
+    prompt_len: int | None,
     reach: int,
 ) -> list[dict[str, Any]]:
     """The wire form of a request's ``steering`` (see module doc); ValueError
     naming the intervention, the key and what is allowed. ``reach``: the
     longest prompt + output the request can have (windows must start
-    before it)."""
+    before it); ``prompt_len`` None: not tokenized yet (HTTP's early check:
+    the form only)."""
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(
             "steering must be a non-empty list of interventions such as "
@@ -208,7 +315,7 @@ def check_steering(
         if op not in STEERING_OPS:
             raise _fail(i, "op", f"must be one of {list(STEERING_OPS)}, got {op!r}")
         point = item.get("point")
-        if op == "clamp_sae_feature":
+        if op in ("clamp_sae_feature", "sae_splice"):
             point = _sae_point(item, cfg, i)
         kind, layer = _parse_steerable(point, i, n)
         capture_id = point_id(kind, layer, n)  # type: ignore[arg-type]
@@ -222,6 +329,20 @@ def check_steering(
                 f"{point!r} is not steerable on this engine; steerable points: "
                 f"{cfg.describe_points()} (fixed at start by --steering-points)",
             )
+        if op in REWRITE_OPS:
+            wire.append(
+                _rewrite_wire(
+                    item, op, kind, layer, capture_id, cfg, hidden_size, prompt_len, reach, i
+                )
+            )
+            continue
+        for key in ("rows", "capture", "edits", "keep_error"):
+            if item.get(key) is not None:
+                raise _fail(
+                    i,
+                    key,
+                    f"{key} belongs to {'patch' if key in ('rows', 'capture') else 'sae_splice'}",
+                )
         vector = name = feature = None
         strength, value = item.get("strength"), item.get("value")
         if op == "clamp_sae_feature":
@@ -256,7 +377,7 @@ def check_steering(
             strength = 1.0
         elif not _finite_number(strength):
             raise _fail(i, "strength", f"must be a finite number, got {strength!r}")
-        start, end = _span(item.get("positions"), prompt_len, reach, i)
+        start, end = _span(item.get("positions"), prompt_len or 0, reach, i)
         wire.append(
             {
                 "point": f"{kind}.{layer}",
@@ -267,11 +388,32 @@ def check_steering(
                 "sae_feature": feature,
                 "strength": float(strength),
                 "value": None if value is None else float(value),
+                "rows": None,
+                "capture": None,
+                "edits": None,
+                "keep_error": None,
                 "start": start,
                 "end": end,
+                "n": 0,
             }
         )
+    patched = sum(item["n"] for item in wire if item["op"] == "patch")
+    if patched > cfg.max_patch_rows:
+        raise ValueError(
+            f"steering patches {patched} positions; this engine's patch table holds "
+            f"{cfg.max_patch_rows} rows for every request in flight (--max-patch-rows)"
+        )
     for i, item in enumerate(wire):
+        if item["op"] in REWRITE_OPS:
+            others = [j for j, x in enumerate(wire) if x["id"] == item["id"] and j != i]
+            if others:
+                raise _fail(
+                    i,
+                    "op",
+                    f"{item['op']} at {item['point']!r} replaces the stream there; "
+                    f"steering[{others[0]}] also writes it: a {item['op']} is the only "
+                    "intervention of its request at its point",
+                )
         if item["op"] == "clamp_sae_feature":
             others = [j for j, x in enumerate(wire) if x["id"] == item["id"] and j != i]
             if others:
@@ -283,6 +425,59 @@ def check_steering(
                     "intervention at its point",
                 )
     return wire
+
+
+def _rewrite_wire(
+    item: dict[str, Any],
+    op: str,
+    kind: str,
+    layer: int,
+    capture_id: int,
+    cfg: SteeringConfig,
+    hidden_size: int,
+    prompt_len: int | None,
+    reach: int,
+    i: int,
+) -> dict[str, Any]:
+    """The wire form of a ``patch`` or an ``sae_splice``."""
+    allowed = (
+        ("point", "op", "rows", "name", "capture", "positions")
+        if op == "patch"
+        else ("point", "op", "edits", "keep_error", "positions")
+    )
+    for key in INTERVENTION_KEYS:
+        if key not in allowed and item.get(key) is not None:
+            raise _fail(i, key, f"{op} takes {list(allowed)} only")
+    rows = name = edits = keep_error = None
+    n = 0
+    if op == "patch":
+        if cfg.max_patch_rows == 0:
+            raise _fail(i, "op", "patching is off on this engine (--max-patch-rows 0)")
+        rows, name, n = _patch_rows(item, cfg, hidden_size, i)
+        start, end = _patch_span(item, n, prompt_len, reach, i)
+    else:
+        edits = _splice_edits(item, cfg, i)
+        keep_error = item.get("keep_error", False)
+        if not isinstance(keep_error, bool):
+            raise _fail(i, "keep_error", f"must be true or false, got {keep_error!r}")
+        start, end = _span(item.get("positions"), prompt_len or 0, reach, i)
+    return {
+        "point": f"{kind}.{layer}",
+        "id": capture_id,
+        "op": op,
+        "vector": None,
+        "name": name,
+        "sae_feature": None,
+        "strength": 1.0,
+        "value": None,
+        "rows": rows,
+        "capture": None,
+        "edits": edits,
+        "keep_error": keep_error,
+        "start": start,
+        "end": end,
+        "n": n,
+    }
 
 
 def read_after_steering(
@@ -306,7 +501,7 @@ def read_after_steering(
         int(item["point"].split(".")[1]): i
         for i, item in enumerate(wire)
         if item["point"].startswith("resid_pre.")
-        and not (item["op"] == "clamp_sae_feature" and post is not None)
+        and not (item["op"] in ("clamp_sae_feature", "sae_splice") and post is not None)
     }
     reads: list[tuple[str, int, str]] = []  # (kind, layer, who reads it)
     for address in points or ():
@@ -347,7 +542,14 @@ def steering_digest(wire: list[dict[str, Any]]) -> str:
     ``cache_salt``."""
     import orjson
 
-    return hashlib.sha256(orjson.dumps(wire, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+    # Patch rows travel as bytes, which JSON has no form for: their digest.
+    hashable = [
+        item
+        if item.get("rows") is None
+        else {**item, "rows": hashlib.sha256(item["rows"]).hexdigest()}
+        for item in wire
+    ]
+    return hashlib.sha256(orjson.dumps(hashable, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
 def salted(cache_salt: str | None, wire: list[dict[str, Any]]) -> str:

@@ -73,8 +73,13 @@ def test_a_valid_add_resolves_to_its_wire_form_with_defaults():
         "sae_feature": None,
         "strength": 1.0,
         "value": None,
+        "rows": None,
+        "capture": None,
+        "edits": None,
+        "keep_error": None,
         "start": 0,
         "end": None,
+        "n": 0,
     }
 
 
@@ -242,7 +247,7 @@ def test_a_point_not_made_steerable_at_start_names_the_engine_points():
 def test_an_unknown_op_names_the_ops():
     with pytest.raises(
         ValueError,
-        match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature'\]",
+        match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature', 'patch', 'sae_splice'\]",
     ):
         check([add(op="scale")])
 
@@ -349,7 +354,9 @@ def test_steering_entry_defaults():
     assert steering_entry(None, None, None) == {
         "points": ["resid_pre"],
         "max_interventions": 4,
+        "max_patch_rows": 2048,
         "vectors": {},
+        "matrices": {},
     }
 
 
@@ -378,18 +385,23 @@ def save(path, tensors):
 
 def test_a_file_of_one_tensor_is_named_by_its_stem(tmp_path):
     save(tmp_path / "honesty.safetensors", {"whatever": np.ones(H)})
-    assert read_vector_names(str(tmp_path)) == {"honesty": H}
+    assert read_vector_names(str(tmp_path)) == ({"honesty": H}, {})
 
 
 def test_a_file_of_several_tensors_names_each_stem_slash_key(tmp_path):
     save(tmp_path / "moods.safetensors", {"happy": np.ones(H), "sad": np.ones(3)})
     (tmp_path / "notes.txt").write_text("not a vector")
-    assert read_vector_names(str(tmp_path)) == {"moods/happy": H, "moods/sad": 3}
+    assert read_vector_names(str(tmp_path)) == ({"moods/happy": H, "moods/sad": 3}, {})
 
 
-def test_a_tensor_that_is_not_1d_is_refused(tmp_path):
-    save(tmp_path / "grid.safetensors", {"g": np.ones((2, H))})
-    with pytest.raises(ValueError, match=r"grid.safetensors tensor 'g' has shape \[2, 8\]"):
+def test_a_2d_tensor_is_a_matrix_of_patch_rows(tmp_path):
+    save(tmp_path / "grid.safetensors", {"g": np.zeros((2, H))})
+    assert read_vector_names(str(tmp_path)) == ({}, {"grid": [2, H]})
+
+
+def test_a_tensor_that_is_neither_1d_nor_2d_is_refused(tmp_path):
+    save(tmp_path / "cube.safetensors", {"c": np.ones((2, 2, H))})
+    with pytest.raises(ValueError, match=r"cube.safetensors tensor 'c' has shape \[2, 2, 8\]"):
         read_vector_names(str(tmp_path))
 
 

@@ -74,6 +74,6 @@ def validate_steering(engine_client: Any, value: Any) -> None:
     hidden_size = engine_client.model_config.get_hidden_size()
     try:
         # No prompt yet: a reach past every window, so only their form is checked.
-        check_steering(value, cfg, hidden_size, 0, sys.maxsize)
+        check_steering(value, cfg, hidden_size, None, sys.maxsize)
     except ValueError as e:
         raise invalid_request(str(e), STEERING_PARAM) from None
