@@ -26,6 +26,7 @@ def additional_config_entry(
     steering_points: str | list[str] | None = None,
     steering_vectors: str | None = None,
     max_steering: int | None = None,
+    max_patch_rows: int | None = None,
 ) -> dict[str, Any]:
     """The ``additional_config["hidden_states"]`` entry EngineArgs folds in.
 
@@ -40,8 +41,8 @@ def additional_config_entry(
             "all", kinds, addresses); None = none beyond the layers.
         sae, sae_layer: ``EngineArgs.sae`` (an SAELens directory) and
             ``sae_layer`` (None: from the SAE's config); see :func:`sae_entry`.
-        steering, steering_points, steering_vectors, max_steering:
-            ``EngineArgs.enable_steering`` and its options; see
+        steering, steering_points, steering_vectors, max_steering,
+        max_patch_rows: ``EngineArgs.enable_steering`` and its options; see
             :func:`vllm_hidden_states.steering_config.steering_entry`.
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
@@ -62,11 +63,14 @@ def additional_config_entry(
             steering_vectors,
             max_steering,
             entry["sae"]["path"] if "sae" in entry else None,
+            max_patch_rows,
         )
-    elif steering_points is not None or steering_vectors is not None or max_steering is not None:
+    elif any(
+        x is not None for x in (steering_points, steering_vectors, max_steering, max_patch_rows)
+    ):
         raise ValueError(
-            "--steering-points, --steering-vectors and --max-steering need "
-            "--enable-steering (enable_steering=True)"
+            "--steering-points, --steering-vectors, --max-steering and --max-patch-rows "
+            "need --enable-steering (enable_steering=True)"
         )
     return entry
 
@@ -488,6 +492,15 @@ def add_cli_args(parser) -> None:
         type=int,
         default=None,
         help="Interventions one request may carry. Default: 4.",
+    )
+    group.add_argument(
+        "--max-patch-rows",
+        type=int,
+        default=None,
+        help="Rows of the device patch table (op 'patch'): every patched "
+        "position of the requests in flight, all points together; a request "
+        "whose rows do not fit waits. Costs rows x hidden_size x 8 bytes "
+        "(x 16 with --sae). Default: 2048; 0 turns patching off.",
     )
     # Activation store (API server only; read by store.choice_writer).
     group.add_argument(

@@ -247,7 +247,8 @@ def test_a_point_not_made_steerable_at_start_names_the_engine_points():
 def test_an_unknown_op_names_the_ops():
     with pytest.raises(
         ValueError,
-        match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature', 'patch', 'sae_splice'\]",
+        match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature', "
+        r"'patch', 'sae_splice'\]",
     ):
         check([add(op="scale")])
 

@@ -97,6 +97,15 @@ class CapturePlanner:
         self._queues_extracts = (
             parallel.data_parallel_size == 1 or parallel.data_parallel_external_lb
         )
+        # Patch rows of the admitted requests that patch (waiting or running),
+        # by request id, against the worker's patch table (Scheduler call-out
+        # ``waits``): a request whose rows do not fit waits.
+        from vllm_hidden_states.steering_config import SteeringConfig
+
+        steering = SteeringConfig.from_vllm_config(vllm_config)
+        self.max_patch_rows = 0 if steering is None else steering.max_patch_rows
+        self.patch_rows: dict[str, int] = {}
+        self.patch_rows_held = 0
         # EngineCore.request_block_hasher (patch 0002): the extracts queued
         # here hash their blocks like every request of the engine.
         self.block_hasher: Callable[[Request], list[Any]] | None = None
@@ -379,9 +388,31 @@ class CapturePlanner:
                 self.active.pop(req_id, None)
 
     def on_request_freed(self, request_id: str) -> None:
-        """In ``_free_request``: a capture left the scheduler (done or aborted)."""
+        """In ``_free_request``: a capture left the scheduler (done or
+        aborted); its patch rows, if any, are free again."""
         if self.active:
             self.active.pop(request_id, None)
+        if self.patch_rows:
+            self.patch_rows_held -= self.patch_rows.pop(request_id, 0)
+
+    def waits(self, request: "Request") -> bool:
+        """In the scheduler's loop over waiting requests: whether ``request``
+        must wait because its patch rows (``patch`` interventions) do not fit
+        the worker's patch table beside those of the requests admitted before
+        it. Otherwise its rows are counted until it is freed (a preempted
+        request keeps them). The front-end refuses a request whose rows
+        alone outnumber the table, so every request gets in."""
+        params = request.sampling_params
+        if params is None or not params.steering or request.request_id in self.patch_rows:
+            return False
+        need = sum(int(item["n"]) for item in params.steering if item["op"] == "patch")
+        if not need:
+            return False
+        if self.patch_rows_held + need > self.max_patch_rows:
+            return True
+        self.patch_rows[request.request_id] = need
+        self.patch_rows_held += need
+        return False
 
     # -- KV-block hand-over for "last" extracts --------------------------------
 

@@ -158,15 +158,16 @@ def _capture_rows_fake(
 
 
 def register_custom_op(
-    name: str, func: Callable[..., None], fake: Callable[..., None], mutates: str
+    name: str, func: Callable[..., None], fake: Callable[..., None], mutates: str | list[str]
 ) -> None:
-    """Register ``torch.ops.vllm.<name>`` (mutating argument ``mutates``) once
-    per process, with vLLM's own helper."""
+    """Register ``torch.ops.vllm.<name>`` (mutating the argument(s)
+    ``mutates``) once per process, with vLLM's own helper."""
     if hasattr(torch.ops.vllm, name):
         return
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(op_name=name, op_func=func, mutates_args=[mutates], fake_impl=fake)
+    mutated = [mutates] if isinstance(mutates, str) else list(mutates)
+    direct_register_custom_op(op_name=name, op_func=func, mutates_args=mutated, fake_impl=fake)
 
 
 def register_op() -> None:

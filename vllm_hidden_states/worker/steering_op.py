@@ -296,13 +296,24 @@ def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | 
 
 
 def steer_hook(
-    entries: list[tuple[Callable, int, float]], post: bool, host_counts: np.ndarray | None
+    entries: list[tuple[Callable, int, float]],
+    post: bool,
+    host_counts: np.ndarray | None,
+    rewrites: bool = False,
+    rw_host_counts: np.ndarray | None = None,
+    splice: tuple[int, int] | None = None,
 ) -> Callable[..., None]:
     """A forward hook that steers the ids written at one module:
-    ``(pair, index in counts, scale)`` each, in network order.
-    ``host_counts``: on CPU, the counts as a numpy view, so that an eager
-    forward where nobody steers returns after one memory read per point."""
+    ``(pair, index in counts, scale)`` each, in network order, each one
+    followed by its rewrites (``rewrites``: the engine patches or splices;
+    ``splice``: ``(index of the SAE's point, the splice's index)`` at the
+    module of the SAE's point). ``host_counts`` / ``rw_host_counts``: on
+    CPU, the counts as numpy views, so that an eager forward where nobody
+    steers returns after one memory read per point."""
+    from vllm_hidden_states.worker.rewrite_op import patch, splice_rows
+
     indices = [index for _, index, _ in entries]
+    rw_indices = [*indices, splice[1]] if splice is not None else indices
 
     def steer_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
         # is_compiling() first: Dynamo must not see the numpy view at all.
@@ -311,7 +322,8 @@ def steer_hook(
                 if host_counts[index]:
                     break
             else:
-                return
+                if rw_host_counts is None or not any(rw_host_counts[i] for i in rw_indices):
+                    return
         for pair, index, scale in entries:
             target, other = pair(args, kwargs, output)
             steer(
@@ -331,6 +343,20 @@ def steer_hook(
                 # Registered only on CPU (the compiled route's slot map).
                 getattr(module, "_hs_steer_token_slots", None),
             )
+            if not rewrites:
+                continue
+            patch(
+                target,
+                other,
+                module._hs_rw_rows,
+                module._hs_rw_slots,
+                module._hs_rw_counts,
+                index,
+                module._hs_patch_table,
+                scale,
+            )
+            if splice is not None and index == splice[0]:
+                splice_rows(module, target, other, splice[1], scale)
 
     if post:
         return steer_points

@@ -15,13 +15,20 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
+from vllm_hidden_states.patch_rows import rows_of_bytes
 from vllm_hidden_states.points import point_of_id
-from vllm_hidden_states.steering_config import SteeringConfig, vector_files
+from vllm_hidden_states.steering_config import (
+    MAX_SAE_EDITS,
+    REWRITE_OPS,
+    SteeringConfig,
+    vector_files,
+)
 from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_op import (
     count_readable_on_host,
     off_cpu_route,
 )
+from vllm_hidden_states.worker.rewrite_op import SAE_ARCH_CODES, register_ops
 from vllm_hidden_states.worker.steering_op import (
     SteerTap,
     compose,
@@ -37,6 +44,11 @@ from vllm_hidden_states.worker.taps import (
 logger = init_logger(__name__)
 
 
+# Where a stretch's entries are armed: the steering op's index, the patch
+# op's (a patch table row per position), the splice op's (an edit-table slot).
+STEER, PATCH, SPLICE = 0, 1, 2
+
+
 @dataclass
 class Stretch:
     """Positions ``start .. end - 1`` (``end`` None: on) of one request at
@@ -46,14 +58,20 @@ class Stretch:
     start: int
     end: int | None
     slot: int
+    dest: int = STEER
 
 
 class RequestSteering:
     """One request's interventions, split into stretches of positions with
-    the same interventions per point, each one composed (add, dir) pair."""
+    the same interventions per point, each one composed (add, dir) pair; its
+    patch rows (a stretch of one position each) and its splice, if any."""
 
     def __init__(
-        self, wire: list[dict[str, Any]], vectors: "NamedVectors", index_of: dict[int, int]
+        self,
+        wire: list[dict[str, Any]],
+        vectors: "NamedVectors",
+        index_of: dict[int, int],
+        hidden_size: int,
     ):
         by_point: dict[int, list[dict[str, Any]]] = {}
         for item in wire:
@@ -65,7 +83,17 @@ class RequestSteering:
         self.clamps: list[tuple[np.ndarray, float, float, float, np.ndarray] | None] = []
         # Per stretch: whether it projects (ablates or clamps), not only adds.
         self.projects: list[bool] = []
+        # Patches: one stretch per position (``patch_stretches``), its row in
+        # ``patch_rows`` float32 [positions, hidden] (same order).
+        self.patch_stretches: list[Stretch] = []
+        patch_rows: list[np.ndarray] = []
+        # The splice: (stretch, edits [[feature, mode, value]], keep_error).
+        self.splice: tuple[Stretch, list[list[float]], bool] | None = None
         for capture_id, items in by_point.items():
+            if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
+                for item in items:
+                    self._rewrite(item, index_of[capture_id], vectors, hidden_size, patch_rows)
+                continue
             bounds = sorted(
                 {int(x["start"]) for x in items}
                 | {int(x["end"]) for x in items if x["end"] is not None}
@@ -92,7 +120,36 @@ class RequestSteering:
                 self.pairs.append(
                     compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
                 )
+        self.patch_rows = (
+            np.concatenate(patch_rows) if patch_rows else np.zeros((0, hidden_size), np.float32)
+        )
         self.slots: list[int] | None = None  # table slots while resident
+        self.patch_slots: list[int] | None = None  # patch table rows while resident
+        self.splice_slot: int | None = None  # edit-table slot while resident
+
+    def _rewrite(
+        self,
+        item: dict[str, Any],
+        index: int,
+        vectors: "NamedVectors",
+        hidden_size: int,
+        patch_rows: list[np.ndarray],
+    ) -> None:
+        start = int(item["start"])
+        if item["op"] == "sae_splice":
+            end = None if item["end"] is None else int(item["end"])
+            stretch = Stretch(index, start, end, 0, SPLICE)
+            self.splice = (stretch, list(item["edits"] or []), bool(item["keep_error"]))
+            return
+        rows = (
+            rows_of_bytes(item["rows"], hidden_size)
+            if item["rows"] is not None
+            else vectors.matrix(item["name"])
+        )
+        patch_rows.append(rows)
+        self.patch_stretches.extend(
+            Stretch(index, start + p, start + p + 1, 0, PATCH) for p in range(rows.shape[0])
+        )
 
 
 class NamedVectors:
@@ -118,6 +175,16 @@ class NamedVectors:
         threshold = float(sae.threshold[feature]) if sae.threshold is not None else 0.0
         row = sae.W_dec[feature].float().cpu().numpy()
         return e.astype(np.float32), c, threshold, row
+
+    def matrix(self, name: str) -> np.ndarray:
+        """A ``[n, hidden]`` matrix of ``--steering-vectors`` (patch rows)."""
+        if name not in self._loaded:
+            from safetensors import safe_open
+
+            path, key = self._files[name]
+            with safe_open(path, framework="numpy") as f:
+                self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
+        return self._loaded[name]
 
     def get(self, item: dict[str, Any]) -> np.ndarray:
         if item.get("vector") is not None:
@@ -167,6 +234,37 @@ class SlotTable:
         if request is not None and request.slots is not None:
             self.free.extend(request.slots)
             request.slots = None
+
+
+class RowPool:
+    """Rows ``1 .. size - 1`` of a device table, lent per request while it is
+    resident (row 0 is never lent: an unarmed entry's slot). The scheduler
+    admits patching requests only while their rows fit (``CapturePlanner.
+    waits``); requests not in the batch give theirs back if ever short."""
+
+    def __init__(self, size: int, what: str):
+        self.free = list(range(size - 1, 0, -1))
+        self.holders: dict[str, list[int]] = {}
+        self.what = what
+
+    def lend(self, req_id: str, need: int, batch: set[str]) -> list[int]:
+        if len(self.free) < need:
+            for other_id in [r for r in self.holders if r not in batch]:
+                self.give_back(other_id)
+                if len(self.free) >= need:
+                    break
+        if len(self.free) < need:
+            raise RuntimeError(
+                f"vllm-hidden-states: {self.what} full ({need} rows asked, {len(self.free)} free)"
+            )
+        rows = [self.free.pop() for _ in range(need)]
+        self.holders[req_id] = rows
+        return rows
+
+    def give_back(self, req_id: str) -> None:
+        rows = self.holders.pop(req_id, None)
+        if rows is not None:
+            self.free.extend(rows)
 
 
 class Steering:
@@ -227,6 +325,38 @@ class Steering:
         self.device = device
         self.table = SlotTable(num_slots)
         self.vectors = NamedVectors(config.vectors_dir, sae)
+        self.hidden_size = hidden_size
+        # Rewrites (patch, sae_splice): their own entries per point, the
+        # splice's at index num_points; counts int64 [num_points + 1].
+        self.rewrites = config.max_patch_rows > 0 or self._splices(config, sae)
+        self.splice_index = num_points
+        self.rw_rows = torch.zeros(num_points + 1, max_tokens, dtype=torch.int64, device=device)
+        self.rw_slots = torch.zeros_like(self.rw_rows)
+        self.rw_counts = torch.zeros(num_points + 1, dtype=torch.int64, device=device)
+        self.rw_counts_host = torch.zeros(num_points + 1, dtype=torch.int64)
+        # The patch table: float32 [max_patch_rows + 1, hidden] (row 0 unused).
+        self.patch_table = torch.zeros(
+            config.max_patch_rows + 1 if config.max_patch_rows else 1,
+            hidden_size,
+            dtype=torch.float32,
+            device=device,
+        )
+        self.patch_pool = RowPool(self.patch_table.shape[0], "patch table (--max-patch-rows)")
+        # The splice's edit tables, a slot per resident splicing request.
+        splice_slots = max_num_seqs + 1 if self._splices(config, sae) else 1
+        self.edit_ids = torch.full(
+            (splice_slots, MAX_SAE_EDITS),
+            sae.d_sae if sae is not None else 0,
+            dtype=torch.int64,
+            device=device,
+        )
+        self.edit_mode = torch.zeros(
+            splice_slots, MAX_SAE_EDITS, dtype=torch.float32, device=device
+        )
+        self.edit_vals = torch.ones_like(self.edit_mode)
+        self.keep = torch.ones(splice_slots, dtype=torch.float32, device=device)
+        self.splice_pool = RowPool(splice_slots, "splice slots")
+        self.sae = sae
         self.requests: dict[str, RequestSteering] = {}
         # The stretches of the requests holding slots (:meth:`_stretch_table`),
         # rebuilt when a request comes, goes or gets slots.
@@ -234,8 +364,17 @@ class Steering:
         self.armed = False
         hooks: dict[tuple[int, str], list[tuple[SteerTap, int]]] = {}
         modules: dict[int, nn.Module] = {}
+        if self.rewrites:
+            register_ops()
         for k, tap in taps.items():
             module = tap.module
+            if self.rewrites and not hasattr(module, "_hs_rw_rows"):
+                module.register_buffer("_hs_rw_rows", self.rw_rows, persistent=False)
+                module.register_buffer("_hs_rw_slots", self.rw_slots, persistent=False)
+                module.register_buffer("_hs_rw_counts", self.rw_counts, persistent=False)
+                module.register_buffer("_hs_patch_table", self.patch_table, persistent=False)
+            if self._splices(config, sae) and k == config.sae_id:
+                self._splice_buffers(module, sae)
             if not hasattr(module, "_hs_steer_rows"):
                 module.register_buffer("_hs_steer_rows", self.rows, persistent=False)
                 module.register_buffer("_hs_steer_slots", self.slots, persistent=False)
@@ -255,8 +394,17 @@ class Steering:
         for (module_id, when), entries in hooks.items():
             entries.sort(key=lambda e: e[0].order)
             host_counts = self.counts.numpy() if count_readable_on_host(device) else None
+            rw_host_counts = (
+                self.rw_counts.numpy() if self.rewrites and count_readable_on_host(device) else None
+            )
+            sae_index = self.index_of.get(config.sae_id) if self._splices(config, sae) else None
             hook = steer_hook(
-                [(t.pair, i, t.scale) for t, i in entries], when == "post", host_counts
+                [(t.pair, i, t.scale) for t, i in entries],
+                when == "post",
+                host_counts,
+                rewrites=self.rewrites,
+                rw_host_counts=rw_host_counts,
+                splice=(sae_index, self.splice_index) if sae_index is not None else None,
             )
             module = modules[module_id]
             # prepend: steer before any capture hook at the same module.
@@ -281,6 +429,32 @@ class Steering:
             route,
         )
 
+    @staticmethod
+    def _splices(config: SteeringConfig, sae: Any) -> bool:
+        """Whether requests may splice the engine's SAE here."""
+        return (
+            sae is not None and config.sae_splice_problem is None and (config.sae_id in config.ids)
+        )
+
+    def _splice_buffers(self, module: nn.Module, sae: Any) -> None:
+        """The SAE's weights and the edit tables, where the splice op reads
+        them (its point's module)."""
+        module.register_buffer("_hs_sae_w_enc", sae.W_enc, persistent=False)
+        module.register_buffer("_hs_sae_b_enc", sae.b_enc, persistent=False)
+        module.register_buffer("_hs_sae_w_dec", sae.W_dec, persistent=False)
+        module.register_buffer("_hs_sae_b_dec", sae.b_dec, persistent=False)
+        if sae.threshold is not None:
+            module.register_buffer("_hs_sae_threshold", sae.threshold, persistent=False)
+        module.register_buffer("_hs_edit_ids", self.edit_ids, persistent=False)
+        module.register_buffer("_hs_edit_mode", self.edit_mode, persistent=False)
+        module.register_buffer("_hs_edit_vals", self.edit_vals, persistent=False)
+        module.register_buffer("_hs_keep", self.keep, persistent=False)
+        module._hs_sae_arch = (
+            SAE_ARCH_CODES[sae.architecture],
+            int(sae.k or 0),
+            bool(sae.apply_b_dec_to_input),
+        )
+
     # -- per step --------------------------------------------------------------
 
     def begin_step(self, scheduler_output: Any) -> None:
@@ -290,16 +464,25 @@ class Steering:
             params = new.sampling_params
             if params is not None and params.steering:
                 # A preempted request comes back as new: its old slots go back.
-                self.table.give_back(new.req_id)
+                self._give_back(new.req_id)
                 self.requests[new.req_id] = RequestSteering(
-                    params.steering, self.vectors, self.index_of
+                    params.steering, self.vectors, self.index_of, self.hidden_size
                 )
                 self._stretches = None
         if self.requests and scheduler_output.finished_req_ids:
             for req_id in scheduler_output.finished_req_ids:
                 if self.requests.pop(req_id, None) is not None:
-                    self.table.give_back(req_id)
+                    self._give_back(req_id)
                     self._stretches = None
+
+    def _give_back(self, req_id: str) -> None:
+        """Every table row ``req_id`` holds goes back."""
+        self.table.give_back(req_id)
+        self.patch_pool.give_back(req_id)
+        self.splice_pool.give_back(req_id)
+        request = self.requests.get(req_id)
+        if request is not None:
+            request.slots = request.patch_slots = request.splice_slot = None
 
     def arm(self, batch: StepBatch, num_scheduled: dict[str, int]) -> None:
         """Right before the forward: the rows of every steered request in the
@@ -314,7 +497,7 @@ class Steering:
         missing = [
             r
             for r, q in self.requests.items()
-            if q.slots is None and r in num_scheduled and r in index_of
+            if not self._resident(q) and r in num_scheduled and r in index_of
         ]
         if missing:  # entering the batch without table slots: upload first
             in_batch = {r for r in self.requests if r in num_scheduled and r in index_of}
@@ -323,7 +506,7 @@ class Steering:
             self._stretches = None  # slots changed (lent, or taken back from others)
         if self._stretches is None:
             self._stretches = self._stretch_table()
-        owners, point, start, end, slot, projects = self._stretches
+        owners, point, start, end, slot, projects, dest = self._stretches
         if not owners:
             return
         idx = np.fromiter(
@@ -349,43 +532,78 @@ class Steering:
         counts = (hi - lo)[keep]
         slots = slot[live][keep]
         projecting = projects[live][keep]
+        dests = dest[live][keep]
         # Device rows past each count are zero (disarm), so only the armed
         # entries are copied: a few per steered request.
         self.counts_host.zero_()
-        for index in np.unique(points).tolist():
-            mine = points == index
-            first, count, slot_of = firsts[mine], counts[mine], slots[mine]
-            total = int(count.sum())
-            if total == len(count):  # a row each (decode): no ranges to expand
-                rows, slot_of_row = first, slot_of
-            else:
-                offsets = np.cumsum(count) - count
-                rows = np.repeat(first - offsets, count) + np.arange(total)
-                slot_of_row = np.repeat(slot_of, count)
-            self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
-            self.slots[index, :total].copy_(torch.from_numpy(slot_of_row), non_blocking=True)
-            self.counts_host[index] = total
-            if self._token_slots_np is not None:
-                self._token_slots_np[index, rows] = slot_of_row
-                self._token_slots_written.append((index, rows))
-            self.counts_host[self.num_points + index] = bool(projecting[mine].any())
-        self.counts.copy_(self.counts_host, non_blocking=True)
+        self.rw_counts_host.zero_()
+        steered = rewritten = False
+        for where in np.unique(dests).tolist():
+            mine_dest = dests == where
+            index_col = points if where != SPLICE else np.full_like(points, self.splice_index)
+            for index in np.unique(index_col[mine_dest]).tolist():
+                mine = mine_dest & (index_col == index)
+                rows, slot_of_row = _expand(firsts[mine], counts[mine], slots[mine])
+                total = rows.shape[0]
+                if where == STEER:
+                    self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
+                    self.slots[index, :total].copy_(
+                        torch.from_numpy(slot_of_row), non_blocking=True
+                    )
+                    self.counts_host[index] = total
+                    if self._token_slots_np is not None:
+                        self._token_slots_np[index, rows] = slot_of_row
+                        self._token_slots_written.append((index, rows))
+                    self.counts_host[self.num_points + index] = bool(projecting[mine].any())
+                    steered = True
+                else:
+                    self.rw_rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
+                    self.rw_slots[index, :total].copy_(
+                        torch.from_numpy(slot_of_row), non_blocking=True
+                    )
+                    self.rw_counts_host[index] = total
+                    rewritten = True
+        if steered:
+            self.counts.copy_(self.counts_host, non_blocking=True)
+        if rewritten:
+            self.rw_counts.copy_(self.rw_counts_host, non_blocking=True)
         self.armed = True
+
+    def _resident(self, request: RequestSteering) -> bool:
+        """Whether ``request`` holds every table row its stretches need."""
+        return (
+            request.slots is not None
+            and (request.patch_slots is not None or not request.patch_stretches)
+            and (request.splice_slot is not None or request.splice is None)
+        )
 
     def _stretch_table(self) -> tuple:
         """Every stretch of the requests holding table slots, as columns:
         owner request id, point index, start, end (open: int64 max), slot,
-        projects (ablate or clamp)."""
+        projects (ablate or clamp), dest (STEER, PATCH or SPLICE)."""
         owners: list[str] = []
-        columns: list[tuple[int, int, int, int, bool]] = []
+        columns: list[tuple[int, int, int, int, bool, int]] = []
+        big = np.iinfo(np.int64).max
         for req_id, request in self.requests.items():
-            if request.slots is None:
+            if not self._resident(request):
                 continue
+            assert request.slots is not None
             for stretch, slot, projects in zip(request.stretches, request.slots, request.projects):
                 owners.append(req_id)
-                end = np.iinfo(np.int64).max if stretch.end is None else stretch.end
-                columns.append((stretch.index, stretch.start, end, slot, projects))
-        table = np.array(columns, dtype=np.int64).reshape(-1, 5)
+                end = big if stretch.end is None else stretch.end
+                columns.append((stretch.index, stretch.start, end, slot, projects, STEER))
+            if request.patch_slots is not None:
+                for stretch, slot in zip(request.patch_stretches, request.patch_slots):
+                    owners.append(req_id)
+                    columns.append((stretch.index, stretch.start, stretch.end, slot, False, PATCH))
+            if request.splice is not None and request.splice_slot is not None:
+                stretch = request.splice[0]
+                owners.append(req_id)
+                end = big if stretch.end is None else stretch.end
+                columns.append(
+                    (stretch.index, stretch.start, end, request.splice_slot, False, SPLICE)
+                )
+        table = np.array(columns, dtype=np.int64).reshape(-1, 6)
         return (
             owners,
             table[:, 0],
@@ -393,14 +611,40 @@ class Steering:
             table[:, 2],
             table[:, 3],
             table[:, 4].astype(bool),
+            table[:, 5],
         )
 
     def _upload(self, req_id: str, request: RequestSteering, batch: set[str]) -> None:
-        """Write a request's composed vectors into table slots (once per
-        entry into the batch)."""
-        slots = self.table.lend(req_id, request, batch)
-        if not slots:
-            return
+        """Write a request's composed vectors, patch rows and splice edits
+        into table rows (once per entry into the batch)."""
+        if request.slots is None:
+            slots = self.table.lend(req_id, request, batch)
+            if slots:
+                self._upload_pairs(request, slots)
+        if request.patch_stretches and request.patch_slots is None:
+            rows = self.patch_pool.lend(req_id, len(request.patch_stretches), batch)
+            request.patch_slots = rows
+            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            values = torch.from_numpy(request.patch_rows).to(self.device)
+            self.patch_table.index_copy_(0, index, values)
+        if request.splice is not None and request.splice_slot is None:
+            [slot] = self.splice_pool.lend(req_id, 1, batch)
+            request.splice_slot = slot
+            _, edits, keep_error = request.splice
+            d_sae = self.sae.d_sae
+            ids = np.full(MAX_SAE_EDITS, d_sae, np.int64)
+            mode = np.zeros(MAX_SAE_EDITS, np.float32)
+            vals = np.ones(MAX_SAE_EDITS, np.float32)
+            for j, (feature, how, value) in enumerate(edits):
+                ids[j] = int(feature)
+                mode[j] = 1.0 if int(how) == 0 else 0.0  # 0: set, 1: scale
+                vals[j] = value
+            self.edit_ids[slot].copy_(torch.from_numpy(ids))
+            self.edit_mode[slot].copy_(torch.from_numpy(mode))
+            self.edit_vals[slot].copy_(torch.from_numpy(vals))
+            self.keep[slot] = 1.0 if keep_error else 0.0
+
+    def _upload_pairs(self, request: RequestSteering, slots: list[int]) -> None:
         index = torch.tensor(slots, dtype=torch.int64)
         adds = torch.from_numpy(np.stack([a for a, _ in request.pairs]))
         dirs = torch.from_numpy(np.stack([d for _, d in request.pairs]))
@@ -427,6 +671,10 @@ class Steering:
             self.rows.zero_()
             self.slots.zero_()
             self.counts.zero_()
+            if self.rewrites:
+                self.rw_rows.zero_()
+                self.rw_slots.zero_()
+                self.rw_counts.zero_()
             if self._token_slots_np is not None:
                 for index, rows in self._token_slots_written:
                     self._token_slots_np[index, rows] = 0
@@ -435,6 +683,19 @@ class Steering:
 
     def forget(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
-            if self.requests.pop(req_id, None) is not None:
-                self.table.give_back(req_id)
+            if req_id in self.requests:
+                self._give_back(req_id)
+                del self.requests[req_id]
                 self._stretches = None
+
+
+def _expand(
+    firsts: np.ndarray, counts: np.ndarray, slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Batch rows and their slots of stretches starting at batch rows
+    ``firsts``, ``counts`` rows long, each with one slot."""
+    total = int(counts.sum())
+    if total == len(counts):  # a row each (decode, patches): no ranges to expand
+        return firsts, slots
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(firsts - offsets, counts) + np.arange(total), np.repeat(slots, counts)

@@ -284,7 +284,9 @@ class HFReference:
         ``start .. end - 1``. An intervention: ``{"point": "kind.i", "op":
         "add" | "ablate", "vector": tensor [hidden], "strength": float,
         "start": int, "end": int | None}`` (``clamp_sae_feature``: ``"sae"``,
-        the SAE's weights as tensors, ``"sae_feature"``, ``"value"``). The
+        the SAE's weights as tensors, ``"sae_feature"``, ``"value"``;
+        ``patch``: ``"rows"`` ``[end - start, hidden]``; ``sae_splice``:
+        :func:`splice_reference`'s keys). The
         point's value ``x`` is the tensor the hook sees times Granite's residual multiplier for the
         blocks' outputs; ``add``: ``x += strength * v``; ``ablate``: ``x -=
         (x . d) d``, ``d = v / |v|``. Written here, independently of the
@@ -294,6 +296,13 @@ class HFReference:
         def apply(tensor: torch.Tensor, item: dict, scale: float) -> None:
             # a view: [positions, hidden]
             rows = sequence_rows(tensor)[item["start"] : item["end"]]
+            if item["op"] == "patch":
+                # The point's value becomes the given rows.
+                rows.copy_((item["rows"].to(torch.float32) / scale).to(rows.dtype))
+                return
+            if item["op"] == "sae_splice":
+                rows.copy_((splice_reference(rows.double() * scale, item) / scale).to(rows.dtype))
+                return
             if item["op"] == "clamp_sae_feature":
                 # x += (value - f(x)) * W_dec[f], f(x) by the SAE's own
                 # definition: act(((x - b_dec) @ W_enc + b_enc)[f]), float64.
@@ -362,6 +371,32 @@ def hf_qwen3(qwen3_dir) -> HFReference:
 @pytest.fixture(scope="session")
 def hf_llama(llama_dir) -> HFReference:
     return HFReference(llama_dir)
+
+
+def splice_reference(x: torch.Tensor, item: dict) -> torch.Tensor:
+    """An SAE splice of ``x`` float64 ``[n, d_in]``, by the SAE's own
+    definition in float64: ``f = act((x - b_dec) @ W_enc + b_enc)``, the
+    edits of ``item["edits"]`` (``{"feature", "set" | "scale"}``) applied,
+    ``decode(f') = f' @ W_dec + b_dec``, plus ``x - decode(f)`` with
+    ``item["keep_error"]``. ``item["sae"]``: the weights (tensors),
+    ``item["architecture"]``, ``item.get("k")``."""
+    w = {k: t.to(x.device, torch.float64) for k, t in item["sae"].items()}
+    pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    if item["architecture"] == "topk":
+        top = pre.topk(item["k"], dim=-1)
+        f = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+    elif item["architecture"] == "jumprelu":
+        f = torch.relu(pre) * (pre > w["threshold"])
+    else:
+        f = torch.relu(pre)
+    edited = f.clone()
+    for edit in item.get("edits") or []:
+        j = edit["feature"]
+        edited[:, j] = edit["set"] if "set" in edit else f[:, j] * edit["scale"]
+    out = edited @ w["W_dec"] + w["b_dec"]
+    if item.get("keep_error"):
+        out = out + x - (f @ w["W_dec"] + w["b_dec"])
+    return out
 
 
 @contextmanager

@@ -50,6 +50,7 @@ from .conftest import (
     decoder_layers_of,
     env_set,
     in_process_engine,
+    point_sites,
     token_ids_of,
 )
 
@@ -577,6 +578,97 @@ def test_every_steerable_kind_matches_hf_hooks(arch, op):
     for out, s in zip(outs, steering):
         assert_steered_like_hf(out, hf, s, f"{arch} {op} at {s[0]['point']}")
     assert_every_layer_matches_hf(outs[-1], hf, "all", f"{arch} unsteered beside steered")
+
+
+# The donor prompt of the patching tests: its rows replace the prompt's own
+# at PATCHED positions (the activation-patching experiment's clean run).
+DONOR = "In a land far away, a quiet girl loved to draw pictures with friends"
+PATCHED = (2, 6)
+
+
+def patched(hf: HFReference, item: dict) -> SamplingParams:
+    """Every layer at every position, and the patched point itself."""
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(hf.num_layers + 1)),
+        hidden_states_points=[item["point"]],
+        hidden_states_positions="all",
+        steering=[{**item, "rows": item["rows"].numpy()}],
+    )
+
+
+def assert_patched_like_hf(out, hf: HFReference, item: dict, what: str):
+    """The patched point holds the given rows (bit for bit where its value
+    is the tensor itself, unscaled) and every layer matches HF hooks making
+    the same replacement."""
+    start, end = item["positions"]["start"], item["positions"]["end"]
+    ids = token_ids_of(out)
+    got = out.outputs[0].hidden_states
+    kind, i = item["point"].split(".")
+    scale = point_sites(decoder_layers_of(hf.model)[int(i)])[kind][2]
+    rows = got[item["point"]][start:end]
+    if scale == 1.0:
+        assert torch.equal(rows, item["rows"]), f"{what}: the patched rows are not the given ones"
+    else:
+        assert_close(rows, item["rows"], f"{what} patched rows")
+    reference = hf.steered_states(
+        ids,
+        [{"point": item["point"], "op": "patch", "rows": item["rows"], "start": start, "end": end}],
+    )
+    for layer in range(hf.num_layers + 1):
+        assert_close(got[layer], reference[layer], f"{what} layer {layer}")
+    plain = hf.states(ids)
+    changed = max((r - p).abs().max() / p.abs().max() for r, p in zip(reference[1:], plain[1:]))
+    assert changed > 3 * REL_TOL, f"{what}: the patch changed no layer by over {changed:.1e}"
+
+
+def patch_items(llm, hf: HFReference) -> list[dict]:
+    """A patch at each steerable kind of the middle layer over PATCHED, with
+    the donor prompt's rows there."""
+    layer = hf.num_layers // 2
+    donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
+    return [
+        {
+            "point": f"{kind}.{layer}",
+            "op": "patch",
+            "rows": donor[f"{kind}.{layer}"][PATCHED[0] : PATCHED[1]].float().contiguous(),
+            "positions": {"start": PATCHED[0], "end": PATCHED[1]},
+        }
+        for kind in steerable_kinds(hf)
+    ]
+
+
+def test_patch_at_every_steerable_kind_matches_hf_hooks(arch):
+    """patch at each kind of point (middle layer) over positions 2..5 with a
+    donor prompt's rows there, one request per kind, in one batch with an
+    unpatched request."""
+    llm, hf = engine_for(arch)
+    items = patch_items(llm, hf)
+    plain = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        return_hidden_states=True,
+        hidden_states_layers=list(range(hf.num_layers + 1)),
+        hidden_states_positions="all",
+    )
+    outs = llm.generate(
+        [PROMPT] * (len(items) + 1), [patched(hf, x) for x in items] + [plain], use_tqdm=False
+    )
+    for out, item in zip(outs, items):
+        assert_patched_like_hf(out, hf, item, f"{arch} patch at {item['point']}")
+    assert_every_layer_matches_hf(outs[-1], hf, "all", f"{arch} unpatched beside patched")
+
+
+def test_compiled_engine_patches_like_hf_hooks(compiled_arch):
+    """patch at each steerable kind under torch.compile (the op opaque to
+    the graph), one batch."""
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    items = patch_items(llm, hf)
+    outs = llm.generate([PROMPT] * len(items), [patched(hf, x) for x in items], use_tqdm=False)
+    for out, item in zip(outs, items):
+        assert_patched_like_hf(out, hf, item, f"compiled {compiled_arch} patch at {item['point']}")
 
 
 def test_points_are_captured_after_the_steering_at_them(arch):

@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rewrite ops (patch, sae_splice) on CPU tensors: the rows they replace,
+what they leave alone, the splice's arithmetic against a float64 reference,
+and the CUDA patch kernel through Triton's interpreter."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hidden_states.patch_rows import decode_rows, encode_rows
+from vllm_hidden_states.worker.rewrite_op import _patch, _splice, spliced
+
+H, T, POINTS = 8, 6, 2
+
+
+def armed(entries: list[tuple[int, int]], index: int = 0):
+    rows = torch.zeros(POINTS, T, dtype=torch.int64)
+    slots = torch.zeros_like(rows)
+    counts = torch.zeros(POINTS, dtype=torch.int64)
+    for j, (r, s) in enumerate(entries):
+        rows[index, j], slots[index, j] = r, s
+    counts[index] = len(entries)
+    return rows, slots, counts
+
+
+def test_a_patch_replaces_the_point_at_its_rows_bit_for_bit_and_zeroes_the_other_tensor():
+    table = torch.randn(4, H)
+    rows, slots, counts = armed([(1, 2), (4, 3)])
+    target, other = torch.randn(T, H), torch.randn(T, H)
+    before_t, before_o = target.clone(), other.clone()
+    _patch(target, other, rows, slots, counts, 0, table, 1.0)
+    assert torch.equal(target[1] + other[1], table[2])
+    assert torch.equal(target[4] + other[4], table[3])
+    untouched = [0, 2, 3, 5]
+    assert torch.equal(target[untouched], before_t[untouched])
+    assert torch.equal(other[untouched], before_o[untouched])
+
+
+def test_a_patch_divides_by_the_points_scale():
+    table = torch.ones(2, H) * 3.0
+    rows, slots, counts = armed([(0, 1)])
+    target = torch.zeros(T, H)
+    _patch(target, None, rows, slots, counts, 0, table, 0.5)
+    assert torch.equal(target[0] * 0.5, table[1])
+
+
+def test_a_patch_with_nothing_armed_at_its_point_changes_nothing():
+    table = torch.randn(3, H)
+    rows, slots, counts = armed([(2, 1)], index=1)
+    target = torch.randn(T, H)
+    before = target.clone()
+    _patch(target, None, rows, slots, counts, 0, table, 1.0)
+    assert torch.equal(target, before)
+
+
+def sae(d_sae: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "W_enc": torch.randn(H, d_sae, generator=g) / H**0.5,
+        "b_enc": torch.randn(d_sae, generator=g) * 0.1,
+        "W_dec": torch.randn(d_sae, H, generator=g) / d_sae**0.5,
+        "b_dec": torch.randn(H, generator=g) * 0.1,
+        "threshold": torch.rand(d_sae, generator=g) * 0.1,
+    }
+
+
+def reference_splice(x, w, arch, k, edits, keep_error):
+    x = x.double()
+    w = {key: v.double() for key, v in w.items()}
+    pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    if arch == "topk":
+        top = pre.topk(k, dim=-1)
+        f = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+    elif arch == "jumprelu":
+        f = torch.relu(pre) * (pre > w["threshold"])
+    else:
+        f = torch.relu(pre)
+    g = f.clone()
+    for feature, how, value in edits:
+        g[:, feature] = value if how == "set" else f[:, feature] * value
+    out = g @ w["W_dec"] + w["b_dec"]
+    if keep_error:
+        out = out + x - (f @ w["W_dec"] + w["b_dec"])
+    return out
+
+
+def edit_tables(d_sae, edits, keep_error, slots=3, slot=1):
+    ids = torch.full((slots, 16), d_sae, dtype=torch.int64)
+    mode = torch.zeros(slots, 16)
+    vals = torch.ones(slots, 16)
+    keep = torch.ones(slots)
+    for j, (feature, how, value) in enumerate(edits):
+        ids[slot, j], mode[slot, j], vals[slot, j] = feature, 1.0 if how == "set" else 0.0, value
+    keep[slot] = 1.0 if keep_error else 0.0
+    return ids, mode, vals, keep
+
+
+@pytest.mark.parametrize("arch, code, k", [("standard", 0, 0), ("jumprelu", 1, 0), ("topk", 2, 3)])
+@pytest.mark.parametrize("keep_error", [False, True])
+def test_a_splice_is_decode_of_the_edited_encoding_plus_the_error_term_if_kept(
+    arch, code, k, keep_error
+):
+    w = sae()
+    x = torch.randn(5, H)
+    edits = [(1, "set", 2.5), (4, "scale", 3.0)]
+    ids, mode, vals, keep = edit_tables(12, edits, keep_error)
+    s = torch.ones(5, dtype=torch.int64)
+    got = spliced(
+        x, s, w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], w["threshold"], code, k, True,
+        ids, mode, vals, keep,
+    )  # fmt: skip
+    expected = reference_splice(x, w, arch, k, edits, keep_error)
+    assert (got.double() - expected).abs().max() / expected.abs().max() < 1e-5
+
+
+def test_a_splice_without_edits_keeping_the_error_gives_back_the_stream():
+    w = sae()
+    x = torch.randn(4, H)
+    ids, mode, vals, keep = edit_tables(12, [], True)
+    s = torch.ones(4, dtype=torch.int64)
+    got = spliced(
+        x, s, w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], None, 0, 0, True,
+        ids, mode, vals, keep,
+    )  # fmt: skip
+    assert torch.allclose(got, x, atol=1e-5)
+
+
+def test_the_splice_op_rewrites_only_its_armed_rows():
+    w = sae()
+    ids, mode, vals, keep = edit_tables(12, [(2, "set", 1.0)], False)
+    rows, slots, counts = armed([(3, 1)])
+    target, other = torch.randn(T, H), torch.randn(T, H)
+    x = (target[3] + other[3]).clone()
+    before_t, before_o = target.clone(), other.clone()
+    _splice(
+        target, other, rows, slots, counts, 0, 1.0, w["W_enc"], w["b_enc"], w["W_dec"],
+        w["b_dec"], None, 0, 0, True, ids, mode, vals, keep,
+    )  # fmt: skip
+    expected = reference_splice(x[None], w, "standard", 0, [(2, "set", 1.0)], False)[0]
+    assert torch.equal(other[3], torch.zeros(H))
+    assert (target[3].double() - expected).abs().max() < 1e-5
+    untouched = [0, 1, 2, 4, 5]
+    assert torch.equal(target[untouched], before_t[untouched])
+    assert torch.equal(other[untouched], before_o[untouched])
+
+
+# -- rows: the typed-array form ------------------------------------------------
+
+
+def test_typed_rows_round_trip_float32_bit_for_bit():
+    rows = np.random.default_rng(0).standard_normal((3, H)).astype(np.float32)
+    assert np.array_equal(decode_rows(encode_rows(rows), H), rows)
+
+
+def test_float16_rows_widen_to_float32():
+    rows = np.random.default_rng(1).standard_normal((2, H)).astype(np.float16)
+    assert np.array_equal(decode_rows(encode_rows(rows, "float16"), H), rows.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"dtype": "float64", "shape": [1, H], "data": ""}, "dtype must be one of"),
+        ({"dtype": "float32", "shape": [1, H], "data": "!!"}, "not valid base64"),
+        ({"dtype": "float32", "shape": [2, H], "data": encode_rows(np.ones((1, H)))["data"]},
+         "needs 64"),
+        ([[1.0] * (H - 1)], f"must be \\[n, {H}\\]"),
+        ([[float("nan")] * H], "must be finite"),
+        ("rows", "must be"),
+    ],
+)  # fmt: skip
+def test_bad_rows_name_what_is_wrong_and_what_is_allowed(value, message):
+    with pytest.raises(ValueError, match=message):
+        decode_rows(value, H)
+
+
+# -- the CUDA kernel, through Triton's interpreter ------------------------------
+
+_PATCH_KERNEL_CHECK = r"""
+import torch
+from vllm_hidden_states.worker import rewrite_kernel
+from vllm_hidden_states.worker.rewrite_op import _patch
+
+
+def check(dtype_name, other_kind, scale_text):
+    torch.manual_seed(0)
+    H, T = 300, 7  # H not a multiple of the kernel's block
+    dtype = getattr(torch, dtype_name)
+    table = torch.randn(4, H)
+    target = torch.randn(T, H).to(dtype)
+    other = torch.randn(T, H).to(dtype) if other_kind == "other" else None
+    scale = float(scale_text)
+    rows = torch.tensor([[2, 0, 5, 0, 0, 0, 0]])
+    slots = torch.tensor([[1, 3, 2, 0, 0, 0, 0]])
+    counts = torch.tensor([3])
+    expected_t = target.clone()
+    expected_o = None if other is None else other.clone()
+    _patch(expected_t, expected_o, rows, slots, counts, 0, table, scale)
+    got_t = target.clone()
+    got_o = None if other is None else other.clone()
+    rewrite_kernel.patch(got_t, got_o, rows[0], slots[0], T, table, scale)
+    # float32 bit for bit; bfloat16 within its rounding (the interpreter's
+    # conversion may truncate where torch rounds to nearest).
+    tol = 0.0 if dtype == torch.float32 else 1e-2
+    err = (got_t.float() - expected_t.float()).abs().max().item()
+    assert err <= tol * expected_t.float().abs().max().item(), f"target differs by {err}"
+    if other is not None:
+        assert torch.equal(got_o, expected_o), "kernel vs torch path: other differs"
+    return "equal"
+"""
+
+PATCH_KERNEL_CASES = [
+    ("float32", "none", "1.0"),
+    ("float32", "other", "0.5"),
+    ("bfloat16", "other", "1.0"),
+]
+
+
+@pytest.fixture(scope="module")
+def patch_kernel_results(triton_interpreted) -> dict[tuple[str, ...], str]:
+    return triton_interpreted(_PATCH_KERNEL_CHECK, PATCH_KERNEL_CASES)
+
+
+@pytest.mark.parametrize("args", PATCH_KERNEL_CASES, ids=lambda a: "-".join(a))
+def test_the_cuda_patch_kernel_writes_what_the_torch_path_does(args, patch_kernel_results):
+    """The Triton kernel (CUDA's path, entries past the count left with slot
+    0, row 0) against the op's PyTorch path, bit for bit."""
+    result = patch_kernel_results.get(args, "not run")
+    assert result.startswith("ok"), result[-2000:]

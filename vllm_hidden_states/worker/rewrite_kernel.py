@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The patch op as one Triton kernel, for CUDA.
+
+As the steering kernel (``steer_kernel.py``): a program per entry that reads
+the entry's slot and returns at once when it is 0 (no host sync, one
+near-empty launch per point where nobody patches, inside the CUDA graph). An
+armed entry writes its patch row (divided by the point's scale, rounded to
+the target's dtype) into ``target[r]`` and zeros into ``other[r]``; rows are
+distinct among armed entries. Tested on CPU with Triton's interpreter
+(``tests/unit/test_rewrite_op.py``); not yet run on a GPU.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_H = 256
+
+
+@triton.jit
+def _patch_kernel(
+    target,
+    other,
+    rows,
+    slots,
+    table,
+    hidden,
+    target_stride,
+    other_stride,
+    scale,
+    HAS_OTHER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    j = tl.program_id(0)
+    s = tl.load(slots + j)
+    if s != 0:
+        r = tl.load(rows + j)
+        t_row = target + r * target_stride
+        o_row = other + r * other_stride
+        for h0 in range(0, hidden, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            mask = offs < hidden
+            value = tl.load(table + s * hidden + offs, mask=mask, other=0.0) / scale
+            t = tl.load(t_row + offs, mask=mask, other=0.0)
+            tl.store(t_row + offs, value.to(t.dtype), mask=mask)
+            if HAS_OTHER:
+                zeros = tl.zeros((BLOCK,), dtype=other.dtype.element_ty)
+                tl.store(o_row + offs, zeros, mask=mask)
+
+
+def patch(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    n: int,
+    table: torch.Tensor,
+    scale: float,
+) -> None:
+    """Launch the kernel over entries ``0 .. n-1`` of ``rows``/``slots``
+    (int64 ``[n_max]``, one point's); ``target``/``other`` ``[tokens,
+    hidden]`` with unit stride along ``hidden``; ``table`` float32 ``[rows,
+    hidden]``, contiguous."""
+    if n == 0:
+        return
+    hidden = target.shape[-1]
+    flat = target.view(-1, hidden)
+    other_flat = flat if other is None else other.view(-1, hidden)
+    _patch_kernel[(n,)](
+        flat,
+        other_flat,
+        rows,
+        slots,
+        table,
+        hidden,
+        flat.stride(0),
+        other_flat.stride(0),
+        float(scale),
+        HAS_OTHER=other is not None,
+        BLOCK=BLOCK_H,
+    )

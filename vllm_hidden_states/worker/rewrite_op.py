@@ -1,0 +1,279 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rewrite ops: ``patch`` and ``sae_splice`` replace the stream at a
+steerable point (rather than add to it), inside the forward, by custom ops
+that mutate both tensors carrying the point, so the layer and every later
+capture read the replacement itself. Called by the steering hooks
+(``steering_op.steer_hook``), after the steering of the same point (other
+requests' rows: a rewrite is alone at its point in its request).
+docs/architecture.md, "Patching and splicing".
+"""
+
+import torch
+
+from vllm_hidden_states.worker.capture_op import (
+    count_readable_on_host,
+    counts_on_host,
+    register_custom_op,
+)
+
+PATCH_OP = "hidden_states_patch"
+SPLICE_OP = "hidden_states_splice"
+
+# SAE architectures by code (the op's ``arch`` argument).
+SAE_ARCH_CODES = {"standard": 0, "jumprelu": 1, "topk": 2}
+
+
+def _patch(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    table: torch.Tensor,
+    scale: float,
+) -> None:
+    """For the ``n = counts[index]`` armed entries ``j`` (``r = rows[index,
+    j]``, ``s = slots[index, j]``): ``target[r] = table[s] / scale`` and
+    ``other[r] = 0``, so the point's value ``(target + other) * scale`` is
+    the patch row (exactly where ``scale`` is 1). ``table`` float32 ``[rows,
+    hidden]`` (row 0 unused: an unarmed entry's slot)."""
+    if count_readable_on_host(counts.device):
+        n = int(counts_on_host(counts)[index])
+        if not n:
+            return
+        r, s = rows[index, :n], slots[index, :n]
+        flat = target.view(-1, target.shape[-1])
+        values = table.index_select(0, s)
+        if scale != 1.0:
+            values = values / scale
+        flat.index_copy_(0, r, values.to(flat.dtype))
+        if other is not None:
+            other.view(-1, other.shape[-1]).index_fill_(0, r, 0)
+        return
+    from vllm_hidden_states.worker import rewrite_kernel
+
+    n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
+    rewrite_kernel.patch(target, other, rows[index], slots[index], n, table, scale)
+
+
+def _patch_fake(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    table: torch.Tensor,
+    scale: float,
+) -> None:
+    return None
+
+
+def sae_encode(
+    x: torch.Tensor,
+    w_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    b_dec: torch.Tensor,
+    threshold: torch.Tensor | None,
+    arch: int,
+    k: int,
+    b_dec_to_input: bool,
+) -> torch.Tensor:
+    """Dense activations ``[n, d_sae]`` of ``x`` ``[n, d_in]`` (float32), by
+    the SAE's architecture (``SAE_ARCH_CODES``), in float32."""
+    if b_dec_to_input:
+        x = x - b_dec.float()
+    pre = x @ w_enc.float() + b_enc.float()
+    if arch == 1:
+        assert threshold is not None
+        return torch.relu(pre) * (pre > threshold.float())
+    if arch == 2:
+        top = pre.topk(k, dim=-1)
+        return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+    return torch.relu(pre)
+
+
+def spliced(
+    x: torch.Tensor,
+    s: torch.Tensor,
+    w_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    w_dec: torch.Tensor,
+    b_dec: torch.Tensor,
+    threshold: torch.Tensor | None,
+    arch: int,
+    k: int,
+    b_dec_to_input: bool,
+    edit_ids: torch.Tensor,
+    edit_mode: torch.Tensor,
+    edit_vals: torch.Tensor,
+    keep: torch.Tensor,
+) -> torch.Tensor:
+    """The splice of rows ``x`` float32 ``[n, d_in]`` with slots ``s`` int64
+    ``[n]``: ``decode(edit(f)) + keep * (x - decode(f))``, ``f =
+    encode(x)``. Per slot, ``edit_ids`` int64 ``[slots, E]`` (``d_sae`` where
+    unused: an extra column, dropped), ``edit_mode`` float32 (1 sets, 0
+    scales), ``edit_vals`` float32, ``keep`` float32 ``[slots]`` (1: the
+    error term added back). Returns float32 ``[n, d_in]``."""
+    f = sae_encode(x, w_enc, b_enc, b_dec, threshold, arch, k, b_dec_to_input)
+    ids = edit_ids.index_select(0, s)
+    mode = edit_mode.index_select(0, s)
+    vals = edit_vals.index_select(0, s)
+    wide = torch.cat([f, torch.zeros_like(f[:, :1])], dim=1)
+    current = wide.gather(1, ids)
+    edited = wide.scatter(1, ids, mode * vals + (1 - mode) * vals * current)[:, :-1]
+    w = w_dec.float()
+    keep_rows = keep.index_select(0, s)[:, None]
+    # decode(edited) + keep * (x - decode(f)), with one product: the biases
+    # cancel where the error term is kept.
+    return (edited - keep_rows * f) @ w + (1 - keep_rows) * b_dec.float() + keep_rows * x
+
+
+def _splice(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    scale: float,
+    w_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    w_dec: torch.Tensor,
+    b_dec: torch.Tensor,
+    threshold: torch.Tensor | None,
+    arch: int,
+    k: int,
+    b_dec_to_input: bool,
+    edit_ids: torch.Tensor,
+    edit_mode: torch.Tensor,
+    edit_vals: torch.Tensor,
+    keep: torch.Tensor,
+) -> None:
+    """The point's value at the armed rows replaced by its splice
+    (:func:`spliced`): ``target[r] = out / scale``, ``other[r] = 0``. On CPU
+    the count is read on the host (nobody splices: that read is the cost);
+    elsewhere every entry is computed and the unarmed ones (slot 0) add a
+    zero delta, so no host sync is needed."""
+    flat = target.view(-1, target.shape[-1])
+    other_flat = None if other is None else other.view(-1, other.shape[-1])
+    if count_readable_on_host(counts.device):
+        n = int(counts_on_host(counts)[index])
+        if not n:
+            return
+        r, s = rows[index, :n], slots[index, :n]
+    else:
+        n = min(rows.shape[1], flat.shape[0])
+        r, s = rows[index, :n], slots[index, :n]
+    x = flat.index_select(0, r).float()
+    if other_flat is not None:
+        x = x + other_flat.index_select(0, r).float()
+    if scale != 1.0:
+        x = x * scale
+    out = spliced(
+        x, s, w_enc, b_enc, w_dec, b_dec, threshold, arch, k, b_dec_to_input,
+        edit_ids, edit_mode, edit_vals, keep,
+    )  # fmt: skip
+    if scale != 1.0:
+        out = out / scale
+    if count_readable_on_host(counts.device):
+        flat.index_copy_(0, r, out.to(flat.dtype))
+        if other_flat is not None:
+            other_flat.index_fill_(0, r, 0)
+        return
+    # Unarmed entries repeat row 0 with slot 0: their deltas are zeros, so
+    # accumulating (not copying) keeps an armed row 0 right.
+    armed = (s != 0)[:, None]
+    delta = torch.where(armed, out - flat.index_select(0, r).float(), 0.0)
+    flat.index_add_(0, r, delta.to(flat.dtype))
+    if other_flat is not None:
+        rest = torch.where(armed, other_flat.index_select(0, r).float(), 0.0)
+        other_flat.index_add_(0, r, (-rest).to(other_flat.dtype))
+
+
+def _splice_fake(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    scale: float,
+    w_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    w_dec: torch.Tensor,
+    b_dec: torch.Tensor,
+    threshold: torch.Tensor | None,
+    arch: int,
+    k: int,
+    b_dec_to_input: bool,
+    edit_ids: torch.Tensor,
+    edit_mode: torch.Tensor,
+    edit_vals: torch.Tensor,
+    keep: torch.Tensor,
+) -> None:
+    return None
+
+
+def patch(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    index: int,
+    table: torch.Tensor,
+    scale: float,
+) -> None:
+    """One point's patch write: the op's body in eager CPU forwards (a count
+    read), the registered op elsewhere (opaque to torch.compile; replayed in
+    CUDA graphs)."""
+    if count_readable_on_host(counts.device) and not torch.compiler.is_compiling():
+        _patch(target, other, rows, slots, counts, index, table, scale)
+    else:
+        torch.ops.vllm.hidden_states_patch(target, other, rows, slots, counts, index, table, scale)
+
+
+def splice_rows(
+    module: torch.nn.Module,
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    index: int,
+    scale: float,
+) -> None:
+    """The splice at the SAE's point, reading the SAE and the edit tables
+    registered on ``module`` (``steering_tables.Steering._splice_buffers``)."""
+    arch, k, b_dec_to_input = module._hs_sae_arch
+    args = (
+        target,
+        other,
+        module._hs_rw_rows,
+        module._hs_rw_slots,
+        module._hs_rw_counts,
+        index,
+        scale,
+        module._hs_sae_w_enc,
+        module._hs_sae_b_enc,
+        module._hs_sae_w_dec,
+        module._hs_sae_b_dec,
+        getattr(module, "_hs_sae_threshold", None),
+        arch,
+        k,
+        b_dec_to_input,
+        module._hs_edit_ids,
+        module._hs_edit_mode,
+        module._hs_edit_vals,
+        module._hs_keep,
+    )
+    if count_readable_on_host(target.device) and not torch.compiler.is_compiling():
+        _splice(*args)
+    else:
+        torch.ops.vllm.hidden_states_splice(*args)
+
+
+def register_ops() -> None:
+    """Register ``torch.ops.vllm.hidden_states_patch`` and ``_splice`` once
+    per process (both mutate ``target`` and ``other``)."""
+    register_custom_op(PATCH_OP, _patch, _patch_fake, ["target", "other"])
+    register_custom_op(SPLICE_OP, _splice, _splice_fake, ["target", "other"])
