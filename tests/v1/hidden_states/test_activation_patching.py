@@ -70,15 +70,15 @@ def llm(qwen3_dir, sae):
 
 
 def params(steering: list[dict], positions="all", **extra) -> SamplingParams:
-    return SamplingParams(
+    fields = dict(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
         return_hidden_states=True,
         hidden_states_layers=list(range(5)),
         hidden_states_positions=positions,
         steering=steering,
-        **extra,
     )
+    return SamplingParams(**{**fields, **extra})
 
 
 def donor_rows(llm, hf: HFReference, point: str, start: int, end: int) -> torch.Tensor:
@@ -157,8 +157,10 @@ def test_differently_patched_and_spliced_requests_share_a_batch_each_exact(llm, 
     assert_like_hf(outs[1], hf_qwen3, [reference_item(b)], "patch mlp_out.3 in a batch")
     assert_like_hf(outs[2], hf_qwen3, [reference_item(c, sae)], "splice in a batch")
     ids = token_ids_of(outs[3])
-    for layer, (g, e) in enumerate(zip(outs[3].outputs[0].hidden_states, hf_qwen3.states(ids))):
-        assert_close(g, e, f"unpatched beside patched, layer {layer}")
+    expected = hf_qwen3.states(ids)
+    for layer in range(hf_qwen3.num_layers + 1):
+        got = outs[3].outputs[0].hidden_states[layer]
+        assert_close(got, expected[layer], f"unpatched beside patched, layer {layer}")
 
 
 def test_the_final_tokens_extract_replays_the_patch(llm, hf_qwen3):
