@@ -44,9 +44,11 @@ from vllm_hidden_states.server.limits import (
     limits_of,
     text_chars,
 )
+from vllm_hidden_states.server.patch_captures import has_captures, resolve_captures
 from vllm_hidden_states.server.request_checks import (
     STEERING_PARAM,
     engine_config,
+    steering_config,
     validate_steering,
 )
 from vllm_hidden_states.store import choice_writer
@@ -355,12 +357,16 @@ class SteeringAsk:
     windows: tuple[tuple[int, Window], ...] = ()  # (intervention, its window)
 
 
-def admit_steering(serving: Any, request: Any) -> SteeringAsk | None:
+async def admit_steering(serving: Any, request: Any) -> SteeringAsk | None:
     """The request's ``steering`` checked against the engine (None when not
-    given); :class:`ApiError` (400) naming what is allowed."""
+    given), its patches' stored ``capture`` rows read (``patch_captures``);
+    :class:`ApiError` (400) naming what is allowed."""
     value = request.model_extra.get(STEERING_PARAM)
     if value is None:
         return None
+    cfg = steering_config(serving.engine_client)
+    if cfg is not None and has_captures(value):
+        value = await resolve_captures(value, cfg.num_layers)
     validate_steering(serving.engine_client, value)
     if getattr(request, "use_beam_search", False):
         raise invalid_request(
@@ -431,7 +437,7 @@ def admitted() -> AdmittedAsk | None:
     return _admitted.get()
 
 
-def admit(serving: Any, request: Any, raw_request: Any) -> Any:
+async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
     """Parse, check and price the request's fields before anything is
     tokenized or generated; vLLM's ``ErrorResponse`` (400/413) to return, or
     None to go on. Called first in ``create_chat_completion`` and
@@ -444,7 +450,10 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             _steering.set(None)
         return None
     try:
-        steering = admit_steering(serving, request)
+        if raw_request is not None and not choice_writer.is_open():
+            app_state = getattr(getattr(raw_request, "app", None), "state", None)
+            choice_writer.open_store(getattr(app_state, "args", None))
+        steering = await admit_steering(serving, request)
         ask = validate_ask(serving, request, raw_request)
     except ApiError as e:
         return e.to_error_response()
@@ -452,9 +461,6 @@ def admit(serving: Any, request: Any, raw_request: Any) -> Any:
     if ask is None:
         _admitted.set(None)
         return None
-    if raw_request is not None and not choice_writer.is_open():
-        app_state = getattr(getattr(raw_request, "app", None), "state", None)
-        choice_writer.open_store(getattr(app_state, "args", None))
     n = getattr(request, "n", None) or 1
     pricing = None
     if ask.positions != "last" or ask.patterns or ask.neurons:

@@ -419,7 +419,9 @@ def test_steering_on_an_engine_without_it_is_a_400_naming_the_flag():
     serving = type("Serving", (), {"engine_client": _EngineClient()})()
     request = _Request({"steering": [{"point": POINT, "vector": [0.0] * 8}]})
     # admit sets context variables: run it in a context of its own.
-    refusal = contextvars.copy_context().run(openai_request.admit, serving, request, None)
+    refusal = contextvars.copy_context().run(
+        asyncio.run, openai_request.admit(serving, request, None)
+    )
     error = refusal.error
     assert error.code == 400 and error.param == "steering"
     assert "--enable-steering" in error.message
