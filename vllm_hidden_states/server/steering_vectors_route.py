@@ -2,8 +2,10 @@
 """GET /v1/steering_vectors: what the engine behind the server can steer.
 
 Answers ``{"object": "list", "data": [{"object": "steering_vector", "name",
-"length"}, ...], "points": [...], "max_interventions": k}``: the named vectors
-of ``--steering-vectors DIR`` (sorted by name; empty without one) and every
+"length"}, ...], "matrices": [{"name", "shape"}, ...], "points": [...],
+"max_interventions": k, "max_patch_rows": r}``: the named vectors of
+``--steering-vectors DIR`` (sorted by name; empty without one), its matrices
+of patch rows, the patch table's rows (``--max-patch-rows``) and every
 address a request may steer (``resid_post.i`` and ``resid_pre.(i+1)`` are one
 point under two names, both listed). Without ``--enable-steering`` it is a
 404 naming the flag: the resource does not exist there, which a client can
@@ -44,8 +46,12 @@ def steering_vectors_body(cfg: SteeringConfig) -> dict[str, Any]:
             {"object": "steering_vector", "name": name, "length": length}
             for name, length in sorted(cfg.vectors.items())
         ],
+        "matrices": [
+            {"name": name, "shape": shape} for name, shape in sorted(cfg.matrices.items())
+        ],
         "points": steerable_points(cfg),
         "max_interventions": cfg.max_interventions,
+        "max_patch_rows": cfg.max_patch_rows,
     }
 
 

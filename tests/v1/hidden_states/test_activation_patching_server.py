@@ -10,7 +10,10 @@ One real ``vllm serve`` on loopback: tiny Qwen3, ``--enable-steering
 hooks make the same replacement.
 """
 
+import asyncio
+
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -116,6 +119,64 @@ def test_clean_then_corrupted_by_store_reference_is_two_calls(oai, hf_qwen3):
                  "capture": {"request_id": clean.id}}]  # fmt: skip
     out = complete(oai, CORRUPTED, steering=steering)
     assert_patched_like_hf(out.choices[0], hf_qwen3, clean_rows[8:10], 8, "store reference")
+
+
+def load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[3] / "examples" / "activation_patching.py"
+    spec = importlib.util.spec_from_file_location("activation_patching_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@torch.inference_mode()
+def hf_sweep(hf: HFReference, model_dir, example) -> tuple[np.ndarray, float, float]:
+    """The example's sweep with HF forward hooks: ``diff[k, p]`` of the
+    corrupted prompt with resid_pre.k at p replaced by the clean prompt's,
+    and the clean and corrupted differences."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    clean = tok(example.CLEAN, add_special_tokens=False)["input_ids"]
+    corrupt = tok(example.CORRUPTED, add_special_tokens=False)["input_ids"]
+    a = tok(example.CLEAN_ANSWER, add_special_tokens=False)["input_ids"][0]
+    b = tok(example.CORRUPTED_ANSWER, add_special_tokens=False)["input_ids"][0]
+    donor = hf.points(clean)
+
+    def diff(ids, items=()) -> float:
+        with hf.steering(list(items)):
+            logits = hf.model(torch.tensor([ids])).logits[0, -1].double()
+        lp = torch.log_softmax(logits, -1)
+        return float(lp[a] - lp[b])
+
+    grid = np.zeros((hf.num_layers, len(corrupt)))
+    for k in range(hf.num_layers):
+        for p in range(len(corrupt)):
+            rows = donor[f"resid_pre.{k}"][p : p + 1].float()
+            grid[k, p] = diff(corrupt, [{"point": f"resid_pre.{k}", "op": "patch", "rows": rows,
+                                         "start": p, "end": p + 1}])  # fmt: skip
+    return grid, diff(clean), diff(corrupt)
+
+
+def test_the_patching_example_gives_hf_hooks_numbers_and_its_plot(
+    server, hf_qwen3, qwen3_dir, tmp_path
+):
+    """examples/activation_patching.py against this server (clean capture in
+    the store, one patch by reference per layer and position) equals the
+    same sweep with HF forward hooks; it writes its PNG."""
+    example = load_example()
+    result = asyncio.run(example.sweep(server.url("/v1")))
+    grid, clean, corrupted = hf_sweep(hf_qwen3, qwen3_dir, example)
+    assert result.layers == list(range(hf_qwen3.num_layers))
+    assert abs(result.clean - clean) < 1e-3 and abs(result.corrupted - corrupted) < 1e-3
+    assert np.abs(result.diff - grid).max() < 1e-3, np.abs(result.diff - grid).max()
+    assert np.ptp(grid) > 1e-2, "the sweep moved nothing"
+    png = example.plot(result, tmp_path / "patching.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def steering_error(http, steering: list[dict], *needles: str) -> None:

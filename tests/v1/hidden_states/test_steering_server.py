@@ -347,6 +347,7 @@ def test_steering_vectors_lists_the_named_vector_and_the_steerable_points(http, 
     expected = [f"{k}.{i}" for i in range(hf_qwen3.num_layers) for k in kinds]
     assert body["points"] == expected
     assert body["max_interventions"] == 4
+    assert body["max_patch_rows"] == 2048 and body["matrices"] == []
 
 
 # --------------------------------------------------------------------------
