@@ -130,3 +130,21 @@ def test_small_model_modes_runs_a_mode_in_its_own_process(tmp_path):
         },
     )
     assert "(v1-async)" in out
+
+
+def test_the_patching_benchmark_runs_its_variants(tmp_path):
+    """``python -m benchmarks.patching --tiny``: plain, steering without a
+    patch table, patching enabled unused, patched and spliced requests."""
+    bench(tmp_path, "benchmarks.patching", "--tiny", "--rounds", "1")
+    result = json.loads((tmp_path / "patching.json").read_text())
+    [summary] = result["patching"]
+    comparison(
+        summary,
+        {
+            "plain vLLM (no hidden states)",
+            "steering, max_patch_rows=0, nobody steers",
+            "patching enabled, nobody patches",
+            "patch resid_pre.2 x 8 positions, every request",
+            "sae_splice (top-k SAE) all positions, every request",
+        },
+    )
