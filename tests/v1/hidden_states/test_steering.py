@@ -336,6 +336,34 @@ def test_preempted_steered_requests_are_recomputed_steered(llm_small_kv, hf_qwen
         assert_steered(out, hf_qwen3, s, f"preempted {s[0]['point']}")
 
 
+@pytest.mark.four_modes
+def test_preempted_patched_requests_are_recomputed_patched(llm_small_kv, hf_qwen3):
+    """A preempted request's patch rows come back with it (its table rows are
+    given back and lent again; the scheduler keeps them counted)."""
+    rows = [
+        torch.randn(4, hf_qwen3.hidden_size, generator=torch.Generator().manual_seed(30 + i))
+        for i in range(4)
+    ]
+    items = [
+        {"point": f"resid_pre.{i % 3}", "op": "patch", "rows": r.numpy(),
+         "positions": {"start": 2, "end": 6}}
+        for i, r in enumerate(rows)
+    ]  # fmt: skip
+    prompts = [f"{PROMPT} number {i}" for i in range(4)]
+    before = num_preemptions(llm_small_kv)
+    outs = llm_small_kv.generate(
+        prompts, [params(hf_qwen3, [x], max_tokens=60) for x in items], use_tqdm=False
+    )
+    assert num_preemptions(llm_small_kv) > before  # the case under test happened
+    for out, item, r in zip(outs, items, rows):
+        ids = token_ids_of(out)
+        patch = {"point": item["point"], "op": "patch", "rows": r, "start": 2, "end": 6}
+        reference = hf_qwen3.steered_states(ids, [patch])
+        for layer in range(hf_qwen3.num_layers + 1):
+            got = out.outputs[0].hidden_states[layer]
+            assert_close(got, reference[layer], f"preempted patch {item['point']} layer {layer}")
+
+
 # --------------------------------------------------------------------------
 # the engine's SAE: clamp a feature, steer along a decoder row
 
