@@ -24,6 +24,7 @@ def make_planner(monkeypatch, data_parallel_size: int = 1, external_lb: bool = F
     monkeypatch.setattr(HiddenStatesConfig, "from_vllm_config", staticmethod(lambda _: config))
     return CapturePlanner(
         SimpleNamespace(
+            additional_config={},  # no steering: no patch table
             model_config=SimpleNamespace(max_model_len=512),
             scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
             parallel_config=SimpleNamespace(

@@ -608,7 +608,10 @@ def spans(request: RequestSteering) -> list[tuple[int, int, int | None]]:
 def test_overlapping_windows_at_one_point_split_into_stretches():
     v, w = np.ones(H, dtype=np.float32), np.arange(H, dtype=np.float32)
     request = RequestSteering(
-        [wire_item(1, v, 0, 6, strength=2.0), wire_item(1, w, 3, 9)], NamedVectors(None), INDEX_OF
+        [wire_item(1, v, 0, 6, strength=2.0), wire_item(1, w, 3, 9)],
+        NamedVectors(None),
+        INDEX_OF,
+        H,
     )
     assert spans(request) == [(0, 0, 3), (0, 3, 6), (0, 6, 9)]
     adds = [a for a, _ in request.pairs]
@@ -622,7 +625,7 @@ def test_overlapping_windows_at_one_point_split_into_stretches():
 def test_a_gap_between_windows_is_no_stretch():
     v = np.ones(H, dtype=np.float32)
     request = RequestSteering(
-        [wire_item(1, v, 0, 2), wire_item(1, v, 5, 7)], NamedVectors(None), INDEX_OF
+        [wire_item(1, v, 0, 2), wire_item(1, v, 5, 7)], NamedVectors(None), INDEX_OF, H
     )
     assert spans(request) == [(0, 0, 2), (0, 5, 7)]
 
@@ -633,6 +636,7 @@ def test_an_ablate_and_an_add_compose_over_their_common_stretch():
         [wire_item(1, u, 2, None, op="ablate"), wire_item(1, v, 0, 4)],
         NamedVectors(None),
         INDEX_OF,
+        H,
     )
     assert spans(request) == [(0, 0, 2), (0, 2, 4), (0, 4, None)]
     expected = [compose([("add", v, 1.0)]), compose([("ablate", u, 1.0), ("add", v, 1.0)])]
@@ -646,7 +650,7 @@ def test_interventions_at_different_points_are_separate_stretches():
     v, w = np.ones(H, dtype=np.float32), np.full(H, 2.0, dtype=np.float32)
     mlp = point_id("mlp_out", 1, L)
     request = RequestSteering(
-        [wire_item(mlp, v, 0, None), wire_item(2, w, 0, None)], NamedVectors(None), INDEX_OF
+        [wire_item(mlp, v, 0, None), wire_item(2, w, 0, None)], NamedVectors(None), INDEX_OF, H
     )
     assert spans(request) == [(INDEX_OF[mlp], 0, None), (INDEX_OF[2], 0, None)]
     np.testing.assert_array_equal(request.pairs[0][0], v)
@@ -654,13 +658,13 @@ def test_interventions_at_different_points_are_separate_stretches():
 
 
 def test_an_open_ended_window_gives_a_last_stretch_without_end():
-    request = RequestSteering([wire_item(1, np.ones(H), 4, None)], NamedVectors(None), INDEX_OF)
+    request = RequestSteering([wire_item(1, np.ones(H), 4, None)], NamedVectors(None), INDEX_OF, H)
     assert spans(request) == [(0, 4, None)]
 
 
 def test_request_steering_takes_the_wire_form_of_check_steering():
     wire = check([add("resid_pre.1", positions="prompt"), add("resid_pre.2", strength=3)])
-    request = RequestSteering(wire, NamedVectors(None), INDEX_OF)
+    request = RequestSteering(wire, NamedVectors(None), INDEX_OF, H)
     assert spans(request) == [(0, 0, PROMPT), (1, 0, None)]
     np.testing.assert_array_equal(request.pairs[1][0], np.full(H, 3.0, dtype=np.float32))
 
@@ -671,6 +675,7 @@ def test_named_vectors_are_read_from_the_vectors_directory(tmp_path):
         [{**wire_item(1, [], 0, None, strength=2.0), "vector": None, "name": "honesty"}],
         NamedVectors(str(tmp_path)),
         INDEX_OF,
+        H,
     )
     np.testing.assert_array_equal(request.pairs[0][0], 2.0 * np.arange(H, dtype=np.float32))
 
@@ -681,7 +686,7 @@ def test_named_vectors_are_read_from_the_vectors_directory(tmp_path):
 def needing(n: int) -> RequestSteering:
     """A request with ``n`` stretches (``n`` disjoint windows at one point)."""
     wire = [wire_item(1, np.ones(H), 2 * k, 2 * k + 1) for k in range(n)]
-    request = RequestSteering(wire, NamedVectors(None), INDEX_OF)
+    request = RequestSteering(wire, NamedVectors(None), INDEX_OF, H)
     assert len(request.pairs) == n
     return request
 

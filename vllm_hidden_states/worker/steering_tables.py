@@ -397,7 +397,11 @@ class Steering:
             rw_host_counts = (
                 self.rw_counts.numpy() if self.rewrites and count_readable_on_host(device) else None
             )
-            sae_index = self.index_of.get(config.sae_id) if self._splices(config, sae) else None
+            sae_index = (
+                self.index_of.get(config.sae_id)
+                if config.sae_id is not None and self._splices(config, sae)
+                else None
+            )
             hook = steer_hook(
                 [(t.pair, i, t.scale) for t, i in entries],
                 when == "post",
@@ -595,7 +599,8 @@ class Steering:
             if request.patch_slots is not None:
                 for stretch, slot in zip(request.patch_stretches, request.patch_slots):
                     owners.append(req_id)
-                    columns.append((stretch.index, stretch.start, stretch.end, slot, False, PATCH))
+                    end = stretch.start + 1  # a patch stretch is one position
+                    columns.append((stretch.index, stretch.start, end, slot, False, PATCH))
             if request.splice is not None and request.splice_slot is not None:
                 stretch = request.splice[0]
                 owners.append(req_id)
@@ -632,9 +637,9 @@ class Steering:
             request.splice_slot = slot
             _, edits, keep_error = request.splice
             d_sae = self.sae.d_sae
-            ids = np.full(MAX_SAE_EDITS, d_sae, np.int64)
-            mode = np.zeros(MAX_SAE_EDITS, np.float32)
-            vals = np.ones(MAX_SAE_EDITS, np.float32)
+            ids: np.ndarray = np.full(MAX_SAE_EDITS, d_sae, np.int64)
+            mode: np.ndarray = np.zeros(MAX_SAE_EDITS, np.float32)
+            vals: np.ndarray = np.ones(MAX_SAE_EDITS, np.float32)
             for j, (feature, how, value) in enumerate(edits):
                 ids[j] = int(feature)
                 mode[j] = 1.0 if int(how) == 0 else 0.0  # 0: set, 1: scale
