@@ -227,3 +227,37 @@ def test_the_cuda_patch_kernel_writes_what_the_torch_path_does(args, patch_kerne
     0, row 0) against the op's PyTorch path, bit for bit."""
     result = patch_kernel_results.get(args, "not run")
     assert result.startswith("ok"), result[-2000:]
+
+
+def test_compiled_on_cpu_a_patch_is_aten_ops_in_the_graph_and_writes_as_eager():
+    """Under torch.compile on CPU the patch is selects over every token, each
+    token's row read from the dense map (no opaque op: a Python dispatch per
+    point, its mutated inputs copied, on every forward), and it writes what
+    the op's body writes."""
+    from vllm_hidden_states.worker.rewrite_op import patch, register_ops
+
+    register_ops()
+    table = torch.randn(4, H)
+    entries = [(1, 2), (4, 3)]
+    rows, slots, counts = armed(entries)
+    token_slots = torch.zeros(POINTS, T, dtype=torch.int64)
+    for r, s in entries:
+        token_slots[0, r] = s
+    graphs = []
+
+    def keep_graph(gm: torch.fx.GraphModule, example_inputs: list):
+        graphs.append(gm)
+        return gm.forward
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = x * 2.0, y * 1.0  # patch intermediates, as in a model
+        patch(x, y, rows, slots, counts, 0, table, 1.0, token_slots=token_slots)
+        return x + y
+
+    x, y = torch.randn(T, H), torch.randn(T, H)
+    compiled = torch.compile(forward, backend=keep_graph, fullgraph=True)(x, y)
+    ex, ey = x * 2.0, y * 1.0
+    _patch(ex, ey, rows, slots, counts, 0, table, 1.0)
+    assert torch.equal(compiled, ex + ey)
+    ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert not any("hidden_states_patch" in op for op in ops), ops

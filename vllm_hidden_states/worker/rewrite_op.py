@@ -216,6 +216,31 @@ def _splice_fake(
     return None
 
 
+def _patch_every_token(
+    target: torch.Tensor,
+    other: torch.Tensor | None,
+    token_slots: torch.Tensor,
+    index: int,
+    table: torch.Tensor,
+    scale: float,
+) -> None:
+    """The patch at every token of the forward, its table row
+    ``token_slots[index, t]`` (0 where nobody patches: the token keeps its
+    value). A gather and selects only, so inductor fuses it into the
+    forward's own loops (an opaque op here would be a Python dispatch per
+    point, and its mutated inputs copied, on every forward)."""
+    flat = target.view(-1, target.shape[-1])
+    s = token_slots[index, : flat.shape[0]]
+    keep = (s == 0)[:, None]
+    values = table.index_select(0, s)
+    if scale != 1.0:
+        values = values / scale
+    flat.copy_(torch.where(keep, flat, values.to(flat.dtype)))
+    if other is not None:
+        rest = other.view(-1, other.shape[-1])
+        rest.copy_(torch.where(keep, rest, torch.zeros_like(rest)))
+
+
 def patch(
     target: torch.Tensor,
     other: torch.Tensor | None,
@@ -225,14 +250,22 @@ def patch(
     index: int,
     table: torch.Tensor,
     scale: float,
+    token_slots: torch.Tensor | None = None,
 ) -> None:
-    """One point's patch write: the op's body in eager CPU forwards (a count
-    read), the registered op elsewhere (opaque to torch.compile; replayed in
-    CUDA graphs)."""
-    if count_readable_on_host(counts.device) and not torch.compiler.is_compiling():
-        _patch(target, other, rows, slots, counts, index, table, scale)
-    else:
-        torch.ops.vllm.hidden_states_patch(target, other, rows, slots, counts, index, table, scale)
+    """One point's patch write, by the route that costs least where the
+    forward runs (as :func:`~.steering_op.steer` chooses): on CPU in eager
+    mode the op's body (a count read); on CPU under torch.compile the write
+    at every token as aten ops in the graph, each token's row read from the
+    dense map ``token_slots`` (int64 ``[points, max_tokens]``); off CPU the
+    registered op (its Triton kernel, replayed in CUDA graphs)."""
+    if count_readable_on_host(counts.device):
+        if not torch.compiler.is_compiling():
+            _patch(target, other, rows, slots, counts, index, table, scale)
+            return
+        if token_slots is not None:
+            _patch_every_token(target, other, token_slots, index, table, scale)
+            return
+    torch.ops.vllm.hidden_states_patch(target, other, rows, slots, counts, index, table, scale)
 
 
 def splice_rows(

@@ -354,6 +354,8 @@ def steer_hook(
                 index,
                 module._hs_patch_table,
                 scale,
+                # Registered only on CPU (the compiled route's row map).
+                getattr(module, "_hs_patch_token_slots", None),
             )
             if splice is not None and index == splice[0]:
                 splice_rows(module, target, other, splice[1], scale)

@@ -342,6 +342,15 @@ class Steering:
             device=device,
         )
         self.patch_pool = RowPool(self.patch_table.shape[0], "patch table (--max-patch-rows)")
+        # On CPU, each token's patch table row per point, for the compiled
+        # route (rewrite_op.patch); 0 where nobody patches. Written and
+        # cleared through a numpy view, entry by entry.
+        self.patch_token_slots: torch.Tensor | None = None
+        self._patch_token_slots_np: np.ndarray | None = None
+        self._patch_token_slots_written: list[tuple[int, np.ndarray]] = []
+        if config.max_patch_rows and count_readable_on_host(device):
+            self.patch_token_slots = torch.zeros(num_points + 1, max_tokens, dtype=torch.int64)
+            self._patch_token_slots_np = self.patch_token_slots.numpy()
         # The splice's edit tables, a slot per resident splicing request.
         splice_slots = max_num_seqs + 1 if self._splices(config, sae) else 1
         self.edit_ids = torch.full(
@@ -373,6 +382,10 @@ class Steering:
                 module.register_buffer("_hs_rw_slots", self.rw_slots, persistent=False)
                 module.register_buffer("_hs_rw_counts", self.rw_counts, persistent=False)
                 module.register_buffer("_hs_patch_table", self.patch_table, persistent=False)
+                if self.patch_token_slots is not None:
+                    module.register_buffer(
+                        "_hs_patch_token_slots", self.patch_token_slots, persistent=False
+                    )
             if self._splices(config, sae) and k == config.sae_id:
                 self._splice_buffers(module, sae)
             if not hasattr(module, "_hs_steer_rows"):
@@ -566,6 +579,9 @@ class Steering:
                         torch.from_numpy(slot_of_row), non_blocking=True
                     )
                     self.rw_counts_host[index] = total
+                    if where == PATCH and self._patch_token_slots_np is not None:
+                        self._patch_token_slots_np[index, rows] = slot_of_row
+                        self._patch_token_slots_written.append((index, rows))
                     rewritten = True
         if steered:
             self.counts.copy_(self.counts_host, non_blocking=True)
@@ -680,6 +696,10 @@ class Steering:
                 self.rw_rows.zero_()
                 self.rw_slots.zero_()
                 self.rw_counts.zero_()
+            if self._patch_token_slots_np is not None:
+                for index, rows in self._patch_token_slots_written:
+                    self._patch_token_slots_np[index, rows] = 0
+                self._patch_token_slots_written.clear()
             if self._token_slots_np is not None:
                 for index, rows in self._token_slots_written:
                     self._token_slots_np[index, rows] = 0
