@@ -5,8 +5,9 @@ As the steering kernel (``steer_kernel.py``): a program per entry that reads
 the entry's slot and returns at once when it is 0 (no host sync, one
 near-empty launch per point where nobody patches, inside the CUDA graph). An
 armed entry writes its patch row (divided by the point's scale, rounded to
-the target's dtype) into ``target[r]`` and zeros into ``other[r]``; rows are
-distinct among armed entries. Tested on CPU with Triton's interpreter
+the target's dtype) minus ``other[r]`` into ``target[r]`` (``other`` is
+read, not written: see ``rewrite_op._patch``); rows are distinct among armed
+entries. Tested on CPU with Triton's interpreter
 (``tests/unit/test_rewrite_op.py``); not yet run on a GPU.
 """
 
@@ -41,11 +42,10 @@ def _patch_kernel(
             offs = h0 + tl.arange(0, BLOCK)
             mask = offs < hidden
             value = tl.load(table + s * hidden + offs, mask=mask, other=0.0) / scale
+            if HAS_OTHER:
+                value -= tl.load(o_row + offs, mask=mask, other=0.0).to(tl.float32)
             t = tl.load(t_row + offs, mask=mask, other=0.0)
             tl.store(t_row + offs, value.to(t.dtype), mask=mask)
-            if HAS_OTHER:
-                zeros = tl.zeros((BLOCK,), dtype=other.dtype.element_ty)
-                tl.store(o_row + offs, zeros, mask=mask)
 
 
 def patch(

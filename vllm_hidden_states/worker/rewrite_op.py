@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The rewrite ops: ``patch`` and ``sae_splice`` replace the stream at a
 steerable point (rather than add to it), inside the forward, by custom ops
-that mutate both tensors carrying the point, so the layer and every later
-capture read the replacement itself. Called by the steering hooks
+that write the tensor carrying the point (the residual, where vLLM keeps the
+stream as two tensors: it becomes the replacement minus the other, which
+earlier points at the same module still read). Called by the steering hooks
 (``steering_op.steer_hook``), after the steering of the same point (other
 requests' rows: a rewrite is alone at its point in its request).
 docs/architecture.md, "Patching and splicing".
@@ -34,10 +35,13 @@ def _patch(
     scale: float,
 ) -> None:
     """For the ``n = counts[index]`` armed entries ``j`` (``r = rows[index,
-    j]``, ``s = slots[index, j]``): ``target[r] = table[s] / scale`` and
-    ``other[r] = 0``, so the point's value ``(target + other) * scale`` is
-    the patch row (exactly where ``scale`` is 1). ``table`` float32 ``[rows,
-    hidden]`` (row 0 unused: an unarmed entry's slot)."""
+    j]``, ``s = slots[index, j]``): ``target[r] = table[s] / scale -
+    other[r]``, so the point's value ``(target + other) * scale`` is the
+    patch row (bit for bit without ``other`` and with ``scale`` 1; within
+    float32 rounding of the sum otherwise). ``other`` is left as it is: a
+    point before this one at the same module reads it (a fused layer's
+    ``attn_out`` is the ``other`` of its ``resid_mid``). ``table`` float32
+    ``[rows, hidden]`` (row 0 unused: an unarmed entry's slot)."""
     if count_readable_on_host(counts.device):
         n = int(counts_on_host(counts)[index])
         if not n:
@@ -47,9 +51,9 @@ def _patch(
         values = table.index_select(0, s)
         if scale != 1.0:
             values = values / scale
-        flat.index_copy_(0, r, values.to(flat.dtype))
         if other is not None:
-            other.view(-1, other.shape[-1]).index_fill_(0, r, 0)
+            values = values - other.reshape(-1, other.shape[-1]).index_select(0, r).float()
+        flat.index_copy_(0, r, values.to(flat.dtype))
         return
     from vllm_hidden_states.worker import rewrite_kernel
 
@@ -152,7 +156,7 @@ def _splice(
     keep: torch.Tensor,
 ) -> None:
     """The point's value at the armed rows replaced by its splice
-    (:func:`spliced`): ``target[r] = out / scale``, ``other[r] = 0``. On CPU
+    (:func:`spliced`): ``target[r] = out / scale - other[r]``. On CPU
     the count is read on the host (nobody splices: that read is the cost);
     elsewhere every entry is computed and the unarmed ones (slot 0) add a
     zero delta, so no host sync is needed."""
@@ -177,19 +181,16 @@ def _splice(
     )  # fmt: skip
     if scale != 1.0:
         out = out / scale
+    if other_flat is not None:
+        out = out - other_flat.index_select(0, r).float()  # other stays (see _patch)
     if count_readable_on_host(counts.device):
         flat.index_copy_(0, r, out.to(flat.dtype))
-        if other_flat is not None:
-            other_flat.index_fill_(0, r, 0)
         return
     # Unarmed entries repeat row 0 with slot 0: their deltas are zeros, so
     # accumulating (not copying) keeps an armed row 0 right.
     armed = (s != 0)[:, None]
     delta = torch.where(armed, out - flat.index_select(0, r).float(), 0.0)
     flat.index_add_(0, r, delta.to(flat.dtype))
-    if other_flat is not None:
-        rest = torch.where(armed, other_flat.index_select(0, r).float(), 0.0)
-        other_flat.index_add_(0, r, (-rest).to(other_flat.dtype))
 
 
 def _splice_fake(
@@ -235,10 +236,9 @@ def _patch_every_token(
     values = table.index_select(0, s)
     if scale != 1.0:
         values = values / scale
-    flat.copy_(torch.where(keep, flat, values.to(flat.dtype)))
     if other is not None:
-        rest = other.view(-1, other.shape[-1])
-        rest.copy_(torch.where(keep, rest, torch.zeros_like(rest)))
+        values = values - other.reshape(-1, other.shape[-1]).float()
+    flat.copy_(torch.where(keep, flat, values.to(flat.dtype)))
 
 
 def patch(
@@ -307,6 +307,6 @@ def splice_rows(
 
 def register_ops() -> None:
     """Register ``torch.ops.vllm.hidden_states_patch`` and ``_splice`` once
-    per process (both mutate ``target`` and ``other``)."""
-    register_custom_op(PATCH_OP, _patch, _patch_fake, ["target", "other"])
-    register_custom_op(SPLICE_OP, _splice, _splice_fake, ["target", "other"])
+    per process (both mutate ``target``)."""
+    register_custom_op(PATCH_OP, _patch, _patch_fake, "target")
+    register_custom_op(SPLICE_OP, _splice, _splice_fake, "target")

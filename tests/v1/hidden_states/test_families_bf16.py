@@ -200,6 +200,40 @@ def test_steering_at_each_kind_matches_hf_hooks_layer_by_layer(family):
         assert_layers_match_hf(out, hf, f"{arch} steered {steering[0]['point']}", interventions)
 
 
+def test_patch_at_each_kind_matches_hf_hooks_layer_by_layer(family):
+    """patch at each point kind inside the middle layer over positions 2..5
+    (rows representable in bfloat16), one request each, in one batch; every
+    layer compared with HF under the same replacement."""
+    arch, llm, hf = family
+    layer = hf.num_layers // 2
+    g = torch.Generator().manual_seed(40)
+    requests = [
+        {
+            "point": f"{kind}.{layer}",
+            "op": "patch",
+            "rows": torch.randn(4, hf.hidden_size, generator=g).to(torch.bfloat16).float(),
+            "positions": {"start": 2, "end": 6},
+        }
+        for kind in KINDS
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=4,
+            return_hidden_states=True,
+            hidden_states_points=every_row_point(hf),
+            hidden_states_positions="all",
+            steering=[{**item, "rows": item["rows"].numpy()}],
+        )
+        for item in requests
+    ]
+    outs = llm.generate([PROMPT] * len(requests), params, use_tqdm=False)
+    for out, item in zip(outs, requests):
+        reference = {"point": item["point"], "op": "patch", "rows": item["rows"], "start": 2,
+                     "end": 6}  # fmt: skip
+        assert_layers_match_hf(out, hf, f"{arch} patched {item['point']}", [reference])
+
+
 def test_patterns_at_attention_layers_and_refused_at_delta_net_layers(family):
     arch, llm, hf = family
     model = layers_of(hf)
