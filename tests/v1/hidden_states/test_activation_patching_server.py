@@ -25,8 +25,9 @@ from .server_utils import ServerProcess, running_server
 from .test_server import decode_rows
 
 MODEL = "tiny-qwen3"
-CLEAN = "Once upon a time there was a small robot who loved to count"
-CORRUPTED = "Once upon a time there was a small robot who hated to count"
+# The same number of tokens; they differ from position 7 on.
+CLEAN = "The model splits the prompt into two tokens and the sky has two"
+CORRUPTED = "The model splits the prompt into six tokens and the sky has six"
 POINT = "resid_pre.2"
 LAYERS = [0, 1, 2, 3, 4]
 
@@ -96,6 +97,8 @@ def assert_patched_like_hf(choice, hf: HFReference, rows: torch.Tensor, start: i
     got = states_of(choice)
     for j, layer in enumerate(LAYERS):
         assert_close(got[j], expected[layer], f"{what} layer {layer}")
+    plain = hf.states(ids)[LAYERS[-1]]
+    assert not torch.allclose(expected[LAYERS[-1]], plain, atol=1e-3), f"{what}: nothing patched"
 
 
 def test_typed_base64_rows_patch_like_hf_hooks(oai, hf_qwen3):
@@ -177,6 +180,27 @@ def test_the_patching_example_gives_hf_hooks_numbers_and_its_plot(
     assert np.ptp(grid) > 1e-2, "the sweep moved nothing"
     png = example.plot(result, tmp_path / "patching.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_hidden_states_route_patches_by_store_reference(http, oai, hf_qwen3, qwen3_dir):
+    """POST /v1/hidden_states (every prompt token's states, an encoder's
+    read) with the clean run's rows patched in by reference."""
+    from transformers import AutoTokenizer
+
+    clean = complete(oai, CLEAN)
+    clean_rows = states_of(clean.choices[0])[LAYERS.index(2)]
+    ids = AutoTokenizer.from_pretrained(qwen3_dir).encode(CORRUPTED)
+    steering = [{"op": "patch", "point": POINT, "positions": {"start": 8, "end": 10},
+                 "capture": {"request_id": clean.id}}]  # fmt: skip
+    r = http.post(
+        "/v1/hidden_states",
+        json={"model": MODEL, "input": CORRUPTED, "layer": 3, "steering": steering},
+    )
+    assert r.status_code == 200, r.text
+    states = torch.tensor(r.json()["hidden_states"], dtype=torch.float32)
+    item = {"point": POINT, "op": "patch", "rows": clean_rows[8:10], "start": 8, "end": 10}
+    assert_close(states, hf_qwen3.steered_states(ids, [item])[3], "route, patched layer 3")
+    assert not torch.allclose(states, hf_qwen3.states(ids)[3], atol=1e-3)
 
 
 def steering_error(http, steering: list[dict], *needles: str) -> None:
