@@ -400,7 +400,9 @@ def probe_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
                 f"size is {hidden_size}; a probe must be trained on this model's states"
             )
         if probe["capture_id"] is None:
-            problems.append(f"{where} reads {probe['point']!r}, which this engine cannot capture: {probe['why']}")
+            problems.append(
+                f"{where} reads {probe['point']!r}, which this engine cannot capture: {probe['why']}"
+            )
     return problems
 
 

@@ -117,7 +117,9 @@ def read_probe(path: str | Path) -> ProbeFile:
             raise ValueError(f"{where}: no {required!r} tensor; {FORMAT_HELP}")
     for n, a in arrays.items():
         if not np.issubdtype(a.dtype, np.floating):
-            raise ValueError(f"{where}: tensor {n!r} is {a.dtype}; probe tensors are floating point")
+            raise ValueError(
+                f"{where}: tensor {n!r} is {a.dtype}; probe tensors are floating point"
+            )
         if not np.isfinite(a).all():
             raise ValueError(
                 f"{where}: tensor {n!r} holds non-finite values (NaN or inf); every "
@@ -143,8 +145,7 @@ def read_probe(path: str | Path) -> ProbeFile:
         a = arrays.get(n)
         if a is not None and a.reshape(-1).shape != (width,):
             raise ValueError(
-                f"{where}: {n} has shape {list(a.shape)}; it must be [{width}] (the "
-                "weight's width)"
+                f"{where}: {n} has shape {list(a.shape)}; it must be [{width}] (the weight's width)"
             )
         norm[n] = None if a is None else a.astype(np.float32).reshape(-1)
     if norm["scale"] is not None and (norm["scale"] == 0).any():
@@ -163,8 +164,7 @@ def read_probe(path: str | Path) -> ProbeFile:
     name = path.name.removesuffix(SUFFIX)
     if not _NAME.match(name):
         raise ValueError(
-            f"{where}: the name {name!r} (the file stem) must be letters, digits, "
-            "'_', '.' or '-'"
+            f"{where}: the name {name!r} (the file stem) must be letters, digits, '_', '.' or '-'"
         )
     return ProbeFile(name, str(path), point, output, weight, bias, norm["mean"], norm["scale"])
 
@@ -276,7 +276,12 @@ class ProbeSet:
 
             # weight.T once, contiguous: the step does one addmm per probe.
             weight_t = torch.from_numpy(np.ascontiguousarray(probe.weight.T)).to(device)
-            self._tensors[entry["name"]] = (weight_t, on(probe.bias), on(probe.mean), on(probe.scale))
+            self._tensors[entry["name"]] = (
+                weight_t,
+                on(probe.bias),
+                on(probe.mean),
+                on(probe.scale),
+            )
             self._output[entry["name"]] = probe.output
             self.capture_id[entry["name"]] = entry["capture_id"]
 

@@ -208,7 +208,9 @@ class HiddenStatesTracker:
             states = {**(states or {}), **dict(zip(self.spec.patterns, rows.patterns))}
         scores = None
         if self.spec.probes and rows.probe_scores is not None:
-            scores = dict(zip(self.spec.probes, rows.probe_scores.split(self.spec.probe_widths, dim=1)))
+            scores = dict(
+                zip(self.spec.probes, rows.probe_scores.split(self.spec.probe_widths, dim=1))
+            )
         return {"hidden_states": states, "sae_features": features, "probe_scores": scores}
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:

@@ -240,7 +240,6 @@ class ChoiceRows:
         self.features = []
         return obj
 
-
     def take_scores(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
         """The pending probe scores as a ``probe_scores`` object, emptied."""
         if not self.scores:

@@ -47,6 +47,8 @@ async def list_probes(raw_request: Request):
     cfg = engine_config(raw_request.app.state.engine_client)
     if cfg is None or not cfg.probes:
         return ApiError(
-            f"this server has no probes; {PROBES_HINT}", HTTPStatus.NOT_FOUND, "invalid_request_error"
+            f"this server has no probes; {PROBES_HINT}",
+            HTTPStatus.NOT_FOUND,
+            "invalid_request_error",
         ).json_response()
     return Response(orjson.dumps(probes_body(cfg)), media_type="application/json")

@@ -156,9 +156,7 @@ def test_scores_at_every_point_kind_match_numpy_on_hf_states(
 ):
     """Every probe at once, short and long (chunked, split) prompts."""
     names = list(probe_points(hf_qwen3.num_layers))
-    outs = probe_llm.generate(
-        [PROMPT, LONG_PROMPT], probe_params(names, positions), use_tqdm=False
-    )
+    outs = probe_llm.generate([PROMPT, LONG_PROMPT], probe_params(names, positions), use_tqdm=False)
     assert len(outs[1].prompt_token_ids) > 2 * 24  # the capture ran over several steps
     for out in outs:
         completion = out.outputs[0]
@@ -182,9 +180,7 @@ def test_requests_with_different_probes_share_a_batch(probe_llm, reference):
 
 @pytest.mark.four_modes
 def test_each_of_n_children_gets_the_scores_of_its_own_sequence(probe_llm, reference):
-    params = probe_params(
-        ["post1", "final"], "all", n=2, temperature=1.0, seed=3, max_tokens=8
-    )
+    params = probe_params(["post1", "final"], "all", n=2, temperature=1.0, seed=3, max_tokens=8)
     (out,) = probe_llm.generate([PROMPT], params, use_tqdm=False)
     assert len(out.outputs) == 2
     assert out.outputs[0].token_ids != out.outputs[1].token_ids  # two sequences
@@ -208,9 +204,7 @@ def test_preempted_requests_score_each_position_once(probe_llm, reference):
 
 
 def test_probes_with_hidden_states_return_both(probe_llm, reference, hf_qwen3):
-    params = probe_params(
-        ["post1"], "all", return_hidden_states=True, hidden_states_layers=[2, -1]
-    )
+    params = probe_params(["post1"], "all", return_hidden_states=True, hidden_states_layers=[2, -1])
     (out,) = probe_llm.generate([PROMPT], params, use_tqdm=False)
     completion = out.outputs[0]
     ids = token_ids_of(out)

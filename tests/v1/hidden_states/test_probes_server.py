@@ -171,4 +171,7 @@ def test_a_bad_probes_field_is_a_400_naming_the_probe_and_what_is_allowed(http, 
         "/v1/completions",
         json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "probes": ["final"]},
     )
-    assert ok.status_code == 200 and ok.json()["choices"][0]["probe_scores"]["final"]["shape"] == [1, 1]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["probe_scores"]["final"]["shape"] == [
+        1,
+        1,
+    ]
