@@ -401,7 +401,8 @@ def probe_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
             )
         if probe["capture_id"] is None:
             problems.append(
-                f"{where} reads {probe['point']!r}, which this engine cannot capture: {probe['why']}"
+                f"{where} reads {probe['point']!r}, which this engine cannot "
+                f"capture: {probe['why']}"
             )
     return problems
 
