@@ -82,7 +82,8 @@ def _generate(llm, prompts, max_tokens: int, sizes: dict | None = None, **fields
     if sizes is not None:
         for o in outs:
             c = o.outputs[0]
-            for name, field in (("probe_scores", c.probe_scores), ("hidden_states", c.hidden_states)):
+            fields = (("probe_scores", c.probe_scores), ("hidden_states", c.hidden_states))
+            for name, field in fields:
                 if field:
                     rows = next(iter(field.values()))
                     per = sum(t.nbytes for t in field.values()) / rows.shape[0]
@@ -99,9 +100,7 @@ def run(
     probes_dir = write_probe(work / "probes", hidden)
     max_tokens = 4 if tiny else MAX_TOKENS
     try:
-        n, prompts, plain, probed = small_model_engines(
-            quick, model, tiny, probes=str(probes_dir)
-        )
+        n, prompts, plain, probed = small_model_engines(quick, model, tiny, probes=str(probes_dir))
         _generate(probed, prompts(2), 4, probes=[PROBE], hidden_states_positions="generated")
         sizes: dict[str, list[float]] = {}
         comparison = Comparison(
@@ -152,8 +151,7 @@ def run(
             ),
         )
         for name in ("hidden_states", "probe_scores"):
-            for value in sizes.get(name, ()):
-                payload.add(name, value)
+            payload.add(name, float(np.mean(sizes[name])))  # the same for every output
         for llm in (plain, probed):
             llm.llm_engine.engine_core.shutdown()
     finally:

@@ -240,15 +240,19 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument("--model", default=None, help="a model to serve instead of the tiny one")
-    parser.add_argument("--strength", type=float, default=8.0, help="steering strength")
+    parser.add_argument("--strength", type=float, default=2.0, help="steering strength")
+    parser.add_argument(
+        "--eager", action="store_true", help="serve with --enforce-eager (starts faster)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
     model = "tiny-qwen3" if args.model is None else args.model
 
+    flags = ["--enforce-eager"] if args.eager else []
     texts, labels = dataset()
-    with Server(port, [], out / "server-harvest.log", args.model) as server:
+    with Server(port, flags, out / "server-harvest.log", args.model) as server:
         x = harvest(server.base_url, model, texts)
     print(f"harvested {x.shape[0]} states of width {x.shape[1]} at layer {LAYER}")
 
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     prompt = "I saw a cat today and"
     with Server(
-        port, ["--probes", str(probes_dir)], out / "server-probes.log", args.model
+        port, [*flags, "--probes", str(probes_dir)], out / "server-probes.log", args.model
     ) as server:
         listed = httpx.get(server.base_url + "/v1/probes").json()["data"]
         print("served probes:", [(p["name"], p["point"], p["output"]) for p in listed])

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from .server_utils import ServerProcess, running_server
+from .server_utils import ServerProcess, running_server, wait_until
 from .test_probes import Reference, write_probes
 
 MODEL = "tiny-qwen3"
@@ -35,10 +35,22 @@ def reference(hf_qwen3, probes_dir):
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, probes_dir, tmp_path_factory):
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("probe-store")
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, probes_dir, store_dir, tmp_path_factory):
     with running_server(
         qwen3_dir,
-        ["--probes", str(probes_dir), "--max-model-len", "512"],
+        [
+            "--probes",
+            str(probes_dir),
+            "--max-model-len",
+            "512",
+            "--activation-store",
+            str(store_dir),
+        ],
         tmp_path_factory.mktemp("probes-server") / "server.log",
         name=MODEL,
     ) as process:
@@ -175,3 +187,34 @@ def test_a_bad_probes_field_is_a_400_naming_the_probe_and_what_is_allowed(http, 
         1,
         1,
     ]
+
+
+def test_scores_land_in_the_activation_store_one_row_per_token_and_probe(http, store_dir):
+    from vllm_hidden_states.store.activation_store import connect
+
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "probes": ["post1", "final"],
+        "hidden_states_positions": "all",
+        "return_token_ids": True,
+    }
+    res = http.post("/v1/completions", json=body).json()
+    choice = res["choices"][0]
+    n = len(choice["prompt_token_ids"]) + len(choice["token_ids"])
+    query = "SELECT probe, token_position, scores FROM probe_scores WHERE request_id = $id"
+
+    def rows():
+        if not any((store_dir / "probe_scores").glob("date=*/*.parquet")):
+            return []
+        return connect(store_dir).execute(query + " ORDER BY 1, 2", {"id": res["id"]}).fetchall()
+
+    wait_until(lambda: len(rows()) >= 2 * n, "the request's probe scores in the store")
+    stored = rows()
+    assert len(stored) == 2 * n
+    for name in ("final", "post1"):
+        got = np.array([r[2] for r in stored if r[0] == name], dtype=np.float32)
+        assert [r[1] for r in stored if r[0] == name] == list(range(n))
+        np.testing.assert_array_equal(got, decoded(choice["probe_scores"][name]).numpy())
