@@ -363,6 +363,9 @@ class CaptureStep(NamedTuple):
             capture is done, for query positions ``query_start ..
             query_stop - 1`` (None: to the end) over every key; the capture's
             rows are then cut to those positions too.
+        neurons: mlp_post capture ids.
+        probes: linear probes (names) scored on the device on the rows of
+            their points; only ``[rows, sum of k]`` float32 leaves it.
     """
 
     layers: tuple[int, ...]
