@@ -142,6 +142,7 @@ def test_probes_runs_its_variants_and_writes_its_record(tmp_path):
         throughput,
         {
             "plain vLLM (no hidden states)",
+            "A/A control: a second plain engine",
             "probes loaded, nobody asks",
             "one probe, every generated token",
             "return_hidden_states layer 2, every generated token",
