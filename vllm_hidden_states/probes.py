@@ -266,21 +266,25 @@ class ProbeSet:
         import torch
 
         self.capture_id: dict[str, int] = {}
-        self._tensors: dict[str, tuple] = {}
+        # name -> (weight.T / scale [width, k], bias [k], mean [width] or None)
+        self._tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self._output: dict[str, str] = {}
         for entry in entries:
             probe = read_probe(entry["path"])
-
-            def on(a: np.ndarray | None) -> torch.Tensor | None:
-                return None if a is None else torch.from_numpy(a).to(device)
-
-            # weight.T once, contiguous: the step does one addmm per probe.
-            weight_t = torch.from_numpy(np.ascontiguousarray(probe.weight.T)).to(device)
+            # (x - mean) / scale @ W.T = (x - mean) @ (W / scale).T: the scale
+            # goes into the weight once (float64, rounded once), so a step
+            # pays one subtraction and one addmm. The mean is not folded into
+            # the bias: that would cancel two large sums where the stream has
+            # large offsets (the subtraction keeps fp32 exactness there).
+            weight = probe.weight.astype(np.float64)
+            if probe.scale is not None:
+                weight = weight / probe.scale
+            weight_t = np.ascontiguousarray(weight.T, dtype=np.float32)
+            mean = None if probe.mean is None else torch.from_numpy(probe.mean).to(device)
             self._tensors[entry["name"]] = (
-                weight_t,
-                on(probe.bias),
-                on(probe.mean),
-                on(probe.scale),
+                torch.from_numpy(weight_t).to(device),
+                torch.from_numpy(probe.bias).to(device),
+                mean,
             )
             self._output[entry["name"]] = probe.output
             self.capture_id[entry["name"]] = entry["capture_id"]
@@ -295,16 +299,14 @@ class ProbeSet:
 
         parts = []
         for name in names:
-            weight_t, bias, mean, scale = self._tensors[name]
+            weight_t, bias, mean = self._tensors[name]
             x = rows_of(self.capture_id[name]).float()
             if mean is not None:
-                x = x - mean
-            if scale is not None:
-                x = x / scale
+                x = x - mean  # a new tensor: the captured rows are not written
             z = torch.addmm(bias, x, weight_t)
             output = self._output[name]
             if output == "sigmoid":
-                z = torch.sigmoid(z)
+                z = z.sigmoid_()
             elif output == "softmax":
                 z = torch.softmax(z, dim=-1)
             parts.append(z)

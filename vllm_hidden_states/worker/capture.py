@@ -5,8 +5,9 @@ The runner calls it at four named points (patch 0008 in Model Runner V1,
 patch 0010 in V2): after model load, at the start of a step, right before
 the forward (arm) and right after it (collect), and once the step's output is
 built (attach). It turns the step's capture plan into batch rows, reads the
-capture buffers, encodes SAE features and scores probes on the device, copies rows to the host
-without waiting in the step, and carries rows between pipeline stages.
+capture buffers, encodes SAE features and scores probes on the device, copies
+rows to the host without waiting in the step, and carries rows between
+pipeline stages.
 docs/architecture.md, "The worker step".
 """
 
@@ -534,7 +535,7 @@ class HiddenStatesCapture:
         scores = None
         if group.probes:
             assert self.probes is not None  # asked only of an engine with probes
-            scores = self.copies.gather([self.probes.score(group.probes, rows_of)])[0]
+            scores = self.copies.to_host(self.probes.score(group.probes, rows_of))
         rows = CapturedRows(
             hidden=host, probe_scores=scores, req_ids=group.req_ids, counts=group.counts
         )

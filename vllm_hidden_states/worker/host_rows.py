@@ -45,6 +45,15 @@ class HostCopies:
             self.copy(dst, src)
         return host
 
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (a fresh device tensor nothing else writes) on the host,
+        not waited on: itself on the CPU, else a copy into pinned memory."""
+        if self.on_host:
+            return tensor
+        host = self.empty(tuple(tensor.shape), tensor.dtype)
+        self.copy(host, tensor)
+        return host
+
     def record(self) -> None:
         """After a step's last copy: mark where its rows are complete."""
         if self.asynchronous:
