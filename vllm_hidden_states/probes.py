@@ -276,7 +276,7 @@ class ProbeSet:
             # pays one subtraction and one addmm. The mean is not folded into
             # the bias: that would cancel two large sums where the stream has
             # large offsets (the subtraction keeps fp32 exactness there).
-            weight = probe.weight.astype(np.float64)
+            weight: np.ndarray = probe.weight.astype(np.float64)
             if probe.scale is not None:
                 weight = weight / probe.scale
             weight_t = np.ascontiguousarray(weight.T, dtype=np.float32)

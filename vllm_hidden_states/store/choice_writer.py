@@ -96,7 +96,7 @@ class StoredChoice:
     output_ids: list[int] = field(default_factory=list)
     features: list[dict[str, Any]] = field(default_factory=list)
     states: list[dict[int | str, Any]] = field(default_factory=list)
-    scores: list[dict[str, Any]] = field(default_factory=list)  # probe scores
+    scores: list[dict[int | str, Any]] = field(default_factory=list)  # probe scores, by name
 
     @classmethod
     def first(cls, res: Any, choice_index: int, sae_name: str) -> "StoredChoice":
