@@ -184,3 +184,16 @@ def test_a_choices_scores_object_names_each_probe_with_its_shape():
     obj = encode_choice_scores(parts, ask, start=4)
     assert obj["a"]["shape"] == [3, 3] and obj["b"]["shape"] == [3, 1] and obj["a"]["start"] == 4
     assert np.asarray(obj["b"]["data"]).ravel().tolist() == [0.0, 0.0, 1.0]
+
+
+def test_the_client_decodes_probe_scores_in_either_encoding():
+    from vllm_hidden_states.client import probe_scores
+
+    scores = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    for fmt in ("float", "base64"):
+        ask = parse_ask({"probes": ["a"], "hidden_states_format": fmt})
+        choice = {"index": 0, "probe_scores": encode_choice_scores([{"a": scores}], ask)}
+        if fmt == "float":  # as JSON brings it: lists, not numpy
+            choice["probe_scores"]["a"]["data"] = choice["probe_scores"]["a"]["data"].tolist()
+        decoded = probe_scores(choice)
+        np.testing.assert_array_equal(decoded["a"], scores[-1:].numpy())  # "last": one row
