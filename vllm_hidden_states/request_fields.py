@@ -281,7 +281,9 @@ def check_layers(value: Any, features_only: bool, points: bool = False) -> list[
         or not value
         or any(isinstance(k, bool) or not isinstance(k, int) for k in value)
     ):
-        leave_out = "; leave it out to receive sae_features only" if features_only else ""
+        leave_out = (
+            "; leave it out to receive sae_features or probe_scores only" if features_only else ""
+        )
         raise ValueError(
             "hidden_states_layers must be a non-empty list of integers (HF "
             "convention: 0 = embeddings, -1 = final post-norm state), got "
