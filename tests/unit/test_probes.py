@@ -102,6 +102,16 @@ def test_missing_bias_unknown_tensors_and_bad_metadata_are_refused(tmp_path):
         read_probe(probe(tmp_path, name="soft1", k=1, output="softmax"))
 
 
+def test_a_float64_value_past_float32s_range_is_refused_as_non_finite(tmp_path):
+    save_file(
+        {"weight": np.ones(HIDDEN), "bias": np.array([1e300])},
+        str(tmp_path / "huge.safetensors"),
+        metadata={"point": "-1"},
+    )
+    with pytest.raises(ValueError, match="tensor 'bias' holds non-finite.*float32's range"):
+        read_probe(tmp_path / "huge.safetensors")
+
+
 def test_an_empty_or_missing_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no \\*.safetensors file"):
         probes_entry(str(tmp_path))
