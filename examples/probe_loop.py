@@ -15,7 +15,8 @@ On ``make serve``'s model (the tiny random-weight Qwen3, no downloads):
    every generated token (``probes`` + ``hidden_states_stream`` on a
    streamed completion, with the official ``openai`` client);
 4. steer along the probe direction (``steering``: ``add`` at the point the
-   probe reads) and stream again: the scores move towards 1;
+   probe reads, sized to move its logit there by ``--shift``) and stream
+   again: the scores move up;
 5. write ``probe_loop.png`` (the two score curves) and ``probe_loop.json``
    (accuracies and mean scores) under ``--out``.
 
@@ -215,7 +216,7 @@ def stream_scores(
     return scores
 
 
-def plot(path: Path, plain: list[float], steered: list[float], strength: float) -> None:
+def plot(path: Path, plain: list[float], steered: list[float], shift: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +224,9 @@ def plot(path: Path, plain: list[float], steered: list[float], strength: float) 
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(plain, marker="o", label="as generated")
-    ax.plot(steered, marker="o", label=f"steered along the probe (strength {strength:g})")
+    ax.plot(
+        steered, marker="o", label=f"steered along the probe (logit +{shift:g} at layer {LAYER})"
+    )
     ax.set_xlabel("generated token")
     ax.set_ylabel(f"P({PROBE}) from the probe at layer {LAYER}")
     ax.set_ylim(-0.05, 1.05)
@@ -240,7 +243,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument("--model", default=None, help="a model to serve instead of the tiny one")
-    parser.add_argument("--strength", type=float, default=2.0, help="steering strength")
+    parser.add_argument(
+        "--shift",
+        type=float,
+        default=2.0,
+        help="how far steering moves the probe's logit at its own point",
+    )
     parser.add_argument(
         "--eager", action="store_true", help="serve with --enforce-eager (starts faster)"
     )
@@ -270,16 +278,18 @@ def main(argv: list[str] | None = None) -> dict:
         probes_dir / f"{PROBE}.safetensors", w, [b], str(LAYER), "sigmoid", mean=mean, scale=scale
     )
 
-    # The direction that raises the score in the raw stream: d(score)/dx is
-    # along w / scale. Steered as a unit vector, at the point the probe reads.
+    # The direction that raises the score in the raw stream: d(logit)/dx is
+    # w / scale. Steered as a unit vector at the point the probe reads, with
+    # the strength that moves the probe's logit there by --shift.
     direction = w / scale
+    strength = args.shift / np.linalg.norm(direction)
     direction /= np.linalg.norm(direction)
     steering = [
         {
             "point": f"resid_pre.{LAYER}",
             "op": "add",
             "vector": direction.astype(np.float32).tolist(),
-            "strength": args.strength,
+            "strength": float(strength),
             "positions": "all",
         }
     ]
@@ -294,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("scores per generated token:", " ".join(f"{s:.2f}" for s in plain))
     print("steered along the probe:  ", " ".join(f"{s:.2f}" for s in steered))
 
-    plot(out / "probe_loop.png", plain, steered, args.strength)
+    plot(out / "probe_loop.png", plain, steered, args.shift)
     summary = {
         "layer": LAYER,
         "train_accuracy": acc_train,
