@@ -12,6 +12,8 @@ peers (ours vs HF transformers and nnsight on equal cores, and the vLLM-based
 peers, n/a with their exact error where they cannot start), harvest (collect ->
 Parquet vs the bare route vs an HF transformers loop), sae_payload (SAE top-k
 features vs full hidden states over HTTP: bytes per position and throughput),
+probes (a linear probe's score on every generated token vs plain vLLM, and its
+payload per token vs return_hidden_states at the same point),
 scale_out (DP=2 vs DP=1 with "last" on every request, beside plain vLLM's own
 DP=2 vs DP=1), capture_op (the capture op alone on a layer stack, 0/1/64/1024
 rows, with and without the host copy: the GPU micro-benchmark, a smoke test on
@@ -58,6 +60,7 @@ SECTIONS = (
     "peers",
     "harvest",
     "sae_payload",
+    "probes",
     "scale_out",
 )
 
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "peers": "benchmarks.peers",
                         "harvest": "benchmarks.harvest",
                         "sae_payload": "benchmarks.sae_payload",
+                        "probes": "benchmarks.probes",
                         "scale_out": "benchmarks.scale_out",
                     }[section]
                 )

@@ -154,3 +154,18 @@ def to_torch(obj: Any):
 def _writable(array: np.ndarray) -> np.ndarray:
     # torch warns on read-only buffers (binary views): copy those.
     return array if array.flags.writeable else array.copy()
+
+
+def probe_scores(obj: Any) -> dict[str, np.ndarray]:
+    """``{probe name: float32 [positions, k]}`` from a choice (or streamed
+    chunk's choice) carrying ``probe_scores``, or from the ``probe_scores``
+    object itself (dicts or openai client objects), in either encoding."""
+    data = _as_dict(obj)
+    if "probe_scores" in data:  # a choice (openai objects dump their extras too)
+        data = data["probe_scores"]
+    if not data:
+        raise ValueError("no probe_scores here: ask with 'probes' (the server needs --probes)")
+    return {
+        name: _decode(entry["data"], entry["shape"], entry["encoding_format"])
+        for name, entry in data.items()
+    }

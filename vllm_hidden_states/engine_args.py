@@ -27,6 +27,7 @@ def additional_config_entry(
     steering_vectors: str | None = None,
     max_steering: int | None = None,
     max_patch_rows: int | None = None,
+    probes: str | None = None,
 ) -> dict[str, Any]:
     """The ``additional_config["hidden_states"]`` entry EngineArgs folds in.
 
@@ -44,6 +45,8 @@ def additional_config_entry(
         steering, steering_points, steering_vectors, max_steering,
         max_patch_rows: ``EngineArgs.enable_steering`` and its options; see
             :func:`vllm_hidden_states.steering_config.steering_entry`.
+        probes: ``EngineArgs.probes`` (``--probes DIR``): every probe file is
+            read and checked here, at start (:func:`probes_entry`).
     """
     if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
         raise ValueError(f"--hidden-states-max-rows must be a positive integer, got {max_rows!r}")
@@ -55,6 +58,8 @@ def additional_config_entry(
     }
     if sae:
         entry["sae"] = sae_entry(sae, sae_layer)
+    if probes:
+        entry["probes"] = probes_entry(probes)
     if steering:
         from vllm_hidden_states.steering_config import STEERING_KEY, steering_entry
 
@@ -134,6 +139,18 @@ def sae_entry(path: str, layer: int | None = None) -> dict[str, Any]:
         "d_sae": cfg["d_sae"],
         "name": root.name,
     }
+
+
+def probes_entry(directory: str) -> list[dict[str, Any]]:
+    """``additional_config["hidden_states"]["probes"]``: each probe of
+    ``--probes DIR`` (read and checked: shapes, finite values, point and
+    output named) as what every process needs to know of it without its
+    weights (:meth:`vllm_hidden_states.probes.ProbeFile.entry`), sorted by
+    name. Whether the model has its point and width is :func:`probe_problems`'.
+    ValueError naming the file and why."""
+    from vllm_hidden_states.probes import read_probe_dir
+
+    return [probe.entry() for probe in read_probe_dir(directory)]
 
 
 def parse_points_arg(value: str | list[str] | None) -> list[str] | None:
@@ -304,6 +321,7 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             "attn_out,resid_mid,mlp_out,resid_post"
         )
     problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
+    problems += probe_problems(cfg, vllm_config.model_config.get_hidden_size())
     problems += steering_problems(vllm_config)
     if problems:
         raise ValueError(
@@ -370,6 +388,26 @@ def sae_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
             f"capturable layers: {cfg.describe_capturable()} (add it to "
             "--hidden-states-layers)"
         )
+    return problems
+
+
+def probe_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
+    """Why ``--probes`` cannot serve this engine (empty: it can): a probe
+    whose width is not the model's hidden size, or whose point this model
+    cannot capture exactly."""
+    problems = []
+    for name, probe in cfg.probes.items():
+        where = f"--probes: probe {name!r} ({probe['path']})"
+        if probe["width"] != hidden_size:
+            problems.append(
+                f"{where}: its weight is {probe['width']} wide but the model's hidden "
+                f"size is {hidden_size}; a probe must be trained on this model's states"
+            )
+        if probe["capture_id"] is None:
+            problems.append(
+                f"{where} reads {probe['point']!r}, which this engine cannot "
+                f"capture: {probe['why']}"
+            )
     return problems
 
 
@@ -461,6 +499,17 @@ def add_cli_args(parser) -> None:
         help="Layer the SAE reads (HF convention, e.g. 6 or -2). Default: "
         "from the SAE config's hook name (blocks.<i>.hook_resid_pre = i, "
         "hook_resid_post = i + 1).",
+    )
+    group.add_argument(
+        "--probes",
+        type=str,
+        default=None,
+        help="Directory of linear probes, one <name>.safetensors each "
+        "(tensors weight [k, hidden] or [hidden], bias [k], optional mean and "
+        "scale [hidden]; metadata point, e.g. 'resid_post.3' or '-1', and "
+        "output: none, sigmoid or softmax), checked at start and listed at "
+        'GET /v1/probes: requests may ask for their scores ("probes": '
+        '["name"]). Implies --enable-hidden-states.',
     )
     group.add_argument(
         "--enable-steering",

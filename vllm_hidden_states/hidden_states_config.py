@@ -2,7 +2,7 @@
 """HiddenStatesConfig: what one engine can capture."""
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_hidden_states.layers import ModelLayers, model_layers_for
@@ -88,6 +88,24 @@ def sae_capture_id(
     return point_id(kind, layer, num_layers)
 
 
+def probe_capture_ids(
+    entries: list[dict[str, Any]], num_layers: int, model: ModelLayers
+) -> dict[str, dict[str, Any]]:
+    """``--probes`` entries by name, each with ``capture_id`` (the id its
+    point reads; None, with ``why``, when this model cannot give it exactly)."""
+    from vllm_hidden_states.probes import probe_capture_id
+
+    out: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        item = dict(entry)
+        try:
+            item["capture_id"] = probe_capture_id(entry["point"], num_layers, model)
+        except ValueError as e:
+            item["capture_id"], item["why"] = None, str(e)
+        out[entry["name"]] = item
+    return out
+
+
 @dataclass(frozen=True)
 class HiddenStatesConfig:
     """Capturable layers and points of one engine.
@@ -119,6 +137,10 @@ class HiddenStatesConfig:
     points_given: tuple[str, ...] = ()
     architecture: str | None = None
     model_layers: ModelLayers | None = None
+    # --probes: name -> its entry (vllm_hidden_states.probes.ProbeFile.entry)
+    # plus "capture_id", the id it reads (None: not exactly on this model,
+    # refused at start by probe_problems, with "why"). Empty: no probes.
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def model(self) -> ModelLayers:
@@ -155,6 +177,9 @@ class HiddenStatesConfig:
         sae_layer = None if sae is None else sae_capture_id(sae, num_layers, model)
         if sae_layer is not None and sae.get("point") is not None:
             layers.add(sae_layer)  # an SAE's point is capturable with it
+        probes = probe_capture_ids(entry.get("probes") or [], num_layers, model)
+        # A probe's point is capturable with it, as an SAE's.
+        layers |= {p["capture_id"] for p in probes.values() if p["capture_id"] is not None}
         return cls(
             num_layers,
             tuple(sorted(layers)),
@@ -165,6 +190,7 @@ class HiddenStatesConfig:
             tuple(entry.get("points") or ()),
             architecture,
             model,
+            probes,
         )
 
     @property

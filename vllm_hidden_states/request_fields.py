@@ -42,7 +42,11 @@ REQUEST_FIELDS: tuple[str, ...] = (
     "hidden_states_stream",
     "hidden_states_heads",
     "sae_features",
+    "probes",
 )
+# The fields that ask for captured data on their own (they imply
+# return_hidden_states; full states then only for the layers named).
+IMPLYING_FIELDS: tuple[str, ...] = ("sae_features", "probes")
 
 
 class FieldError(ValueError):
@@ -64,6 +68,7 @@ class RequestFields:
     hidden_states_points: Any = None
     hidden_states_positions: Any = None
     sae_features: Any = None
+    probes: Any = None
 
     @classmethod
     def of(cls, source: Any) -> "RequestFields":
@@ -87,6 +92,7 @@ class AskedStates:
             named, and their capture ids.
         patterns, pattern_ids: attention-pattern points, and their ids.
         neurons, neuron_ids: MLP-neuron (mlp_post) points, and their ids.
+        probes: the engine's linear probes to score, names as given.
     """
 
     layers: tuple[int, ...]
@@ -99,18 +105,20 @@ class AskedStates:
     pattern_ids: tuple[int, ...] = ()
     neurons: tuple[str, ...] = ()
     neuron_ids: tuple[int, ...] = ()
+    probes: tuple[str, ...] = ()
 
 
 def asks_states(fields: RequestFields) -> bool:
     """Whether a request asks for captured data: ``return_hidden_states`` is
-    true or ``sae_features`` is given (it implies the flag). Refuses a flag
-    that is not a boolean, and layers or points named without the flag."""
+    true or ``sae_features`` or ``probes`` is given (each implies the flag).
+    Refuses a flag that is not a boolean, and layers or points named without
+    the flag."""
     flag = fields.return_hidden_states
     if flag is not None and not isinstance(flag, bool):
         raise FieldError(
             f"return_hidden_states must be true or false, got {flag!r}", "return_hidden_states"
         )
-    if flag or fields.sae_features is not None:
+    if flag or fields.sae_features is not None or fields.probes is not None:
         return True
     for name in ("hidden_states_layers", "hidden_states_points"):
         if getattr(fields, name) is not None:
@@ -134,6 +142,8 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
     if cfg is None:
         if fields.sae_features is not None:
             raise _no_sae()
+        if fields.probes is not None:
+            raise FieldError(f"probes need probes on this engine; {PROBES_HINT}", "probes")
         raise FieldError(
             f"hidden states are not enabled on this engine; {ENABLE_HINT}", "return_hidden_states"
         )
@@ -149,14 +159,19 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         sae_top_k = checked(
             check_sae_features, "sae_features", fields.sae_features, cfg.sae["d_sae"]
         )
+    probes = (
+        ()
+        if fields.probes is None
+        else tuple(checked(check_probes, "probes", fields.probes, cfg.probes))
+    )
     asked = checked(check_points, "hidden_states_points", fields.hidden_states_points)
     ids = checked(cfg.resolve_points, "hidden_states_points", asked)
-    # With sae_features or points, full states only for the layers named.
+    # With sae_features, probes or points, full states only for the layers named.
     layers = checked(
         check_layers,
         "hidden_states_layers",
         fields.hidden_states_layers,
-        bool(sae_top_k),
+        bool(sae_top_k or probes),
         bool(asked),
     )
     abs_layers = checked(cfg.resolve_all, "hidden_states_layers", layers)
@@ -176,6 +191,7 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         pattern_ids=_where(ids, pattern),
         neurons=_where(asked, neuron),
         neuron_ids=_where(ids, neuron),
+        probes=probes,
     )
 
 
@@ -265,7 +281,9 @@ def check_layers(value: Any, features_only: bool, points: bool = False) -> list[
         or not value
         or any(isinstance(k, bool) or not isinstance(k, int) for k in value)
     ):
-        leave_out = "; leave it out to receive sae_features only" if features_only else ""
+        leave_out = (
+            "; leave it out to receive sae_features or probe_scores only" if features_only else ""
+        )
         raise ValueError(
             "hidden_states_layers must be a non-empty list of integers (HF "
             "convention: 0 = embeddings, -1 = final post-norm state), got "
@@ -314,6 +332,35 @@ def check_sae_features(value: Any, d_sae: int | None = None) -> int:
             f'sae_features must be {{"top_k": k}} with an integer k in {bound}, got {value!r}'
         )
     return k
+
+
+PROBES_HINT = "start it with probes=DIR (LLM / EngineArgs) or `vllm serve MODEL --probes DIR`"
+
+
+def check_probes(value: Any, available: "dict[str, Any] | None" = None) -> list[str]:
+    """``probes``: a non-empty list of distinct probe names; each must be one
+    of ``available`` (the engine's, by name) when given."""
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or any(not isinstance(name, str) for name in value)
+    ):
+        raise ValueError(
+            f"probes must be a non-empty list of probe names such as ['toxicity'], got {value!r}"
+        )
+    if len(set(value)) != len(value):
+        twice = sorted({name for name in value if list(value).count(name) > 1})
+        raise ValueError(f"probes names {twice} more than once; name each probe once")
+    if available is not None:
+        if not available:
+            raise ValueError(f"this engine has no probes; {PROBES_HINT}")
+        for name in value:
+            if name not in available:
+                raise ValueError(
+                    f"probe {name!r} is not loaded on this engine; available probes: "
+                    f"{sorted(available)} (GET /v1/probes lists them)"
+                )
+    return list(value)
 
 
 ENABLE_HINT = (

@@ -109,6 +109,7 @@ def extract_for(
         start=start,
         end=end,
         neurons=list(spec.neuron_ids),
+        probes=list(spec.probes),
         steering=steering,
     )
 
@@ -132,6 +133,7 @@ POSITION_AXIS: dict[str, int] = {
     "sae_values": 0,
     "patterns": 2,
     "neurons": 1,
+    "probe_scores": 0,
 }
 # The fields that name a group's owners; every other field is data.
 _GROUP_FIELDS = ("req_ids", "counts")
@@ -243,6 +245,8 @@ class CaptureKind(NamedTuple):
             query_stop - 1`` (None: to the end) over every key; the capture's
             rows are then cut to those positions too.
         neurons: mlp_post capture ids.
+        probes: linear probes (names) to score on the device; only their
+            scores leave it (``layers`` may then be empty).
     """
 
     layers: tuple[int, ...]
@@ -253,11 +257,13 @@ class CaptureKind(NamedTuple):
     query_start: int = 0
     query_stop: int | None = None
     neurons: tuple[int, ...] = ()
+    probes: tuple[str, ...] = ()
 
     @property
     def rows_only(self) -> bool:
-        """Only rows of ``layers``: no SAE features, patterns or neurons
-        (a step of such captures goes to the host as one group)."""
+        """Only rows of ``layers`` (and probe scores, computed on every row
+        alike): no SAE features, patterns or neurons (a step of such
+        captures goes to the host as one group)."""
         return not (self.sae_top_k or self.patterns or self.neurons)
 
 
@@ -325,6 +331,7 @@ class CapturePlan(NamedTuple):
             kind.query_start,
             kind.query_stop,
             kind.neurons,
+            kind.probes,
         )
 
 
@@ -356,6 +363,9 @@ class CaptureStep(NamedTuple):
             capture is done, for query positions ``query_start ..
             query_stop - 1`` (None: to the end) over every key; the capture's
             rows are then cut to those positions too.
+        neurons: mlp_post capture ids.
+        probes: linear probes (names) scored on the device on the rows of
+            their points; only ``[rows, sum of k]`` float32 leaves it.
     """
 
     layers: tuple[int, ...]
@@ -370,3 +380,4 @@ class CaptureStep(NamedTuple):
     query_start: int = 0
     query_stop: int | None = None
     neurons: tuple[int, ...] = ()
+    probes: tuple[str, ...] = ()

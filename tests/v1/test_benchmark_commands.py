@@ -148,3 +148,24 @@ def test_the_patching_benchmark_runs_its_variants(tmp_path):
             "sae_splice (top-k SAE) all positions, every request",
         },
     )
+
+
+def test_probes_runs_its_variants_and_writes_its_record(tmp_path):
+    """``benchmarks/probes.py``: plain vs probes loaded (nobody asks, one
+    probe on every generated token, return_hidden_states at the same point),
+    and the payload per token of the last two."""
+    bench(tmp_path, "benchmarks.probes", "--tiny", "--rounds", "1")
+    throughput, payload = json.loads((tmp_path / "probes.json").read_text())["probes"]
+    comparison(
+        throughput,
+        {
+            "plain vLLM (no hidden states)",
+            "A/A control: a second plain engine",
+            "probes loaded, nobody asks",
+            "one probe, every generated token",
+            "return_hidden_states layer 2, every generated token",
+        },
+    )
+    comparison(payload, {"hidden_states", "probe_scores"})
+    sizes = {name: figure["median"] for name, figure in payload["variants"].items()}
+    assert sizes["probe_scores"] == 4.0  # k = 1 float32 per position

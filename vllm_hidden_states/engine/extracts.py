@@ -76,7 +76,12 @@ def problem_with(
             if config.sae is None
             else f"must be in 1..{config.sae['d_sae']}"
         )
-    if not (extract.layers or extract.sae_top_k or extract.patterns or extract.neurons):
+    unknown = [name for name in extract.probes if name not in config.probes]
+    if unknown:
+        return f"probes {unknown} are not loaded on this engine; loaded: {sorted(config.probes)}"
+    if not (
+        extract.layers or extract.sae_top_k or extract.patterns or extract.neurons or extract.probes
+    ):
         return "no layers requested"
     if extract.patterns and extract.positions != "all":
         return "attention patterns need positions 'all' (every key recomputed)"

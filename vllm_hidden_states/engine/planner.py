@@ -154,6 +154,7 @@ class CapturePlanner:
             tuple(extract.patterns),
             tuple(extract.neurons),
             (extract.start, extract.end),
+            tuple(extract.probes),
         )
         self.active[request.request_id] = spec
         scheduler.add_request(request)
@@ -173,12 +174,20 @@ class CapturePlanner:
             return
         layers = tuple(distinct_layers(spec))
         neurons = tuple(spec.neuron_ids)
+        probes = tuple(spec.probes)
         if spec.positions == "prompt":
             self.active[request.request_id] = self._spec(
-                layers, "all", request.num_prompt_tokens, spec.sae_top_k, neurons=neurons
+                layers,
+                "all",
+                request.num_prompt_tokens,
+                spec.sae_top_k,
+                neurons=neurons,
+                probes=probes,
             )
         elif spec.inline:
-            capture = self._spec(layers, "all", None, spec.sae_top_k, neurons=neurons)
+            capture = self._spec(
+                layers, "all", None, spec.sae_top_k, neurons=neurons, probes=probes
+            )
             # A window ("generated", {"start", "end"}): nothing before its
             # start is captured, nothing from its end on.
             capture.delivered, capture.end = spec.start, spec.end
@@ -193,9 +202,12 @@ class CapturePlanner:
         patterns: tuple[int, ...] = (),
         neurons: tuple[int, ...] = (),
         query_window: tuple[int, int | None] = (0, None),
+        probes: tuple[str, ...] = (),
     ) -> CaptureSpec:
         final = self.config.num_layers
         read = (*layers, self.config.sae_layer) if sae_top_k else layers
+        if probes:  # a probe reads its point's rows, captured like a layer's
+            read = (*read, *(self.config.probes[name]["capture_id"] for name in probes))
         kind = CaptureKind(
             layers,
             positions,
@@ -208,6 +220,7 @@ class CapturePlanner:
             query_window[0],
             query_window[1],
             neurons,
+            probes,
         )
         if len(self._kinds) > 1024:
             self._kinds.clear()  # only identity within a step depends on it

@@ -109,6 +109,8 @@ class HiddenStatesTracker:
             return "no MLP neurons"
         if self.spec.sae_top_k and rows.sae_ids is None:
             return "no SAE features"
+        if self.spec.probes and rows.probe_scores is None:
+            return "no probe scores"
         return None
 
     def receive(self, rows: CapturedRows) -> None:
@@ -172,8 +174,8 @@ class HiddenStatesTracker:
         self.complete = cat_rows(parts)
 
     def output_fields(self, finished: bool, delta: bool) -> dict[str, Any]:
-        """``CompletionOutput``'s ``hidden_states`` and ``sae_features`` for the
-        output being made (patch 0004).
+        """``CompletionOutput``'s ``hidden_states``, ``sae_features`` and
+        ``probe_scores`` for the output being made (patch 0004).
 
         Cumulative and final-only outputs: everything, on the final output.
         DELTA outputs of inline "all": the rows that arrived since the previous
@@ -182,11 +184,12 @@ class HiddenStatesTracker:
         for a features-only request; ``sae_features``: ``{"layer": absolute
         layer (or "point": address, an SAE at a capture point), "ids": int32
         [positions, k], "values": float32 [positions, k]}``,
-        None without ``sae_top_k``.
+        None without ``sae_top_k``; ``probe_scores``: ``{probe name: float32
+        [positions, k]}`` (views of one tensor), None without probes.
         """
         rows = self._rows_for_output(finished, delta)
         if rows is None:
-            return {"hidden_states": None, "sae_features": None}
+            return {"hidden_states": None, "sae_features": None, "probe_scores": None}
         features = None
         if self.spec.sae_top_k and rows.sae_ids is not None:
             # Where the SAE reads: its point's address, or its HF layer.
@@ -203,7 +206,12 @@ class HiddenStatesTracker:
         if self.spec.patterns and rows.patterns is not None:
             # {address: [heads, queries, keys]}, beside the rows' keys.
             states = {**(states or {}), **dict(zip(self.spec.patterns, rows.patterns))}
-        return {"hidden_states": states, "sae_features": features}
+        scores = None
+        if self.spec.probes and rows.probe_scores is not None:
+            scores = dict(
+                zip(self.spec.probes, rows.probe_scores.split(self.spec.probe_widths, dim=1))
+            )
+        return {"hidden_states": states, "sae_features": features, "probe_scores": scores}
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:
         if not delta or not self.spec.inline:
@@ -223,8 +231,8 @@ class HiddenStatesTracker:
 
 
 def _cat_output_field(ours: dict | None, theirs: dict | None) -> dict | None:
-    """One ``CompletionOutput`` capture field (``hidden_states`` or
-    ``sae_features``) of two consecutive DELTA outputs joined: tensors
+    """One ``CompletionOutput`` capture field (``hidden_states``,
+    ``sae_features`` or ``probe_scores``) of two consecutive DELTA outputs joined: tensors
     concatenated along positions, other entries (``"layer"``) kept."""
     if theirs is None:
         return ours
@@ -243,6 +251,7 @@ def merge_delta(completion: Any, following: Any) -> None:
     carries every position since the previous one."""
     completion.hidden_states = _cat_output_field(completion.hidden_states, following.hidden_states)
     completion.sae_features = _cat_output_field(completion.sae_features, following.sae_features)
+    completion.probe_scores = _cat_output_field(completion.probe_scores, following.probe_scores)
 
 
 # RequestOutput.error.code of a request whose hidden states could not be captured.

@@ -96,6 +96,8 @@ def resolve_request(
         pattern_ids=list(asked.pattern_ids),
         neurons=list(asked.neurons),
         neuron_ids=list(asked.neuron_ids),
+        probes=list(asked.probes),
+        probe_widths=[cfg.probes[name]["k"] for name in asked.probes],
     )
 
     if asked.patterns:

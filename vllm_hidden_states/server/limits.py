@@ -229,10 +229,12 @@ def check_response(
     embed_dtype: str = "float32",
     sae_top_k: int = 0,
     pattern_values: int = 0,
+    probe_outputs: int = 0,
 ) -> None:
     """400 when ``results x positions x layers x hidden`` values, plus
     ``sae_top_k`` SAE features per position and ``pattern_values``
-    attention-pattern weights, would make a response over the cap
+    attention-pattern weights, and ``probe_outputs`` probe scores per
+    position (the sum of the probes' k), would make a response over the cap
     (``positions`` may be an upper bound)."""
     values = results * positions * layers * hidden_size
     size = (values + pattern_values) * value_bytes(encoding_format, embed_dtype)
@@ -242,6 +244,9 @@ def check_response(
         features = f", plus top-{sae_top_k} SAE features per position"
     if pattern_values:
         features += f", plus {pattern_values} attention-pattern weights"
+    if probe_outputs:
+        size += results * positions * probe_outputs * value_bytes(encoding_format, embed_dtype)
+        features += f", plus {probe_outputs} probe scores per position"
     if size > limits.max_response_bytes:
         raise invalid_request(
             f"the response would be about {size / 2**20:.1f} MB ({results} results x "

@@ -4,7 +4,7 @@
 vLLM's serving code calls this module at named sites (patch
 ``0009-openai-serving``, one line each): :func:`admit` parses the request's
 hidden-state fields (OpenAI extras, ``model_extra``), ``steering`` and
-``sae_features`` once, checks them against the engine and prices the response
+``sae_features`` and ``probes`` once, checks them against the engine and prices the response
 before anything is tokenized; :func:`price` prices "all"/"prompt" responses
 exactly once each prompt is sized; :func:`ask_engine` puts the fields onto
 ``SamplingParams``; :func:`refuse` answers the routes that cannot carry them
@@ -21,6 +21,7 @@ import orjson
 
 from vllm_hidden_states.points import Positions, Window, is_neuron_address, is_pattern_address
 from vllm_hidden_states.request_fields import (
+    IMPLYING_FIELDS,
     REQUEST_FIELDS,
     FieldError,
     RequestFields,
@@ -28,6 +29,7 @@ from vllm_hidden_states.request_fields import (
     check_layers,
     check_points,
     check_positions,
+    check_probes,
     check_sae_features,
     checked,
     refuse_without_flag,
@@ -67,6 +69,7 @@ class HiddenStatesAsk:
     patterns: tuple[str, ...] = ()  # hidden_states_points of attention patterns
     neurons: tuple[str, ...] = ()  # hidden_states_points of MLP neurons (mlp_post)
     heads: tuple[int, ...] | None = None  # hidden_states_heads; None = every head
+    probes: tuple[str, ...] = ()  # probes: names of the engine's probes to score
 
     @property
     def positions_json(self) -> Any:
@@ -121,8 +124,8 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
     fields = RequestFields.of(extra)
     if not _field(asks_states, "return_hidden_states", fields):
         # The fields only HTTP has, given without the flag: the same refusal.
-        for name in REQUEST_FIELDS[1:-1]:
-            if extra.get(name) not in (None, False):
+        for name in REQUEST_FIELDS[1:]:
+            if name not in IMPLYING_FIELDS and extra.get(name) not in (None, False):
                 _field(refuse_without_flag, name, name)
         return None
     sae_top_k = 0
@@ -134,13 +137,14 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
                 "return_hidden_states: false (sae_features alone is enough)",
                 "return_hidden_states",
             )
+    probes = () if fields.probes is None else tuple(_field(check_probes, "probes", fields.probes))
     points = _field(check_points, "hidden_states_points", fields.hidden_states_points)
-    # With sae_features or points, full states only for the layers named.
+    # With sae_features, probes or points, full states only for the layers named.
     layers = _field(
         check_layers,
         "hidden_states_layers",
         fields.hidden_states_layers,
-        bool(sae_top_k),
+        bool(sae_top_k or probes),
         bool(points),
     )
     fmt = _one_of(extra, "hidden_states_format", ENCODING_FORMATS)
@@ -200,6 +204,7 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
         patterns=patterns,
         neurons=neurons,
         heads=None if heads is None else tuple(heads),
+        probes=probes,
     )
 
 
@@ -221,7 +226,8 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         return None
     engine_client = serving.engine_client
     # The engine's rules, through the one resolver the Python API applies.
-    _field(resolve_fields, "return_hidden_states", engine_config(engine_client), fields_of(request))
+    cfg = engine_config(engine_client)
+    _field(resolve_fields, "return_hidden_states", cfg, fields_of(request))
     if ask.heads is not None:
         num_heads = int(engine_client.model_config.hf_text_config.num_attention_heads)
         if max(ask.heads) >= num_heads:
@@ -270,8 +276,14 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
         "hidden_states_layers",
         "ask for fewer layers or choices or a smaller top_k, or use hidden_states_format 'base64'",
         sae_top_k=ask.sae_top_k,
+        probe_outputs=probe_outputs(cfg, ask),
     )
     return ask
+
+
+def probe_outputs(cfg: Any, ask: HiddenStatesAsk) -> int:
+    """Probe scores per position of ``ask`` (the sum of its probes' k)."""
+    return sum(cfg.probes[name]["k"] for name in ask.probes) if ask.probes else 0
 
 
 @dataclass
@@ -287,6 +299,7 @@ class PositionPricing:
     heads: int = 0  # query heads: an attention pattern is [heads, queries, keys]
     intermediate: int = 0  # an mlp_post row's width
     spent_extra_values: int = 0  # attention-pattern weights and MLP neurons
+    probe_outputs: int = 0  # probe scores per position
 
 
 def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) -> None:
@@ -309,6 +322,8 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     else:
         per_choice = prompt_len + max_tokens
     pricing.spent_positions += pricing.n * per_choice
+    if pricing.probe_outputs:
+        pricing.spent_extra_values += pricing.n * per_choice * pricing.probe_outputs
     if pricing.ask.neurons:
         pricing.spent_extra_values += (
             pricing.n * per_choice * len(pricing.ask.neurons) * pricing.intermediate
@@ -463,6 +478,8 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
         return None
     n = getattr(request, "n", None) or 1
     pricing = None
+    cfg = engine_config(serving.engine_client)  # not None: validate_ask checked it
+    assert cfg is not None
     if ask.positions != "last" or ask.patterns or ask.neurons:
         model_config = serving.engine_client.model_config
         pricing = PositionPricing(
@@ -472,9 +489,8 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             model_config.get_hidden_size(),
             heads=int(model_config.hf_text_config.num_attention_heads),
             intermediate=int(getattr(model_config.hf_text_config, "intermediate_size", 0) or 0),
+            probe_outputs=probe_outputs(cfg, ask),
         )
-    cfg = engine_config(serving.engine_client)  # not None: validate_ask checked it
-    assert cfg is not None
     sae_name = cfg.sae["name"] if cfg.sae is not None else ""
     _admitted.set(AdmittedAsk(ask, request, n, pricing, cfg.num_layers, sae_name))
     return None
@@ -515,6 +531,7 @@ def ask_engine(params: Any) -> None:
     ask, extra = admitted.ask, admitted.request.model_extra
     params.return_hidden_states = True
     params.sae_features = extra.get("sae_features")
+    params.probes = list(ask.probes) or None
     # With sae_features alone, no full states (None: the engine's "no layers").
     params.hidden_states_layers = list(ask.layers) or None
     params.hidden_states_points = [*ask.points, *ask.neurons, *ask.patterns] or None
@@ -538,8 +555,8 @@ def refuse(request: Any, raw_request: Any, route: str) -> Any:
         ).to_error_response()
     return invalid_request(
         f"'{field_name}' is not supported on this route ({route}): hidden states "
-        "are not supported here; return_hidden_states, hidden_states_* and "
-        "sae_features work on /v1/chat/completions and /v1/completions (and "
+        "are not supported here; return_hidden_states, hidden_states_*, "
+        "sae_features and probes work on /v1/chat/completions and /v1/completions (and "
         "POST /v1/hidden_states)",
         field_name,
     ).to_error_response()

@@ -8,7 +8,8 @@ activation store), its SSE stream (:func:`stream`: rows on the chunk with a
 choice's ``finish_reason``, or on every chunk with ``hidden_states_stream``)
 and its non-streamed response (:func:`finish`); :func:`json_response_class`
 writes those bodies with orjson. Each choice carries ``hidden_states``,
-``neurons``, ``attention_patterns`` and ``sae_features`` objects as asked
+``neurons``, ``attention_patterns``, ``sae_features`` and ``probe_scores``
+objects as asked
 (encoded here per choice); their layout is told in docs/openai_server.md.
 """
 
@@ -151,6 +152,39 @@ def encode_choice_features(
     return out
 
 
+def encode_choice_scores(
+    parts: list[dict[str, Any]] | None, ask: HiddenStatesAsk, start: int = 0
+) -> dict[str, Any] | None:
+    """The ``probe_scores`` object of one choice (or streamed chunk):
+    ``{probe name: {"positions", "start" (not with "last"), "shape": [n, k],
+    "dtype": "float32", "encoding_format", "data"}}``.
+
+    Args:
+        parts: ``CompletionOutput.probe_scores`` of the outputs since the
+            last chunk: ``{name: float32 [n, k]}``.
+        ask: the request (probes, positions, encoding).
+        start: "all"/"prompt": the position of the first row.
+    """
+    if not parts:
+        return None
+    import torch
+
+    out: dict[str, Any] = {}
+    for name in ask.probes:
+        scores = torch.cat([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
+        entry: dict[str, Any] = {"positions": ask.positions_json}
+        if ask.positions == "last":
+            scores = scores[-1:]
+        else:
+            entry["start"] = start
+        entry["shape"] = list(scores.shape)
+        entry["dtype"] = "float32"
+        entry["encoding_format"] = ask.encoding_format
+        entry["data"] = encode_array(scores, ask.encoding_format)
+        out[name] = entry
+    return out
+
+
 @dataclass
 class ChoiceRows:
     """One choice's rows as the result iterator delivered them.
@@ -166,12 +200,15 @@ class ChoiceRows:
     # SAE features, the same way (CompletionOutput.sae_features deltas).
     features: list[dict[str, Any]] = field(default_factory=list)
     feature_start: int = 0
+    # Probe scores, the same way (CompletionOutput.probe_scores deltas).
+    scores: list[dict[str, Any]] = field(default_factory=list)
+    score_start: int = 0
     # For the activation store (only when the server has one).
     stored: StoredChoice | None = None
 
     @property
     def owed(self) -> bool:
-        return bool(self.pending or self.features)
+        return bool(self.pending or self.features or self.scores)
 
     def take(self, ask: HiddenStatesAsk) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The pending rows as the ``hidden_states`` and ``neurons`` objects
@@ -203,6 +240,15 @@ class ChoiceRows:
         self.features = []
         return obj
 
+    def take_scores(self, ask: HiddenStatesAsk) -> dict[str, Any] | None:
+        """The pending probe scores as a ``probe_scores`` object, emptied."""
+        if not self.scores:
+            return None
+        obj = encode_choice_scores(self.scores, ask, self.score_start)
+        self.score_start += sum(p[ask.probes[0]].shape[0] for p in self.scores)
+        self.scores = []
+        return obj
+
 
 def _choice_rows(
     choices: dict[int, ChoiceRows], index: int, res: Any, ask: HiddenStatesAsk
@@ -212,7 +258,7 @@ def _choice_rows(
     rows = choices.get(index)
     if rows is None:
         first = ask.first_position(len(res.prompt_token_ids or ()))
-        rows = choices[index] = ChoiceRows(start=first, feature_start=first)
+        rows = choices[index] = ChoiceRows(start=first, feature_start=first, score_start=first)
     return rows
 
 
@@ -230,7 +276,7 @@ def _collect(
     """
     choices, ask, admitted = reply.choices, reply.ask, reply.admitted
     store, store_hidden = choice_writer.opened()
-    if not (ask.sae_top_k or (store_hidden and ask.keys)):
+    if not (ask.sae_top_k or ask.probes or (store_hidden and ask.keys)):
         store = None
 
     async def gen():
@@ -248,6 +294,7 @@ def _collect(
                     elif (
                         output.hidden_states is None
                         and output.sae_features is None
+                        and output.probe_scores is None
                         and output.finish_reason is None
                     ):
                         continue
@@ -256,6 +303,8 @@ def _collect(
                         rows.pending.append(output.hidden_states)
                     if output.sae_features is not None:
                         rows.features.append(output.sae_features)
+                    if output.probe_scores is not None:
+                        rows.scores.append(output.probe_scores)
                     if output.finish_reason is not None:
                         rows.finished = True
                         if store is not None and rows.stored is not None:
@@ -302,6 +351,8 @@ def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStat
                 choice["neurons"] = neurons
         if ask.sae_top_k:
             choice["sae_features"] = rows.take_features(ask)
+        if ask.probes:
+            choice["probe_scores"] = rows.take_scores(ask)
         changed = True
     if not changed:
         return chunk
@@ -340,12 +391,18 @@ def _attach_to_choices(
     ask: HiddenStatesAsk,
     features: list | None = None,
     starts: list[int] | None = None,
+    scores: list | None = None,
 ) -> None:
     features = features or [None] * len(choices)
     starts = starts or [0] * len(choices)
-    for choice, choice_states, choice_features, start in zip(choices, states, features, starts):
-        missing = ((ask.keys or ask.patterns or ask.neurons) and choice_states is None) or (
-            ask.sae_top_k and not choice_features
+    scores = scores or [None] * len(choices)
+    for choice, choice_states, choice_features, start, choice_scores in zip(
+        choices, states, features, starts, scores
+    ):
+        missing = (
+            ((ask.keys or ask.patterns or ask.neurons) and choice_states is None)
+            or (ask.sae_top_k and not choice_features)
+            or (ask.probes and not choice_scores)
         )
         if missing and choice.finish_reason != "abort":
             raise ApiError(
@@ -361,6 +418,8 @@ def _attach_to_choices(
             choice.attention_patterns = encode_choice_patterns(choice_states, ask, start)
         if ask.sae_top_k:
             choice.sae_features = encode_choice_features(choice_features, ask, start)
+        if ask.probes:
+            choice.probe_scores = encode_choice_scores(choice_scores, ask, start)
 
 
 # --------------------------------------------------------------------------
@@ -428,6 +487,7 @@ def finish(reply: HiddenStatesReply | None, response: Any) -> Any:
         reply.ask,
         [r.features if r is not None else None for r in rows],
         [r.start if r is not None else 0 for r in rows],
+        [r.scores if r is not None else None for r in rows],
     )
     return response
 

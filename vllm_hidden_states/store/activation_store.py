@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 3
 SAE_TABLE = "sae_features"
 HIDDEN_TABLE = "hidden_states"
+PROBE_TABLE = "probe_scores"
 DEFAULT_RETENTION_DAYS = 14
 RETENTION_ENV = "VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS"
 SOURCE_MODES = ("inline", "nearline")
@@ -87,6 +88,23 @@ def hidden_schema():
     )
 
 
+def probe_schema():
+    """One row per token and probe: its ``k`` scores (``f(normalise(x) @ W.T
+    + b)``, float32)."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            *_token_columns(pa),
+            ("probe", pa.string()),
+            ("scores", pa.list_(pa.float32())),
+            ("model_id", pa.string()),
+            ("schema_version", pa.int16()),
+        ],
+        metadata={"schema_version": str(SCHEMA_VERSION)},
+    )
+
+
 @dataclass
 class StoreStats:
     """Counters, updated by the writer thread and the appenders."""
@@ -127,6 +145,18 @@ class _HiddenItem:
     prompt_len: int
     # HF layer, or a capture point's canonical address ("mlp_out.3") -> [n, hidden]
     states: dict[int | str, np.ndarray]
+    created_at: dt.datetime
+
+
+@dataclass
+class _ProbeItem:
+    request_id: str
+    choice_index: int
+    model_id: str
+    token_ids: np.ndarray
+    positions: np.ndarray
+    prompt_len: int
+    scores: dict[str, np.ndarray]  # probe name -> float32 [n, k]
     created_at: dt.datetime
 
 
@@ -227,6 +257,49 @@ def hidden_table(items: Sequence[_HiddenItem]):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+def probe_table(items: Sequence[_ProbeItem]):
+    """Arrow table of ``items`` in :func:`probe_schema`."""
+    import pyarrow as pa
+
+    schema = probe_schema()
+    cols: dict[str, list] = {name: [] for name in schema.names if name != "scores"}
+    flat: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    for it in items:
+        pos = np.asarray(it.positions, dtype=np.int32)
+        tok = np.asarray(it.token_ids, dtype=np.int32)
+        for name, rows in it.scores.items():
+            n, k = rows.shape
+            cols["request_id"].append(np.full(n, it.request_id, dtype=object))
+            cols["choice_index"].append(np.full(n, it.choice_index, dtype=np.int32))
+            cols["step"].append(_steps(pos, it.prompt_len))
+            cols["token_position"].append(pos)
+            cols["token_id"].append(tok)
+            cols["created_at"].append(
+                np.full(n, np.datetime64(it.created_at.replace(tzinfo=None), "us"))
+            )
+            cols["probe"].append(np.full(n, name, dtype=object))
+            cols["model_id"].append(np.full(n, it.model_id, dtype=object))
+            cols["schema_version"].append(np.full(n, SCHEMA_VERSION, dtype=np.int16))
+            flat.append(rows.reshape(-1))
+            lengths.append(np.full(n, k))
+    arrays = []
+    for f in schema:
+        if f.name == "scores":
+            offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]) if flat else [0]
+            values = np.concatenate(flat) if flat else np.zeros(0, np.float32)
+            arrays.append(
+                pa.ListArray.from_arrays(
+                    pa.array(np.asarray(offsets, dtype=np.int32)), pa.array(values)
+                )
+            )
+        else:
+            arrays.append(
+                pa.array(np.concatenate(cols[f.name]) if cols[f.name] else [], type=f.type)
+            )
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
 def _partition_dates(root: Path, table: str) -> list[tuple[dt.date, Path]]:
     out: list[tuple[dt.date, Path]] = []
     base = root / table
@@ -253,7 +326,7 @@ def prune(
     today = today or dt.datetime.now(dt.timezone.utc).date()
     cutoff = today - dt.timedelta(days=retention_days)
     deleted = []
-    for table in (SAE_TABLE, HIDDEN_TABLE):
+    for table in (SAE_TABLE, HIDDEN_TABLE, PROBE_TABLE):
         for date, path in _partition_dates(root, table):
             if date < cutoff:
                 shutil.rmtree(path)
@@ -418,6 +491,38 @@ class ActivationStore:
             self._log("bad", "activation store: dropped request %s: %s", request_id, e)
             return False
 
+    def append_probe_scores(
+        self,
+        request_id: str,
+        *,
+        model_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        scores: dict[str, Any],
+        prompt_len: int,
+        positions: Sequence[int] | np.ndarray | None = None,
+        choice_index: int = 0,
+    ) -> bool:
+        """Queue one request's probe scores ``{probe name: [n, k]}`` (numpy or
+        CPU torch, float32); ``request_id`` and ``choice_index`` as in
+        :meth:`append_sae_features`. Never raises."""
+        try:
+            n = len(token_ids)
+            item = _ProbeItem(
+                request_id,
+                int(choice_index),
+                model_id,
+                np.asarray(token_ids),
+                np.arange(n) if positions is None else np.asarray(positions),
+                int(prompt_len),
+                {name: np.asarray(v, dtype=np.float32) for name, v in scores.items()},
+                self._clock(),
+            )
+            return self._put(item)
+        except Exception as e:  # noqa: BLE001
+            self.stats.requests_dropped += 1
+            self._log("bad", "activation store: dropped request %s: %s", request_id, e)
+            return False
+
     def _put(self, item) -> bool:
         if not self.available:
             self.stats.requests_dropped += 1
@@ -499,6 +604,7 @@ class ActivationStore:
     def _run(self) -> None:
         sae: list[_SaeItem] = []
         hid: list[_HiddenItem] = []
+        probes: list[_ProbeItem] = []
         rows = 0
         deadline = None
         while True:
@@ -513,25 +619,31 @@ class ActivationStore:
             elif isinstance(item, _HiddenItem):
                 hid.append(item)
                 rows += sum(len(v) for v in item.states.values())
-            if deadline is None and (sae or hid):
+            elif isinstance(item, _ProbeItem):
+                probes.append(item)
+                rows += sum(len(v) for v in item.scores.values())
+            if deadline is None and (sae or hid or probes):
                 deadline = time.monotonic() + self.flush_interval_s
             if item is _FLUSH or item is _STOP or rows >= self.flush_rows:
-                self._write(sae, hid)
-                sae, hid, rows, deadline = [], [], 0, None
+                self._write(sae, hid, probes)
+                sae, hid, probes, rows, deadline = [], [], [], 0, None
                 if item is _FLUSH:
                     self._flushed.set()
             if item is _STOP:
                 self._flushed.set()
                 return
 
-    def _write(self, sae: list[_SaeItem], hid: list[_HiddenItem]) -> None:
-        if not (sae or hid):
+    def _write(
+        self, sae: list[_SaeItem], hid: list[_HiddenItem], probes: list[_ProbeItem] | None = None
+    ) -> None:
+        if not (sae or hid or probes):
             return
         if not self.available:
             self.available = self._probe()
         for table_name, items, build in (
             (SAE_TABLE, sae, sae_table),
             (HIDDEN_TABLE, hid, hidden_table),
+            (PROBE_TABLE, probes or [], probe_table),
         ):
             if not items:
                 continue
@@ -582,14 +694,14 @@ def _glob(root: str | Path, table: str) -> str:
 
 
 def connect(root: str | Path):
-    """A DuckDB connection with views ``sae_features`` and ``hidden_states``
-    over the store's Parquet files (hive partitioning: a ``date`` column;
+    """A DuckDB connection with views ``sae_features``, ``hidden_states`` and
+    ``probe_scores`` over the store's Parquet files (hive partitioning: a ``date`` column;
     files of every schema version by column name, ``choice_index`` 0 where a
     version-1 file has none)."""
     import duckdb
 
     con = duckdb.connect()
-    for table in (SAE_TABLE, HIDDEN_TABLE):
+    for table in (SAE_TABLE, HIDDEN_TABLE, PROBE_TABLE):
         if any((Path(root) / table).glob("date=*/*.parquet")):
             # A relation, not SQL text: the path needs no quoting.
             rel = con.read_parquet(_glob(root, table), hive_partitioning=True, union_by_name=True)

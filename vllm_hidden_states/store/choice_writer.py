@@ -96,6 +96,7 @@ class StoredChoice:
     output_ids: list[int] = field(default_factory=list)
     features: list[dict[str, Any]] = field(default_factory=list)
     states: list[dict[int | str, Any]] = field(default_factory=list)
+    scores: list[dict[int | str, Any]] = field(default_factory=list)  # probe scores, by name
 
     @classmethod
     def first(cls, res: Any, choice_index: int, sae_name: str) -> "StoredChoice":
@@ -113,6 +114,8 @@ class StoredChoice:
             self.features.append(output.sae_features)
         if output.hidden_states is not None:
             self.states.append(output.hidden_states)
+        if getattr(output, "probe_scores", None) is not None:
+            self.scores.append(output.probe_scores)
 
     def append_to(
         self, store: Any, ask: ChoiceAsk, model: str, num_layers: int, hidden_states: bool
@@ -162,6 +165,18 @@ class StoredChoice:
                     positions=positions,
                     choice_index=self.choice_index,
                 )
+        if self.scores:
+            joined = _joined(self.scores, tuple(self.scores[0]))
+            n = next(iter(joined.values())).shape[0]
+            store.append_probe_scores(
+                self.request_id,
+                model_id=model,
+                token_ids=tokens[positions[-n:]],
+                scores={name: rows.numpy() for name, rows in joined.items()},
+                prompt_len=n_prompt,
+                positions=positions[-n:],
+                choice_index=self.choice_index,
+            )
         if hidden_states and self.states and ask.keys:
             states = _canonical(_joined(self.states, (*ask.keys, *ask.neurons)), num_layers)
             n = next(iter(states.values())).shape[0]

@@ -5,8 +5,9 @@ The runner calls it at four named points (patch 0008 in Model Runner V1,
 patch 0010 in V2): after model load, at the start of a step, right before
 the forward (arm) and right after it (collect), and once the step's output is
 built (attach). It turns the step's capture plan into batch rows, reads the
-capture buffers, encodes SAE features on the device, copies rows to the host
-without waiting in the step, and carries rows between pipeline stages.
+capture buffers, encodes SAE features and scores probes on the device, copies
+rows to the host without waiting in the step, and carries rows between
+pipeline stages.
 docs/architecture.md, "The worker step".
 """
 
@@ -59,6 +60,7 @@ class _ArmedGroup(NamedTuple):
     req_ids: list[str]
     counts: list[int]
     layers: tuple[int, ...]
+    probes: tuple[str, ...] = ()
 
 
 def _ranges(starts: "np.ndarray | list[int]", counts: "np.ndarray | list[int]") -> np.ndarray:
@@ -132,6 +134,20 @@ class HiddenStatesCapture:
                 self.sae.d_sae,
                 config.sae.get("point") or f"layer {self.sae_layer}",
                 runner.device,
+            )
+        # --probes: the capture id each reads (every stage arms them), and
+        # their weights on the device of the last stage, which scores them.
+        self.probe_ids = {name: p["capture_id"] for name, p in config.probes.items()}
+        self.probes = None
+        if config.probes and self.is_last_stage:
+            from vllm_hidden_states.probes import ProbeSet
+
+            self.probes = ProbeSet(list(config.probes.values()), runner.device)
+            logger.info(
+                "vllm-hidden-states: %d probes on %s: %s",
+                len(self.probes),
+                runner.device,
+                ", ".join(f"{n} ({p['point']}, k={p['k']})" for n, p in config.probes.items()),
             )
         self._install(runner)
         self.steering = self._install_steering(runner)
@@ -273,7 +289,7 @@ class HiddenStatesCapture:
             if any(plan.offsets):
                 row0 = row0 + np.array(plan.offsets, dtype=np.int64)
             rows = _ranges(row0, plan.counts)
-            self._group = _ArmedGroup(plan.req_ids, plan.counts, kind.layers)
+            self._group = _ArmedGroup(plan.req_ids, plan.counts, kind.layers, kind.probes)
             self._arm_rows(device, rows, self._asked([kind]), [kind.buffered], [len(rows)])
             return
         # Per armed request: its entry in the plan, first batch row and count.
@@ -322,6 +338,8 @@ class HiddenStatesCapture:
         if any(kind.sae_top_k for kind in kinds):
             assert self.sae_layer is not None  # steps ask for SAE features only with an SAE
             asked.add(self.sae_layer)
+        for kind in kinds:
+            asked.update(self.probe_ids[name] for name in kind.probes)
         self._wants_final = self.final_layer in asked
         return asked
 
@@ -437,6 +455,11 @@ class HiddenStatesCapture:
                 # On the device; only k ids + k values per row leave it.
                 assert self.sae is not None and self.sae_layer is not None  # asked only with an SAE
                 features = encode_topk(rows_of(self.sae_layer), self.sae, step.sae_top_k)
+            scores = None
+            if step.probes:
+                # On the device; only k floats per probe and row leave it.
+                assert self.probes is not None  # asked only of an engine with probes
+                scores = self.probes.score(step.probes, rows_of)
             if step.positions == "all" and step.start == 0:
                 self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
             rows = self._partial.get(armed.req_id)
@@ -447,12 +470,12 @@ class HiddenStatesCapture:
                 last = step.num_tokens if step.stop is None else min(step.num_tokens, step.stop)
                 num_rows = last - step.first if spans else armed.count
                 rows = HostRows.allocate(
-                    self.copies, step.first, num_rows, layers, features, neurons
+                    self.copies, step.first, num_rows, layers, features, neurons, scores
                 )
                 if spans:
                     self._partial[armed.req_id] = rows
-            if layers or neurons or features is not None:
-                rows.write(self.copies, step.first, layers, features, neurons)
+            if layers or neurons or features is not None or scores is not None:
+                rows.write(self.copies, step.first, layers, features, neurons, scores)
             if armed.done:
                 self._partial.pop(armed.req_id, None)
                 self._ready[armed.req_id] = rows
@@ -497,15 +520,25 @@ class HiddenStatesCapture:
         carried: dict[int, int],
     ) -> None:
         """The common decode step, in one copy per layer: every armed capture
-        ends in this step and asks the same layers, without SAE features. The
-        step's rows go to one host tensor ``[layers, rows, hidden]`` and each
-        request gets a view of its rows (no tensor or copy per request)."""
+        ends in this step and asks the same layers and probes, without SAE
+        features. The step's rows go to one host tensor ``[layers, rows,
+        hidden]`` (probe scores: ``[rows, sum of k]``, scored on the device
+        for every row at once) and each request gets a view of its rows (no
+        tensor or copy per request)."""
+
         # All rows pass the buffers, or none does (same layers for all): each
         # layer's rows are all it holds for this forward.
-        host = self.copies.gather(
-            [self._device_rows(k, final_rows, carried, None, None) for k in group.layers]
+        def rows_of(k: int) -> torch.Tensor:
+            return self._device_rows(k, final_rows, carried, None, None)
+
+        host = self.copies.gather([rows_of(k) for k in group.layers]) if group.layers else None
+        scores = None
+        if group.probes:
+            assert self.probes is not None  # asked only of an engine with probes
+            scores = self.copies.to_host(self.probes.score(group.probes, rows_of))
+        rows = CapturedRows(
+            hidden=host, probe_scores=scores, req_ids=group.req_ids, counts=group.counts
         )
-        rows = CapturedRows(hidden=host, req_ids=group.req_ids, counts=group.counts)
         if self._ready_group is not None:  # not attached since (no sampling step)
             rows = cat_rows([self._ready_group, rows], grouped=True)
         self._ready_group = rows

@@ -45,6 +45,15 @@ class HostCopies:
             self.copy(dst, src)
         return host
 
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (a fresh device tensor nothing else writes) on the host,
+        not waited on: itself on the CPU, else a copy into pinned memory."""
+        if self.on_host:
+            return tensor
+        host = self.empty(tuple(tensor.shape), tensor.dtype)
+        self.copy(host, tensor)
+        return host
+
     def record(self) -> None:
         """After a step's last copy: mark where its rows are complete."""
         if self.asynchronous:
@@ -75,12 +84,15 @@ class HostRows:
             ``[rows, k]``, or None without ``sae_top_k``.
         neurons: ``[num_mlp_post, rows, intermediate_size]`` in the model
             dtype, or None when no MLP-neuron point was asked.
+        scores: probe scores, float32 ``[rows, sum of k]``, or None when no
+            probe was asked.
     """
 
     first: int
     states: torch.Tensor | None
     features: tuple[torch.Tensor, torch.Tensor] | None
     neurons: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -91,10 +103,12 @@ class HostRows:
         layers: list[torch.Tensor],
         features: tuple[torch.Tensor, torch.Tensor] | None,
         neurons: list[torch.Tensor] | None = None,
+        scores: torch.Tensor | None = None,
     ) -> "HostRows":
         """Room for ``num_rows`` rows shaped like the first chunk's
         (``layers``: one ``[rows, hidden]`` device tensor per layer;
-        ``neurons``: one ``[rows, intermediate_size]`` per mlp_post point)."""
+        ``neurons``: one ``[rows, intermediate_size]`` per mlp_post point;
+        ``scores``: the chunk's probe scores ``[rows, sum of k]``)."""
         states = None
         if layers:
             hidden = layers[0].shape[-1]
@@ -110,17 +124,21 @@ class HostRows:
                 copies.empty((num_rows, ids.shape[-1]), ids.dtype),
                 copies.empty((num_rows, values.shape[-1]), values.dtype),
             )
-        return cls(first, states, host_features, host_neurons)
+        host_scores = None
+        if scores is not None:
+            host_scores = copies.empty((num_rows, scores.shape[-1]), scores.dtype)
+        return cls(first, states, host_features, host_neurons, host_scores)
 
     def captured(self) -> CapturedRows:
         """The rows as they leave the worker (``ModelRunnerOutput.captured``)."""
         if self.features is None:
-            return CapturedRows(hidden=self.states, neurons=self.neurons)
+            return CapturedRows(hidden=self.states, neurons=self.neurons, probe_scores=self.scores)
         return CapturedRows(
             hidden=self.states,
             sae_ids=self.features[0],
             sae_values=self.features[1],
             neurons=self.neurons,
+            probe_scores=self.scores,
         )
 
     @property
@@ -129,6 +147,8 @@ class HostRows:
             return self.states.shape[1]
         if self.neurons is not None:
             return self.neurons.shape[1]
+        if self.scores is not None:
+            return self.scores.shape[0]
         return self.features[0].shape[0] if self.features is not None else 0
 
     def write(
@@ -138,6 +158,7 @@ class HostRows:
         layers: list[torch.Tensor],
         features: tuple[torch.Tensor, torch.Tensor] | None,
         neurons: list[torch.Tensor] | None = None,
+        scores: torch.Tensor | None = None,
     ) -> None:
         """Copy one chunk whose row 0 is position ``first``: one contiguous
         copy per layer (a row range of one layer is contiguous on both sides)."""
@@ -145,6 +166,8 @@ class HostRows:
             count = layers[0].shape[0]
         elif neurons:
             count = neurons[0].shape[0]
+        elif scores is not None:
+            count = scores.shape[0]
         else:
             assert features is not None  # a chunk carries rows, features or both
             count = features[0].shape[0]
@@ -164,3 +187,6 @@ class HostRows:
         for i, rows in enumerate(neurons or ()):
             assert self.neurons is not None  # allocated for the same points
             copies.copy(self.neurons[i, lo : lo + count], rows)
+        if scores is not None:
+            assert self.scores is not None  # allocated with probes
+            copies.copy(self.scores[lo : lo + count], scores)

@@ -1,0 +1,291 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Linear probes (``--probes``) scored in the worker, through ``SamplingParams``.
+
+One engine for the module (EngineCore in its own process, so scores cross
+ZMQ as float32 tensor frames): a probe directory with one probe at each kind
+of point (an HF layer, resid_pre, resid_post, attn_out, resid_mid, mlp_out,
+the last layer's pre-norm resid_post), with and without input
+normalisation, each output function; 24-row capture buffers and chunked
+prefill at 64 tokens (long captures split over steps), and a KV cache of
+five 64-token blocks so that four concurrent long requests are preempted.
+
+Every score is compared with numpy's ``f(normalise(x) @ W.T + b)`` in
+float64 on HF transformers' states at the probe's point, on the token ids
+vLLM reports (:func:`vllm_hidden_states.probes.score_numpy`).
+"""
+
+import uuid
+
+import numpy as np
+import pytest
+
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind
+from vllm_hidden_states.probes import read_probe, save_probe, score_numpy
+
+from .conftest import COMMON_ENGINE_ARGS, num_preemptions, token_ids_of
+
+PROMPT = "Once upon a time there was a small robot who loved to count"
+LONG_PROMPT = " ".join([PROMPT] * 5)  # > 48 tokens: split over 24-row steps
+# Scores are float32 from float32 states: agreement with the float64
+# reference within this, relative to the largest score.
+TOL = 1e-4
+
+
+def probe_points(num_layers: int) -> dict[str, tuple[str, str, int, bool]]:
+    """name -> (point, output, k, normalised): every kind of point a probe
+    reads, with layers taken from the model's depth."""
+    last = num_layers - 1
+    return {
+        "final": ("-1", "none", 1, True),
+        "embed": ("0", "sigmoid", 2, False),
+        "pre2": ("blocks.2.hook_resid_pre", "softmax", 4, True),
+        "post1": ("resid_post.1", "sigmoid", 3, False),
+        "attn1": ("attn_out.1", "none", 2, True),
+        "mid2": ("resid_mid.2", "softmax", 3, False),
+        "mlp_last": (f"mlp_out.{last}", "sigmoid", 1, True),
+        "post_last": (f"resid_post.{last}", "none", 2, False),
+    }
+
+
+def write_probes(directory, hidden_size: int, num_layers: int, seed: int = 0):
+    """One random probe file per entry of :func:`probe_points`; weights
+    scaled so that sigmoid / softmax stay away from saturation."""
+    rng = np.random.default_rng(seed)
+    for name, (point, output, k, normalised) in probe_points(num_layers).items():
+        weight = rng.standard_normal((k, hidden_size)) / np.sqrt(hidden_size)
+        if k == 1 and name == "final":
+            weight = weight[0]  # the [hidden_size] form
+        save_probe(
+            directory / f"{name}.safetensors",
+            weight,
+            rng.standard_normal(k) * 0.1,
+            point,
+            output,
+            mean=rng.standard_normal(hidden_size) * 0.1 if normalised else None,
+            scale=rng.uniform(0.5, 2.0, hidden_size) if normalised else None,
+        )
+    return directory
+
+
+class Reference:
+    """The numpy scores on HF states at each probe's point."""
+
+    def __init__(self, hf, directory):
+        self.hf = hf
+        self._seen: dict[tuple[int, ...], tuple] = {}  # one HF forward per sequence
+        self.probes = {
+            name: read_probe(directory / f"{name}.safetensors")
+            for name in probe_points(hf.num_layers)
+        }
+
+    def rows(self, token_ids: list[int], point: str) -> np.ndarray:
+        key = tuple(token_ids)
+        if key not in self._seen:
+            self._seen = {key: (self.hf.states(token_ids), self.hf.points(token_ids))}
+        states, points = self._seen[key]
+        if point.lstrip("-").isdigit():
+            return states[int(point)].double().numpy()
+        if point.startswith("blocks."):
+            _, layer, hook = point.split(".")
+            point = f"{hook.removeprefix('hook_')}.{layer}"
+        return points[point].double().numpy()
+
+    def check(self, scores: dict, token_ids: list[int], positions: slice, what: str) -> None:
+        """Each probe's ``[n, k]`` float32 scores equal the reference at
+        ``positions`` within :data:`TOL` relative."""
+        for name, got in scores.items():
+            probe = self.probes[name]
+            want = score_numpy(self.rows(token_ids, probe.point), probe)[positions]
+            got = got.numpy()
+            assert got.dtype == np.float32, (what, name)
+            assert got.shape == want.shape == (want.shape[0], probe.k), (what, name, got.shape)
+            scale = max(np.abs(want).max(), 1e-3)
+            np.testing.assert_allclose(
+                got, want, atol=TOL * scale, rtol=0, err_msg=f"{what}: probe {name}"
+            )
+
+
+@pytest.fixture(scope="module")
+def probes_dir(tmp_path_factory, hf_qwen3):
+    return write_probes(
+        tmp_path_factory.mktemp("probes"), hf_qwen3.hidden_size, hf_qwen3.num_layers
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(hf_qwen3, probes_dir):
+    return Reference(hf_qwen3, probes_dir)
+
+
+@pytest.fixture(scope="module")
+def probe_llm(qwen3_dir, probes_dir):
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(qwen3_dir),
+        probes=str(probes_dir),
+        enforce_eager=True,
+        hidden_states_max_rows=24,
+        max_model_len=256,
+        num_gpu_blocks_override=5,
+        block_size=64,
+        disable_log_stats=False,
+        **dict(COMMON_ENGINE_ARGS, max_num_seqs=4),
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def probe_params(probes, positions="last", **kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 6)
+    kwargs.setdefault("temperature", 0.0)
+    return SamplingParams(probes=list(probes), hidden_states_positions=positions, **kwargs)
+
+
+def span_of(positions: str, out) -> slice:
+    n_prompt = len(out.prompt_token_ids)
+    return {
+        "last": slice(-1, None),
+        "all": slice(0, None),
+        "prompt": slice(0, n_prompt),
+        "generated": slice(n_prompt, None),
+    }[positions]
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        pytest.param("last", marks=pytest.mark.four_modes),
+        pytest.param("all", marks=pytest.mark.four_modes),
+        "prompt",
+        "generated",
+    ],
+)
+def test_scores_at_every_point_kind_match_numpy_on_hf_states(
+    probe_llm, reference, hf_qwen3, positions
+):
+    """Every probe at once, short and long (chunked, split) prompts."""
+    names = list(probe_points(hf_qwen3.num_layers))
+    outs = probe_llm.generate([PROMPT, LONG_PROMPT], probe_params(names, positions), use_tqdm=False)
+    assert len(outs[1].prompt_token_ids) > 2 * 24  # the capture ran over several steps
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.hidden_states is None  # probes alone: no vectors travel
+        assert list(completion.probe_scores) == names
+        reference.check(
+            completion.probe_scores, token_ids_of(out), span_of(positions, out), positions
+        )
+
+
+@pytest.mark.four_modes
+def test_requests_with_different_probes_share_a_batch(probe_llm, reference):
+    asks = [["final"], ["post1", "attn1"], ["mid2"], ["pre2", "final", "embed"]]
+    params = [probe_params(a, "all", max_tokens=8) for a in asks]
+    outs = probe_llm.generate([f"{PROMPT} {i}" for i in range(4)], params, use_tqdm=False)
+    for ask, out in zip(asks, outs):
+        scores = out.outputs[0].probe_scores
+        assert list(scores) == ask
+        reference.check(scores, token_ids_of(out), slice(0, None), f"batch {ask}")
+
+
+@pytest.mark.four_modes
+def test_each_of_n_children_gets_the_scores_of_its_own_sequence(probe_llm, reference):
+    params = probe_params(["post1", "final"], "all", n=2, temperature=1.0, seed=3, max_tokens=8)
+    (out,) = probe_llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(out.outputs) == 2
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids  # two sequences
+    for child in out.outputs:
+        ids = list(out.prompt_token_ids) + list(child.token_ids)
+        reference.check(child.probe_scores, ids, slice(0, None), f"child {child.index}")
+
+
+@pytest.mark.four_modes
+def test_preempted_requests_score_each_position_once(probe_llm, reference):
+    prompts = [f"{PROMPT} number {i}" for i in range(4)]
+    before = num_preemptions(probe_llm)
+    outs = probe_llm.generate(
+        prompts,
+        probe_params(["attn1", "final"], "all", max_tokens=60, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert num_preemptions(probe_llm) > before  # the case under test happened
+    for out in outs:
+        reference.check(out.outputs[0].probe_scores, token_ids_of(out), slice(0, None), "preempted")
+
+
+def test_probes_with_hidden_states_return_both(probe_llm, reference, hf_qwen3):
+    params = probe_params(["post1"], "all", return_hidden_states=True, hidden_states_layers=[2, -1])
+    (out,) = probe_llm.generate([PROMPT], params, use_tqdm=False)
+    completion = out.outputs[0]
+    ids = token_ids_of(out)
+    assert list(completion.hidden_states) == [2, -1]
+    assert completion.hidden_states[2].shape == (len(ids), hf_qwen3.hidden_size)
+    reference.check(completion.probe_scores, ids, slice(0, None), "with states")
+
+
+def test_a_window_scores_only_its_positions(probe_llm, reference):
+    window = {"start": 3, "end": 9}
+    (out,) = probe_llm.generate(
+        [PROMPT], probe_params(["mid2"], window, max_tokens=8), use_tqdm=False
+    )
+    scores = out.outputs[0].probe_scores
+    assert scores["mid2"].shape[0] == 6
+    reference.check(scores, token_ids_of(out), slice(3, 9), "window")
+
+
+def test_streamed_deltas_concatenate_to_every_position(probe_llm, reference):
+    engine = probe_llm.llm_engine
+    params = probe_params(["final", "post1"], "all", output_kind=RequestOutputKind.DELTA)
+    request_id = f"probe-delta-{uuid.uuid4().hex[:8]}"
+    engine.add_request(request_id, PROMPT, params)
+    parts, tokens, prompt = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            prompt = out.prompt_token_ids
+            tokens += out.outputs[0].token_ids
+            if out.outputs[0].probe_scores is not None:
+                parts.append(out.outputs[0].probe_scores)
+    assert len(parts) > 2  # the prompt, then a row per token fed back
+    import torch
+
+    joined = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+    reference.check(joined, list(prompt) + tokens, slice(0, None), "deltas")
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (["nope"], r"probe 'nope' is not loaded on this engine; available probes: \["),
+        (["final", "final"], r"names \['final'\] more than once"),
+        ([], "non-empty list of probe names"),
+        ("final", "non-empty list of probe names"),
+    ],
+)
+def test_a_bad_probes_field_fails_alone_naming_what_is_allowed(probe_llm, bad, says):
+    with pytest.raises(VLLMValidationError, match=says) as info:
+        probe_llm.generate([PROMPT], SamplingParams(max_tokens=2, probes=bad), use_tqdm=False)
+    assert info.value.parameter == "probes"
+    (out,) = probe_llm.generate([PROMPT], probe_params(["final"]), use_tqdm=False)  # still serving
+    assert out.outputs[0].probe_scores["final"].shape == (1, 1)
+
+
+def test_probes_that_do_not_fit_the_model_are_refused_at_start(qwen3_dir, tmp_path, hf_qwen3):
+    from vllm.engine.arg_utils import EngineArgs
+
+    n, hidden = hf_qwen3.num_layers, hf_qwen3.hidden_size
+
+    def start(name, weight_width, point):
+        directory = tmp_path / name
+        save_probe(directory / f"{name}.safetensors", np.ones((2, weight_width)), [0, 0], point)
+        EngineArgs(model=str(qwen3_dir), probes=str(directory)).create_engine_config()
+
+    with pytest.raises(ValueError, match=rf"'wide'.*{hidden + 1} wide.*hidden size is {hidden}"):
+        start("wide", hidden + 1, "-1")
+    with pytest.raises(ValueError, match=rf"'far'.*resid_post.{n + 3}.*out of range"):
+        start("far", hidden, f"resid_post.{n + 3}")
+    with pytest.raises(ValueError, match="'pattern'.*not a residual-stream row"):
+        start("pattern", hidden, "attn_pattern.1")
