@@ -414,32 +414,51 @@ def env_set(name: str, value: str):
             os.environ[name] = saved
 
 
+def world_of_one() -> None:
+    """vLLM's parallel groups for in-process engines, made here if none
+    exist: a world of one process, the expert-parallel group included.
+
+    The groups are process globals and an engine built in-process reuses
+    any it finds. Made by a dense engine they would lack the expert-parallel
+    group a MoE model needs (it failed to load behind the session's dense
+    ``llm``); made here (no model config: every group) they serve every
+    engine. Shutting an in-process engine down tears them down, under any
+    other engine still alive (the session's ``llm``):
+    :func:`shut_down_in_process` makes them again.
+    """
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    method = get_distributed_init_method("127.0.0.1", get_open_port())
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(1, 0, method, 0, "gloo")
+        parallel_state.initialize_model_parallel(1, 1, backend="gloo")
+
+
 @contextmanager
 def in_process_engine():
     """Build an engine inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING
-    =0``) on distributed state of its own.
-
-    vLLM's parallel groups are process globals and a new engine reuses any it
-    finds: behind the session's dense ``llm`` a MoE model would find no expert
-    parallel group (a dense engine never makes one) and fail to load. So the
-    groups left by another in-process engine are released first; every
-    in-process engine's shutdown releases them the same way. Building an
-    engine also freezes vLLM's env reads (envs cache); they are unfrozen after,
-    so the next engine reads its own ``VLLM_ENABLE_V1_MULTIPROCESSING``.
-    """
+    =0``) on the groups of :func:`world_of_one`. Building an engine freezes
+    vLLM's env reads (envs cache); they are unfrozen after, so the next
+    engine reads its own ``VLLM_ENABLE_V1_MULTIPROCESSING``."""
     import vllm.envs as envs
-    from vllm.distributed.parallel_state import (
-        cleanup_dist_env_and_memory,
-        model_parallel_is_initialized,
-    )
 
-    if model_parallel_is_initialized():
-        cleanup_dist_env_and_memory()
+    world_of_one()
     try:
         with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
             yield
     finally:
         envs.disable_envs_cache()
+
+
+def shut_down_in_process(engine) -> None:
+    """Shut an in-process engine down; the groups its shutdown tears down are
+    made again for the in-process engines still alive (:func:`world_of_one`)."""
+    engine.llm_engine.engine_core.shutdown()
+    world_of_one()
 
 
 COMMON_ENGINE_ARGS = dict(
@@ -506,7 +525,7 @@ def llm(qwen3_dir, steering_vectors_dir):
             **COMMON_ENGINE_ARGS,
         )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from .conftest import (
     HFReference,
     assert_close,
     in_process_engine,
+    shut_down_in_process,
     token_ids_of,
 )
 
@@ -64,7 +65,7 @@ def llm(qwen3_dir, sae):
             **dict(COMMON_ENGINE_ARGS, max_num_seqs=8),
         )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
     del engine
     gc.collect()
 

@@ -51,6 +51,7 @@ from .conftest import (
     env_set,
     in_process_engine,
     point_sites,
+    shut_down_in_process,
     token_ids_of,
 )
 
@@ -97,7 +98,7 @@ class _Current:
 
 def _shutdown() -> None:
     if _Current.engine is not None:
-        _Current.engine.llm_engine.engine_core.shutdown()
+        shut_down_in_process(_Current.engine)
     _Current.key = _Current.engine = _Current.reference = _Current.error = None
     gc.collect()
 

@@ -32,6 +32,7 @@ from .conftest import (
     HFReference,
     assert_prompt_logprobs_match,
     in_process_engine,
+    shut_down_in_process,
     token_ids_of,
 )
 from .test_architectures import LONG_PROMPT, PROMPT, STRENGTH, layers_of, random_vector
@@ -74,7 +75,7 @@ def family(request):
             **dict(COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8),
         )
     yield arch, llm, hf
-    llm.llm_engine.engine_core.shutdown()
+    shut_down_in_process(llm)
     del llm
     gc.collect()
 
