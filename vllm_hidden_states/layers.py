@@ -419,6 +419,95 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
 }
 
 
+# Qwen3-VL's language model: vLLM's Qwen3 (MoE) layers under their own class
+# names (the deepstack visual embeddings are added between layers, by the
+# model, at image positions only).
+MODEL_LAYERS[_V + "qwen3_vl.Qwen3LLMForCausalLM"] = _V + "qwen3_vl.Qwen3VLDecoderLayer"
+MODEL_LAYERS[_V + "qwen3_vl_moe.Qwen3MoeLLMForCausalLM"] = (
+    _V + "qwen3_vl_moe.Qwen3VLMoeDecoderLayer"
+)
+LAYER_CLASSES[_V + "qwen3_vl.Qwen3VLDecoderLayer"] = LayerClass("fused", ("qwen3_vl",))
+LAYER_CLASSES[_V + "qwen3_vl_moe.Qwen3VLMoeDecoderLayer"] = LayerClass(
+    "fused", ("qwen3_vl_moe",), neurons=None
+)
+
+# The language model a multimodal wrapper builds, in vLLM 0.32: its vLLM model
+# class, or FROM_TEXT_CONFIG where the wrapper builds what the checkpoint's
+# ``text_config`` names (vLLM's ``init_vllm_registered_model``: its
+# ``architectures``, else transformers' causal-LM class of its ``model_type``).
+# Read from each wrapper's ``__init__``; tests/unit/test_layer_classes.py
+# checks every entry against the wrapper's source. A wrapper not listed has
+# no predicted layers (layers 0 and -1 only).
+FROM_TEXT_CONFIG = "text_config"
+_MM = {
+    "gemma3_mm.Gemma3ForConditionalGeneration": "gemma3.Gemma3ForCausalLM",
+    "gemma4_mm.Gemma4ForConditionalGeneration": "gemma4.Gemma4ForCausalLM",
+    "gemma4_unified.Gemma4UnifiedForConditionalGeneration": "gemma4.Gemma4ForCausalLM",
+    "mllama4.Llama4ForConditionalGeneration": "llama4.Llama4ForCausalLM",
+    "qwen2_vl.Qwen2VLForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
+    "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
+    "qwen3_vl.Qwen3VLForConditionalGeneration": "qwen3_vl.Qwen3LLMForCausalLM",
+    "qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe.Qwen3MoeLLMForCausalLM",
+    "qwen3_5.Qwen3_5ForConditionalGeneration": "qwen3_5.Qwen3_5ForCausalLM",
+    "qwen3_5.Qwen3_5MoeForConditionalGeneration": "qwen3_5.Qwen3_5MoeForCausalLM",
+    "kimi_vl.KimiVLForConditionalGeneration": "deepseek_v2.DeepseekV2ForCausalLM",
+    "kimi_k25.KimiK25ForConditionalGeneration": "deepseek_v2.DeepseekV2ForCausalLM",
+    "exaone4_5.Exaone4_5_ForConditionalGeneration": "exaone4.Exaone4ForCausalLM",
+    "paddleocr_vl.PaddleOCRVLForConditionalGeneration": "ernie45.Ernie4_5ForCausalLM",
+    "phi3v.Phi3VForCausalLM": "llama.LlamaForCausalLM",
+    "phi4siglip.Phi4ForCausalLMV": "phi3.Phi3ForCausalLM",
+    "llava_onevision2.LlavaOnevision2ForConditionalGeneration": "qwen3.Qwen3ForCausalLM",
+    "bagel.BagelForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
+    "llava.LlavaForConditionalGeneration": FROM_TEXT_CONFIG,
+    "llava_next.LlavaNextForConditionalGeneration": FROM_TEXT_CONFIG,
+    "llava_next_video.LlavaNextVideoForConditionalGeneration": FROM_TEXT_CONFIG,
+    "llava_onevision.LlavaOnevisionForConditionalGeneration": FROM_TEXT_CONFIG,
+    "mistral3.Mistral3ForConditionalGeneration": FROM_TEXT_CONFIG,
+    "pixtral.PixtralForConditionalGeneration": FROM_TEXT_CONFIG,
+    "paligemma.PaliGemmaForConditionalGeneration": FROM_TEXT_CONFIG,
+    "gemma3n_mm.Gemma3nForConditionalGeneration": "gemma3n.Gemma3nForCausalLM",
+    "interns1.InternS1ForConditionalGeneration": FROM_TEXT_CONFIG,
+    "internvl.InternVLChatModel": FROM_TEXT_CONFIG,
+    "cohere2_vision.Cohere2VisionForConditionalGeneration": FROM_TEXT_CONFIG,
+    "lfm2_vl.Lfm2VLForConditionalGeneration": FROM_TEXT_CONFIG,
+    "glm4_1v.Glm4vForConditionalGeneration": FROM_TEXT_CONFIG,
+}
+LANGUAGE_MODELS: dict[str, str] = {
+    _V + wrapper: inner if inner == FROM_TEXT_CONFIG else _V + inner
+    for wrapper, inner in _MM.items()
+}
+
+
+def _from_text_config(text_config: Any) -> str | None:
+    """The vLLM model class vLLM builds for ``text_config`` inside a wrapper."""
+    from vllm import ModelRegistry
+
+    architectures = getattr(text_config, "architectures", None)
+    if not architectures:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(text_config, "model_type", ""))
+        architectures = [name] if name else []
+    for architecture in architectures:
+        entry = ModelRegistry.models.get(architecture)
+        module = getattr(entry, "module_name", None)
+        if entry is not None and module is not None and not module.endswith(".transformers"):
+            return f"{module}.{entry.class_name}"
+    return None
+
+
+def language_model_of(model_cls: str | None, text_config: Any) -> str | None:
+    """The vLLM model class whose decoder layers a model runs: the language
+    model inside a multimodal wrapper (:data:`LANGUAGE_MODELS`), else the
+    model class itself."""
+    inner = LANGUAGE_MODELS.get(model_cls or "")
+    if inner is None:
+        return model_cls
+    if inner == FROM_TEXT_CONFIG:
+        return None if text_config is None else _from_text_config(text_config)
+    return inner
+
+
 def _hf_layer_class(architecture: str) -> str | None:
     """HF transformers' decoder layer class of ``architecture`` (what vLLM's
     Transformers backend runs): its model's first ``_no_split_modules``."""
@@ -464,12 +553,16 @@ def predicted_layer_classes(model_config: Any, num_layers: int) -> tuple[str | N
     if model_cls.startswith("transformers:"):
         name = _hf_layer_class(model_cls.split(":", 1)[1])
         return (name,) * num_layers
-    layers = MODEL_LAYERS.get(model_cls)
+    text_config = getattr(model_config, "hf_text_config", None)
+    try:
+        model_cls = language_model_of(model_cls, text_config)
+    except Exception:
+        return unknown
+    layers = MODEL_LAYERS.get(model_cls or "")
     if layers is None:
         return unknown
     if isinstance(layers, str):
         return (layers,) * num_layers
-    text_config = getattr(model_config, "hf_text_config", None)
     if text_config is None:
         return unknown  # a per-layer prediction needs the model's config
     predicted = tuple(layers(text_config))
@@ -654,7 +747,8 @@ class ModelLayers:
             classes,
             model_class,
             int(getattr(text_config, "num_local_experts", 0) or 0) > 0,
-            NO_SINGLE_STREAM.get(model_class or "", ""),
+            NO_SINGLE_STREAM.get(model_class or "", "")
+            or NO_SINGLE_STREAM.get(LANGUAGE_MODELS.get(model_class or "", ""), ""),
         )
 
 

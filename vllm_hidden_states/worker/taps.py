@@ -39,13 +39,20 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.Modu
 
     Rule: of the ``nn.ModuleList`` s whose children are modules (not lists)
     and whose length is ``num_layers`` (the config's ``num_hidden_layers``;
-    pipeline-parallel placeholders keep the length), the shallowest. Raises
-    ``LookupError`` when there is none.
+    pipeline-parallel placeholders keep the length), the shallowest; in a
+    multimodal model, searched within its language model only (a vision
+    tower's blocks may be as many). Raises ``LookupError`` when there is none.
     """
+    within = ""
+    language_model = getattr(model, "get_language_model", None)
+    if callable(language_model):
+        inner = language_model()
+        within = next((n + "." for n, m in model.named_modules() if m is inner and n), "")
     candidates = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
+        if name.startswith(within)
+        and isinstance(module, nn.ModuleList)
         and len(module) == num_layers
         and not any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in module)
     ]

@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiny random multimodal checkpoints in their published config shapes.
+
+What people download for Gemma 3 (4B and up), LLaVA, Mistral Small 3.x and
+the Qwen-VL families declares a ``*ForConditionalGeneration`` architecture,
+with the language model's config under ``text_config`` and a vision tower
+beside it. :func:`build_tiny_vlm` writes one such checkpoint per wrapper
+(:data:`VLM_ARCHS`): the text config is the tiny text model of the same
+family (``tiny_models``), the vision tower one small layer, the special tokens
+in a trained tokenizer, and the processor files HF and vLLM read for image
+prompts. Every weight is random and perturbed off HF's initial values.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from vllm_hidden_states.tools.tiny_models import _arch_config, _built, _tokenizer
+
+# wrapper -> the tiny text family inside it.
+VLM_ARCHS: dict[str, str] = {
+    "gemma3_mm": "gemma3",
+    "llava": "llama",
+    "mistral3": "mistral",
+    "qwen2_5_vl": "qwen2",
+}
+
+# Square images of this many pixels; 14-pixel patches.
+IMAGE_SIZE = 28
+PATCH = 14
+
+
+def _vision_tower(hidden: int = 64) -> dict:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+
+
+def _with_specials(style: str, vocab_size: int, specials: list[str]):
+    """A trained tokenizer of ``style`` that also knows ``specials``, every id
+    below ``vocab_size``; ``(tokenizer, {name: id})``."""
+    # Trained a little short of the model's vocabulary, so that the added
+    # tokens' ids stay inside it (vLLM refuses ids past it).
+    hf_tok, token_ids = _tokenizer(style, vocab_size - len(specials))
+    hf_tok.add_special_tokens({"additional_special_tokens": specials})
+    for s in specials:
+        token_ids[s] = hf_tok.convert_tokens_to_ids(s)
+    return hf_tok, token_ids
+
+
+def _common(vocab_size: int, hidden_size: int, num_layers: int) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=max(1, hidden_size // 64),
+        num_key_value_heads=max(1, hidden_size // 128),
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        initializer_range=0.05,
+    )
+
+
+def _gemma3_mm(common: dict):
+    import transformers as T
+
+    tok, ids = _with_specials(
+        "gemma", common["vocab_size"], ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    )
+    tok._set_model_specific_special_tokens(
+        special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        }
+    )
+    text, _ = _arch_config("gemma3", common, ids)
+    config = T.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=dict(_vision_tower(), model_type="siglip_vision_model"),
+        mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
+        tie_word_embeddings=True,
+    )
+    processor = T.Gemma3Processor(
+        image_processor=T.Gemma3ImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False
+        ),
+        tokenizer=tok,
+        image_seq_length=4,
+    )
+    return config, T.Gemma3ForConditionalGeneration, processor
+
+
+def _llava(common: dict, family: str = "llama"):
+    import transformers as T
+
+    tok, ids = _with_specials("llama", common["vocab_size"], ["<image>"])
+    text, _ = _arch_config(family, common, ids)
+    config = T.LlavaConfig(
+        text_config=text.to_dict(),
+        vision_config=dict(_vision_tower(), model_type="clip_vision_model", projection_dim=64),
+        image_token_index=ids["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        image_seq_length=(IMAGE_SIZE // PATCH) ** 2,
+    )
+    processor = T.LlavaProcessor(
+        image_processor=T.CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        ),
+        tokenizer=tok,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
+    return config, T.LlavaForConditionalGeneration, processor
+
+
+def _mistral3(common: dict):
+    import transformers as T
+
+    tok, ids = _with_specials("llama", common["vocab_size"], ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    text, _ = _arch_config("mistral", common, ids)
+    config = T.Mistral3Config(
+        text_config=text.to_dict(),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            head_dim=64,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH,
+            model_type="pixtral",
+        ),
+        image_token_index=ids["[IMG]"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    processor = T.PixtralProcessor(
+        image_processor=T.PixtralImageProcessor(
+            size={"longest_edge": IMAGE_SIZE}, patch_size=PATCH
+        ),
+        tokenizer=tok,
+        patch_size=PATCH,
+        spatial_merge_size=2,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+    )
+    return config, T.Mistral3ForConditionalGeneration, processor
+
+
+def _qwen2_5_vl(common: dict):
+    import transformers as T
+
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok, ids = _with_specials("chatml", common["vocab_size"], specials)
+    text, _ = _arch_config("qwen2", common, ids)
+    text_dict = text.to_dict()
+    text_dict["rope_parameters"] = dict(
+        rope_type="default", mrope_section=[8, 12, 12], rope_theta=1000000.0
+    )
+    config = T.Qwen2_5_VLConfig(
+        text_config=text_dict,
+        vision_config=dict(
+            depth=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=1,
+            out_hidden_size=common["hidden_size"],
+            patch_size=PATCH,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    processor = T.Qwen2_5_VLProcessor(
+        image_processor=T.Qwen2VLImageProcessor(
+            min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE, patch_size=PATCH
+        ),
+        video_processor=T.Qwen2VLVideoProcessor(),
+        tokenizer=tok,
+    )
+    return config, T.Qwen2_5_VLForConditionalGeneration, processor
+
+
+_BUILDERS = {
+    "gemma3_mm": _gemma3_mm,
+    "llava": _llava,
+    "mistral3": _mistral3,
+    "qwen2_5_vl": _qwen2_5_vl,
+}
+
+
+def build_tiny_vlm(
+    out: str | Path,
+    arch: str = "llava",
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a multimodal checkpoint loadable by vLLM and HF transformers
+    (``arch`` one of :data:`VLM_ARCHS`); its path. Skips the work when ``out``
+    already holds one built with the same arguments."""
+    import fcntl
+
+    if arch not in _BUILDERS:
+        raise ValueError(f"unknown multimodal arch {arch!r}; use one of {', '.join(_BUILDERS)}")
+    out = Path(out)
+    recipe = dict(
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        seed=seed,
+        version=1,
+        multimodal=True,
+    )
+    stamp = out / "tiny_model.json"
+    if _built(stamp, recipe):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _built(stamp, recipe):
+            _write(out, arch, recipe, _common(vocab_size, hidden_size, num_layers), seed)
+    return out
+
+
+def _write(out: Path, arch: str, recipe: dict, common: dict, seed: int) -> None:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    config, model_cls, processor = _BUILDERS[arch](common)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tmp = out / "tiny_model.json.tmp"
+    tmp.write_text(json.dumps(recipe))
+    os.replace(tmp, out / "tiny_model.json")
