@@ -23,6 +23,11 @@ VLM_ARCHS: dict[str, str] = {
     "llava": "llama",
     "mistral3": "mistral",
     "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "llama4_mm": "llama4",
+    "gemma4_mm": "gemma4",
+    "llava_onevision": "qwen2",
+    "internvl": "qwen2",
 }
 
 # Square images of this many pixels; 14-pixel patches.
@@ -208,11 +213,150 @@ def _qwen2_5_vl(common: dict):
     return config, T.Qwen2_5_VLForConditionalGeneration, processor
 
 
+def _qwen3_vl(common: dict):
+    import transformers as T
+
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok, ids = _with_specials("chatml", common["vocab_size"], specials)
+    text = {k: v for k, v in common.items() if k not in ("torch_dtype",)}
+    text.update(
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        rope_parameters=dict(
+            rope_type="default", mrope_section=[8, 12, 12], mrope_interleaved=True,
+            rope_theta=5000000.0,
+        ),
+    )
+    config = T.Qwen3VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=1,
+            out_hidden_size=common["hidden_size"],
+            patch_size=PATCH,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    processor = T.Qwen3VLProcessor(
+        image_processor=T.Qwen2VLImageProcessor(
+            min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE,
+            patch_size=PATCH,
+        ),
+        video_processor=T.Qwen3VLVideoProcessor(),
+        tokenizer=tok,
+    )
+    return config, T.Qwen3VLForConditionalGeneration, processor
+
+
+def _llama4_mm(common: dict):
+    import transformers as T
+
+    tok, ids = _with_specials(
+        "llama", common["vocab_size"],
+        ["<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+         "<|tile_y_separator|>"],
+    )
+    text, _ = _arch_config("llama4", common, ids)
+    config = T.Llama4Config(
+        text_config=text.to_dict(),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH,
+            vision_output_dim=64,
+            projector_input_dim=64,
+            projector_output_dim=64,
+            pixel_shuffle_ratio=0.5,
+        ),
+        boi_token_index=ids["<|image_start|>"],
+        eoi_token_index=ids["<|image_end|>"],
+        image_token_index=ids["<|patch|>"],
+    )
+    return config, T.Llama4ForConditionalGeneration, tok
+
+
+def _gemma4_mm(common: dict):
+    import transformers as T
+
+    tok, ids = _with_specials(
+        "gemma", common["vocab_size"], ["<boi>", "<eoi>", "<image|>", "<video|>", "<boa>",
+                                        "<eoa>", "<audio|>"],
+    )
+    text, _ = _arch_config("gemma4", common, ids)
+    config = T.Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=64, patch_size=PATCH, pooling_kernel_size=1,
+            position_embedding_size=64,
+        ),
+        audio_config=None,
+        boi_token_id=ids["<boi>"],
+        eoi_token_id=ids["<eoi>"],
+        image_token_id=ids["<image|>"],
+        video_token_id=ids["<video|>"],
+        boa_token_id=ids["<boa>"],
+        eoa_token_index=ids["<eoa>"],
+        audio_token_id=ids["<audio|>"],
+    )
+    return config, T.Gemma4ForConditionalGeneration, tok
+
+
+def _llava_onevision(common: dict):
+    import transformers as T
+
+    tok, ids = _with_specials("chatml", common["vocab_size"], ["<image>", "<video>"])
+    text, _ = _arch_config("qwen2", common, ids)
+    config = T.LlavaOnevisionConfig(
+        text_config=text.to_dict(),
+        vision_config=dict(_vision_tower(), model_type="siglip_vision_model"),
+        image_token_index=ids["<image>"],
+        video_token_index=ids["<video>"],
+        image_grid_pinpoints=[[IMAGE_SIZE, IMAGE_SIZE]],
+    )
+    return config, T.LlavaOnevisionForConditionalGeneration, tok
+
+
+def _internvl(common: dict):
+    import transformers as T
+
+    tok, ids = _with_specials("chatml", common["vocab_size"], ["<img>", "</img>", "<IMG_CONTEXT>"])
+    text, _ = _arch_config("qwen2", common, ids)
+    config = T.InternVLConfig(
+        text_config=text.to_dict(),
+        vision_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+            image_size=[IMAGE_SIZE, IMAGE_SIZE], patch_size=[PATCH, PATCH],
+        ),
+        image_token_id=ids["<IMG_CONTEXT>"],
+        image_seq_length=1,
+        tie_word_embeddings=False,
+    )
+    return config, T.InternVLForConditionalGeneration, tok
+
+
 _BUILDERS = {
     "gemma3_mm": _gemma3_mm,
     "llava": _llava,
     "mistral3": _mistral3,
     "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "llama4_mm": _llama4_mm,
+    "gemma4_mm": _gemma4_mm,
+    "llava_onevision": _llava_onevision,
+    "internvl": _internvl,
 }
 
 
@@ -263,7 +407,7 @@ def _write(out: Path, arch: str, recipe: dict, common: dict, seed: int) -> None:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
+    processor.save_pretrained(out)  # a processor, or the tokenizer alone
     tmp = out / "tiny_model.json.tmp"
     tmp.write_text(json.dumps(recipe))
     os.replace(tmp, out / "tiny_model.json")
