@@ -301,6 +301,7 @@ def _gemma4_mm(common: dict):
             hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
             num_key_value_heads=1, head_dim=64, patch_size=PATCH, pooling_kernel_size=1,
             position_embedding_size=64,
+            default_output_length=4,
         ),
         audio_config=None,
         boi_token_id=ids["<boi>"],
@@ -326,13 +327,25 @@ def _llava_onevision(common: dict):
         video_token_index=ids["<video>"],
         image_grid_pinpoints=[[IMAGE_SIZE, IMAGE_SIZE]],
     )
-    return config, T.LlavaOnevisionForConditionalGeneration, tok
+    processor = T.LlavaOnevisionProcessor(
+        image_processor=T.LlavaOnevisionImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            image_grid_pinpoints=[[IMAGE_SIZE, IMAGE_SIZE]],
+        ),
+        video_processor=T.LlavaOnevisionVideoProcessor(),
+        tokenizer=tok,
+        num_image_tokens=(IMAGE_SIZE // PATCH) ** 2,
+        vision_feature_select_strategy="full",
+    )
+    return config, T.LlavaOnevisionForConditionalGeneration, processor
 
 
 def _internvl(common: dict):
     import transformers as T
 
-    tok, ids = _with_specials("chatml", common["vocab_size"], ["<img>", "</img>", "<IMG_CONTEXT>"])
+    tok, ids = _with_specials(
+        "chatml", common["vocab_size"], ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    )
     text, _ = _arch_config("qwen2", common, ids)
     config = T.InternVLConfig(
         text_config=text.to_dict(),
@@ -344,7 +357,19 @@ def _internvl(common: dict):
         image_seq_length=1,
         tie_word_embeddings=False,
     )
-    return config, T.InternVLForConditionalGeneration, tok
+    tok._set_model_specific_special_tokens(
+        special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    )
+    processor = T.InternVLProcessor(
+        image_processor=T.GotOcr2ImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, crop_to_patches=False
+        ),
+        video_processor=T.InternVLVideoProcessor(),
+        tokenizer=tok,
+        image_seq_length=1,
+    )
+    return config, T.InternVLForConditionalGeneration, processor
 
 
 _BUILDERS = {
@@ -396,6 +421,28 @@ def build_tiny_vlm(
     return out
 
 
+# Wrappers whose vision tower is HF's CLIP or SigLIP vision model: published
+# checkpoints name its weights ``vision_tower.vision_model.*``, which vLLM's
+# loaders expect; transformers 5 saves them without ``vision_model.``.
+_SIGLIP_OR_CLIP = ("gemma3_mm", "llava", "llava_onevision")
+
+
+def _published_vision_keys(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    prefix = "vision_tower."
+    renamed = {
+        (
+            prefix + "vision_model." + k[len(prefix) :]
+            if k.startswith(prefix) and not k.startswith(prefix + "vision_model.")
+            else k
+        ): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, path, metadata={"format": "pt"})
+
+
 def _write(out: Path, arch: str, recipe: dict, common: dict, seed: int) -> None:
     import torch
 
@@ -407,6 +454,8 @@ def _write(out: Path, arch: str, recipe: dict, common: dict, seed: int) -> None:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(out, safe_serialization=True)
+    if arch in _SIGLIP_OR_CLIP:
+        _published_vision_keys(out / "model.safetensors")
     processor.save_pretrained(out)  # a processor, or the tokenizer alone
     tmp = out / "tiny_model.json.tmp"
     tmp.write_text(json.dumps(recipe))
