@@ -46,13 +46,15 @@ def _vision_tower(hidden: int = 64) -> dict:
     )
 
 
-def _with_specials(style: str, vocab_size: int, specials: list[str]):
+def _with_specials(style: str, vocab_size: int, specials: list[str], plain: list[str] = ()):
     """A trained tokenizer of ``style`` that also knows ``specials``, every id
     below ``vocab_size``; ``(tokenizer, {name: id})``."""
     # Trained a little short of the model's vocabulary, so that the added
     # tokens' ids stay inside it (vLLM refuses ids past it).
-    hf_tok, token_ids = _tokenizer(style, vocab_size - len(specials))
+    hf_tok, token_ids = _tokenizer(style, vocab_size - len(specials) - len(plain))
     hf_tok.add_special_tokens({"additional_special_tokens": specials})
+    if plain:
+        hf_tok.add_tokens(list(plain))
     for s in specials:
         token_ids[s] = hf_tok.convert_tokens_to_ids(s)
     return hf_tok, token_ids
@@ -79,7 +81,12 @@ def _gemma3_mm(common: dict):
     import transformers as T
 
     tok, ids = _with_specials(
-        "gemma", common["vocab_size"], ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+        "gemma",
+        common["vocab_size"],
+        ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+        # Gemma's vocabulary has runs of newlines as tokens, which vLLM's
+        # Gemma 3 processor merges around the image sequence.
+        plain=["\n", "\n\n", "\n\n\n", "\n\n\n\n"],
     )
     tok._set_model_specific_special_tokens(
         special_tokens={
@@ -223,7 +230,9 @@ def _qwen3_vl(common: dict):
         bos_token_id=ids["bos"],
         eos_token_id=ids["eos"],
         rope_parameters=dict(
-            rope_type="default", mrope_section=[8, 12, 12], mrope_interleaved=True,
+            rope_type="default",
+            mrope_section=[8, 12, 12],
+            mrope_interleaved=True,
             rope_theta=5000000.0,
         ),
     )
@@ -248,7 +257,8 @@ def _qwen3_vl(common: dict):
     )
     processor = T.Qwen3VLProcessor(
         image_processor=T.Qwen2VLImageProcessor(
-            min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE,
+            min_pixels=IMAGE_SIZE * IMAGE_SIZE,
+            max_pixels=IMAGE_SIZE * IMAGE_SIZE,
             patch_size=PATCH,
         ),
         video_processor=T.Qwen3VLVideoProcessor(),
@@ -261,9 +271,16 @@ def _llama4_mm(common: dict):
     import transformers as T
 
     tok, ids = _with_specials(
-        "llama", common["vocab_size"],
-        ["<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
-         "<|tile_y_separator|>"],
+        "llama",
+        common["vocab_size"],
+        [
+            "<|image_start|>",
+            "<|image_end|>",
+            "<|image|>",
+            "<|patch|>",
+            "<|tile_x_separator|>",
+            "<|tile_y_separator|>",
+        ],
     )
     text, _ = _arch_config("llama4", common, ids)
     config = T.Llama4Config(
@@ -284,22 +301,37 @@ def _llama4_mm(common: dict):
         eoi_token_index=ids["<|image_end|>"],
         image_token_index=ids["<|patch|>"],
     )
-    return config, T.Llama4ForConditionalGeneration, tok
+    processor = T.Llama4Processor(
+        image_processor=T.Llama4ImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, max_patches=1
+        ),
+        tokenizer=tok,
+        patch_size=PATCH,
+        pixel_shuffle_ratio=0.5,
+    )
+    return config, T.Llama4ForConditionalGeneration, processor
 
 
 def _gemma4_mm(common: dict):
     import transformers as T
 
     tok, ids = _with_specials(
-        "gemma", common["vocab_size"], ["<boi>", "<eoi>", "<image|>", "<video|>", "<boa>",
-                                        "<eoa>", "<audio|>"],
+        "gemma",
+        common["vocab_size"],
+        ["<boi>", "<eoi>", "<image|>", "<video|>", "<boa>", "<eoa>", "<audio|>"],
     )
     text, _ = _arch_config("gemma4", common, ids)
     config = T.Gemma4Config(
         text_config=text.to_dict(),
         vision_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
-            num_key_value_heads=1, head_dim=64, patch_size=PATCH, pooling_kernel_size=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=64,
+            patch_size=PATCH,
+            pooling_kernel_size=1,
             position_embedding_size=64,
             default_output_length=4,
         ),
@@ -350,16 +382,24 @@ def _internvl(common: dict):
     config = T.InternVLConfig(
         text_config=text.to_dict(),
         vision_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
-            image_size=[IMAGE_SIZE, IMAGE_SIZE], patch_size=[PATCH, PATCH],
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            image_size=[IMAGE_SIZE, IMAGE_SIZE],
+            patch_size=[PATCH, PATCH],
         ),
         image_token_id=ids["<IMG_CONTEXT>"],
         image_seq_length=1,
         tie_word_embeddings=False,
     )
     tok._set_model_specific_special_tokens(
-        special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
-                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+        special_tokens={
+            "start_image_token": "<img>",
+            "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>",
+        }
     )
     processor = T.InternVLProcessor(
         image_processor=T.GotOcr2ImageProcessor(
@@ -407,7 +447,7 @@ def build_tiny_vlm(
         hidden_size=hidden_size,
         vocab_size=vocab_size,
         seed=seed,
-        version=1,
+        version=3,
         multimodal=True,
     )
     stamp = out / "tiny_model.json"

@@ -88,7 +88,12 @@ def sequence_rows(tensor: torch.Tensor) -> torch.Tensor:
 def decoder_layers_of(model):
     """An HF causal LM's decoder layers (its base model's ``layers``; GPT-2:
     ``transformer.h``)."""
-    for base in (model.base_model, getattr(model, "model", None)):  # Llama 4: model
+    bases = [model.base_model, getattr(model, "model", None)]  # Llama 4: model
+    # A multimodal wrapper's language model (HF 5: model.language_model).
+    # (Llama 4's wrapper: a causal LM, language_model.model.)
+    bases += [getattr(b, "language_model", None) for b in (*bases, model) if b is not None]
+    bases += [getattr(b, "model", None) for b in bases[2:] if b is not None]
+    for base in bases:
         for name in ("layers", "h"):
             if hasattr(base, name):
                 return getattr(base, name)
@@ -158,13 +163,17 @@ class HFReference:
     """
 
     def __init__(self, model_dir: Path):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, torch_dtype=torch.float32
-        ).eval()
-        self.num_layers = self.model.config.num_hidden_layers
-        self.hidden_size = self.model.config.hidden_size
+        config = AutoConfig.from_pretrained(model_dir)
+        # A multimodal checkpoint (its text model under text_config): HF's own
+        # *ForConditionalGeneration, the class the checkpoint declares.
+        multimodal = config.get_text_config() is not config
+        auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        text_config = self.model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.hidden_size = text_config.hidden_size
 
     @torch.inference_mode()
     def states(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:

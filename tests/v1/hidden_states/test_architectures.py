@@ -40,6 +40,7 @@ from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import POINT_KINDS
 from vllm_hidden_states.steering_config import STEERABLE_KINDS
 from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, SHORT_WINDOW, build_tiny_model
+from vllm_hidden_states.tools.tiny_vlms import VLM_ARCHS, build_tiny_vlm
 
 from .conftest import (
     COMMON_ENGINE_ARGS,
@@ -123,7 +124,11 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
     if _Current.key != key:
         _shutdown()
         _Current.key = key
-        model_dir = build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
+        model_dir = (
+            build_tiny_vlm(MODELS / f"tiny-{arch}", arch=arch)
+            if arch in VLM_ARCHS
+            else build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
+        )
         _Current.reference = HFReference(model_dir)
         for key, value in REFERENCE_CONFIG.get(arch, {}).items():
             setattr(_Current.reference.model.config, key, value)
@@ -312,7 +317,8 @@ def layers_of(hf: HFReference) -> ModelLayers:
     """The package's view of the model's decoder layers (their classes, as
     vLLM will load them), from its HF config."""
     config = SimpleNamespace(
-        architectures=hf.model.config.architectures, hf_text_config=hf.model.config
+        architectures=hf.model.config.architectures,
+        hf_text_config=hf.model.config.get_text_config(),
     )
     return ModelLayers.of(config, hf.num_layers)
 
