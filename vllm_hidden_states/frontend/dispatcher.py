@@ -51,6 +51,9 @@ class HiddenStatesTracker:
         spec: what the request asked for.
         cache_salt, priority: copied onto its extract.
         steering: the request's steering (wire form), replayed by its extract.
+        mm_positions: a multimodal prompt's ``{modality: positions whose rows
+            are that modality's embeddings}`` (:func:`mm_positions_of`), None
+            for a text prompt; on every output that carries rows.
         chunks: inline "all": the :class:`CapturedRows` that rode on the
             request's own outputs, in position order.
         complete: every position the request gets, once known.
@@ -63,6 +66,7 @@ class HiddenStatesTracker:
     cache_salt: str | None
     priority: int
     steering: list[dict[str, Any]] | None = None
+    mm_positions: dict[str, list[int]] | None = None
     chunks: list[CapturedRows] = field(default_factory=list)
     complete: CapturedRows | None = None
     error: str | None = None
@@ -190,6 +194,7 @@ class HiddenStatesTracker:
         rows = self._rows_for_output(finished, delta)
         if rows is None:
             return {"hidden_states": None, "sae_features": None, "probe_scores": None}
+        marked = {"mm_positions": self.mm_positions} if self.mm_positions else {}
         features = None
         if self.spec.sae_top_k and rows.sae_ids is not None:
             # Where the SAE reads: its point's address, or its HF layer.
@@ -211,7 +216,12 @@ class HiddenStatesTracker:
             scores = dict(
                 zip(self.spec.probes, rows.probe_scores.split(self.spec.probe_widths, dim=1))
             )
-        return {"hidden_states": states, "sae_features": features, "probe_scores": scores}
+        return {
+            "hidden_states": states,
+            "sae_features": features,
+            "probe_scores": scores,
+            **marked,
+        }
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:
         if not delta or not self.spec.inline:
@@ -252,6 +262,24 @@ def merge_delta(completion: Any, following: Any) -> None:
     completion.hidden_states = _cat_output_field(completion.hidden_states, following.hidden_states)
     completion.sae_features = _cat_output_field(completion.sae_features, following.sae_features)
     completion.probe_scores = _cat_output_field(completion.probe_scores, following.probe_scores)
+    completion.mm_positions = completion.mm_positions or following.mm_positions
+
+
+def mm_positions_of(mm_features: list[Any] | None) -> dict[str, list[int]] | None:
+    """``{modality: positions}`` of a prompt's multimodal embeddings, from
+    vLLM's placeholders (``MultiModalFeatureSpec.mm_position``: an offset, a
+    length and, where only some of the range are embeddings (Pixtral's
+    break tokens), its ``is_embed`` mask); None for a text prompt."""
+    if not mm_features:
+        return None
+    found: dict[str, list[int]] = {}
+    for feature in mm_features:
+        where = feature.mm_position
+        positions = range(where.offset, where.offset + where.length)
+        if where.is_embed is not None:
+            positions = [p for p, embed in zip(positions, where.is_embed.tolist()) if embed]
+        found.setdefault(feature.modality, []).extend(positions)
+    return {modality: sorted(positions) for modality, positions in found.items()}
 
 
 # RequestOutput.error.code of a request whose hidden states could not be captured.
@@ -332,6 +360,7 @@ class ExtractDispatcher:
             request.cache_salt,
             request.priority,
             None if params is None else params.steering,
+            mm_positions_of(request.mm_features),
         )
 
     @property

@@ -17,9 +17,12 @@ from vllm_hidden_states.hidden_states_config import (
     HiddenStatesConfig,
     built_once,
     captures_all_inline,
+    num_hidden_layers,
 )
+from vllm_hidden_states.layers import deepstack_layers, multimodal_prompt_problem
 from vllm_hidden_states.points import MAX_PATTERN_POSITIONS, Window, window_of
 from vllm_hidden_states.request_fields import (
+    AskedStates,
     FieldError,
     RequestFields,
     asks_states,
@@ -65,12 +68,14 @@ def resolve_request(
             "return_hidden_states is not supported on streaming-input (resumable) requests yet",
             parameter="return_hidden_states",
         )
-    if has_mm or has_prompt_embeds:
+    if has_prompt_embeds:
         raise VLLMValidationError(
-            "hidden states for multimodal or prompt-embeds prompts are not "
-            "supported yet; send token or text prompts",
+            "hidden states for prompt-embeds prompts are not supported yet; send token, "
+            "text or image prompts",
             parameter="return_hidden_states",
         )
+    if has_mm:
+        _check_multimodal_prompt(vllm_config, asked)
     cfg = built_once(HiddenStatesConfig, vllm_config)
     assert cfg is not None  # resolve_fields refuses an engine without hidden states
     positions = asked.positions
@@ -128,6 +133,41 @@ def resolve_request(
         if (problem := window_problem(window, prompt_len, reach)) is not None:
             raise VLLMValidationError(problem, parameter="hidden_states_positions")
     return spec
+
+
+def _check_multimodal_prompt(vllm_config: "VllmConfig", asked: AskedStates) -> None:
+    """Refuse hidden states of a prompt with images on a model whose image
+    path is not verified; on Qwen3-VL, the layers where HF's hidden_states
+    and the stream a layer reads differ at image positions (deepstack); and
+    (its extract replays the images from the engine's request, which a KV
+    connector frees elsewhere) positions that need an extract beside a KV
+    connector."""
+    from vllm.exceptions import VLLMValidationError
+
+    model_config = vllm_config.model_config
+    problem = multimodal_prompt_problem(model_config)
+    if problem is not None:
+        raise VLLMValidationError(problem, parameter="return_hidden_states")
+    deepstack = deepstack_layers(model_config)
+    mixed = [k for k in asked.abs_layers if 1 <= k <= deepstack]
+    if mixed:
+        k = mixed[0]
+        raise VLLMValidationError(
+            f"layer {k} of a prompt with images: this model adds visual features "
+            f"(deepstack) to the stream after decoder layers 0..{deepstack - 1}, at image "
+            f"positions, so HF's hidden_states[{k}] (layer {k - 1}'s output before the "
+            f"add) is not the stream layer {k} reads there; ask for resid_post.{k - 1} "
+            f"(HF's hidden_states[{k}]) or resid_pre.{k} (what layer {k} reads) in "
+            "hidden_states_points; layers 0 and "
+            f"{deepstack + 1}..{num_hidden_layers(vllm_config)} are as HF's",
+            parameter="hidden_states_layers",
+        )
+    if vllm_config.kv_transfer_config is not None and asked.positions != "prompt":
+        raise VLLMValidationError(
+            "with a KV connector, hidden states of a prompt with images are served "
+            "for positions 'prompt' only",
+            parameter="hidden_states_positions",
+        )
 
 
 def _check_pattern_budget(params: "SamplingParams", prompt_len: int) -> None:
