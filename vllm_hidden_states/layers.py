@@ -419,17 +419,11 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
 }
 
 
-# Qwen3-VL's language model: vLLM's Qwen3 (MoE) layers under their own class
-# names (the deepstack visual embeddings are added between layers, by the
+# Qwen3-VL's language model: vLLM's Qwen3 layers under their own class
+# name (its MoE variant's are untested) (the deepstack visual embeddings are added between layers, by the
 # model, at image positions only).
 MODEL_LAYERS[_V + "qwen3_vl.Qwen3LLMForCausalLM"] = _V + "qwen3_vl.Qwen3VLDecoderLayer"
-MODEL_LAYERS[_V + "qwen3_vl_moe.Qwen3MoeLLMForCausalLM"] = (
-    _V + "qwen3_vl_moe.Qwen3VLMoeDecoderLayer"
-)
 LAYER_CLASSES[_V + "qwen3_vl.Qwen3VLDecoderLayer"] = LayerClass("fused", ("qwen3_vl",))
-LAYER_CLASSES[_V + "qwen3_vl_moe.Qwen3VLMoeDecoderLayer"] = LayerClass(
-    "fused", ("qwen3_vl_moe",), neurons=None
-)
 
 # The language model a multimodal wrapper builds, in vLLM 0.32: its vLLM model
 # class, or FROM_TEXT_CONFIG where the wrapper builds what the checkpoint's
@@ -447,7 +441,6 @@ _MM = {
     "qwen2_vl.Qwen2VLForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
     "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
     "qwen3_vl.Qwen3VLForConditionalGeneration": "qwen3_vl.Qwen3LLMForCausalLM",
-    "qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe.Qwen3MoeLLMForCausalLM",
     "qwen3_5.Qwen3_5ForConditionalGeneration": "qwen3_5.Qwen3_5ForCausalLM",
     "qwen3_5.Qwen3_5MoeForConditionalGeneration": "qwen3_5.Qwen3_5MoeForCausalLM",
     "kimi_vl.KimiVLForConditionalGeneration": "deepseek_v2.DeepseekV2ForCausalLM",
@@ -458,6 +451,10 @@ _MM = {
     "phi4siglip.Phi4ForCausalLMV": "phi3.Phi3ForCausalLM",
     "llava_onevision2.LlavaOnevision2ForConditionalGeneration": "qwen3.Qwen3ForCausalLM",
     "bagel.BagelForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
+    # GLM-4.1V: vLLM builds GLM-4 for model_type glm4v (its MoE variant:
+    # GLM-4.5, for glm4v_moe, a class of its own here).
+    "glm4_1v.Glm4vForConditionalGeneration": "glm4.Glm4ForCausalLM",
+    "glm4_1v.Glm4vMoeForConditionalGeneration": "glm4_moe.Glm4MoeForCausalLM",
     "llava.LlavaForConditionalGeneration": FROM_TEXT_CONFIG,
     "llava_next.LlavaNextForConditionalGeneration": FROM_TEXT_CONFIG,
     "llava_next_video.LlavaNextVideoForConditionalGeneration": FROM_TEXT_CONFIG,
@@ -470,7 +467,6 @@ _MM = {
     "internvl.InternVLChatModel": FROM_TEXT_CONFIG,
     "cohere2_vision.Cohere2VisionForConditionalGeneration": FROM_TEXT_CONFIG,
     "lfm2_vl.Lfm2VLForConditionalGeneration": FROM_TEXT_CONFIG,
-    "glm4_1v.Glm4vForConditionalGeneration": FROM_TEXT_CONFIG,
 }
 LANGUAGE_MODELS: dict[str, str] = {
     _V + wrapper: inner if inner == FROM_TEXT_CONFIG else _V + inner

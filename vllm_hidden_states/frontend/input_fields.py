@@ -20,7 +20,7 @@ from vllm_hidden_states.hidden_states_config import (
     num_hidden_layers,
 )
 from vllm_hidden_states.layers import deepstack_layers, multimodal_prompt_problem
-from vllm_hidden_states.points import MAX_PATTERN_POSITIONS, Window, window_of
+from vllm_hidden_states.points import MAX_PATTERN_POSITIONS, Window, parse_point, window_of
 from vllm_hidden_states.request_fields import (
     AskedStates,
     FieldError,
@@ -149,25 +149,35 @@ def _check_multimodal_prompt(vllm_config: "VllmConfig", asked: AskedStates) -> N
     if problem is not None:
         raise VLLMValidationError(problem, parameter="return_hidden_states")
     deepstack = deepstack_layers(model_config)
-    mixed = [k for k in asked.abs_layers if 1 <= k <= deepstack]
-    if mixed:
-        k = mixed[0]
-        raise VLLMValidationError(
-            f"layer {k} of a prompt with images: this model adds visual features "
-            f"(deepstack) to the stream after decoder layers 0..{deepstack - 1}, at image "
-            f"positions, so HF's hidden_states[{k}] (layer {k - 1}'s output before the "
-            f"add) is not the stream layer {k} reads there; ask for resid_post.{k - 1} "
-            f"(HF's hidden_states[{k}]) or resid_pre.{k} (what layer {k} reads) in "
-            "hidden_states_points; layers 0 and "
-            f"{deepstack + 1}..{num_hidden_layers(vllm_config)} are as HF's",
-            parameter="hidden_states_layers",
-        )
+    if deepstack:
+        n = num_hidden_layers(vllm_config)
+        mixed = [f"layer {k}" for k in asked.abs_layers if 1 <= k <= deepstack]
+        mixed += [a for a in asked.points if _is_post(a, n) and parse_point(a, n)[1] < deepstack]
+        if mixed:
+            raise VLLMValidationError(
+                f"{mixed[0]} of a prompt with images: this model adds visual features "
+                f"(deepstack) to the stream after decoder layers 0..{deepstack - 1}, at "
+                "image positions; HF's hidden_states[k] and resid_post.(k-1) there are "
+                "before the add, which this engine does not read; resid_pre.k (what "
+                "layer k reads, the features added) is served for every k, and layers "
+                f"0 and {deepstack + 1}..{n} as HF's",
+                parameter="hidden_states_layers"
+                if mixed[0].startswith("layer")
+                else ("hidden_states_points"),
+            )
     if vllm_config.kv_transfer_config is not None and asked.positions != "prompt":
         raise VLLMValidationError(
             "with a KV connector, hidden states of a prompt with images are served "
             "for positions 'prompt' only",
             parameter="hidden_states_positions",
         )
+
+
+def _is_post(address: str, num_layers: int) -> bool:
+    try:
+        return parse_point(address, num_layers)[0] == "resid_post"
+    except ValueError:
+        return False
 
 
 def _check_pattern_budget(params: "SamplingParams", prompt_len: int) -> None:

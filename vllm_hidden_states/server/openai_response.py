@@ -205,6 +205,8 @@ class ChoiceRows:
     score_start: int = 0
     # For the activation store (only when the server has one).
     stored: StoredChoice | None = None
+    # A multimodal prompt's {modality: positions} (CompletionOutput.mm_positions).
+    mm_positions: dict[str, list[int]] | None = None
 
     @property
     def owed(self) -> bool:
@@ -217,6 +219,8 @@ class ChoiceRows:
             return None, None
         states = _concat(self.pending, ask)
         hidden = encode_choice_states(states, ask, self.start) if ask.keys else None
+        if hidden is not None and self.mm_positions:
+            hidden["mm_positions"] = self.mm_positions
         neurons = encode_choice_neurons(states, ask, self.start) if ask.neurons else None
         self.start += states[(*ask.keys, *ask.neurons)[0]].shape[0]
         self.pending = []
@@ -301,6 +305,7 @@ def _collect(
                     rows = _choice_rows(choices, offset + output.index, res, ask)
                     if output.hidden_states is not None:
                         rows.pending.append(output.hidden_states)
+                        rows.mm_positions = output.mm_positions or rows.mm_positions
                     if output.sae_features is not None:
                         rows.features.append(output.sae_features)
                     if output.probe_scores is not None:
@@ -489,6 +494,10 @@ def finish(reply: HiddenStatesReply | None, response: Any) -> Any:
         [r.start if r is not None else 0 for r in rows],
         [r.scores if r is not None else None for r in rows],
     )
+    for choice, r in zip(choices, rows):
+        marked = getattr(choice, "hidden_states", None)
+        if r is not None and r.mm_positions and isinstance(marked, dict):
+            marked["mm_positions"] = r.mm_positions
     return response
 
 

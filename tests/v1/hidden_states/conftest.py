@@ -176,13 +176,14 @@ class HFReference:
         self.hidden_size = text_config.hidden_size
 
     @torch.inference_mode()
-    def states(self, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
-        """``L + 1`` tensors ``[len(token_ids), hidden]``, HF's indexing."""
-        out = self.model(torch.tensor([token_ids]), output_hidden_states=True)
+    def states(self, token_ids: list[int], mm: dict | None = None) -> tuple[torch.Tensor, ...]:
+        """``L + 1`` tensors ``[len(token_ids), hidden]``, HF's indexing;
+        ``mm``: a multimodal prompt's processor outputs (pixel values ...)."""
+        out = self.model(torch.tensor([token_ids]), output_hidden_states=True, **(mm or {}))
         return tuple(h[0] for h in out.hidden_states)
 
     @torch.inference_mode()
-    def points(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    def points(self, token_ids: list[int], mm: dict | None = None) -> dict[str, torch.Tensor]:
         """Every point of every layer, ``{"kind.i": [len(token_ids), hidden]}``,
         read by forward hooks on HF's own modules: ``attn_out`` / ``mlp_out``
         as the block's output (after Gemma's / OLMo 2's post-norm, times
@@ -218,7 +219,7 @@ class HFReference:
                 else:
                     input_of(f"{kind}.{i}", module)
         try:
-            states = self.states(token_ids)
+            states = self.states(token_ids, mm)
         finally:
             for handle in handles:
                 handle.remove()
@@ -271,11 +272,11 @@ class HFReference:
 
     @torch.inference_mode()
     def steered_states(
-        self, token_ids: list[int], interventions: list[dict]
+        self, token_ids: list[int], interventions: list[dict], mm: dict | None = None
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`states` with ``interventions`` applied (:meth:`steering`)."""
         with self.steering(interventions):
-            return self.states(token_ids)
+            return self.states(token_ids, mm)
 
     @torch.inference_mode()
     def steered_points(self, token_ids: list[int], interventions: list[dict]) -> dict:
