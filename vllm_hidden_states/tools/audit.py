@@ -656,7 +656,12 @@ def _registry_kind(architecture: str) -> str | None:
     for attr, kind in _REGISTRIES:
         if architecture in getattr(registry, attr, {}):
             return kind
-    return "out-of-tree" if architecture in ModelRegistry.models else None
+    entry = ModelRegistry.models.get(architecture)
+    if entry is None:
+        return None
+    if (getattr(entry, "module_name", None) or "").endswith(".transformers"):
+        return "Transformers backend"
+    return "out-of-tree"
 
 
 def _load_config(model_dir: Path) -> Any:
@@ -863,8 +868,13 @@ def format_report(report: dict[str, Any]) -> str:
                 + ("exact" if stream_exact else "refused: " + report["refused_layers"][indices[0]])
             )
             lines.append("    points exact: " + (", ".join(kinds) or "none"))
+            by_reason: dict[str, list[str]] = {}  # one line per reason
             for k, why in first["refused"].items():
-                lines.append(f"    {k} refused: {why}")
+                prefix = f"{k}.{indices[0]} "
+                tail = "each " + why.removeprefix(prefix) if why.startswith(prefix) else why
+                by_reason.setdefault(tail, []).append(k)
+            for tail, kinds_refused in by_reason.items():
+                lines.append(f"    refused ({', '.join(kinds_refused)}): {tail}")
         lines.append(report["exact_help"])
     for note in report["notes"]:
         lines.append(f"note: {note}")
