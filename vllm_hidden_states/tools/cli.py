@@ -7,6 +7,7 @@ vllm-hidden-states patch rebase --to X.Y.Z [...]    (the newest set carried to a
 vllm-hidden-states tiny-model DIR [--arch qwen3|llama|gemma2|...] [...]
 vllm-hidden-states collect DATASET OUT (--model M | --server-url URL) [...]
 vllm-hidden-states store query ROOT deltas|threshold|sql ... | store prune ROOT
+vllm-hidden-states audit [MODEL_DIR] [--json]   (what is exact: the docs table, or one checkpoint)
 """
 
 import argparse
@@ -47,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "seam", add_help=False, help="the vLLM symbols the package and patches touch (--check)"
     )
+    sub.add_parser(
+        "audit",
+        add_help=False,
+        help="what is exact: docs/architectures.md, or one checkpoint (MODEL_DIR [--json])",
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "audit":
+        from vllm_hidden_states.tools import audit
+
+        return audit.main(rest)
     if args.command == "seam":
         from vllm_hidden_states.tools import seam as seam_tool
 
