@@ -419,9 +419,9 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
 }
 
 
-# Qwen3-VL's language model: vLLM's Qwen3 layers under their own class
-# name (its MoE variant's are untested) (the deepstack visual embeddings are added between layers, by the
-# model, at image positions only).
+# Qwen3-VL's language model: vLLM's Qwen3 layers under their own class name
+# (the deepstack visual features are added between layers, by the model, at
+# image positions only: deepstack_layers). Its MoE variant is untested.
 MODEL_LAYERS[_V + "qwen3_vl.Qwen3LLMForCausalLM"] = _V + "qwen3_vl.Qwen3VLDecoderLayer"
 LAYER_CLASSES[_V + "qwen3_vl.Qwen3VLDecoderLayer"] = LayerClass("fused", ("qwen3_vl",))
 
@@ -451,10 +451,8 @@ _MM = {
     "phi4siglip.Phi4ForCausalLMV": "phi3.Phi3ForCausalLM",
     "llava_onevision2.LlavaOnevision2ForConditionalGeneration": "qwen3.Qwen3ForCausalLM",
     "bagel.BagelForConditionalGeneration": "qwen2.Qwen2ForCausalLM",
-    # GLM-4.1V: vLLM builds GLM-4 for model_type glm4v (its MoE variant:
-    # GLM-4.5, for glm4v_moe, a class of its own here).
+    # GLM-4.1V: vLLM builds GLM-4 for model_type glm4v.
     "glm4_1v.Glm4vForConditionalGeneration": "glm4.Glm4ForCausalLM",
-    "glm4_1v.Glm4vMoeForConditionalGeneration": "glm4_moe.Glm4MoeForCausalLM",
     "llava.LlavaForConditionalGeneration": FROM_TEXT_CONFIG,
     "llava_next.LlavaNextForConditionalGeneration": FROM_TEXT_CONFIG,
     "llava_next_video.LlavaNextVideoForConditionalGeneration": FROM_TEXT_CONFIG,

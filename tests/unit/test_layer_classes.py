@@ -328,7 +328,8 @@ def _language_model_calls(cls) -> list:
 
 def _named_language_models(qualified: str) -> set[str]:
     """The vLLM model classes a wrapper's class body names as its language
-    model: ``architectures=["X"]`` (as vLLM's registry resolves X),
+    model: ``architectures=["X"]`` or ``architectures = ["X"]`` (as vLLM's
+    registry resolves X),
     ``model_class=X``, or ``self.language_model = X(...)``."""
     import ast
 
@@ -341,7 +342,13 @@ def _named_language_models(qualified: str) -> set[str]:
 
     named, built = set(), set()  # built: self.language_model = X(...), X a model class
     for node in ast.walk(cls):
-        if isinstance(node, ast.keyword) and node.arg == "architectures":
+        # architectures=[...], or architectures = [...] chosen before the call
+        # (GLM-4.1V: by model_type).
+        arch_list = (isinstance(node, ast.keyword) and node.arg == "architectures") or (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "architectures" for t in node.targets)
+        )
+        if arch_list:
             if isinstance(node.value, ast.List):
                 for elt in node.value.elts:
                     if isinstance(elt, ast.Constant) and elt.value in ModelRegistry.models:
@@ -380,11 +387,7 @@ def _builds_from_text_config(qualified: str) -> bool:
 
 # Entries the source contradicts, kept visible (xfail, strict) until layers.py
 # follows vLLM.
-_LANGUAGE_MODEL_MISMATCHES = {
-    layers._V + "glm4_1v.Glm4vForConditionalGeneration": "vLLM fixes architectures by "
-    "model_type (Glm4ForCausalLM for glm4v, Glm4MoeForCausalLM for glm4v_moe), and reads "
-    "text_config only for other model types",
-}
+_LANGUAGE_MODEL_MISMATCHES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -534,8 +534,9 @@ depends on the checkpoint. Statuses, on text prompts:
 - **refused**: no language model is known for it, or its language model is not
   verified: only layers 0 and -1.
 
-Image prompts: **tested exact** where `layers.IMAGE_PROMPTS_TESTED` lists the
-wrapper, else untested.
+Image prompts: **served, tested exact** where `layers.IMAGE_PROMPTS_TESTED`
+lists the wrapper; **refused** elsewhere (per request, naming why: the
+wrapper's image path is not verified against HF here).
 
 | Architecture | vLLM wrapper class | Language model | Status | Image prompts | Detail |
 |---|---|---|---|---|---|
@@ -620,7 +621,7 @@ def render(rows: list[Row], mm_rows: list[MultimodalRow] | None = None) -> str:
         )
         lines.append(
             f"| `{m.architecture}` | `{_short(m.wrapper)}` | {inner} | {_mm_status_text(m)} | "
-            f"{'tested exact' if m.image_prompts else 'untested'} | {m.detail} |\n"
+            f"{'served, tested exact' if m.image_prompts else 'refused'} | {m.detail} |\n"
         )
     mm_counts = {s: sum(m.status == s for m in mm_rows) for s in _MM_STATUS_TEXT}
     lines.append(
@@ -775,9 +776,10 @@ def checkpoint_report(model_dir: str | Path, dtype: str = "auto") -> dict[str, A
         )
     if kind == "multimodal" or inner is not None:
         report["image_prompts"] = (
-            "tested exact"
+            "served, tested exact"
             if wrapper and _images_tested(wrapper, image_prompts_tested())
-            else "untested"
+            else "refused (per request, naming why): the wrapper's image path is not "
+            "verified against HF here"
         )
     else:
         report["image_prompts"] = "not a multimodal model"
