@@ -64,7 +64,7 @@ TEST_WORKERS ?= 2
 # again in each (tests/support/modes).
 OTHER_MODES ?= v1-async v2-sync v2-async
 test: unit
-	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile tests/v1 tests/install tests/gpu
+	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests/v1 tests/install tests/gpu
 	for mode in $(OTHER_MODES); do \
 	  echo "== the four-mode core in $$mode"; \
 	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$(CURDIR)/tests/support/modes \

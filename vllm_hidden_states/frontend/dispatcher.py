@@ -275,7 +275,7 @@ def mm_positions_of(mm_features: list[Any] | None) -> dict[str, list[int]] | Non
     found: dict[str, list[int]] = {}
     for feature in mm_features:
         where = feature.mm_position
-        positions = range(where.offset, where.offset + where.length)
+        positions = list(range(where.offset, where.offset + where.length))
         if where.is_embed is not None:
             positions = [p for p, embed in zip(positions, where.is_embed.tolist()) if embed]
         found.setdefault(feature.modality, []).extend(positions)

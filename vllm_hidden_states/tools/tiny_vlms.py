@@ -46,7 +46,7 @@ def _vision_tower(hidden: int = 64) -> dict:
     )
 
 
-def _with_specials(style: str, vocab_size: int, specials: list[str], plain: list[str] = ()):
+def _with_specials(style: str, vocab_size: int, specials: list[str], plain: tuple[str, ...] = ()):
     """A trained tokenizer of ``style`` that also knows ``specials``, every id
     below ``vocab_size``; ``(tokenizer, {name: id})``."""
     # Trained a little short of the model's vocabulary, so that the added
@@ -58,6 +58,18 @@ def _with_specials(style: str, vocab_size: int, specials: list[str], plain: list
     for s in specials:
         token_ids[s] = hf_tok.convert_tokens_to_ids(s)
     return hf_tok, token_ids
+
+
+def _named_specials(tok, names: dict[str, str]):
+    """``tok`` with model-specific special tokens named (``tok.boi_token``,
+    ...), as a processor reads them: saved, and loaded again with them."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp, extra_special_tokens=names)
 
 
 def _common(vocab_size: int, hidden_size: int, num_layers: int) -> dict:
@@ -86,14 +98,15 @@ def _gemma3_mm(common: dict):
         ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
         # Gemma's vocabulary has runs of newlines as tokens, which vLLM's
         # Gemma 3 processor merges around the image sequence.
-        plain=["\n", "\n\n", "\n\n\n", "\n\n\n\n"],
+        plain=("\n", "\n\n", "\n\n\n", "\n\n\n\n"),
     )
-    tok._set_model_specific_special_tokens(
-        special_tokens={
+    tok = _named_specials(
+        tok,
+        {
             "boi_token": "<start_of_image>",
             "eoi_token": "<end_of_image>",
             "image_token": "<image_soft_token>",
-        }
+        },
     )
     text, _ = _arch_config("gemma3", common, ids)
     config = T.Gemma3Config(
@@ -393,13 +406,14 @@ def _internvl(common: dict):
         image_seq_length=1,
         tie_word_embeddings=False,
     )
-    tok._set_model_specific_special_tokens(
-        special_tokens={
+    tok = _named_specials(
+        tok,
+        {
             "start_image_token": "<img>",
             "end_image_token": "</img>",
             "context_image_token": "<IMG_CONTEXT>",
             "video_token": "<video>",
-        }
+        },
     )
     processor = T.InternVLProcessor(
         image_processor=T.GotOcr2ImageProcessor(
@@ -447,7 +461,7 @@ def build_tiny_vlm(
         hidden_size=hidden_size,
         vocab_size=vocab_size,
         seed=seed,
-        version=3,
+        version=4,
         multimodal=True,
     )
     stamp = out / "tiny_model.json"
