@@ -261,6 +261,7 @@ VLM_ARCHITECTURES: dict[str, str] = {
     "gemma4_mm": "Gemma4ForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
+    "qwen3_5_mm": "Qwen3_5ForConditionalGeneration",
 }
 
 # What published checkpoints of a wrapper that builds its language model from
@@ -395,8 +396,9 @@ def multimodal_audit(rows: list[Row] | None = None) -> list[MultimodalRow]:
         MODEL_LAYERS,
         NO_SINGLE_STREAM,
     )
-    from vllm_hidden_states.tools.tiny_vlms import VLM_ARCHS
+    from vllm_hidden_states.tools.tiny_vlms import BF16_VLM_ARCHS, VLM_ARCHS
 
+    inside = {**VLM_ARCHS, **BF16_VLM_ARCHS}
     rows = audit() if rows is None else rows
     tested_lms = tested_language_models(rows)
     images = image_prompts_tested()
@@ -415,8 +417,13 @@ def multimodal_audit(rows: list[Row] | None = None) -> list[MultimodalRow]:
         if name in tested_by:
             status = "tested"
             notes.append(
-                f"tiny checkpoint `{tested_by[name]}` (`{VLM_ARCHS[tested_by[name]]}` inside), "
+                f"tiny checkpoint `{tested_by[name]}` (`{inside[tested_by[name]]}` inside), "
                 "on text prompts"
+                + (
+                    " (bfloat16, layer by layer: test_families_bf16.py)"
+                    if tested_by[name] in BF16_VLM_ARCHS
+                    else ""
+                )
             )
         elif inner is None:
             status = "refused"

