@@ -330,8 +330,15 @@ def section_main(
     if "tiny" in inspect.signature(run).parameters:
         p.add_argument("--tiny", action="store_true", help="a smoke test's size")
     args = p.parse_args(argv)
-    kwargs = {"tiny": True} if getattr(args, "tiny", False) else {}
+    kwargs: dict[str, Any] = {"tiny": True} if getattr(args, "tiny", False) else {}
+    if "progress" in inspect.signature(run).parameters:
+        from tqdm import tqdm
+
+        # One tick per variant run (the section knows no total up front).
+        kwargs["progress"] = tqdm(desc=stem, unit="run")
     comps = run(args.rounds, args.quick, args.model, **kwargs)
+    if "progress" in kwargs:
+        kwargs["progress"].close()
     for comp in comps:
         print("\n".join(comp.lines()))
     path = write_results({"machine": machine(), stem: [c.summary() for c in comps]}, stem=stem)

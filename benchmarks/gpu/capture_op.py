@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_op import OFF_CPU_ROUTES, use_off_cpu_route
@@ -191,7 +192,7 @@ def per_point_cpu(quick: bool = False, tiny: bool = False) -> dict:
     for route in ["python", "c"] if c_ops.load() else ["python"]:
         variants += [(route, captured, route, n) for n in (0, 1, 16)]
     cases = []
-    for name, model, route, n in variants:
+    for name, model, route, n in tqdm(variants, desc="capture_op layer stack", unit="case"):
         c_ops.disable(route == "python")
         points.disarm()
         if n:
@@ -346,6 +347,7 @@ def run(quick: bool = False, tiny: bool = False) -> dict:
         routes = [r for r in OFF_CPU_ROUTES if r != "c" or c_ops.has_cuda_kernels()]
     else:
         routes = ["python", "c"] if c_ops.load() else ["python"]
+    bar = tqdm(desc="capture_op", unit="case")  # the row counts per batch vary
     for route in routes:
         if cuda:
             use_off_cpu_route(route)
@@ -362,6 +364,8 @@ def run(quick: bool = False, tiny: bool = False) -> dict:
                     points, base, _runnable(captured, x, device), n, rounds, iters, layers
                 )
                 results["cases"].append({"route": route, "tokens": tokens, **case})
+                bar.update(1)
+    bar.close()
     points.disarm()
     c_ops.disable(False)
     if not cuda:
