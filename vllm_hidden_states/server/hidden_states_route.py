@@ -49,13 +49,13 @@ from vllm_hidden_states.server.limits import (
     limits_of,
     text_chars,
 )
-from vllm_hidden_states.server.patch_captures import has_captures, resolve_captures
 from vllm_hidden_states.server.request_checks import (
     check_layer_field,
     check_point_field,
     steering_config,
     validate_steering,
 )
+from vllm_hidden_states.server.stored_rows import has_store_refs, resolve_store_refs
 
 logger = init_logger(__name__)
 
@@ -552,8 +552,8 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
                 )
         if request.steering is not None:
             cfg = steering_config(engine_client)
-            if cfg is not None and has_captures(request.steering):
-                request.steering = await resolve_captures(request.steering, cfg.num_layers)
+            if cfg is not None and has_store_refs(request.steering):
+                request.steering = await resolve_store_refs(request.steering, cfg.num_layers)
             validate_steering(engine_client, request.steering)
         _admit(engine_client, limits, request)
         inputs = await _token_ids(state, request)

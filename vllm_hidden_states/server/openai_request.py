@@ -46,13 +46,13 @@ from vllm_hidden_states.server.limits import (
     limits_of,
     text_chars,
 )
-from vllm_hidden_states.server.patch_captures import has_captures, resolve_captures
 from vllm_hidden_states.server.request_checks import (
     STEERING_PARAM,
     engine_config,
     steering_config,
     validate_steering,
 )
+from vllm_hidden_states.server.stored_rows import has_store_refs, resolve_store_refs
 from vllm_hidden_states.store import choice_writer
 
 
@@ -374,14 +374,14 @@ class SteeringAsk:
 
 async def admit_steering(serving: Any, request: Any) -> SteeringAsk | None:
     """The request's ``steering`` checked against the engine (None when not
-    given), its patches' stored ``capture`` rows read (``patch_captures``);
+    given), its patches' stored ``capture`` rows read (``stored_rows``);
     :class:`ApiError` (400) naming what is allowed."""
     value = request.model_extra.get(STEERING_PARAM)
     if value is None:
         return None
     cfg = steering_config(serving.engine_client)
-    if cfg is not None and has_captures(value):
-        value = await resolve_captures(value, cfg.num_layers)
+    if cfg is not None and has_store_refs(value):
+        value = await resolve_store_refs(value, cfg.num_layers)
     validate_steering(serving.engine_client, value)
     if getattr(request, "use_beam_search", False):
         raise invalid_request(

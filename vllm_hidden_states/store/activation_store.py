@@ -796,3 +796,57 @@ def threshold_search(
             "model_id": model_id,
         },
     )
+
+
+class RowsNotStored(LookupError):
+    """The rows asked of :func:`stored_rows` are not (all) in the store; the
+    message says what it holds."""
+
+
+STORED_ROWS_SQL = f"""
+SELECT token_position, vector FROM {HIDDEN_TABLE}
+WHERE request_id = $id AND choice_index = $choice
+  AND (point = $point OR (point IS NULL AND layer = $layer))
+  AND token_position >= $start AND token_position < $end
+ORDER BY token_position
+"""
+
+
+def stored_rows(
+    root: str | Path,
+    request_id: str,
+    choice: int,
+    point: str,
+    layer: int | None,
+    start: int,
+    end: int,
+) -> np.ndarray:
+    """The hidden-state rows of one stored response: request ``request_id``'s
+    choice ``choice`` at ``point`` (or, for rows stored by layer, HF layer
+    ``layer``, the same stream), positions ``start .. end - 1``; float32
+    ``[end - start, hidden]``. Raises :class:`RowsNotStored` naming what the
+    store holds when any row is missing."""
+    con = connect(root)
+    try:
+        tables = {row[0] for row in con.execute("SHOW TABLES").fetchall()}
+        if HIDDEN_TABLE not in tables:
+            raise RowsNotStored("the activation store holds no hidden states yet")
+        found = con.execute(
+            STORED_ROWS_SQL,
+            {"id": request_id, "choice": choice, "point": point, "layer": layer,
+             "start": start, "end": end},
+        ).fetchall()  # fmt: skip
+    finally:
+        con.close()
+    rows: dict[int, Any] = {}
+    for position, vector in found:
+        rows.setdefault(int(position), vector)
+    missing = [p for p in range(start, end) if p not in rows]
+    if missing:
+        raise RowsNotStored(
+            f"the activation store holds {len(rows)} of positions {start}..{end - 1} of "
+            f"request {request_id!r} choice {choice} at {point}; missing {missing[:8]}"
+            + ("..." if len(missing) > 8 else "")
+            + " (did that request ask for this point at these positions?)"
+        )
+    return np.asarray([rows[p] for p in range(start, end)], dtype=np.float32)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A patch's ``capture``: rows an earlier request stored in the activation
-store, resolved in the API server into the patch's ``rows``.
+"""A patch's store reference (its ``capture`` field): rows an earlier
+response stored in the activation store, resolved in the API server into the
+patch's ``rows`` (the store answers: ``activation_store.stored_rows``).
 
 ``{"op": "patch", "point": "resid_pre.3", "positions": {"start": 2, "end":
 6}, "capture": {"request_id": "cmpl-...", "choice": 0, "point":
@@ -32,13 +33,13 @@ CAPTURE_KEYS = ("request_id", "choice", "point", "positions")
 FLUSH_TIMEOUT_S = 30.0
 
 
-def has_captures(value: Any) -> bool:
+def has_store_refs(value: Any) -> bool:
     return isinstance(value, list) and any(
         isinstance(item, dict) and item.get("capture") is not None for item in value
     )
 
 
-async def resolve_captures(value: list[Any], num_layers: int) -> list[Any]:
+async def resolve_store_refs(value: list[Any], num_layers: int) -> list[Any]:
     """``value`` with every patch's ``capture`` replaced by the stored rows
     (float32 ``[n, hidden]``); :class:`ApiError` (400) when one does not
     resolve."""
@@ -117,38 +118,13 @@ def _read(
     start: int,
     end: int,
 ) -> np.ndarray | str:
-    """The stored rows ``start .. end - 1`` (float32 ``[n, hidden]``), or
-    why not (in words)."""
-    from vllm_hidden_states.store.activation_store import HIDDEN_TABLE, connect
+    """The stored rows ``start .. end - 1`` (float32 ``[n, hidden]``), once
+    the store's writer has written what it holds, or why not (in words)."""
+    from vllm_hidden_states.store.activation_store import RowsNotStored, stored_rows
 
     if not store.flush(FLUSH_TIMEOUT_S):
         return "the activation store did not write its queue in time; retry"
-    con = connect(store.root)
     try:
-        tables = {row[0] for row in con.execute("SHOW TABLES").fetchall()}
-        if HIDDEN_TABLE not in tables:
-            return "the activation store holds no hidden states yet"
-        found = con.execute(
-            f"SELECT token_position, vector FROM {HIDDEN_TABLE} "
-            "WHERE request_id = $id AND choice_index = $choice "
-            "AND (point = $point OR (point IS NULL AND layer = $layer)) "
-            "AND token_position >= $start AND token_position < $end "
-            "ORDER BY token_position",
-            {"id": request_id, "choice": choice, "point": point, "layer": layer,
-             "start": start, "end": end},
-        ).fetchall()  # fmt: skip
-    finally:
-        con.close()
-    rows: dict[int, Any] = {}
-    for position, vector in found:
-        rows.setdefault(int(position), vector)
-    missing = [p for p in range(start, end) if p not in rows]
-    if missing:
-        held = sorted(rows)
-        return (
-            f"the activation store holds {len(held)} of positions {start}..{end - 1} of "
-            f"request {request_id!r} choice {choice} at {point}; missing {missing[:8]}"
-            + ("..." if len(missing) > 8 else "")
-            + " (did that request ask for this point at these positions?)"
-        )
-    return np.asarray([rows[p] for p in range(start, end)], dtype=np.float32)
+        return stored_rows(store.root, request_id, choice, point, layer, start, end)
+    except RowsNotStored as e:
+        return str(e)
