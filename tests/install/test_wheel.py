@@ -128,9 +128,9 @@ def _installed_set(patches: dict[str, bytes]) -> list[str]:
     """The names of the installed vLLM's set among ``patches``
     (``<version>/<name>`` keys)."""
     from vllm_hidden_states import versions
-    from vllm_hidden_states.tools import patching
+    from vllm_hidden_states.tools import source_patches
 
-    version = versions.for_version(patching.check_version()).version
+    version = versions.for_version(source_patches.check_version()).version
     return [key.split("/", 1)[1] for key in patches if key.startswith(f"{version}/")]
 
 
@@ -385,9 +385,9 @@ def test_new_venv_imports_the_installed_copy_not_the_checkout(install):
 
 def test_installed_copy_reads_its_own_patches(install):
     result = install.py(
-        "from vllm_hidden_states.tools import patching; "
-        "print(patching.patches_dir()); "
-        "print(','.join(p.name for p in patching.patch_files()))"
+        "from vllm_hidden_states.tools import source_patches; "
+        "print(source_patches.patches_dir()); "
+        "print(','.join(p.name for p in source_patches.patch_files()))"
     )
     assert result.returncode == 0, _show(result)
     directory, names = result.stdout.strip().splitlines()

@@ -111,27 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
 
-    from vllm_hidden_states.tools import patching
+    from vllm_hidden_states.tools import source_patches
 
     try:
         if args.action == "apply":
-            done = patching.apply()
+            done = source_patches.apply()
             print(
-                f"vLLM {patching.installed_vllm_version()} at {patching.site_root()}: "
+                f"vLLM {source_patches.installed_vllm_version()} at {source_patches.site_root()}: "
                 + (f"applied {', '.join(done)}" if done else "already patched")
             )
         elif args.action == "revert":
-            done = patching.revert()
+            done = source_patches.revert()
             print("reverted " + (", ".join(done) if done else "nothing"))
         else:
-            patching.check_version()
-            states = patching.status()
+            source_patches.check_version()
+            states = source_patches.status()
             for s in states:
                 print(f"{s.state:12s} {s.name}")
             if any(s.state != "applied" for s in states):
                 print("run `vllm-hidden-states patch apply`", file=sys.stderr)
                 return 1
-    except patching.PatchError as e:
+    except source_patches.PatchError as e:
         print(f"vllm-hidden-states: {e}", file=sys.stderr)
         return 2
     return 0

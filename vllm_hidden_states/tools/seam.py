@@ -272,9 +272,9 @@ def patch_sites(root: Path | None = None, patch_dir: Path | None = None) -> list
 def installed_patch_dir() -> Path:
     """The patch set of the installed vLLM's version (read from its
     metadata, without importing it)."""
-    from vllm_hidden_states.tools import patching
+    from vllm_hidden_states.tools import source_patches
 
-    return patching.patches_dir()
+    return source_patches.patches_dir()
 
 
 def _enclosing(trees: dict[Path, ast.Module], path: Path, line: int) -> str:

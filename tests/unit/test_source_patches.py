@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vllm_hidden_states.tools.patching: the version gate and the packaged patch sets
+"""vllm_hidden_states.tools.source_patches: the version gate and the packaged patch sets
 (one per supported version, vllm_hidden_states.versions).
 
 Nothing here runs GNU patch or touches the installed vLLM.
@@ -8,8 +8,8 @@ Nothing here runs GNU patch or touches the installed vLLM.
 import pytest
 
 from vllm_hidden_states import versions
-from vllm_hidden_states.tools import patching
-from vllm_hidden_states.tools.patching import (
+from vllm_hidden_states.tools import source_patches
+from vllm_hidden_states.tools.source_patches import (
     PatchError,
     check_version,
     patch_files,
@@ -24,7 +24,7 @@ def installed(monkeypatch):
     """``installed("X")``: pretend vLLM X is installed (None: not installed)."""
 
     def pretend(version):
-        monkeypatch.setattr(patching, "installed_vllm_version", lambda: version)
+        monkeypatch.setattr(source_patches, "installed_vllm_version", lambda: version)
 
     return pretend
 
@@ -156,13 +156,13 @@ def test_every_patch_has_hunks(version):
 
 
 def test_patches_dir_raises_when_the_patch_set_is_missing(monkeypatch, tmp_path):
-    monkeypatch.setattr(patching, "PATCH_DIR", tmp_path)
+    monkeypatch.setattr(source_patches, "PATCH_DIR", tmp_path)
     with pytest.raises(PatchError, match="no patches found"):
         patches_dir("0.32.0")
 
 
 def test_patching_module_does_not_import_vllm(modules_loaded_by):
-    loaded = modules_loaded_by("vllm_hidden_states.tools.patching")
+    loaded = modules_loaded_by("vllm_hidden_states.tools.source_patches")
     assert "vllm_hidden_states" in loaded
     assert "vllm" not in loaded
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from vllm_hidden_states.tools import patching
+from vllm_hidden_states.tools import source_patches
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -19,8 +19,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_patch_is_applied_to_the_installed_vllm():
-    states = patching.status()
-    assert [s.name for s in states] == [p.name for p in patching.patch_files()]
+    states = source_patches.status()
+    assert [s.name for s in states] == [p.name for p in source_patches.patch_files()]
     assert all(s.state == "applied" for s in states), states
 
 
@@ -42,31 +42,31 @@ def test_applies_running_at_once_leave_every_patch_applied():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
         assert "already patched" in out, out
-    assert all(s.state == "applied" for s in patching.status())
+    assert all(s.state == "applied" for s in source_patches.status())
 
 
 def test_check_exits_zero_and_lists_each_patch():
     result = _cli("patch", "check")
     assert result.returncode == 0, result.stderr
-    for p in patching.patch_files():
+    for p in source_patches.patch_files():
         assert f"applied      {p.name}" in result.stdout
 
 
 def test_installed_vllm_is_a_supported_version_and_its_set_is_the_one_used():
     from vllm_hidden_states import versions
 
-    entry = versions.for_version(patching.check_version())
-    assert patching.patches_dir() == entry.patch_dir
+    entry = versions.for_version(source_patches.check_version())
+    assert source_patches.patches_dir() == entry.patch_dir
 
 
 def test_other_vllm_versions_are_refused_by_name(monkeypatch):
-    monkeypatch.setattr(patching, "installed_vllm_version", lambda: "0.31.2")
+    monkeypatch.setattr(source_patches, "installed_vllm_version", lambda: "0.31.2")
     with pytest.raises(
-        patching.PatchError,
+        source_patches.PatchError,
         match=r"supports vLLM 0\.32\.0, 0\.33\.0; "
         r"the installed version is 0\.31\.2",
     ):
-        patching.apply()
+        source_patches.apply()
 
 
 def test_patched_engine_args_expose_the_flags():
