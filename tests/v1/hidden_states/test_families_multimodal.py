@@ -21,6 +21,6 @@ def arch(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module", params=("gemma3_mm", "qwen2_5_vl"))
+@pytest.fixture(scope="module", params=("qwen2_5_vl",))
 def compiled_arch(request) -> str:
     return request.param
