@@ -89,6 +89,17 @@ def test_every_layer_of_an_image_prompt_matches_hf(arch):
     """ "prompt", "last" and "all" in one batch, every layer served, against HF
     given the same pixels; the image rows are marked where HF's processor put
     the image tokens."""
+    assert_every_layer_of_an_image_prompt_matches_hf(arch)
+
+
+@pytest.mark.four_modes
+def test_an_image_prompt_with_m_rope_is_exact_in_every_engine_mode():
+    """The same on Qwen2.5-VL, whose extract replays the image and its M-RoPE
+    positions, in each of vLLM's engine modes (V2's encoder runner too)."""
+    assert_every_layer_of_an_image_prompt_matches_hf("qwen2_5_vl")
+
+
+def assert_every_layer_of_an_image_prompt_matches_hf(arch: str) -> None:
     llm, hf = engine_for(arch)
     prompt = ImagePrompt(arch, hf)
     layers = served_layers(llm, hf)
