@@ -158,7 +158,7 @@ def test_every_layer_holds_each_position_once_and_matches_hf(spec, positions):
 POINT_KINDS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
 
-@pytest.mark.parametrize("positions", ["last", "all"])
+@pytest.mark.parametrize("positions", ["all"])
 def test_points_of_every_layer_match_hf(spec, positions):
     hf = spec.hf
     points = [f"{kind}.{i}" for kind in POINT_KINDS for i in range(hf.num_layers)]
@@ -183,7 +183,7 @@ def test_points_of_every_layer_match_hf(spec, positions):
             assert_close(got, want, f"{spec.method} {positions} {address}")
 
 
-@pytest.mark.parametrize("positions", ["last", "all", "generated"])
+@pytest.mark.parametrize("positions", ["all", "generated"])
 def test_probe_scores_match_numpy_on_hf_states(spec, positions):
     """Every probe (each kind of point): one score row per position, the
     drafts' rows never scored."""
