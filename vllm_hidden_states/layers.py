@@ -511,6 +511,38 @@ def _lfm2_moe_layers(config: Any) -> list[str]:
     ]
 
 
+# EXAONE MoE (K-EXAONE): vLLM's fused residual, dense or MoE by the config's
+# mlp_layer_types (MoE: routed experts plus a shared one, no mlp_post).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}exaone_moe.ExaoneMoeDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass("fused", ("exaone_moe",), neurons=None if _experts else "mlp.down_proj")
+    )
+
+
+def _exaone_moe_layers(config: Any) -> list[str]:
+    name = _V + "exaone_moe.ExaoneMoeDecoderLayer"
+    return [name + (_EXPERTS if t == "sparse" else "") for t in config.mlp_layer_types]
+
+
+# AFMoE (Arcee Trinity): vLLM's fused residual with sandwich norms (the
+# attention's post-norm output is what pre_mlp_layernorm adds: attn_out; the
+# MLP's post-norm output is what the layer returns: mlp_out); dense in the
+# first num_dense_layers, routed and shared experts after.
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}afmoe.AfmoeDecoderLayer" + (_EXPERTS if _experts else "")] = LayerClass(
+        "fused",
+        ("afmoe",),
+        mid_norm="pre_mlp_layernorm",
+        neurons=None if _experts else "mlp.down_proj",
+    )
+
+
+def _afmoe_layers(config: Any) -> list[str]:
+    dense = int(getattr(config, "num_dense_layers", 0) or 0)
+    name = _V + "afmoe.AfmoeDecoderLayer"
+    return [name + ("" if i < dense else _EXPERTS) for i in range(config.num_hidden_layers)]
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -555,6 +587,8 @@ MODEL_LAYERS.update(
         _V + "bloom.BloomForCausalLM": _bloom_layers,
         _V + "falcon.FalconForCausalLM": _falcon_layers,
         _V + "lfm2_moe.Lfm2MoeForCausalLM": _lfm2_moe_layers,
+        _V + "exaone_moe.ExaoneMoeForCausalLM": _exaone_moe_layers,
+        _V + "afmoe.AfmoeForCausalLM": _afmoe_layers,
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
         + "granitemoeshared.GraniteMoeSharedDecoderLayer",
         _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",

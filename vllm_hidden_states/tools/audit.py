@@ -105,6 +105,13 @@ NOTES: dict[str, str] = {
     "the one that returns weights, is not causal in 5.19: no reference); with "
     "new_decoder_architecture (40B, 180B), sequential blocks or ALiBi every layer inside "
     "is refused (untested)",
+    "AfmoeForCausalLM": "tested with sandwich norms, a dense first layer (mlp_post there "
+    "only), routed experts (sigmoid, normalized) and a shared one, sliding layers and a "
+    "global one; the config's score_func, route_norm, n_group and topk_group (read by "
+    "vLLM, not by HF's config class) set as HF's router runs",
+    "ExaoneMoeForCausalLM": "tested with a dense first layer (mlp_post there only), "
+    "routed experts and a shared one, sliding layers and a global one",
+    "ExaoneMoEForCausalLM": "as ExaoneMoeForCausalLM",
     "Lfm2MoeForCausalLM": "tested with a dense first layer (mlp_post there only) and a "
     "non-zero routing bias (sigmoid, grouped top-k); one attention head, as LFM2",
     "Mamba2ForCausalLM": "seen (tiny model `mamba2`, fp32): plain vLLM runs it, final "
@@ -127,14 +134,14 @@ NOTES: dict[str, str] = {
 # unless NOTES says so.
 REFUSED: frozenset[str] = frozenset(
     """
-    AfmoeForCausalLM ApertusForCausalLM AXK1ForCausalLM BailingMoeForCausalLM
+    ApertusForCausalLM AXK1ForCausalLM BailingMoeForCausalLM
     BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     ChatGLMModel ChatGLMForConditionalGeneration
     Cohere2MoeForCausalLM DeciLMForCausalLM
     DeepseekForCausalLM
     DeepseekV32ForCausalLM DeepseekV4ForCausalLM
-    ExaoneForCausalLM ExaoneMoeForCausalLM
-    ExaoneMoEForCausalLM
+    ExaoneForCausalLM
+
     Rnj1ForCausalLM Gemma3nForCausalLM
     Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
     GlmMoeDsaForCausalLM Glm5NextForCausalLM

@@ -107,6 +107,8 @@ FRONTIER_ARCHS = (
     "granitemoeshared",
     "falcon",
     "lfm2_moe",
+    "exaone_moe",
+    "afmoe",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -140,6 +142,8 @@ SWEEP_CANDIDATES = (
     "lfm2_moe",
     "glm4_moe_lite",
     "mamba2",
+    "exaone_moe",
+    "afmoe",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -199,6 +203,8 @@ _STYLE = {
     "lfm2_moe": "chatml",
     "glm4_moe_lite": "chatml",
     "mamba2": "chatml",
+    "exaone_moe": "chatml",
+    "afmoe": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -899,6 +905,41 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.first_k_dense_replace = 1  # read by vLLM (the released config.json's)
         return config, T.Glm4MoeLiteForCausalLM
+    if arch == "exaone_moe":
+        # A dense first layer, then routed experts (sigmoid, grouped) and a
+        # shared one; sliding layers, a global one every 4th.
+        return T.ExaoneMoeConfig(
+            sliding_window=SHORT_WINDOW,
+            sliding_window_pattern=4,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            first_k_dense_replace=1,
+            moe_intermediate_size=moe,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            **common,
+        ), T.ExaoneMoeForCausalLM
+    if arch == "afmoe":
+        # A dense first layer, then routed experts and shared ones; sliding
+        # layers, a global one every 4th.
+        config = T.AfmoeConfig(
+            head_dim=hidden // num_heads,
+            num_dense_layers=1,
+            moe_intermediate_size=moe,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            global_attn_every_n_layers=4,
+            sliding_window=SHORT_WINDOW,
+            **common,
+        )
+        # Read by vLLM (the released config.json's): HF's router is sigmoid,
+        # normalized, with a bias.
+        config.score_func, config.route_norm = "sigmoid", True
+        config.n_group = config.topk_group = 1
+        return config, T.AfmoeForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(

@@ -137,9 +137,11 @@ def point_sites(layer) -> dict[str, tuple]:
         return sites
     scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
     post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2, Exaone 4
-    sandwich = hasattr(layer, "post_mlp_layernorm")  # GLM-4
+    sandwich = hasattr(layer, "post_mlp_layernorm")  # GLM-4, AFMoE
     if sandwich:
-        sites["attn_out"] = (layer.post_self_attn_layernorm, "out", 1.0)
+        # GLM-4: post_self_attn_layernorm; AFMoE: post_attention_layernorm
+        attn_norm = getattr(layer, "post_self_attn_layernorm", None)
+        sites["attn_out"] = (attn_norm or layer.post_attention_layernorm, "out", 1.0)
         sites["mlp_out"] = (layer.post_mlp_layernorm, "out", 1.0)
     else:
         attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
@@ -153,7 +155,9 @@ def point_sites(layer) -> dict[str, tuple]:
         mlp = _block_output(mlp, ("dense_4h_to_h",))
         sites["attn_out"] = (attn, "out", scale)
         sites["mlp_out"] = (mlp, "out", scale)
-    if hasattr(layer, "pre_feedforward_layernorm"):
+    if hasattr(layer, "pre_mlp_layernorm"):  # AFMoE
+        sites["resid_mid"] = (layer.pre_mlp_layernorm, "in", 1.0)
+    elif hasattr(layer, "pre_feedforward_layernorm"):
         sites["resid_mid"] = (layer.pre_feedforward_layernorm, "in", 1.0)
     elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
         sites["resid_mid"] = (layer.pre_ff_layernorm, "in", 1.0)

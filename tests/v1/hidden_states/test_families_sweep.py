@@ -7,13 +7,25 @@ MLP), Bloom (ALiBi: no attention pattern; its HF attention and MLP add the
 residual themselves), Granite MoE shared (routed experts plus a shared MLP:
 no mlp_out), Falcon (7B's layout: side by side, multi-query; no pattern, HF
 has no causal eager reference), LFM2-MoE (short convolutions beside
-attention, a dense first layer, a routing bias); StableLM also compiled."""
+attention, a dense first layer, a routing bias), EXAONE MoE (a dense first
+layer, shared experts, sliding layers), AFMoE (sandwich norms, a dense first
+layer, shared experts, sliding layers); StableLM also compiled."""
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("stablelm", "gpt_j", "nemotron", "bloom", "granitemoeshared", "falcon", "lfm2_moe")
+SWEEP = (
+    "stablelm",
+    "gpt_j",
+    "nemotron",
+    "bloom",
+    "granitemoeshared",
+    "falcon",
+    "lfm2_moe",
+    "exaone_moe",
+    "afmoe",
+)
 
 
 @pytest.fixture(scope="module", params=SWEEP)
