@@ -144,6 +144,7 @@ SWEEP_CANDIDATES = (
     "mamba2",
     "exaone_moe",
     "afmoe",
+    "zamba2",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -205,6 +206,7 @@ _STYLE = {
     "mamba2": "chatml",
     "exaone_moe": "chatml",
     "afmoe": "chatml",
+    "zamba2": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -940,6 +942,29 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config.score_func, config.route_norm = "sigmoid", True
         config.n_group = config.topk_group = 1
         return config, T.AfmoeForCausalLM
+    if arch == "zamba2":
+        # Mamba2 layers, a shared attention + MLP block every other layer
+        # (on the stream concatenated with the embeddings: attention heads of
+        # 2 x hidden / 4 = 64); Mamba2 heads 8 x 32.
+        return T.Zamba2Config(
+            vocab_size=common["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            layers_block_type=["mamba" if i % 2 == 0 else "hybrid" for i in range(layers)],
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=ffn,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_ngroups=1,
+            n_mamba_heads=8,
+            chunk_size=16,
+            num_mem_blocks=1,
+            use_mamba_kernels=False,
+            max_position_embeddings=common["max_position_embeddings"],
+            **ids,
+        ), T.Zamba2ForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(
