@@ -543,6 +543,21 @@ def _afmoe_layers(config: Any) -> list[str]:
     return [name + ("" if i < dense else _EXPERTS) for i in range(config.num_hidden_layers)]
 
 
+# HyperCLOVA X SEED: the stream in hidden (it ignores the residual argument),
+# adds scaled by residual_multiplier, a post-norm on each block's output
+# (use_post_norm): the granite reader's attn_out / mlp_out (a block's output
+# times the multiplier) leave the post-norms out, so those are refused.
+LAYER_CLASSES[_V + "hyperclovax.HyperCLOVAXDecoderLayer"] = LayerClass(
+    "granite",
+    ("hyperclovax",),
+    kinds=("resid_pre", "resid_mid", "resid_post", "attn_pattern", "mlp_post"),
+    lacks="adds each block's output through a post-norm (post_norm1, post_norm2) times "
+    "residual_multiplier, which this reader of its blocks does not read: no attn_out or "
+    "mlp_out (resid_mid minus resid_pre and resid_post minus resid_mid are their "
+    "contributions)",
+)
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -589,6 +604,7 @@ MODEL_LAYERS.update(
         _V + "lfm2_moe.Lfm2MoeForCausalLM": _lfm2_moe_layers,
         _V + "exaone_moe.ExaoneMoeForCausalLM": _exaone_moe_layers,
         _V + "afmoe.AfmoeForCausalLM": _afmoe_layers,
+        _V + "hyperclovax.HyperCLOVAXForCausalLM": _V + "hyperclovax.HyperCLOVAXDecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
         + "granitemoeshared.GraniteMoeSharedDecoderLayer",
         _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",

@@ -111,6 +111,9 @@ NOTES: dict[str, str] = {
     "only), routed experts (sigmoid, normalized) and a shared one, sliding layers and a "
     "global one; the config's score_func, route_norm, n_group and topk_group (read by "
     "vLLM, not by HF's config class) set as HF's router runs",
+    "HyperCLOVAXForCausalLM": "tested with use_post_norm and muP multipliers: no attn_out "
+    "or mlp_out (each block's output passes a post-norm before its multiplied add, which "
+    "the reader does not read); resid_mid, patterns and mlp_post served",
     "ExaoneMoeForCausalLM": "tested with a dense first layer (mlp_post there only), "
     "routed experts and a shared one, sliding layers and a global one",
     "ExaoneMoEForCausalLM": "as ExaoneMoeForCausalLM",
@@ -148,7 +151,7 @@ REFUSED: frozenset[str] = frozenset(
     Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
     GlmMoeDsaForCausalLM Glm5NextForCausalLM
     HrmTextForCausalLM HYV3ForCausalLM HYV4ForCausalLM
-    HCXVisionV2ForCausalLM HyperCLOVAXForCausalLM InternLM2ForCausalLM
+    HCXVisionV2ForCausalLM InternLM2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM KimiLinearForCausalLM
     LagunaForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM

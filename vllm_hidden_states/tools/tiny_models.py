@@ -109,6 +109,7 @@ FRONTIER_ARCHS = (
     "lfm2_moe",
     "exaone_moe",
     "afmoe",
+    "hyperclovax",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -145,6 +146,7 @@ SWEEP_CANDIDATES = (
     "exaone_moe",
     "afmoe",
     "zamba2",
+    "hyperclovax",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -207,6 +209,7 @@ _STYLE = {
     "exaone_moe": "chatml",
     "afmoe": "chatml",
     "zamba2": "chatml",
+    "hyperclovax": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -965,6 +968,17 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             max_position_embeddings=common["max_position_embeddings"],
             **ids,
         ), T.Zamba2ForCausalLM
+    if arch == "hyperclovax":
+        # muP multipliers, post-norms on both blocks (use_post_norm).
+        return T.HyperCLOVAXConfig(
+            head_dim=hidden // num_heads,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            use_post_norm=True,
+            **common,
+        ), T.HyperCLOVAXForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(

@@ -9,7 +9,8 @@ no mlp_out), Falcon (7B's layout: side by side, multi-query; no pattern, HF
 has no causal eager reference), LFM2-MoE (short convolutions beside
 attention, a dense first layer, a routing bias), EXAONE MoE (a dense first
 layer, shared experts, sliding layers), AFMoE (sandwich norms, a dense first
-layer, shared experts, sliding layers); StableLM also compiled."""
+layer, shared experts, sliding layers), HyperCLOVA X (muP multipliers,
+post-norms on both blocks: no attn_out / mlp_out); StableLM also compiled."""
 
 import pytest
 
@@ -25,6 +26,7 @@ SWEEP = (
     "lfm2_moe",
     "exaone_moe",
     "afmoe",
+    "hyperclovax",
 )
 
 
