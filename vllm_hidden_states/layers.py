@@ -418,6 +418,200 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "falcon_h1.FalconH1ForCausalLM": _falcon_h1_layers,
 }
 
+# Families settled by the sweep (issue "The checkpoints people download"),
+# each tested against HF at every layer and point in
+# tests/v1/hidden_states/test_families_sweep.py.
+_SIDE_BY_SIDE = (
+    "runs attention and the MLP side by side on one norm's output, so the stream "
+    "has no point between them"
+)
+_ALIBI = (
+    "attends with ALiBi position biases, which a pattern read from its queries and "
+    "keys leaves out (seen 4% off HF's): no attention pattern is served"
+)
+LAYER_CLASSES.update(
+    {
+        # StableLM: the stream in hidden only (it returns (stream, resid_mid)),
+        # pre-norm blocks and plain adds.
+        _V + "stablelm.StablelmDecoderLayer": LayerClass("plain", ("stablelm",)),
+        # GPT-J: one LayerNorm, attention and MLP side by side, plain adds.
+        _V + "gpt_j.GPTJBlock": LayerClass(
+            "parallel",
+            ("gpt_j",),
+            mixer="attn",
+            neurons="mlp.fc_out",
+            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+            lacks=_SIDE_BY_SIDE,
+        ),
+        # Nemotron (Minitron): vLLM's fused residual, LayerNorm1P.
+        _V + "nemotron.NemotronDecoderLayer": LayerClass("fused", ("nemotron",)),
+        # Granite MoE with a shared MLP: Granite's multiplied adds; the MLP
+        # block is the routed experts plus the shared MLP, two modules.
+        _V + "granitemoeshared.GraniteMoeSharedDecoderLayer": LayerClass(
+            "granite",
+            ("granitemoeshared",),
+            mlp="block_sparse_moe",
+            neurons=None,
+            kinds=("resid_pre", "attn_out", "resid_mid", "resid_post", "attn_pattern"),
+            lacks="adds the sum of its routed experts' and its shared MLP's outputs (two "
+            "modules, times residual_multiplier), so no one module's output is its mlp_out "
+            "(resid_post minus resid_mid); no mlp_post (MoE)",
+        ),
+        # Falcon (7B's layout): one LayerNorm, attention and MLP side by side
+        # on its output, plain adds.
+        _V + "falcon.FalconDecoderLayer": LayerClass(
+            "parallel",
+            ("falcon",),
+            mixer="self_attention",
+            neurons="mlp.dense_4h_to_h",
+            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "mlp_post"),
+            lacks=_SIDE_BY_SIDE + "; its attention pattern is not verified: HF "
+            "transformers' Falcon returns weights only from its eager attention, which "
+            "(5.19) is not causal (seen: the first token weighting later ones, states 2.4 "
+            "off its own SDPA path), leaving no reference",
+        ),
+        # Bloom: pre-norm LayerNorms and plain adds (ALiBi attention).
+        _V + "bloom.BloomBlock": LayerClass(
+            "plain",
+            ("bloom",),
+            mixer="self_attention",
+            neurons="mlp.dense_4h_to_h",
+            kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post"),
+            lacks=_ALIBI,
+        ),
+    }
+)
+
+# LFM2-MoE: LFM2's layers (vLLM's fused residual around attention or a gated
+# short convolution, ffn_norm before the MLP), dense in the first
+# num_dense_layers, routed experts after: the prediction names each layer's
+# variant (neurons only where the MLP is dense); the worker reads a loaded
+# layer by its plain class name (the most capable entry).
+for _mixer, _cls in (("self_attn", "Attention"), ("short_conv", "ShortConv")):
+    for _experts in (False, True):
+        LAYER_CLASSES[
+            f"{_V}lfm2_moe.Lfm2Moe{_cls}DecoderLayer" + (_EXPERTS if _experts else "")
+        ] = LayerClass(
+            "fused",
+            ("lfm2_moe",),
+            mixer=_mixer,
+            attention=_mixer == "self_attn",
+            mlp="feed_forward",
+            mid_norm="ffn_norm",
+            neurons=None if _experts else "feed_forward.w2",
+        )
+
+
+def _lfm2_moe_layers(config: Any) -> list[str]:
+    kinds = {"full_attention": "Attention", "conv": "ShortConv"}
+    dense = int(getattr(config, "num_dense_layers", 0) or 0)
+    return [
+        f"{_V}lfm2_moe.Lfm2Moe{kinds.get(t, '?' + t)}DecoderLayer" + ("" if i < dense else _EXPERTS)
+        for i, t in enumerate(config.layer_types)
+    ]
+
+
+# EXAONE MoE (K-EXAONE): vLLM's fused residual, dense or MoE by the config's
+# mlp_layer_types (MoE: routed experts plus a shared one, no mlp_post).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}exaone_moe.ExaoneMoeDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass("fused", ("exaone_moe",), neurons=None if _experts else "mlp.down_proj")
+    )
+
+
+def _exaone_moe_layers(config: Any) -> list[str]:
+    name = _V + "exaone_moe.ExaoneMoeDecoderLayer"
+    return [name + (_EXPERTS if t == "sparse" else "") for t in config.mlp_layer_types]
+
+
+# AFMoE (Arcee Trinity): vLLM's fused residual with sandwich norms (the
+# attention's post-norm output is what pre_mlp_layernorm adds: attn_out; the
+# MLP's post-norm output is what the layer returns: mlp_out); dense in the
+# first num_dense_layers, routed and shared experts after.
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}afmoe.AfmoeDecoderLayer" + (_EXPERTS if _experts else "")] = LayerClass(
+        "fused",
+        ("afmoe",),
+        mid_norm="pre_mlp_layernorm",
+        neurons=None if _experts else "mlp.down_proj",
+    )
+
+
+def _afmoe_layers(config: Any) -> list[str]:
+    dense = int(getattr(config, "num_dense_layers", 0) or 0)
+    name = _V + "afmoe.AfmoeDecoderLayer"
+    return [name + ("" if i < dense else _EXPERTS) for i in range(config.num_hidden_layers)]
+
+
+# HyperCLOVA X SEED: the stream in hidden (it ignores the residual argument),
+# adds scaled by residual_multiplier, a post-norm on each block's output
+# (use_post_norm): the granite reader's attn_out / mlp_out (a block's output
+# times the multiplier) leave the post-norms out, so those are refused.
+LAYER_CLASSES[_V + "hyperclovax.HyperCLOVAXDecoderLayer"] = LayerClass(
+    "granite",
+    ("hyperclovax",),
+    kinds=("resid_pre", "resid_mid", "resid_post", "attn_pattern", "mlp_post"),
+    lacks="adds each block's output through a post-norm (post_norm1, post_norm2) times "
+    "residual_multiplier, which this reader of its blocks does not read: no attn_out or "
+    "mlp_out (resid_mid minus resid_pre and resid_post minus resid_mid are their "
+    "contributions)",
+)
+
+
+def _stablelm_layers(config: Any) -> list[str]:
+    # vLLM's StableLM runs the blocks one after the other and has no q/k
+    # norms whatever the config says: with use_parallel_residual (StableLM 2
+    # 12B) it is not HF's model, so nothing inside is vouched for.
+    name = _V + "stablelm.StablelmDecoderLayer"
+    if getattr(config, "use_parallel_residual", False):
+        name += "[use_parallel_residual=true, which vLLM's StableLM does not run]"
+    return [name] * config.num_hidden_layers
+
+
+def _falcon_layers(config: Any) -> list[str]:
+    # Tested: Falcon-7B's layout (parallel_attn, one LayerNorm, rotary).
+    # Falcon-40B/180B's two LayerNorms (new_decoder_architecture), the
+    # sequential blocks (parallel_attn false) and ALiBi are not.
+    name = _V + "falcon.FalconDecoderLayer"
+    untested = [
+        flag
+        for flag, on in (
+            ("new_decoder_architecture", getattr(config, "new_decoder_architecture", False)),
+            ("parallel_attn=false", not getattr(config, "parallel_attn", True)),
+            ("alibi", getattr(config, "alibi", False)),
+        )
+        if on
+    ]
+    if untested:
+        name += f"[{', '.join(untested)}: untested]"
+    return [name] * config.num_hidden_layers
+
+
+def _bloom_layers(config: Any) -> list[str]:
+    # The residual taken after the norms (apply_residual_connection_post_
+    # layernorm) makes each layer's stream another tensor: untested.
+    name = _V + "bloom.BloomBlock"
+    if getattr(config, "apply_residual_connection_post_layernorm", False):
+        name += "[apply_residual_connection_post_layernorm: untested]"
+    return [name] * config.num_hidden_layers
+
+
+MODEL_LAYERS.update(
+    {
+        _V + "stablelm.StablelmForCausalLM": _stablelm_layers,
+        _V + "bloom.BloomForCausalLM": _bloom_layers,
+        _V + "falcon.FalconForCausalLM": _falcon_layers,
+        _V + "lfm2_moe.Lfm2MoeForCausalLM": _lfm2_moe_layers,
+        _V + "exaone_moe.ExaoneMoeForCausalLM": _exaone_moe_layers,
+        _V + "afmoe.AfmoeForCausalLM": _afmoe_layers,
+        _V + "hyperclovax.HyperCLOVAXForCausalLM": _V + "hyperclovax.HyperCLOVAXDecoderLayer",
+        _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
+        + "granitemoeshared.GraniteMoeSharedDecoderLayer",
+        _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",
+        _V + "nemotron.NemotronForCausalLM": _V + "nemotron.NemotronDecoderLayer",
+    }
+)
+
 
 # Qwen3-VL's language model: vLLM's Qwen3 layers under their own class name
 # (the deepstack visual features are added between layers, by the model, at

@@ -38,7 +38,7 @@ def tiny_config(arch: str, **overrides):
         max_position_embeddings=64,
     )
     config, model_cls = _arch_config(arch, common, dict(bos=0, eos=1, pad=2))
-    config.architectures = [model_cls.__name__]
+    config.architectures = config.architectures or [model_cls.__name__]
     for key, value in overrides.items():
         setattr(config, key, value)
     return config

