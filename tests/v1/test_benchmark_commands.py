@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -75,28 +77,42 @@ def test_capture_op_runs_every_route_and_writes_its_record(tmp_path):
     }
 
 
-def test_make_bench_runs_its_sections_and_writes_results_and_plot(tmp_path):
-    """``make bench`` (``python -m benchmarks.run``) with the sections that
-    run in one process: payload, the capture op, and the harvest (a server,
-    collect -> Parquet and an HF transformers loop), one round each."""
-    only = "payload,capture_op,harvest"
-    bench(tmp_path, "benchmarks.run", "--tiny", "--rounds", "1", "--only", only)
-    result = json.loads((tmp_path / "latest.json").read_text())
-    assert (tmp_path / "throughput_ratios.png").stat().st_size > 0
-    assert result["tiny"] is True and set(result["seconds"]) == set(only.split(","))
+@pytest.fixture(scope="module")
+def make_bench(tmp_path_factory) -> dict:
+    """``make bench`` (``python -m benchmarks.run``) once, with the sections
+    that run in one process: payload, the capture op, the harvest (a server,
+    collect -> Parquet and an HF transformers loop), patching and probes, one
+    round each (one process: the suite pays vLLM's import once)."""
+    out = tmp_path_factory.mktemp("make-bench")
+    bench(out, "benchmarks.run", "--tiny", "--rounds", "1", "--only", MAKE_BENCH_ONLY, timeout=1800)
+    assert (out / "throughput_ratios.png").stat().st_size > 0
+    result = json.loads((out / "latest.json").read_text())
+    assert result["tiny"] is True and set(result["seconds"]) == set(MAKE_BENCH_ONLY.split(","))
+    return result
+
+
+MAKE_BENCH_ONLY = "payload,capture_op,harvest,patching,probes"
+
+
+def named(result: dict, prefix: str) -> list[dict]:
+    return [c for c in result["comparisons"] if c["name"].startswith(prefix)]
+
+
+def test_make_bench_runs_its_sections_and_writes_results_and_plot(make_bench):
+    result = make_bench
     assert {p["encoding_format"] for p in result["payload"]} >= {"float", "base64"}
     assert result["capture_op"]["cases"]
-    names = [c["name"] for c in result["comparisons"]]
-    assert len(names) == 2 and names[1].endswith("collect vs HF transformers"), names
+    harvest = named(result, "harvest")
+    assert len(harvest) == 2 and harvest[1]["name"].endswith("collect vs HF transformers")
     comparison(
-        result["comparisons"][0],
+        harvest[0],
         {
             "POST /v1/hidden_states (no write)",
             "collect -> Parquet",
-            next(v for v in result["comparisons"][0]["variants"] if v.startswith("HF ")),
+            next(v for v in harvest[0]["variants"] if v.startswith("HF ")),
         },
     )
-    assert "HF vs route, one document" in result["comparisons"][0]["notes"]
+    assert "HF vs route, one document" in harvest[0]["notes"]
 
 
 def test_small_model_modes_runs_a_mode_in_its_own_process(tmp_path):
@@ -132,12 +148,10 @@ def test_small_model_modes_runs_a_mode_in_its_own_process(tmp_path):
     assert "(v1-async)" in out
 
 
-def test_the_patching_benchmark_runs_its_variants(tmp_path):
-    """``python -m benchmarks.patching --tiny``: plain, steering without a
-    patch table, patching enabled unused, patched and spliced requests."""
-    bench(tmp_path, "benchmarks.patching", "--tiny", "--rounds", "1")
-    result = json.loads((tmp_path / "patching.json").read_text())
-    [summary] = result["patching"]
+def test_the_patching_benchmark_runs_its_variants(make_bench):
+    """The patching section: plain, steering without a patch table, patching
+    enabled unused, patched and spliced requests."""
+    [summary] = named(make_bench, "patching:")
     comparison(
         summary,
         {
@@ -150,12 +164,12 @@ def test_the_patching_benchmark_runs_its_variants(tmp_path):
     )
 
 
-def test_probes_runs_its_variants_and_writes_its_record(tmp_path):
-    """``benchmarks/probes.py``: plain vs probes loaded (nobody asks, one
-    probe on every generated token, return_hidden_states at the same point),
-    and the payload per token of the last two."""
-    bench(tmp_path, "benchmarks.probes", "--tiny", "--rounds", "1")
-    throughput, payload = json.loads((tmp_path / "probes.json").read_text())["probes"]
+def test_probes_runs_its_variants_and_writes_its_record(make_bench):
+    """The probes section: plain vs probes loaded (nobody asks, one probe on
+    every generated token, return_hidden_states at the same point), and the
+    payload per token of the last two."""
+    [throughput] = named(make_bench, "probes: a linear probe")
+    [payload] = named(make_bench, "probes: bytes")
     comparison(
         throughput,
         {
