@@ -255,16 +255,21 @@ def _tested_architectures() -> dict[str, str]:
     return tested
 
 
+def _resolved(names) -> dict[str, tuple[str, str]]:
+    """``{architecture: (module, class)}`` as vLLM's registry resolves each."""
+    from vllm import ModelRegistry
+
+    return {
+        name: (ModelRegistry.models[name].module_name, ModelRegistry.models[name].class_name)
+        for name in names
+    }
+
+
 def registry_architectures() -> dict[str, tuple[str, str]]:
     """vLLM's text-generation architectures: name -> (module, class)."""
-    from vllm import ModelRegistry
     from vllm.model_executor.models import registry
 
-    out = {}
-    for name in registry._TEXT_GENERATION_MODELS:
-        entry = ModelRegistry.models[name]
-        out[name] = (entry.module_name, entry.class_name)
-    return out
+    return _resolved(registry._TEXT_GENERATION_MODELS)
 
 
 def audit() -> list[Row]:
@@ -381,14 +386,9 @@ class MultimodalRow:
 
 def multimodal_registry() -> dict[str, tuple[str, str]]:
     """vLLM's multimodal architectures: name -> (module, class)."""
-    from vllm import ModelRegistry
     from vllm.model_executor.models import registry
 
-    out = {}
-    for name in registry._MULTIMODAL_MODELS:
-        entry = ModelRegistry.models[name]
-        out[name] = (entry.module_name, entry.class_name)
-    return out
+    return _resolved(registry._MULTIMODAL_MODELS)
 
 
 def image_prompts_tested() -> frozenset[str]:

@@ -170,13 +170,8 @@ def _mistral3(common: dict):
     config = T.Mistral3Config(
         text_config=text.to_dict(),
         vision_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=1,
+            _vision_tower(),
             head_dim=64,
-            image_size=IMAGE_SIZE,
-            patch_size=PATCH,
             model_type="pixtral",
         ),
         image_token_index=ids["[IMG]"],
@@ -299,12 +294,7 @@ def _llama4_mm(common: dict):
     config = T.Llama4Config(
         text_config=text.to_dict(),
         vision_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=1,
-            image_size=IMAGE_SIZE,
-            patch_size=PATCH,
+            _vision_tower(),
             vision_output_dim=64,
             projector_input_dim=64,
             projector_output_dim=64,
