@@ -15,6 +15,7 @@ stays there: the prompt's length (front-end), the wire format and streaming
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_hidden_states.contract import EXTRA_ARGS, ProbeAction
 from vllm_hidden_states.points import (
     POSITIONS,
     Positions,
@@ -22,6 +23,7 @@ from vllm_hidden_states.points import (
     is_neuron_id,
     is_pattern_id,
 )
+from vllm_hidden_states.probe_actions import action_probes, check_probe_actions
 
 if TYPE_CHECKING:
     from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
@@ -43,10 +45,11 @@ REQUEST_FIELDS: tuple[str, ...] = (
     "hidden_states_heads",
     "sae_features",
     "probes",
+    "probe_actions",
 )
 # The fields that ask for captured data on their own (they imply
 # return_hidden_states; full states then only for the layers named).
-IMPLYING_FIELDS: tuple[str, ...] = ("sae_features", "probes")
+IMPLYING_FIELDS: tuple[str, ...] = ("sae_features", "probes", "probe_actions")
 
 
 class FieldError(ValueError):
@@ -69,12 +72,23 @@ class RequestFields:
     hidden_states_positions: Any = None
     sae_features: Any = None
     probes: Any = None
+    probe_actions: Any = None
 
     @classmethod
     def of(cls, source: Any) -> "RequestFields":
-        """The fields of ``SamplingParams`` (attributes) or of a request
-        body's extra fields (a dict; missing fields are None)."""
-        get = source.get if isinstance(source, dict) else lambda k: getattr(source, k, None)
+        """The fields of ``SamplingParams`` (attributes, and the names of
+        :data:`~vllm_hidden_states.contract.EXTRA_ARGS` from its
+        ``extra_args``) or of a request body's extra fields (a dict; missing
+        fields are None)."""
+        if isinstance(source, dict):
+            return cls(*(source.get(name) for name in cls.__dataclass_fields__))
+        extra_args = getattr(source, "extra_args", None) or {}
+
+        def get(name: str) -> Any:
+            if name in EXTRA_ARGS:
+                return extra_args.get(name)
+            return getattr(source, name, None)
+
         return cls(*(get(name) for name in cls.__dataclass_fields__))
 
 
@@ -92,7 +106,9 @@ class AskedStates:
             named, and their capture ids.
         patterns, pattern_ids: attention-pattern points, and their ids.
         neurons, neuron_ids: MLP-neuron (mlp_post) points, and their ids.
-        probes: the engine's linear probes to score, names as given.
+        probes: the engine's linear probes to score, names as given, then
+            those only ``probe_actions`` read.
+        probe_actions: its probe actions, checked.
     """
 
     layers: tuple[int, ...]
@@ -106,6 +122,7 @@ class AskedStates:
     neurons: tuple[str, ...] = ()
     neuron_ids: tuple[int, ...] = ()
     probes: tuple[str, ...] = ()
+    probe_actions: tuple[ProbeAction, ...] = ()
 
 
 def asks_states(fields: RequestFields) -> bool:
@@ -118,7 +135,7 @@ def asks_states(fields: RequestFields) -> bool:
         raise FieldError(
             f"return_hidden_states must be true or false, got {flag!r}", "return_hidden_states"
         )
-    if flag or fields.sae_features is not None or fields.probes is not None:
+    if flag or any(getattr(fields, name) is not None for name in IMPLYING_FIELDS):
         return True
     for name in ("hidden_states_layers", "hidden_states_points"):
         if getattr(fields, name) is not None:
@@ -142,16 +159,24 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
     if cfg is None:
         if fields.sae_features is not None:
             raise _no_sae()
-        if fields.probes is not None:
-            raise FieldError(f"probes need probes on this engine; {PROBES_HINT}", "probes")
+        for name in ("probes", "probe_actions"):
+            if getattr(fields, name) is not None:
+                raise FieldError(f"{name} need probes on this engine; {PROBES_HINT}", name)
         raise FieldError(
             f"hidden states are not enabled on this engine; {ENABLE_HINT}", "return_hidden_states"
         )
+    actions = (
+        ()
+        if fields.probe_actions is None
+        else tuple(checked(check_probe_actions, "probe_actions", fields.probe_actions, cfg.probes))
+    )
     positions = checked(
         check_positions,
         "hidden_states_positions",
         "last" if fields.hidden_states_positions is None else fields.hidden_states_positions,
     )
+    if actions:
+        positions = positions_for_actions(positions)
     sae_top_k = 0
     if fields.sae_features is not None:
         if cfg.sae is None:
@@ -164,6 +189,7 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         if fields.probes is None
         else tuple(checked(check_probes, "probes", fields.probes, cfg.probes))
     )
+    probes = action_probes(list(actions), probes)
     asked = checked(check_points, "hidden_states_points", fields.hidden_states_points)
     ids = checked(cfg.resolve_points, "hidden_states_points", asked)
     # With sae_features, probes or points, full states only for the layers named.
@@ -192,7 +218,26 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         neurons=_where(asked, neuron),
         neuron_ids=_where(ids, neuron),
         probes=probes,
+        probe_actions=actions,
     )
+
+
+def positions_for_actions(positions: "Positions | Window") -> "Positions | Window":
+    """The positions of a request with probe actions: what they watch, as it
+    is computed. "last" (the default) reads as "generated"; "prompt" is
+    refused (its rows come with the prefill, before any action can apply to
+    a generated token)."""
+    if positions == "last":
+        return "generated"
+    if positions == "prompt":
+        raise FieldError(
+            "probe_actions watch the positions the request covers as they are "
+            "computed; hidden_states_positions 'prompt' does not reach any generated "
+            "token: use 'generated' (what the default 'last' means with "
+            'probe_actions), \'all\' or a window {"start": s, "end": e}',
+            "hidden_states_positions",
+        )
+    return positions
 
 
 def _no_sae() -> FieldError:

@@ -3,8 +3,8 @@
 captured rows, and the scheduler's capture plan.
 
 The msgspec structs (:class:`HiddenStatesSpec`, :class:`HiddenStatesExtractRequest`,
-:class:`CapturedRows`) are defined in the patched ``vllm.v1.engine`` (patch 0001)
-and named here; :func:`cat_rows`, :func:`slice_rows` and :func:`split_group` are
+:class:`CapturedRows`) are defined in :mod:`vllm_hidden_states.contract` and
+named here; :func:`cat_rows`, :func:`slice_rows` and :func:`split_group` are
 the one path that joins, cuts and groups rows. The capture plan
 (:class:`CapturePlan`) travels on ``SchedulerOutput`` to the workers.
 docs/architecture.md, "Wire types".
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 import torch
 
-from vllm.v1.engine import CapturedRows, HiddenStatesExtractRequest, HiddenStatesSpec
+from vllm_hidden_states.contract import CapturedRows, HiddenStatesExtractRequest, HiddenStatesSpec
 
 if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutputs
@@ -29,6 +29,7 @@ __all__ = [
     "cat_rows",
     "group_rows",
     "hand_out_captured",
+    "has_rows",
     "num_positions",
     "slice_rows",
     "split_group",
@@ -136,7 +137,7 @@ POSITION_AXIS: dict[str, int] = {
     "probe_scores": 0,
 }
 # The fields that name a group's owners; every other field is data.
-_GROUP_FIELDS = ("req_ids", "counts")
+_GROUP_FIELDS = ("req_ids", "counts", "op_results")
 _FIELDS = [f for f in msgspec.structs.fields(CapturedRows) if f.name not in _GROUP_FIELDS]
 assert {f.name for f in _FIELDS} == set(POSITION_AXIS), "a CapturedRows field lacks its axis"
 
@@ -193,7 +194,25 @@ def split_group(group: CapturedRows) -> Iterator[tuple[str, CapturedRows]]:
         if value is not None:
             parts[f.name] = value.split(group.counts, dim=POSITION_AXIS[f.name])
     for i, req_id in enumerate(group.req_ids):
-        yield req_id, CapturedRows(**{name: views[i] for name, views in parts.items()})
+        rows = CapturedRows(**{name: views[i] for name, views in parts.items()})
+        if group.op_results is not None:  # a group of one request (see the field)
+            rows.op_results = group.op_results
+        yield req_id, rows
+
+
+def with_op_results(first: CapturedRows, second: CapturedRows) -> CapturedRows:
+    """One request's two values of one step as one: its rows, and a value of
+    ``op_results`` only (the engine's decisions, a group of its own)."""
+    ops_only = second.op_results is not None and not has_rows(second)
+    data, ops = (first, second) if ops_only else (second, first)
+    data.op_results = ops.op_results
+    return data
+
+
+def has_rows(rows: CapturedRows) -> bool:
+    """Whether ``rows`` carries any data field (a value of ``op_results``
+    only does not)."""
+    return any(getattr(rows, f.name) is not None for f in _FIELDS)
 
 
 def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
@@ -213,7 +232,7 @@ def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
             # dropped here and its tracker fails the request visibly, rather
             # than this client's output thread dying on a KeyError.
             if (eco := by_id.get(req_id)) is not None:
-                eco.captured = rows
+                eco.captured = rows if eco.captured is None else with_op_results(eco.captured, rows)
 
 
 def without(group: CapturedRows, req_ids: set[str]) -> CapturedRows | None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm_hidden_states.engine.extracts import make_extract_request, problem_with
 from vllm_hidden_states.engine.held_mm_inputs import HeldMMInputs
+from vllm_hidden_states.engine.probe_actions import ActionWatch
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
 from vllm_hidden_states.points import EXTRACT_POSITIONS
 from vllm_hidden_states.wire import (
@@ -87,6 +88,8 @@ class CapturePlanner:
         self.parked: dict[str, tuple[Request, float]] = {}
         # Multimodal inputs of finished requests, carried by their extracts.
         self.mm_inputs = HeldMMInputs()
+        # Probe actions of the running requests, decided on each step's scores.
+        self.actions = ActionWatch()
         self._can_hand_over: bool | None = None
         # Requests finished in the step being updated whose extract the engine
         # queues itself once the step's outputs are built (attach).
@@ -184,6 +187,7 @@ class CapturePlanner:
         spec = request.hidden_states_spec
         if spec is None:
             return
+        self.actions.add(request)
         layers = tuple(distinct_layers(spec))
         neurons = tuple(spec.neuron_ids)
         probes = tuple(spec.probes)
@@ -368,9 +372,13 @@ class CapturePlanner:
         for many requests), and count what each capture delivered. Rows of a
         request without an output in this step (aborted meanwhile) are
         dropped."""
+        groups = model_runner_output.captured
+        if groups and self.actions.watched:
+            # First: a stop finishes its request here, so that its extract
+            # is queued with the others.
+            self.actions.decide(scheduler, engine_core_outputs, groups)
         if self._finished:
             self._queue_extracts(scheduler, engine_core_outputs)
-        groups = model_runner_output.captured
         if not groups:
             return
         if len(engine_core_outputs) == 1:
@@ -417,6 +425,8 @@ class CapturePlanner:
         aborted); its patch rows, if any, are free again."""
         if self.active:
             self.active.pop(request_id, None)
+        if self.actions.watched:
+            self.actions.forget(request_id)
         if self.patch_rows:
             self.patch_rows_held -= self.patch_rows.pop(request_id, 0)
 
@@ -481,6 +491,10 @@ class CapturePlanner:
         through the front-end."""
         spec = request.hidden_states_spec
         assert spec is not None
+        if request.request_id in self.actions.trimmed:
+            # A probe action stopped it: the front-end's sequence is final.
+            self.actions.trimmed.discard(request.request_id)
+            return False
         params = request.sampling_params
         return (
             self._queues_extracts

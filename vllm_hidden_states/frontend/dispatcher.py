@@ -20,6 +20,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
+from vllm_hidden_states.contract import OpResults, ProbeFiring
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
@@ -29,6 +30,7 @@ from vllm_hidden_states.wire import (
     ends_before_final_token,
     extract_for,
     extract_id_for,
+    has_rows,
     num_positions,
     result_keys,
     slice_rows,
@@ -60,6 +62,7 @@ class HiddenStatesTracker:
         error: why the capture failed, if it did; the request then finishes
             with ``finish_reason`` "error" and this message in its
             ``stop_reason`` (HTTP: a 500).
+        firings: its probe actions' firings as the engine reported them.
     """
 
     spec: HiddenStatesSpec
@@ -70,6 +73,8 @@ class HiddenStatesTracker:
     chunks: list[CapturedRows] = field(default_factory=list)
     complete: CapturedRows | None = None
     error: str | None = None
+    firings: list[ProbeFiring] = field(default_factory=list)
+    _emitted_firings: int = 0
     _emitted_chunks: int = 0  # DELTA: chunks already given to outputs
     _emitted_rows: int = 0
 
@@ -118,7 +123,12 @@ class HiddenStatesTracker:
         return None
 
     def receive(self, rows: CapturedRows) -> None:
-        """Rows that rode on one of the request's own outputs."""
+        """Rows that rode on one of the request's own outputs (and what its
+        ops decided in that step)."""
+        if rows.op_results is not None:
+            self.firings.extend(rows.op_results.firings)
+            if not has_rows(rows):
+                return
         if self.spec.inline:
             self.chunks.append(rows)
         else:
@@ -191,9 +201,15 @@ class HiddenStatesTracker:
         None without ``sae_top_k``; ``probe_scores``: ``{probe name: float32
         [positions, k]}`` (views of one tensor), None without probes.
         """
+        ops = self._op_results_for_output(finished, delta)
         rows = self._rows_for_output(finished, delta)
         if rows is None:
-            return {"hidden_states": None, "sae_features": None, "probe_scores": None}
+            return {
+                "hidden_states": None,
+                "sae_features": None,
+                "probe_scores": None,
+                "op_results": ops,
+            }
         marked = {"mm_positions": self.mm_positions} if self.mm_positions else {}
         features = None
         if self.spec.sae_top_k and rows.sae_ids is not None:
@@ -220,8 +236,19 @@ class HiddenStatesTracker:
             "hidden_states": states,
             "sae_features": features,
             "probe_scores": scores,
+            "op_results": ops,
             **marked,
         }
+
+    def _op_results_for_output(self, finished: bool, delta: bool) -> OpResults | None:
+        """The firings for the output being made: DELTA, those since the
+        previous output; else all of them, on the final output. None when
+        there are none to give."""
+        if not delta and not finished:
+            return None
+        new = self.firings[self._emitted_firings :] if delta else self.firings
+        self._emitted_firings = len(self.firings)
+        return OpResults(firings=list(new)) if new else None
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:
         if not delta or not self.spec.inline:
@@ -263,6 +290,9 @@ def merge_delta(completion: Any, following: Any) -> None:
     completion.sae_features = _cat_output_field(completion.sae_features, following.sae_features)
     completion.probe_scores = _cat_output_field(completion.probe_scores, following.probe_scores)
     completion.mm_positions = completion.mm_positions or following.mm_positions
+    if following.op_results is not None:
+        firings = [*(completion.op_results.firings if completion.op_results else [])]
+        completion.op_results = OpResults(firings=[*firings, *following.op_results.firings])
 
 
 def mm_positions_of(mm_features: list[Any] | None) -> dict[str, list[int]] | None:

@@ -84,6 +84,7 @@ def resolve_request(
     if asked.patterns and positions == "prompt":
         window = Window(0, prompt_len)  # served by the recomputing extract
     kind = "all" if window is not None else positions
+    assert isinstance(kind, str)  # every window is "all" over part of the positions
     # Patterns need every key: one extract recomputes every position.
     inline = kind == "all" and captures_all_inline(vllm_config) and not asked.patterns
     spec = HiddenStatesSpec(
@@ -92,7 +93,7 @@ def resolve_request(
         positions=kind,
         inline=inline,
         sae_top_k=asked.sae_top_k,
-        sae_layer=cfg.sae_layer if asked.sae_top_k else 0,
+        sae_layer=(cfg.sae_layer or 0) if asked.sae_top_k else 0,
         points=list(asked.points),
         sae_point=(cfg.sae.get("point") or "") if asked.sae_top_k and cfg.sae else "",
         start=0 if window is None else window.start,
@@ -103,7 +104,10 @@ def resolve_request(
         neuron_ids=list(asked.neuron_ids),
         probes=list(asked.probes),
         probe_widths=[cfg.probes[name]["k"] for name in asked.probes],
+        probe_actions=list(asked.probe_actions),
     )
+    if asked.probe_actions:
+        _check_probe_actions(vllm_config, spec)
 
     if asked.patterns:
         _check_pattern_budget(params, prompt_len)
@@ -170,6 +174,32 @@ def _check_multimodal_prompt(vllm_config: "VllmConfig", asked: AskedStates) -> N
             "with a KV connector, hidden states of a prompt with images are served "
             "for positions 'prompt' only",
             parameter="hidden_states_positions",
+        )
+
+
+def _check_probe_actions(vllm_config: "VllmConfig", spec: HiddenStatesSpec) -> None:
+    """Refuse probe actions where the engine cannot decide them in the step
+    that computes each position: positions not captured as they are computed
+    (this engine's mode, or attention patterns asked beside), and speculative
+    decoding (untested, as for steering)."""
+    from vllm.exceptions import VLLMValidationError
+
+    if vllm_config.speculative_config is not None:
+        raise VLLMValidationError(
+            "probe_actions are not supported with speculative decoding yet; start "
+            "the engine without a speculative config to use them",
+            parameter="probe_actions",
+        )
+    if not spec.inline:
+        why = (
+            "attention patterns, asked beside them, are computed after the request"
+            if spec.pattern_ids
+            else "this engine captures them after the request finishes"
+        )
+        raise VLLMValidationError(
+            "probe_actions need the request's positions scored in the step that "
+            f"computes them; {why}: ask for them in a request of their own",
+            parameter="probe_actions",
         )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from vllm_hidden_states.points import Positions, Window, is_neuron_address, is_pattern_address
+from vllm_hidden_states.probe_actions import check_probe_actions
 from vllm_hidden_states.request_fields import (
     IMPLYING_FIELDS,
     REQUEST_FIELDS,
@@ -32,6 +33,7 @@ from vllm_hidden_states.request_fields import (
     check_probes,
     check_sae_features,
     checked,
+    positions_for_actions,
     refuse_without_flag,
     resolve_fields,
     window_problem,
@@ -70,6 +72,9 @@ class HiddenStatesAsk:
     neurons: tuple[str, ...] = ()  # hidden_states_points of MLP neurons (mlp_post)
     heads: tuple[int, ...] | None = None  # hidden_states_heads; None = every head
     probes: tuple[str, ...] = ()  # probes: names of the engine's probes to score
+    # probe_actions as given (checked by the one resolver); their probes are
+    # in ``probes`` too (scores returned).
+    probe_actions: tuple[Any, ...] = ()
 
     @property
     def positions_json(self) -> Any:
@@ -138,6 +143,8 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
                 "return_hidden_states",
             )
     probes = () if fields.probes is None else tuple(_field(check_probes, "probes", fields.probes))
+    actions = _probe_actions_of(fields.probe_actions)
+    probes = (*probes, *dict.fromkeys(a["probe"] for a in actions if a["probe"] not in probes))
     points = _field(check_points, "hidden_states_points", fields.hidden_states_points)
     # With sae_features, probes or points, full states only for the layers named.
     layers = _field(
@@ -153,6 +160,8 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
         "hidden_states_positions",
         "last" if fields.hidden_states_positions is None else fields.hidden_states_positions,
     )
+    if actions:
+        positions = _field(positions_for_actions, "hidden_states_positions", positions)
     stream = extra.get("hidden_states_stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
@@ -205,7 +214,21 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
         neurons=neurons,
         heads=None if heads is None else tuple(heads),
         probes=probes,
+        probe_actions=actions,
     )
+
+
+def _probe_actions_of(value: Any) -> tuple[dict[str, Any], ...]:
+    """``probe_actions`` as given, when it has the request form's shape (a
+    list of objects naming a probe); else the one resolver's error."""
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(
+        isinstance(a, dict) and isinstance(a.get("probe"), str) for a in value
+    ):
+        return tuple(value)
+    _field(check_probe_actions, "probe_actions", value, {})
+    raise AssertionError("check_probe_actions accepted a malformed value")
 
 
 def ask_of(request: Any) -> HiddenStatesAsk | None:
@@ -536,6 +559,8 @@ def ask_engine(params: Any) -> None:
     params.hidden_states_layers = list(ask.layers) or None
     params.hidden_states_points = [*ask.points, *ask.neurons, *ask.patterns] or None
     params.hidden_states_positions = ask.positions_json
+    if ask.probe_actions:
+        params.extra_args = {**(params.extra_args or {}), "probe_actions": list(ask.probe_actions)}
 
 
 def refuse(request: Any, raw_request: Any, route: str) -> Any:

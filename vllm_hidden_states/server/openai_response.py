@@ -207,10 +207,17 @@ class ChoiceRows:
     stored: StoredChoice | None = None
     # A multimodal prompt's {modality: positions} (CompletionOutput.mm_positions).
     mm_positions: dict[str, list[int]] | None = None
+    # Probe action firings not yet written (CompletionOutput.op_results).
+    firings: list[Any] = field(default_factory=list)
 
     @property
     def owed(self) -> bool:
-        return bool(self.pending or self.features or self.scores)
+        return bool(self.pending or self.features or self.scores or self.firings)
+
+    def take_firings(self) -> list[dict[str, Any]]:
+        """The pending firings as the ``probe_actions`` list, emptied."""
+        taken, self.firings = firings_json(self.firings), []
+        return taken
 
     def take(self, ask: HiddenStatesAsk) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The pending rows as the ``hidden_states`` and ``neurons`` objects
@@ -299,6 +306,7 @@ def _collect(
                         output.hidden_states is None
                         and output.sae_features is None
                         and output.probe_scores is None
+                        and output.op_results is None
                         and output.finish_reason is None
                     ):
                         continue
@@ -310,6 +318,8 @@ def _collect(
                         rows.features.append(output.sae_features)
                     if output.probe_scores is not None:
                         rows.scores.append(output.probe_scores)
+                    if output.op_results is not None:
+                        rows.firings.extend(output.op_results.firings)
                     if output.finish_reason is not None:
                         rows.finished = True
                         if store is not None and rows.stored is not None:
@@ -358,6 +368,8 @@ def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStat
             choice["sae_features"] = rows.take_features(ask)
         if ask.probes:
             choice["probe_scores"] = rows.take_scores(ask)
+        if ask.probe_actions and (rows.firings or rows.finished):
+            choice["probe_actions"] = rows.take_firings()
         changed = True
     if not changed:
         return chunk
@@ -495,10 +507,21 @@ def finish(reply: HiddenStatesReply | None, response: Any) -> Any:
         [r.scores if r is not None else None for r in rows],
     )
     for choice, r in zip(choices, rows):
+        if reply.ask.probe_actions:
+            choice.probe_actions = [] if r is None else r.take_firings()
         marked = getattr(choice, "hidden_states", None)
         if r is not None and r.mm_positions and isinstance(marked, dict):
             marked["mm_positions"] = r.mm_positions
     return response
+
+
+def firings_json(firings: list[Any]) -> list[dict[str, Any]]:
+    """Probe action firings (``ProbeFiring``) as the response lists them:
+    ``{"probe", "position", "score", "then"}`` each, in position order."""
+    return [
+        {"probe": f.label, "position": f.position, "score": f.score, "then": f.then}
+        for f in firings
+    ]
 
 
 def json_response_class(default: type) -> type:

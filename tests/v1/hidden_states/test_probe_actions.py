@@ -1,0 +1,285 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Probe actions (``probe_actions``), decided in the engine, through ``LLM``.
+
+One engine for the module (EngineCore in its own process) with the probe
+directory of ``test_probes.py``. Every expectation comes from numpy scores
+on HF transformers' states of the token ids vLLM reports: the first position
+whose reference score crosses the threshold is where a "stop" must end the
+output, and the positions where the condition holds are what a "flag" must
+list. Thresholds are put between two reference scores, far from both, so
+that float32 rounding cannot move a crossing.
+"""
+
+import numpy as np
+import pytest
+
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind
+from vllm_hidden_states.probes import score_numpy
+
+from .conftest import COMMON_ENGINE_ARGS, token_ids_of
+from .test_probes import PROMPT, Reference, write_probes
+
+PROBE = "post1"  # resid_post.1, sigmoid, 3 outputs
+FINAL = "final"  # layer -1, one output
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def probes_dir(tmp_path_factory, hf_qwen3):
+    return write_probes(
+        tmp_path_factory.mktemp("probes"), hf_qwen3.hidden_size, hf_qwen3.num_layers
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(hf_qwen3, probes_dir):
+    return Reference(hf_qwen3, probes_dir)
+
+
+@pytest.fixture(scope="module")
+def action_llm(qwen3_dir, probes_dir):
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(qwen3_dir),
+        probes=str(probes_dir),
+        enforce_eager=True,
+        max_model_len=256,
+        **COMMON_ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def params(actions=None, **kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", MAX_TOKENS)
+    kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("ignore_eos", True)
+    extra = {"probe_actions": actions} if actions is not None else None
+    return SamplingParams(extra_args=extra, **kwargs)
+
+
+def ref_scores(reference, token_ids, probe, column=0) -> np.ndarray:
+    """float64 reference scores of ``probe``'s output ``column``, one per position."""
+    p = reference.probes[probe]
+    return score_numpy(reference.rows(token_ids, p.point), p)[:, column]
+
+
+def threshold_between(scores: np.ndarray, rank: int) -> float:
+    """A threshold midway between the ``rank``-th and next largest of
+    ``scores`` (far from every score, relative to float32 rounding)."""
+    ordered = np.sort(scores)[::-1]
+    low, high = ordered[rank + 1], ordered[rank]
+    assert high - low > 1e-4 * max(abs(high), 1e-3), "scores too close to split"
+    return float((low + high) / 2)
+
+
+@pytest.fixture(scope="module")
+def free_run(action_llm):
+    """The unmonitored greedy run every test compares with."""
+    (out,) = action_llm.generate([PROMPT], params(), use_tqdm=False)
+    return out
+
+
+def first_crossing(scores: np.ndarray, threshold: float, start: int, above=True, run=1):
+    held = scores > threshold if above else scores < threshold
+    count = 0
+    for p in range(start, len(scores)):
+        count = count + 1 if held[p] else 0
+        if count >= run:
+            return p
+    return None
+
+
+@pytest.mark.four_modes
+def test_stop_ends_the_output_at_the_first_position_whose_score_crosses(
+    action_llm, reference, free_run
+):
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, PROBE, 1)
+    generated = scores[n_prompt:-1]  # positions scored as they are computed
+    threshold = threshold_between(generated, 3)
+    want = first_crossing(scores[:-1], threshold, n_prompt)
+    assert want is not None and want < len(ids) - 2  # the stop cuts the output short
+    actions = [{"probe": PROBE, "output": 1, "above": threshold, "then": "stop"}]
+    (out,) = action_llm.generate([PROMPT], params(actions), use_tqdm=False)
+    completion = out.outputs[0]
+    # The tokens up to the firing position, none after it.
+    assert list(completion.token_ids) == ids[n_prompt : want + 1]
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason == PROBE
+    (firing,) = completion.op_results.firings
+    assert (firing.label, firing.position, firing.then) == (PROBE, want, "stop")
+    assert firing.score == pytest.approx(scores[want], rel=1e-4, abs=1e-6)
+    reference.check(
+        {PROBE: completion.probe_scores[PROBE]}, token_ids_of(out), slice(n_prompt, None), "stop"
+    )
+
+
+@pytest.mark.four_modes
+def test_stop_never_fires_when_no_score_crosses(action_llm, reference, free_run):
+    ids = token_ids_of(free_run)
+    top = float(ref_scores(reference, ids, FINAL).max())
+    actions = [{"probe": FINAL, "above": top + 1.0, "then": "stop"}]
+    (out,) = action_llm.generate([PROMPT], params(actions), use_tqdm=False)
+    completion = out.outputs[0]
+    assert list(completion.token_ids) == list(free_run.outputs[0].token_ids)
+    assert completion.finish_reason == "length"
+    assert completion.op_results is None
+
+
+def test_a_stop_in_the_prompt_stops_before_the_first_token(action_llm, reference, free_run):
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, FINAL)
+    threshold = threshold_between(scores[:n_prompt], 0)
+    want = first_crossing(scores, threshold, 0)
+    assert want < n_prompt
+    actions = [{"probe": FINAL, "above": threshold}]  # "then" defaults to "stop"
+    (out,) = action_llm.generate(
+        [PROMPT], params(actions, hidden_states_positions="all"), use_tqdm=False
+    )
+    completion = out.outputs[0]
+    assert list(completion.token_ids) == []
+    assert completion.finish_reason == "stop"
+    assert [f.position for f in completion.op_results.firings] == [want]
+
+
+def test_below_and_for_need_that_many_positions_in_a_row(action_llm, reference, free_run):
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, FINAL)
+    threshold = float(np.median(scores[n_prompt:-1]))
+    want = first_crossing(scores[:-1], threshold, n_prompt, above=False, run=2)
+    assert want is not None
+    actions = [{"probe": FINAL, "below": threshold, "for": 2, "then": "stop"}]
+    (out,) = action_llm.generate([PROMPT], params(actions), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == want + 1 - n_prompt
+    assert [f.position for f in out.outputs[0].op_results.firings] == [want]
+
+
+@pytest.mark.four_modes
+def test_flag_lists_every_position_where_the_condition_held(action_llm, reference, free_run):
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, PROBE, 1)
+    threshold = threshold_between(scores[n_prompt:-1], 5)
+    actions = [{"probe": PROBE, "output": 1, "above": threshold, "then": "flag"}]
+    (out,) = action_llm.generate([PROMPT], params(actions), use_tqdm=False)
+    completion = out.outputs[0]
+    assert list(completion.token_ids) == list(free_run.outputs[0].token_ids)  # goes on
+    want = [p for p in range(n_prompt, len(ids) - 1) if scores[p] > threshold]
+    assert [f.position for f in completion.op_results.firings] == want
+    assert {f.then for f in completion.op_results.firings} == {"flag"}
+
+
+@pytest.mark.four_modes
+def test_monitored_differently_monitored_and_plain_requests_share_a_batch(
+    action_llm, reference, free_run
+):
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, FINAL)
+    threshold = threshold_between(scores[n_prompt:-1], 2)
+    stop_at = first_crossing(scores[:-1], threshold, n_prompt)
+    stop = [{"probe": FINAL, "above": threshold, "then": "stop"}]
+    flag = [{"probe": FINAL, "above": threshold, "then": "flag"}]
+    asks = [params(stop), params(flag), params(), params(stop)]
+    outs = action_llm.generate([PROMPT] * 4, asks, use_tqdm=False)
+    free = list(free_run.outputs[0].token_ids)
+    assert list(outs[0].outputs[0].token_ids) == ids[n_prompt : stop_at + 1]
+    assert list(outs[3].outputs[0].token_ids) == ids[n_prompt : stop_at + 1]
+    assert list(outs[1].outputs[0].token_ids) == free
+    flagged = [p for p in range(n_prompt, len(ids) - 1) if scores[p] > threshold]
+    assert [f.position for f in outs[1].outputs[0].op_results.firings] == flagged
+    assert list(outs[2].outputs[0].token_ids) == free
+    assert outs[2].outputs[0].op_results is None and outs[2].outputs[0].probe_scores is None
+
+
+def test_each_of_n_children_acts_on_its_own_scores(action_llm, reference):
+    sampled = params(
+        None, probes=[FINAL], hidden_states_positions="generated", n=2, temperature=1.0, seed=7
+    )
+    (free,) = action_llm.generate([PROMPT], sampled, use_tqdm=False)
+    n_prompt = len(free.prompt_token_ids)
+    per_child = [
+        ref_scores(reference, list(free.prompt_token_ids) + list(c.token_ids), FINAL)
+        for c in free.outputs
+    ]
+    threshold = float(np.median(np.concatenate([s[n_prompt:-1] for s in per_child])))
+    actions = [{"probe": FINAL, "above": threshold, "then": "stop"}]
+    (out,) = action_llm.generate(
+        [PROMPT], params(actions, n=2, temperature=1.0, seed=7), use_tqdm=False
+    )
+    for child, scores, whole in zip(out.outputs, per_child, free.outputs):
+        want = first_crossing(scores[:-1], threshold, n_prompt)
+        end = len(whole.token_ids) if want is None else want + 1 - n_prompt
+        assert list(child.token_ids) == list(whole.token_ids)[:end], child.index
+
+
+def test_streamed_deltas_carry_each_firing_once(action_llm, reference, free_run):
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, FINAL)
+    threshold = threshold_between(scores[n_prompt:-1], 4)
+    actions = [{"probe": FINAL, "above": threshold, "then": "flag"}]
+    engine = action_llm.llm_engine
+    engine.add_request(
+        "actions-delta", PROMPT, params(actions, output_kind=RequestOutputKind.DELTA)
+    )
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].op_results is not None:
+                seen += [f.position for f in out.outputs[0].op_results.firings]
+    assert seen == [p for p in range(n_prompt, len(ids) - 1) if scores[p] > threshold]
+
+
+@pytest.mark.parametrize(
+    "bad, says, parameter",
+    [
+        ([{"probe": "nope", "above": 0.5}], r"probe 'nope' is not loaded", "probe_actions"),
+        ([{"probe": FINAL, "above": float("inf")}], "must be finite", "probe_actions"),
+        (
+            [{"probe": FINAL, "above": 1, "below": 0}],
+            "exactly one of 'above' and 'below'",
+            "probe_actions",
+        ),
+        ([{"probe": PROBE, "above": 0.5}], r"has 3 outputs; 'output' must be", "probe_actions"),
+        (
+            [{"probe": FINAL, "above": 0.5, "for": 0}],
+            "'for' must be an integer >= 1",
+            "probe_actions",
+        ),
+        (
+            [{"probe": FINAL, "above": 0.5, "then": "explode"}],
+            r"one of \['stop', 'flag'\]",
+            "probe_actions",
+        ),
+        (
+            [{"probe": FINAL, "above": 0.5, "then": {"steer": []}}],
+            "not supported yet",
+            "probe_actions",
+        ),
+        ([], "non-empty list of actions", "probe_actions"),
+    ],
+)
+def test_a_bad_action_fails_alone_naming_what_is_allowed(action_llm, bad, says, parameter):
+    with pytest.raises(VLLMValidationError, match=says) as info:
+        action_llm.generate([PROMPT], params(bad, max_tokens=2), use_tqdm=False)
+    assert info.value.parameter == parameter
+    (out,) = action_llm.generate([PROMPT], params(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2  # still serving
+
+
+def test_actions_over_the_prompt_only_are_refused(action_llm):
+    with pytest.raises(VLLMValidationError, match="'prompt' does not reach any generated") as info:
+        action_llm.generate(
+            [PROMPT],
+            params([{"probe": FINAL, "above": 0.5}], hidden_states_positions="prompt"),
+            use_tqdm=False,
+        )
+    assert info.value.parameter == "hidden_states_positions"

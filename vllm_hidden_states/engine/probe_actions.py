@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Probe actions decided in the engine process, in the step that scored them.
+
+:class:`ActionWatch` lives on the scheduler's
+:class:`~vllm_hidden_states.engine.planner.CapturePlanner`. In
+``update_from_output`` it reads the probe scores of the step's captured
+row groups (float32 ``[rows, sum of k]``, already on the host) for the
+requests that carry actions, and:
+
+* ``"stop"``: the request finishes in this step. Its output keeps the tokens
+  up to the firing position; the token sampled from it is dropped, so no
+  token after the firing one is generated. ``finish_reason`` is "stop",
+  ``stop_reason`` the action's label (the probe's name). A firing at a prompt
+  position stops the request before its first token.
+* ``"flag"``: the position is reported, the request goes on.
+
+Each firing travels to the front-end as a one-request group carrying
+:class:`~vllm_hidden_states.contract.OpResults` only. Requests without
+actions cost nothing here: the watch is empty.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.logger import init_logger
+from vllm_hidden_states.contract import CapturedRows, OpResults, ProbeAction, ProbeFiring
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Watched:
+    """One request's actions and where its scores stand.
+
+    Attributes:
+        actions: its actions.
+        columns: each action's column in the request's probe scores.
+        position: the sequence position of the next scored row.
+        runs: each action's run of consecutive positions where its
+            condition held, up to ``position``.
+    """
+
+    actions: list[ProbeAction]
+    columns: list[int]
+    position: int
+    runs: list[int] = field(default_factory=list)
+
+
+class ActionWatch:
+    """The probe actions of the scheduler's running requests."""
+
+    def __init__(self) -> None:
+        self.watched: dict[str, _Watched] = {}
+        # Requests a stop finished whose output the front-end trims (the
+        # engine's token list keeps the dropped token): the front-end, which
+        # holds the sequence as output, sends their extracts.
+        self.trimmed: set[str] = set()
+
+    def add(self, request: "Request") -> None:
+        """In ``Scheduler.add_request``: watch ``request`` if it has actions."""
+        spec = request.hidden_states_spec
+        if spec is None or not spec.probe_actions:
+            return
+        starts = np.cumsum([0, *spec.probe_widths]).tolist()
+        columns = [starts[spec.probes.index(a.probe)] + a.column for a in spec.probe_actions]
+        self.watched[request.request_id] = _Watched(
+            list(spec.probe_actions), columns, spec.start, [0] * len(columns)
+        )
+
+    def forget(self, request_id: str) -> None:
+        """In ``_free_request``: the request left the scheduler."""
+        self.watched.pop(request_id, None)
+
+    def decide(
+        self,
+        scheduler: "Scheduler",
+        engine_core_outputs: dict[int, "EngineCoreOutputs"],
+        groups: list[CapturedRows],
+    ) -> None:
+        """Act on this step's scores (``groups``, in position order per
+        request) before the step's outputs leave: stop requests, and put
+        each request's firings on its client's outputs."""
+        fired: dict[str, list[ProbeFiring]] = {}
+        stops: dict[str, ProbeFiring] = {}
+        for group in groups:
+            if group.probe_scores is None:
+                continue
+            offset = 0
+            for req_id, count in zip(group.req_ids, group.counts):
+                watched = self.watched.get(req_id)
+                if watched is not None and count:
+                    scores = group.probe_scores[offset : offset + count].numpy()
+                    firings = _evaluate(watched, scores)
+                    if firings:
+                        fired.setdefault(req_id, []).extend(firings)
+                        stop = next((f for f in firings if f.then == "stop"), None)
+                        if stop is not None and req_id not in stops:
+                            stops[req_id] = stop
+                offset += count
+        if not fired:
+            return
+        outputs_of = {
+            eco.request_id: (eco, outs)
+            for outs in engine_core_outputs.values()
+            for eco in outs.outputs
+        }
+        for req_id, firings in fired.items():
+            entry = outputs_of.get(req_id)
+            if entry is None:
+                continue  # aborted meanwhile: no output to carry them
+            eco, outs = entry
+            stop = stops.get(req_id)
+            if stop is not None:
+                # Nothing after the stop is reported.
+                firings = [f for f in firings if f.position <= stop.position]
+                _stop(scheduler, eco, stop, self.trimmed)
+            for firing in firings:
+                logger.info(
+                    "probe action %s (%s) fired on request %s at position %d (score %.6g)",
+                    firing.label,
+                    firing.then,
+                    req_id,
+                    firing.position,
+                    firing.score,
+                )
+            group = CapturedRows(
+                req_ids=[req_id], counts=[0], op_results=OpResults(firings=firings)
+            )
+            if outs.captured is None:
+                outs.captured = []
+            outs.captured.append(group)
+
+
+def _evaluate(watched: _Watched, scores: np.ndarray) -> list[ProbeFiring]:
+    """The firings of ``watched``'s actions over ``scores`` (float32
+    ``[rows, sum of k]``, positions from ``watched.position`` on), in
+    position order; advances ``watched``. A stop ends the evaluation."""
+    firings: list[ProbeFiring] = []
+    first = watched.position
+    watched.position += scores.shape[0]
+    held = [
+        (scores[:, c] > a.threshold) if a.above else (scores[:, c] < a.threshold)
+        for a, c in zip(watched.actions, watched.columns)
+    ]
+    for row in range(scores.shape[0]):
+        for i, action in enumerate(watched.actions):
+            watched.runs[i] = watched.runs[i] + 1 if held[i][row] else 0
+            if watched.runs[i] >= action.consecutive:
+                firings.append(
+                    ProbeFiring(
+                        label=action.label,
+                        position=first + row,
+                        score=float(scores[row, watched.columns[i]]),
+                        then=action.then,
+                        monitor=action.monitor,
+                    )
+                )
+        if any(f.then == "stop" and f.position == first + row for f in firings):
+            break
+    return firings
+
+
+def _stop(
+    scheduler: "Scheduler", eco: "EngineCoreOutput", firing: ProbeFiring, trimmed: set[str]
+) -> None:
+    """Finish the request of ``eco`` at ``firing``: its output keeps the
+    tokens at positions up to the firing one (those sampled after it, in
+    this step, are dropped from ``eco``) and ends with "stop",
+    ``stop_reason`` the action's label. A request that finished in this step
+    already keeps its own finish. A request whose output lost tokens joins
+    ``trimmed`` before it finishes (its extract is then the front-end's)."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    request = scheduler.requests.get(eco.request_id)
+    if request is None or request.is_finished() or eco.finish_reason is not None:
+        return
+    keep = max(firing.position + 1 - request.num_prompt_tokens, 0)
+    drop = request.num_output_tokens - keep
+    new = list(eco.new_token_ids)
+    if drop > len(new):
+        # Tokens of earlier steps are out already (cannot happen: a position
+        # is scored in the step that samples the token after it).
+        logger.error(
+            "probe action %s on %s: %d tokens after position %d were sent before "
+            "its score; stopping after them",
+            firing.label,
+            eco.request_id,
+            drop - len(new),
+            firing.position,
+        )
+        drop = len(new)
+    if drop:
+        trimmed.add(eco.request_id)
+        eco.new_token_ids = new[: len(new) - drop]
+        if drop == len(new):
+            eco.new_logprobs = None  # else only with draft tokens, refused
+    request.stop_reason = firing.label
+    eco.finish_reason = FinishReason.STOP
+    eco.stop_reason = firing.label
+    scheduler.finish_requests(eco.request_id, RequestStatus.FINISHED_STOPPED)
