@@ -40,7 +40,7 @@ def assert_same(a: CapturedRows, b: CapturedRows) -> None:
             assert torch.equal(x, y), name
 
 
-GROUP_FIELDS = {"req_ids", "counts"}
+GROUP_FIELDS = {"req_ids", "counts", "op_results"}
 
 
 def test_every_data_field_has_a_position_axis():
@@ -146,3 +146,15 @@ def test_rows_of_a_request_without_an_output_are_dropped_not_raised():
     )
     hand_out_captured(outputs)
     assert_same(outputs.outputs[0].captured, rows(0, 1))
+
+
+def test_a_value_of_op_results_only_joins_the_rows_of_its_request():
+    from vllm_hidden_states.contract import OpResults, ProbeFiring
+    from vllm_hidden_states.wire import with_op_results
+
+    firing = ProbeFiring(label="harm", position=4, score=0.9)
+    ops = CapturedRows(op_results=OpResults(firings=[firing]))
+    for first, second in ((rows(0, 2), ops), (ops, rows(0, 2))):
+        joined = with_op_results(first, second)
+        assert_same(joined, rows(0, 2))
+        assert joined.op_results.firings == [firing]

@@ -491,7 +491,7 @@ class CapturePlanner:
         through the front-end."""
         spec = request.hidden_states_spec
         assert spec is not None
-        if request.request_id in self.actions.trimmed:
+        if self.actions.trimmed and request.request_id in self.actions.trimmed:
             # A probe action stopped it: the front-end's sequence is final.
             self.actions.trimmed.discard(request.request_id)
             return False
