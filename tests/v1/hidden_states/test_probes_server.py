@@ -222,3 +222,117 @@ def test_scores_land_in_the_activation_store_one_row_per_token_and_probe(http, s
         got = np.array([r[2] for r in stored if r[0] == name], dtype=np.float32)
         assert [r[1] for r in stored if r[0] == name] == list(range(n))
         np.testing.assert_array_equal(got, decoded(choice["probe_scores"][name]).numpy())
+
+
+# -- probe actions over HTTP ---------------------------------------------------
+
+
+def _free_completion(oai, probe: str):
+    """A greedy completion with ``probe`` scored on every generated token."""
+    res = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0.0,
+        extra_body={
+            "probes": [probe],
+            "hidden_states_positions": "generated",
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    extra = res.choices[0].model_extra
+    return list(extra["prompt_token_ids"]), list(extra["token_ids"])
+
+
+def _crossing(reference, prompt_ids, token_ids, probe: str):
+    """A threshold between two generated positions' reference scores, and
+    the first generated position above it."""
+    from vllm_hidden_states.probes import score_numpy
+
+    ids = prompt_ids + token_ids
+    p = reference.probes[probe]
+    scores = score_numpy(reference.rows(ids, p.point), p)[:, 0]
+    generated = np.sort(scores[len(prompt_ids) : -1])[::-1]
+    threshold = float((generated[2] + generated[3]) / 2)
+    first = next(q for q in range(len(prompt_ids), len(ids) - 1) if scores[q] > threshold)
+    return threshold, first
+
+
+def test_a_probe_action_stops_a_completion_at_the_first_crossing(oai, reference):
+    prompt_ids, token_ids = _free_completion(oai, "final")
+    threshold, first = _crossing(reference, prompt_ids, token_ids, "final")
+    res = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0.0,
+        extra_body={
+            "probe_actions": [{"probe": "final", "above": threshold, "then": "stop"}],
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    choice = res.choices[0]
+    assert choice.model_extra["token_ids"] == token_ids[: first + 1 - len(prompt_ids)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "final"
+    (fired,) = choice.model_extra["probe_actions"]
+    assert (fired["probe"], fired["position"], fired["then"]) == ("final", first, "stop")
+    # The action's probe is scored and returned over the positions it watched.
+    assert choice.model_extra["probe_scores"]["final"]["positions"] == "generated"
+
+
+def test_a_streamed_chat_ends_with_the_stop_and_its_firing_on_the_final_chunk(oai, reference):
+    messages = [{"role": "user", "content": PROMPT}]
+    common = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0.0)
+    free = oai.chat.completions.create(
+        **common,
+        extra_body={
+            "probes": ["final"],
+            "hidden_states_positions": "generated",
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    prompt_ids = list(free.model_extra["prompt_token_ids"])
+    token_ids = list(free.choices[0].model_extra["token_ids"])
+    threshold, first = _crossing(reference, prompt_ids, token_ids, "final")
+    stream = oai.chat.completions.create(
+        **common,
+        stream=True,
+        extra_body={
+            "probe_actions": [{"probe": "final", "above": threshold}],
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    tokens, finals = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens += getattr(choice, "token_ids", None) or []
+            if choice.finish_reason is not None:
+                finals.append(choice)
+    assert tokens == token_ids[: first + 1 - len(prompt_ids)]
+    (final,) = finals
+    assert final.finish_reason == "stop"
+    assert [f["position"] for f in final.model_extra["probe_actions"]] == [first]
+    assert final.model_extra["probe_scores"]["final"]["shape"][0] == len(tokens)
+
+
+@pytest.mark.parametrize(
+    "actions, says",
+    [
+        ([{"probe": "nope", "above": 0.5}], "probe 'nope' is not loaded"),
+        ([{"probe": "final", "above": "high"}], "'above' must be a number"),
+        ([{"probe": "final", "above": 0.5, "then": {"steer": []}}], "not supported yet"),
+        ("final", "non-empty list of actions"),
+    ],
+)
+def test_a_bad_probe_action_is_a_400_naming_the_field(http, actions, says):
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "probe_actions": actions},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert says in error["message"] and error["param"] == "probe_actions"

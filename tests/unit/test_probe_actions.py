@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Probe actions without an engine: the request form's checks, and the
+engine's decision over a step's scores (``engine/probe_actions.py``)."""
+
+import numpy as np
+import pytest
+
+from vllm_hidden_states.contract import ProbeAction
+from vllm_hidden_states.engine.probe_actions import _evaluate, _Watched
+from vllm_hidden_states.probe_actions import action_probes, check_probe_actions
+
+PROBES = {"harm": {"k": 1}, "topic": {"k": 3}}
+
+
+def test_an_action_is_checked_into_its_struct_with_defaults():
+    (action,) = check_probe_actions([{"probe": "harm", "above": 0.5}], PROBES)
+    assert action == ProbeAction(label="harm", probe="harm", threshold=0.5)
+    assert (action.above, action.column, action.consecutive, action.then) == (True, 0, 1, "stop")
+
+
+def test_below_for_and_output_are_read():
+    (action,) = check_probe_actions(
+        [{"probe": "topic", "below": -1, "for": 3, "output": 2, "then": "flag"}], PROBES
+    )
+    assert (action.above, action.threshold, action.consecutive, action.column, action.then) == (
+        False,
+        -1.0,
+        3,
+        2,
+        "flag",
+    )
+
+
+@pytest.mark.parametrize(
+    "item, says",
+    [
+        ({"probe": "harm", "above": float("nan")}, "must be finite"),
+        ({"probe": "harm", "above": True}, "must be a number"),
+        ({"probe": "harm"}, "exactly one of 'above' and 'below'"),
+        ({"probe": "topic", "above": 0}, r"has 3 outputs; 'output' must be an integer in 0..2"),
+        ({"probe": "harm", "above": 0, "output": 1}, "in 0..0"),
+        ({"probe": "harm", "above": 0, "for": 1.5}, "'for' must be an integer >= 1"),
+        ({"probe": "harm", "above": 0, "when": 1}, r"unknown keys \['when'\]"),
+        ({"probe": "nope", "above": 0}, "probe 'nope' is not loaded"),
+        ("harm", "must be an object"),
+    ],
+)
+def test_a_bad_action_says_what_was_wrong_and_what_is_allowed(item, says):
+    with pytest.raises(ValueError, match=says):
+        check_probe_actions([item], PROBES)
+
+
+def test_an_engine_without_probes_says_how_to_load_them():
+    with pytest.raises(ValueError, match="--probes DIR"):
+        check_probe_actions([{"probe": "harm", "above": 0}], {})
+
+
+def test_the_probes_scored_are_those_asked_then_those_only_actions_read():
+    actions = check_probe_actions(
+        [{"probe": "topic", "above": 0, "output": 0}, {"probe": "harm", "above": 0}], PROBES
+    )
+    assert action_probes(actions, ("harm",)) == ("harm", "topic")
+
+
+def watched(*actions: ProbeAction, position: int = 10) -> _Watched:
+    return _Watched(list(actions), [0] * len(actions), position, [0] * len(actions))
+
+
+def test_a_stop_fires_at_the_first_row_above_and_ends_the_evaluation():
+    w = watched(ProbeAction(label="harm", probe="harm", threshold=0.5))
+    firings = _evaluate(w, np.array([[0.1], [0.7], [0.9]], np.float32))
+    assert [(f.position, f.then) for f in firings] == [(11, "stop")]
+    assert firings[0].score == pytest.approx(0.7)
+
+
+def test_a_run_of_consecutive_rows_carries_over_steps():
+    w = watched(ProbeAction(label="h", probe="h", threshold=0.0, above=False, consecutive=3))
+    assert _evaluate(w, np.array([[-1.0], [-1.0]], np.float32)) == []
+    (firing,) = _evaluate(w, np.array([[-2.0]], np.float32))
+    assert firing.position == 12
+
+
+def test_a_flag_reports_every_row_where_it_holds_and_a_stop_beside_it_ends_them():
+    flag = ProbeAction(label="f", probe="h", threshold=0.0, then="flag")
+    stop = ProbeAction(label="s", probe="h", threshold=0.8)
+    w = watched(flag, stop, position=0)
+    firings = _evaluate(w, np.array([[0.5], [-1.0], [0.9], [0.95]], np.float32))
+    assert [(f.label, f.position) for f in firings] == [("f", 0), ("f", 2), ("s", 2)]
