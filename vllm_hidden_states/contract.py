@@ -29,7 +29,7 @@ __all__ = [
 # Per-request fields read from ``SamplingParams.extra_args`` (vLLM's own
 # extension point), by name; any of them makes a request resolved by the
 # package (``SamplingParams.asks_hidden_states``, patch 0001).
-EXTRA_ARGS: frozenset[str] = frozenset({"probe_actions"})
+EXTRA_ARGS: frozenset[str] = frozenset({"probe_actions", "probe_monitors"})
 
 
 class ProbeAction(
@@ -135,6 +135,13 @@ class HiddenStatesSpec(
     # Probe actions (vllm_hidden_states.actions): decided in the engine on the
     # scores of ``probes`` at this request's positions, in the step computed.
     probe_actions: list[ProbeAction] = []
+    # How many of ``probes`` (the first) the request gets back (-1: all; a
+    # server monitor's probes are scored, never returned).
+    probes_returned: int = -1
+    # What the request gets of the positions captured: "" all of them; "last"
+    # the final one (a "last" request on a server with monitors, which watch
+    # every generated position); "none" nothing (only monitors asked).
+    returns: str = ""
 
 
 class CapturedRows(

@@ -583,6 +583,16 @@ def add_cli_args(parser) -> None:
         "serving path (a failing store is logged, the request served).",
     )
     group.add_argument(
+        "--monitors",
+        type=str,
+        default=None,
+        help="JSON or YAML file of named probe actions applied to every "
+        'chat/completions request (needs --probes): e.g. [{"name": '
+        '"harm-stop", "probe": "harm", "above": 0.8, "then": '
+        '"stop"}]. Clients cannot turn them off; firings are logged and '
+        "counted in /metrics (vllm:hidden_states_monitor_firings).",
+    )
+    group.add_argument(
         "--activation-store-hidden-states",
         action="store_true",
         default=False,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Probe actions: the request form and its checks.
+"""Probe actions and server monitors: the request form and its checks.
 
 A request's ``probe_actions`` (HTTP body field; ``SamplingParams.extra_args``
 in Python) is a list of objects::
@@ -11,18 +11,26 @@ The engine scores the probe at every position the request's positions
 cover, in the step that computes it, and decides there
 (``engine/probe_actions.py``); this module turns the request form into
 :class:`~vllm_hidden_states.contract.ProbeAction` structs or says what is
-wrong and what is allowed. It imports neither vLLM nor torch.
+wrong and what is allowed. A server monitor (``--monitors FILE``) is the
+same object with a ``"name"``; the API server puts the monitors on every
+request it serves (``extra_args["probe_monitors"]``). It imports neither
+vLLM nor torch.
 """
 
 import math
+import re
 from typing import Any
+
+import msgspec
 
 from vllm_hidden_states.contract import ProbeAction
 
 FIELD = "probe_actions"
+MONITORS_FIELD = "probe_monitors"
 THENS: tuple[str, ...] = ("stop", "flag")
 KEYS: frozenset[str] = frozenset({"probe", "above", "below", "for", "output", "then"})
 MAX_ACTIONS = 16
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 FORM = (
     'each action is {"probe": NAME, "above" or "below": a finite number, '
     '"for": n consecutive positions (optional, default 1), "output": the probe '
@@ -41,8 +49,36 @@ def check_probe_actions(value: Any, probes: dict[str, dict[str, Any]]) -> list[P
     return [_check_one(item, i, probes) for i, item in enumerate(value)]
 
 
-def _check_one(item: Any, i: int, probes: dict[str, dict[str, Any]]) -> ProbeAction:
-    where = f"{FIELD}[{i}]"
+def check_monitors(value: Any, probes: dict[str, dict[str, Any]]) -> list[ProbeAction]:
+    """Server monitors (each an action with a ``"name"``, its label) checked
+    against the engine's ``probes``; ValueError naming the monitor."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"monitors must be a non-empty list of named actions; {FORM}")
+    names = [item.get("name") if isinstance(item, dict) else None for item in value]
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(
+                f"monitor {i}: 'name' must be a plain name (letters, digits, '_', '-', "
+                f"'.'), got {name!r}"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"monitor names must be distinct, got {names}")
+    return [
+        msgspec.structs.replace(
+            _check_one(
+                {k: v for k, v in item.items() if k != "name"}, i, probes, f"monitor {name!r}"
+            ),
+            label=name,
+            monitor=True,
+        )
+        for i, (item, name) in enumerate(zip(value, names))
+    ]
+
+
+def _check_one(
+    item: Any, i: int, probes: dict[str, dict[str, Any]], where: str = ""
+) -> ProbeAction:
+    where = where or f"{FIELD}[{i}]"
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object; {FORM}; got {item!r}")
     unknown = sorted(set(item) - KEYS)

@@ -23,7 +23,7 @@ from vllm_hidden_states.points import (
     is_neuron_id,
     is_pattern_id,
 )
-from vllm_hidden_states.probe_actions import action_probes, check_probe_actions
+from vllm_hidden_states.probe_actions import action_probes, check_monitors, check_probe_actions
 
 if TYPE_CHECKING:
     from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
@@ -73,6 +73,8 @@ class RequestFields:
     sae_features: Any = None
     probes: Any = None
     probe_actions: Any = None
+    # Set by the API server only (its --monitors), never read from a body.
+    probe_monitors: Any = None
 
     @classmethod
     def of(cls, source: Any) -> "RequestFields":
@@ -81,7 +83,10 @@ class RequestFields:
         ``extra_args``) or of a request body's extra fields (a dict; missing
         fields are None)."""
         if isinstance(source, dict):
-            return cls(*(source.get(name) for name in cls.__dataclass_fields__))
+            # Never the server's monitors: a body cannot set them.
+            return cls(
+                **{n: source.get(n) for n in cls.__dataclass_fields__ if n != "probe_monitors"}
+            )
         extra_args = getattr(source, "extra_args", None) or {}
 
         def get(name: str) -> Any:
@@ -108,7 +113,10 @@ class AskedStates:
         neurons, neuron_ids: MLP-neuron (mlp_post) points, and their ids.
         probes: the engine's linear probes to score, names as given, then
             those only ``probe_actions`` read.
-        probe_actions: its probe actions, checked.
+        probe_actions: its probe actions, then the server's monitors, checked.
+        probes_returned: how many of ``probes`` (the first) it gets back.
+        returns: "" (every position captured), "last" (only the final one: a
+            "last" request watched by monitors) or "none" (monitors only).
     """
 
     layers: tuple[int, ...]
@@ -123,6 +131,8 @@ class AskedStates:
     neuron_ids: tuple[int, ...] = ()
     probes: tuple[str, ...] = ()
     probe_actions: tuple[ProbeAction, ...] = ()
+    probes_returned: int = -1
+    returns: str = ""
 
 
 def asks_states(fields: RequestFields) -> bool:
@@ -135,12 +145,20 @@ def asks_states(fields: RequestFields) -> bool:
         raise FieldError(
             f"return_hidden_states must be true or false, got {flag!r}", "return_hidden_states"
         )
-    if flag or any(getattr(fields, name) is not None for name in IMPLYING_FIELDS):
+    if asks_itself(fields) or fields.probe_monitors is not None:
         return True
     for name in ("hidden_states_layers", "hidden_states_points"):
         if getattr(fields, name) is not None:
             refuse_without_flag(name)
     return False
+
+
+def asks_itself(fields: RequestFields) -> bool:
+    """Whether the request itself (not the server's monitors) asks for
+    captured data."""
+    return bool(fields.return_hidden_states) or any(
+        getattr(fields, name) is not None for name in IMPLYING_FIELDS
+    )
 
 
 def refuse_without_flag(name: str) -> None:
@@ -164,6 +182,22 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
                 raise FieldError(f"{name} need probes on this engine; {PROBES_HINT}", name)
         raise FieldError(
             f"hidden states are not enabled on this engine; {ENABLE_HINT}", "return_hidden_states"
+        )
+    monitors = (
+        ()
+        if fields.probe_monitors is None
+        else tuple(checked(check_monitors, "probe_monitors", fields.probe_monitors, cfg.probes))
+    )
+    if not asks_itself(fields):
+        # Watched by the server's monitors only: their scores, nothing returned.
+        return AskedStates(
+            layers=(),
+            abs_layers=(),
+            positions="generated",
+            probes=action_probes(list(monitors), ()),
+            probe_actions=monitors,
+            probes_returned=0,
+            returns="none",
         )
     actions = (
         ()
@@ -190,6 +224,19 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         else tuple(checked(check_probes, "probes", fields.probes, cfg.probes))
     )
     probes = action_probes(list(actions), probes)
+    returned, returns = len(probes), ""
+    if monitors:
+        if positions == "last":
+            positions, returns = "generated", "last"
+        elif positions == "prompt":
+            raise FieldError(
+                "this server's monitors watch every generated position as it is "
+                "computed, which hidden_states_positions 'prompt' cannot share; ask "
+                "for 'all' (the prompt's rows come first) instead",
+                "hidden_states_positions",
+            )
+        probes = action_probes(list(monitors), probes)
+        actions = (*actions, *monitors)
     asked = checked(check_points, "hidden_states_points", fields.hidden_states_points)
     ids = checked(cfg.resolve_points, "hidden_states_points", asked)
     # With sae_features, probes or points, full states only for the layers named.
@@ -219,6 +266,8 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         neuron_ids=_where(ids, neuron),
         probes=probes,
         probe_actions=actions,
+        probes_returned=returned,
+        returns=returns,
     )
 
 

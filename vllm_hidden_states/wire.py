@@ -60,10 +60,14 @@ def original_id_of(extract_id: str) -> str:
 
 
 def ends_before_final_token(spec: HiddenStatesSpec, num_tokens: int) -> bool:
-    """Whether an inline window ends before the final token of a sequence of
-    ``num_tokens`` (position ``num_tokens - 1``, which only an extract
-    computes): its inline rows then complete it without an extract."""
-    return spec.inline and spec.end is not None and spec.end < num_tokens
+    """Whether an inline capture needs nothing of the final token of a
+    sequence of ``num_tokens`` (position ``num_tokens - 1``, which only an
+    extract computes): its window ends before it, or the request gets no
+    rows (server monitors only). Its inline rows then complete it without an
+    extract."""
+    return spec.inline and (
+        (spec.end is not None and spec.end < num_tokens) or spec.returns == "none"
+    )
 
 
 def extract_for(

@@ -86,3 +86,72 @@ def test_a_flag_reports_every_row_where_it_holds_and_a_stop_beside_it_ends_them(
     w = watched(flag, stop, position=0)
     firings = _evaluate(w, np.array([[0.5], [-1.0], [0.9], [0.95]], np.float32))
     assert [(f.label, f.position) for f in firings] == [("f", 0), ("f", 2), ("s", 2)]
+
+
+# -- server monitors (--monitors FILE) ------------------------------------------
+
+
+@pytest.fixture
+def probes_dir(tmp_path):
+    from vllm_hidden_states.probes import save_probe
+
+    directory = tmp_path / "probes"
+    save_probe(directory / "harm.safetensors", np.ones(8), [0.0], "-1")
+    return directory
+
+
+def load(tmp_path, probes_dir, text: str, suffix: str = ".yaml"):
+    from types import SimpleNamespace
+
+    from vllm_hidden_states.server import monitors
+
+    path = tmp_path / f"monitors{suffix}"
+    path.write_text(text)
+    monitors.load_monitors(SimpleNamespace(monitors=str(path), probes=str(probes_dir)))
+    return monitors
+
+
+def test_a_monitors_file_puts_its_monitors_on_every_request(tmp_path, probes_dir):
+    from types import SimpleNamespace
+
+    monitors = load(tmp_path, probes_dir, "- {name: harm-stop, probe: harm, above: 0.5}\n")
+    params = SimpleNamespace(extra_args={"probe_monitors": [], "other": 1})
+    monitors.put_monitors(params)
+    assert params.extra_args == {
+        "other": 1,
+        "probe_monitors": [{"name": "harm-stop", "probe": "harm", "above": 0.5}],
+    }
+    monitors.load_monitors(SimpleNamespace(monitors=None, probes=None))
+    monitors.put_monitors(params)  # none on this server: a client's are taken away
+    assert params.extra_args == {"other": 1}
+
+
+@pytest.mark.parametrize(
+    "text, suffix, says",
+    [
+        ("[{name: x, probe: harm, above: 0.5", ".yaml", "not valid .yaml"),
+        ('[{"name": "x", "probe": "nope", "above": 0.5}]', ".json", "probe 'nope' is not loaded"),
+        ('[{"probe": "harm", "above": 0.5}]', ".json", "'name' must be a plain name"),
+        (
+            '[{"name": "a", "probe": "harm", "above": 1}, {"name": "a", "probe": "harm", '
+            '"below": 0}]',
+            ".json",
+            "names must be distinct",
+        ),
+        ('{"monitors": []}', ".json", "non-empty list of named actions"),
+    ],
+)
+def test_a_monitors_file_that_does_not_load_names_the_file_and_why(
+    tmp_path, probes_dir, text, suffix, says
+):
+    with pytest.raises(ValueError, match=f"--monitors .*monitors{suffix}: .*{says}"):
+        load(tmp_path, probes_dir, text, suffix)
+
+
+def test_monitors_need_probes_on_the_server(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm_hidden_states.server.monitors import load_monitors
+
+    with pytest.raises(ValueError, match="start the server with --probes DIR too"):
+        load_monitors(SimpleNamespace(monitors=str(tmp_path / "m.json"), probes=None))

@@ -373,10 +373,12 @@ class CapturePlanner:
         request without an output in this step (aborted meanwhile) are
         dropped."""
         groups = model_runner_output.captured
-        if groups and self.actions.watched:
-            # First: a stop finishes its request here, so that its extract
-            # is queued with the others.
-            self.actions.decide(scheduler, engine_core_outputs, groups)
+        if self.actions.watched:
+            if groups:
+                # First: a stop finishes its request here, so that its
+                # extract is queued with the others.
+                self.actions.decide(scheduler, engine_core_outputs, groups)
+            self.actions.end_step()
         if self._finished:
             self._queue_extracts(scheduler, engine_core_outputs)
         if not groups:

@@ -62,6 +62,10 @@ class ActionWatch:
         # engine's token list keeps the dropped token): the front-end, which
         # holds the sequence as output, sends their extracts.
         self.trimmed: set[str] = set()
+        # Requests freed since the last step's decision: their last rows may
+        # still be in this step's groups (a request finished by length is
+        # freed before they are read), so they leave after it (end_step).
+        self._leaving: list[str] = []
 
     def add(self, request: "Request") -> None:
         """In ``Scheduler.add_request``: watch ``request`` if it has actions."""
@@ -75,8 +79,16 @@ class ActionWatch:
         )
 
     def forget(self, request_id: str) -> None:
-        """In ``_free_request``: the request left the scheduler."""
-        self.watched.pop(request_id, None)
+        """In ``_free_request``: the request left the scheduler; it is
+        forgotten once this step's scores are read (:meth:`end_step`)."""
+        if request_id in self.watched:
+            self._leaving.append(request_id)
+
+    def end_step(self) -> None:
+        """After this step's decision: forget the requests that left."""
+        for request_id in self._leaving:
+            self.watched.pop(request_id, None)
+        self._leaving.clear()
 
     def decide(
         self,

@@ -21,6 +21,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
 from vllm_hidden_states.contract import OpResults, ProbeFiring
+from vllm_hidden_states.frontend.monitor_metrics import count_firings
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
@@ -127,6 +128,7 @@ class HiddenStatesTracker:
         ops decided in that step)."""
         if rows.op_results is not None:
             self.firings.extend(rows.op_results.firings)
+            count_firings(rows.op_results.firings)
             if not has_rows(rows):
                 return
         if self.spec.inline:
@@ -146,6 +148,8 @@ class HiddenStatesTracker:
         end before it complete from their inline rows alone."""
         if not ends_before_final_token(self.spec, num_tokens):
             return True
+        if self.spec.returns == "none":
+            return False  # server monitors only: nothing to return
         return not self.chunks  # no rows to cut from: the extract gives the shape
 
     def finish_inline(self, num_tokens: int) -> None:
@@ -169,6 +173,9 @@ class HiddenStatesTracker:
         self._take_inline(rows, num_tokens)
 
     def _take_inline(self, final: CapturedRows | None, num_tokens: int) -> None:
+        if self.spec.returns == "none":
+            self.complete = CapturedRows()
+            return
         owed = self._inline_rows_owed(num_tokens)
         if self.chunks:
             earlier = cat_rows(self.chunks)
@@ -186,6 +193,9 @@ class HiddenStatesTracker:
         if final is not None and in_window and self.spec.start <= num_tokens - 1:
             parts.append(final)
         self.complete = cat_rows(parts)
+        if self.spec.returns == "last":
+            # A "last" request watched by monitors: its final position only.
+            self.complete = slice_rows(self.complete, num_positions(self.complete) - 1)
 
     def output_fields(self, finished: bool, delta: bool) -> dict[str, Any]:
         """``CompletionOutput``'s ``hidden_states``, ``sae_features`` and
@@ -228,10 +238,11 @@ class HiddenStatesTracker:
             # {address: [heads, queries, keys]}, beside the rows' keys.
             states = {**(states or {}), **dict(zip(self.spec.patterns, rows.patterns))}
         scores = None
-        if self.spec.probes and rows.probe_scores is not None:
-            scores = dict(
-                zip(self.spec.probes, rows.probe_scores.split(self.spec.probe_widths, dim=1))
-            )
+        returned = self.spec.probes_returned
+        names = self.spec.probes if returned < 0 else self.spec.probes[:returned]
+        if names and rows.probe_scores is not None:
+            # The server's monitors' scores stay here: their columns come last.
+            scores = dict(zip(names, rows.probe_scores.split(self.spec.probe_widths, dim=1)))
         return {
             "hidden_states": states,
             "sae_features": features,
@@ -251,7 +262,7 @@ class HiddenStatesTracker:
         return OpResults(firings=list(new)) if new else None
 
     def _rows_for_output(self, finished: bool, delta: bool) -> CapturedRows | None:
-        if not delta or not self.spec.inline:
+        if not delta or not self.spec.inline or self.spec.returns:
             return self.complete if finished else None
         if finished:
             if self.complete is None:

@@ -105,6 +105,8 @@ def resolve_request(
         probes=list(asked.probes),
         probe_widths=[cfg.probes[name]["k"] for name in asked.probes],
         probe_actions=list(asked.probe_actions),
+        probes_returned=asked.probes_returned,
+        returns=asked.returns,
     )
     if asked.probe_actions:
         _check_probe_actions(vllm_config, spec)

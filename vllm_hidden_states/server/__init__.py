@@ -25,6 +25,10 @@ def register_routes(
 
     install(app, args, model_config)
     if "generate" in supported_tasks:
+        from vllm_hidden_states.server.monitors import load_monitors
+
+        load_monitors(args)
+    if "generate" in supported_tasks:
         from vllm_hidden_states.server.hidden_states_route import router
         from vllm_hidden_states.server.probes_route import router as probes_router
         from vllm_hidden_states.server.steering_vectors_route import router as vectors_router

@@ -48,6 +48,7 @@ from vllm_hidden_states.server.limits import (
     limits_of,
     text_chars,
 )
+from vllm_hidden_states.server.monitors import put_monitors
 from vllm_hidden_states.server.request_checks import (
     STEERING_PARAM,
     engine_config,
@@ -543,6 +544,7 @@ def ask_engine(params: Any) -> None:
     """Copy what the request asked onto its ``SamplingParams`` (right after
     ``to_sampling_params``), in the engine's terms: steering (asked with or
     without hidden states) and the hidden-state fields."""
+    put_monitors(params)
     steering = _steering.get()
     if steering is not None:
         # As given (the front-end resolves it into the wire form on its own

@@ -521,6 +521,7 @@ def firings_json(firings: list[Any]) -> list[dict[str, Any]]:
     return [
         {"probe": f.label, "position": f.position, "score": f.score, "then": f.then}
         for f in firings
+        if not f.monitor  # a server monitor's stay with the server
     ]
 
 
