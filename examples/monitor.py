@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Monitor and act: a probe trained on harvested states, served as a monitor
+that stops generations, on every request of the server.
+
+    .venv/bin/python examples/monitor.py [--out DIR] [--threshold 0.99]
+
+On ``make serve``'s model (the tiny random-weight Qwen3, no downloads):
+
+1. harvest and train the "machines" probe of ``examples/probe_loop.py``
+   (a server as ``make serve`` starts it; a numpy logistic regression);
+2. restart the server with ``--probes DIR --monitors monitors.yaml``: one
+   monitor, ``stop`` when the probe's probability passes ``--threshold``;
+3. generate twice with the official ``openai`` client, asking for the
+   probe's scores on every generated token (the monitor itself is never
+   seen by the client): as the model goes, and steered along the probe
+   direction (which raises the score). The monitor decides in the engine:
+   a generation that crosses stops right after the crossing token, with
+   ``stop_reason`` the monitor's name;
+4. write ``monitor.png`` (scores per token, the threshold, where each
+   generation stopped) and ``monitor.json`` under ``--out``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from probe_loop import LAYER, PROBE, Server, dataset, free_port, harvest, train_logistic
+
+MONITOR = "machines-stop"
+PROMPT = "I saw a cat today and"
+
+
+def generate(base_url: str, model: str, max_tokens: int, steering=None) -> dict:
+    """One monitored completion: its tokens, the probe's score of each
+    generated position fed back, how it finished."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=300.0)
+    extra: dict = {
+        "probes": [PROBE],
+        "hidden_states_positions": "generated",
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    if steering is not None:
+        extra["steering"] = steering
+    res = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, extra_body=extra
+    )
+    choice = res.choices[0].model_extra
+    scores = np.asarray(choice["probe_scores"][PROBE]["data"], dtype=np.float64)[:, 0]
+    return {
+        "prompt_tokens": len(choice["prompt_token_ids"]),
+        "tokens": list(choice["token_ids"]),
+        "scores": scores.tolist(),
+        "finish_reason": res.choices[0].finish_reason,
+        "stop_reason": choice.get("stop_reason"),
+    }
+
+
+def plot(path: Path, runs: dict[str, dict], threshold: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for label, run in runs.items():
+        (line,) = ax.plot(run["scores"], marker="o", label=label)
+        if run["stop_reason"] == MONITOR:
+            ax.axvline(len(run["scores"]) - 1, color=line.get_color(), linestyle=":")
+    ax.axhline(threshold, color="black", linewidth=1, label=f"{MONITOR}: stop above")
+    ax.set_xlabel("generated token")
+    ax.set_ylabel(f"P({PROBE}) at layer {LAYER}")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="monitor_out", help="where the files go")
+    parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    parser.add_argument("--model", default=None, help="a model to serve instead of the tiny one")
+    parser.add_argument("--threshold", type=float, default=0.99, help="the monitor's stop level")
+    parser.add_argument("--shift", type=float, default=4.0, help="steering: logit shift")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--eager", action="store_true", help="--enforce-eager (starts faster)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = args.port or free_port()
+    model = "tiny-qwen3" if args.model is None else args.model
+    flags = ["--enforce-eager"] if args.eager else []
+
+    texts, labels = dataset()
+    with Server(port, flags, out / "server-harvest.log", args.model) as server:
+        x = harvest(server.base_url, model, texts)
+    w, b, mean, scale = train_logistic(x, labels)
+    from vllm_hidden_states.probes import save_probe
+
+    probes_dir = out / "probes"
+    save_probe(
+        probes_dir / f"{PROBE}.safetensors", w, [b], str(LAYER), "sigmoid", mean=mean, scale=scale
+    )
+    monitors = out / "monitors.json"
+    monitors.write_text(
+        json.dumps([{"name": MONITOR, "probe": PROBE, "above": args.threshold, "then": "stop"}])
+    )
+    direction = w / scale
+    strength = args.shift / np.linalg.norm(direction)
+    steering = [
+        {
+            "point": f"resid_pre.{LAYER}",
+            "op": "add",
+            "vector": (direction / np.linalg.norm(direction)).astype(np.float32).tolist(),
+            "strength": float(strength),
+            "positions": "all",
+        }
+    ]
+    serve = [*flags, "--probes", str(probes_dir), "--monitors", str(monitors)]
+    with Server(port, serve, out / "server-monitor.log", args.model) as server:
+        runs = {
+            "as generated": generate(server.base_url, model, args.max_tokens),
+            "steered along the probe": generate(server.base_url, model, args.max_tokens, steering),
+        }
+    for label, run in runs.items():
+        how = (
+            f"stopped by {run['stop_reason']} after {len(run['tokens'])} tokens"
+            if run["stop_reason"] == MONITOR
+            else f"{run['finish_reason']} after {len(run['tokens'])} tokens"
+        )
+        print(f"{label}: {how}; scores " + " ".join(f"{s:.2f}" for s in run["scores"]))
+    plot(out / "monitor.png", runs, args.threshold)
+    summary = {"threshold": args.threshold, "max_tokens": args.max_tokens, "runs": runs}
+    (out / "monitor.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out / 'monitor.png'} and {out / 'monitor.json'}")
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
