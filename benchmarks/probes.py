@@ -18,7 +18,11 @@ random logistic probe, ``k = 1``, sigmoid, normalised, reading HF layer 2 =
   (``probes=["probe"]``, ``hidden_states_positions="generated"``: every
   decode step scores its rows, and the final token's extract its row);
 * every request asks ``return_hidden_states`` at the same point on every
-  generated token (``hidden_states_layers=[2]``), for comparison.
+  generated token (``hidden_states_layers=[2]``), for comparison;
+* a server monitor that never fires on every request (what ``--monitors``
+  puts on each request, ``extra_args["probe_monitors"]``: the probe scored
+  on every generated token, a ``stop`` above 2, which a sigmoid never
+  reaches; nothing returned, no extract).
 
 Method: all engines live in this process and are stepped in turn, one
 engine step each (:func:`benchmarks.common.interleave_steps`). Payload:
@@ -28,7 +32,7 @@ front-end hands the caller: ``probe_scores`` (``k`` float32) vs
 checked request of each.
 
 Targets (issue 51): nobody asks >= 0.99 of plain; one probe on every
-generated token >= 0.98.
+generated token >= 0.98. Issue 56: a monitor that never fires >= 0.97.
 
 Run alone: ``python -m benchmarks.probes [--quick] [--rounds N] [--model
 DIR] [--tiny]``; in ``make bench``: ``python -m benchmarks.run --only probes``.
@@ -57,6 +61,7 @@ CONTROL = "A/A control: a second plain engine"
 UNUSED = "probes loaded, nobody asks"
 ONE = "one probe, every generated token"
 STATES = f"return_hidden_states layer {LAYER}, every generated token"
+MONITOR = "a server monitor on every request, never firing"
 KV_CACHE_GIB = "1"
 
 
@@ -116,6 +121,9 @@ def run(
         "hidden_states_layers": [LAYER],
         "hidden_states_positions": "generated",
     }
+    monitored = {
+        "extra_args": {"probe_monitors": [{"name": "never", "probe": PROBE, "above": 2.0}]}
+    }
     probed = {"probes": str(probes_dir)}
     plan: dict[str, tuple[dict, dict]] = {
         PLAIN: ({}, {}),
@@ -123,6 +131,7 @@ def run(
         UNUSED: (probed, {}),
         ONE: (probed, one),
         STATES: (probed, states),
+        MONITOR: (probed, monitored),
     }
     variants: dict[str, StepRun] = {}
     with in_process_engines(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB):
@@ -148,7 +157,7 @@ def run(
             f"sigmoid, normalised) at HF layer {LAYER}, positions 'generated'; one engine "
             "per variant, all in one process, stepped in turn"
         ),
-        targets={UNUSED: 0.99, ONE: 0.98},
+        targets={UNUSED: 0.99, ONE: 0.98, MONITOR: 0.97},
     )
     interleave_steps(comparison, variants, prompts, rounds, progress)
     payload = Comparison(
