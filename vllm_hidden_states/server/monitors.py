@@ -71,6 +71,11 @@ def load_monitors(args: Any) -> None:
     )
 
 
+def monitors_loaded() -> bool:
+    """Whether this API server has monitors."""
+    return bool(_monitors)
+
+
 def put_monitors(params: Any) -> None:
     """Put this server's monitors on a request's ``SamplingParams``; take
     away any a client sent under their name (``vllm_xargs``)."""

@@ -48,7 +48,7 @@ from vllm_hidden_states.server.limits import (
     limits_of,
     text_chars,
 )
-from vllm_hidden_states.server.monitors import put_monitors
+from vllm_hidden_states.server.monitors import monitors_loaded, put_monitors
 from vllm_hidden_states.server.request_checks import (
     STEERING_PARAM,
     engine_config,
@@ -481,6 +481,8 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
     tokenized or generated; vLLM's ``ErrorResponse`` (400/413) to return, or
     None to go on. Called first in ``create_chat_completion`` and
     ``create_completion``."""
+    if (refusal := unmonitored_refusal(request)) is not None:
+        return refusal.to_error_response()
     extra = request.model_extra
     if not extra or not (STEERING_PARAM in extra or any(f in extra for f in REQUEST_FIELDS)):
         if _admitted.get() is not None:
@@ -569,7 +571,14 @@ def refuse(request: Any, raw_request: Any, route: str) -> Any:
     """``ErrorResponse`` (400) when a route that cannot carry captured data
     or steering (/v1/responses, /v1/messages, /v1/chat/completions/batch) is
     sent any of :data:`REFUSED_FIELDS`; else None. Called first in those
-    handlers."""
+    handlers. On a server with monitors (``--monitors``), every request there:
+    the monitors cannot reach them, and a client must not evade them."""
+    if monitors_loaded():
+        return invalid_request(
+            f"this server watches every generation with probe monitors, which "
+            f"{route} cannot carry yet; use /v1/chat/completions or /v1/completions",
+            "model",
+        ).to_error_response()
     field_name = _captured_field_asked(request, raw_request)
     if field_name is None:
         return None
@@ -587,6 +596,18 @@ def refuse(request: Any, raw_request: Any, route: str) -> Any:
         "POST /v1/hidden_states)",
         field_name,
     ).to_error_response()
+
+
+def unmonitored_refusal(request: Any) -> ApiError | None:
+    """The 400 for a chat/completions request the server's monitors could
+    not watch (beam search), or None."""
+    if monitors_loaded() and getattr(request, "use_beam_search", False):
+        return invalid_request(
+            "this server watches every generation with probe monitors, which beam "
+            "search cannot carry yet; drop use_beam_search",
+            "use_beam_search",
+        )
+    return None
 
 
 def _field_asked(data: Any) -> str | None:

@@ -140,3 +140,16 @@ def test_a_last_request_under_monitors_gets_its_final_row_exact(oai, hf_qwen3):
     assert extra["hidden_states"]["positions"] == "last"
     ids = list(extra["prompt_token_ids"]) + list(extra["token_ids"])
     assert_choice_matches_hf(hf_qwen3, extra["hidden_states"], ids, layers)
+
+
+def test_routes_the_monitors_cannot_reach_are_refused_on_a_monitored_server(server):
+    with httpx.Client(base_url=server.base_url, timeout=120.0) as http:
+        r = http.post(
+            "/v1/responses", json={"model": MODEL, "input": PROMPT, "max_output_tokens": 4}
+        )
+        assert r.status_code == 400, r.text
+        assert "probe monitors" in r.json()["error"]["message"]
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, "n": 2}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "use_beam_search"
