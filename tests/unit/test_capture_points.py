@@ -162,16 +162,16 @@ def test_sync_free_forward_gathers_at_most_one_row_per_token(monkeypatch):
 
 
 def test_row_ranges_of_several_requests_concatenate_in_order():
-    from vllm_hidden_states.worker.capture import _ranges
+    from vllm_hidden_states.worker.step_batch import ranges
 
-    assert _ranges([5], [3]).tolist() == [5, 6, 7]
-    assert _ranges([10, 0, 7], [2, 3, 1]).tolist() == [10, 11, 0, 1, 2, 7]
+    assert ranges([5], [3]).tolist() == [5, 6, 7]
+    assert ranges([10, 0, 7], [2, 3, 1]).tolist() == [10, 11, 0, 1, 2, 7]
 
 
 def test_row_ranges_of_a_decode_step_are_its_starts():
-    from vllm_hidden_states.worker.capture import _ranges
+    from vllm_hidden_states.worker.step_batch import ranges
 
-    assert _ranges([4, 9, 2], [1, 1, 1]).tolist() == [4, 9, 2]
+    assert ranges([4, 9, 2], [1, 1, 1]).tolist() == [4, 9, 2]
 
 
 @torch.inference_mode()

@@ -23,8 +23,9 @@ from vllm_hidden_states.steering_fields import (
     steering_digest,
 )
 from vllm_hidden_states.worker import steering_op as worker_steering
+from vllm_hidden_states.worker.slot_pool import SlotPool
 from vllm_hidden_states.worker.steering_op import _steer, compose, steer
-from vllm_hidden_states.worker.steering_tables import NamedVectors, RequestSteering, SlotTable
+from vllm_hidden_states.worker.steering_requests import NamedVectors, RequestSteering
 
 from .test_config import fake_vllm_config
 
@@ -619,7 +620,6 @@ def test_overlapping_windows_at_one_point_split_into_stretches():
     np.testing.assert_allclose(adds[1], 2.0 * v + w)
     np.testing.assert_allclose(adds[2], w)
     assert not any(d.any() for _, d in request.pairs)
-    assert request.slots is None
 
 
 def test_a_gap_between_windows_is_no_stretch():
@@ -680,62 +680,57 @@ def test_named_vectors_are_read_from_the_vectors_directory(tmp_path):
     np.testing.assert_array_equal(request.pairs[0][0], 2.0 * np.arange(H, dtype=np.float32))
 
 
-# -- SlotTable -----------------------------------------------------------------
+# -- SlotPool ------------------------------------------------------------------
 
 
-def needing(n: int) -> RequestSteering:
-    """A request with ``n`` stretches (``n`` disjoint windows at one point)."""
-    wire = [wire_item(1, np.ones(H), 2 * k, 2 * k + 1) for k in range(n)]
-    request = RequestSteering(wire, NamedVectors(None), INDEX_OF, H)
-    assert len(request.pairs) == n
-    return request
+def test_lend_gives_distinct_rows_and_give_back_returns_them():
+    pool = SlotPool(5, "steering table")
+    rows_a = pool.lend("a", 2, {"a"})
+    rows_b = pool.lend("b", 2, {"a", "b"})
+    assert pool.rows_of("a") == rows_a and pool.rows_of("b") == rows_b
+    assert len(set(rows_a) | set(rows_b)) == 4 and not pool.free
+    pool.give_back("a")
+    assert pool.rows_of("a") is None
+    assert sorted(pool.free) == sorted(rows_a)
 
 
-def test_lend_gives_distinct_slots_and_give_back_returns_them():
-    table = SlotTable(5)
-    a, b = needing(2), needing(2)
-    slots_a = table.lend("a", a, {"a"})
-    slots_b = table.lend("b", b, {"a", "b"})
-    assert slots_a is not None and slots_b is not None
-    assert a.slots == slots_a and b.slots == slots_b
-    assert len(set(slots_a) | set(slots_b)) == 4 and not table.free
-    table.give_back("a")
-    assert a.slots is None and "a" not in table.holders
-    assert sorted(table.free) == sorted(slots_a)
+def test_a_request_that_needs_no_rows_still_holds_a_lease():
+    pool = SlotPool(3, "steering table")
+    assert pool.lend("a", 0, {"a"}) == [] and pool.rows_of("a") == []
 
 
 def test_give_back_of_an_unknown_request_is_a_no_op():
-    table = SlotTable(3)
-    table.give_back("nobody")
-    assert sorted(table.free) == [1, 2]
+    pool = SlotPool(3, "steering table")
+    pool.give_back("nobody")
+    assert sorted(pool.free) == [1, 2]
 
 
-def test_slot_0_is_never_lent():
-    table = SlotTable(4)
-    lent = [s for k in range(3) for s in (table.lend(str(k), needing(1), {str(k)}) or [])]
+def test_row_0_is_never_lent():
+    pool = SlotPool(4, "steering table", "raise --max-steering")
+    lent = [s for k in range(3) for s in pool.lend(str(k), 1, {str(k)})]
     assert sorted(lent) == [1, 2, 3]
-    with pytest.raises(RuntimeError, match="steering table full"):
-        table.lend("x", needing(1), {"0", "1", "2", "x"})
+    with pytest.raises(RuntimeError, match="steering table full .*raise --max-steering"):
+        pool.lend("x", 1, {"0", "1", "2", "x"})
 
 
-def test_a_full_table_evicts_holders_not_in_the_batch():
-    table = SlotTable(5)
-    a, b, c = needing(2), needing(2), needing(2)
-    slots_a = table.lend("a", a, {"a"})
-    table.lend("b", b, {"b"})
-    slots_c = table.lend("c", c, {"b", "c"})
-    assert a.slots is None and "a" not in table.holders
-    assert sorted(slots_c or []) == sorted(slots_a or [])
-    assert b.slots is not None and set(table.holders) == {"b", "c"}
+def test_a_full_pool_evicts_holders_not_in_the_batch_which_then_hold_nothing():
+    pool = SlotPool(5, "patch table")
+    rows_a = pool.lend("a", 2, {"a"})
+    pool.lend("b", 2, {"b"})
+    rows_c = pool.lend("c", 2, {"b", "c"})
+    # The evicted request holds no rows: its owner uploads it again rather
+    # than arm rows that now hold another request's values.
+    assert pool.rows_of("a") is None
+    assert sorted(rows_c) == sorted(rows_a)
+    assert pool.rows_of("b") is not None and set(pool.holders) == {"b", "c"}
 
 
-def test_a_batch_that_does_not_fit_the_table_raises_and_keeps_its_holders():
-    table = SlotTable(4)
-    a = needing(2)
-    table.lend("a", a, {"a"})
-    with pytest.raises(RuntimeError, match=r"steering table full \(2 slots asked\)"):
-        table.lend("b", needing(2), {"a", "b"})
-    assert a.slots is not None and "a" in table.holders
+def test_a_batch_that_does_not_fit_the_pool_raises_and_keeps_its_holders():
+    pool = SlotPool(4, "steering table")
+    pool.lend("a", 2, {"a"})
+    with pytest.raises(RuntimeError, match=r"steering table full \(2 asked, 1 free\)"):
+        pool.lend("b", 2, {"a", "b"})
+    assert pool.rows_of("a") is not None
 
 
 # -- the op, on CPU --------------------------------------------------------------

@@ -11,7 +11,6 @@ pipeline stages.
 docs/architecture.md, "The worker step".
 """
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -22,23 +21,24 @@ from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
-from vllm_hidden_states.layers import point_layout
-from vllm_hidden_states.points import layer_of_id
 from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.wire import CapturedRows, cat_rows, group_rows, slice_rows, without
 from vllm_hidden_states.worker.capture_points import CapturePoints
+from vllm_hidden_states.worker.capture_setup import (
+    load_capture_sae,
+    load_probes,
+    make_steering,
+    place_points,
+)
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
-from vllm_hidden_states.worker.step_batch import StepBatch
+from vllm_hidden_states.worker.stage_carry import StageCarry
+from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
 
 if TYPE_CHECKING:
     from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
-    from vllm_hidden_states.worker.steering_tables import Steering
 
 logger = init_logger(__name__)
-
-# The IntermediateTensors entry that carries earlier pipeline stages' rows.
-CARRY_KEY = "hidden_states_capture"
 
 
 @dataclass(slots=True)
@@ -63,24 +63,6 @@ class _ArmedGroup(NamedTuple):
     probes: tuple[str, ...] = ()
 
 
-def _ranges(starts: "np.ndarray | list[int]", counts: "np.ndarray | list[int]") -> np.ndarray:
-    """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
-    ``counts[i]`` values each, concatenated."""
-    if len(counts) == sum(counts):  # a row each: a decode step
-        return np.asarray(starts, dtype=np.int64)
-    first = np.asarray(starts, dtype=np.int64)
-    n = np.asarray(counts, dtype=np.int64)
-    total = int(n.sum())
-    offsets = np.cumsum(n) - n
-    return np.repeat(first - offsets, n) + np.arange(total, dtype=np.int64)
-
-
-def _inference_mode() -> contextlib.AbstractContextManager:
-    """Inference mode, entered only where the caller is not in it already
-    (``execute_model`` is; entering costs microseconds, every step)."""
-    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
-
-
 class HiddenStatesCapture:
     """Per-runner capture state (``runner.hidden_states_capture``).
 
@@ -97,13 +79,7 @@ class HiddenStatesCapture:
         # Pipeline parallelism (a single stage is both first and last).
         pp = get_pp_group()
         self.is_last_stage = pp.is_last_rank
-        # Layers k < L captured by earlier stages, whose rows arrive with the
-        # received IntermediateTensors, and those this stage sends on (earlier
-        # stages' and its own; empty on the last stage), ascending.
-        self.carried_layers: list[int] = []
-        self.sent_layers: list[int] = []
-        # This step's rows from earlier stages: [len(carried_layers), rows, hidden].
-        self._carried: torch.Tensor | None = None
+        self.carry = StageCarry()  # rows passed between pipeline stages
         self._inner_count = 0  # rows armed in the capture buffers
         self._wants_final = False  # this step reads layer L (the model output)
         self.points: CapturePoints | None = None
@@ -122,35 +98,17 @@ class HiddenStatesCapture:
         self._pattern_history: dict[str, PatternHistory] = {}
         self._ready_patterns: dict[str, tuple[torch.Tensor, int, int]] = {}
         self.copies = HostCopies(runner.device)
-        self.sae = None
         self.sae_layer = config.sae_layer
-        if config.sae is not None and self.is_last_stage:  # SAE rows are encoded there
-            from vllm_hidden_states.sae import load_sae
-
-            self.sae = load_sae(config.sae["path"], layer=config.sae_layer, device=runner.device)
-            logger.info(
-                "vllm-hidden-states: SAE %s (d_sae=%d) on %s, %s",
-                config.sae["name"],
-                self.sae.d_sae,
-                config.sae.get("point") or f"layer {self.sae_layer}",
-                runner.device,
-            )
+        self.sae = load_capture_sae(config, runner.device, self.is_last_stage)
         # --probes: the capture id each reads (every stage arms them), and
         # their weights on the device of the last stage, which scores them.
         self.probe_ids = {name: p["capture_id"] for name, p in config.probes.items()}
-        self.probes = None
-        if config.probes and self.is_last_stage:
-            from vllm_hidden_states.probes import ProbeSet
-
-            self.probes = ProbeSet(list(config.probes.values()), runner.device)
-            logger.info(
-                "vllm-hidden-states: %d probes on %s: %s",
-                len(self.probes),
-                runner.device,
-                ", ".join(f"{n} ({p['point']}, k={p['k']})" for n, p in config.probes.items()),
-            )
-        self._install(runner)
-        self.steering = self._install_steering(runner)
+        self.probes = load_probes(config, runner.device, self.is_last_stage)
+        placed = place_points(config, runner, self.is_last_stage)
+        if placed is not None:
+            self.points = placed[0]
+            self.carry = StageCarry(placed[1], placed[2])
+        self.steering = make_steering(config, runner, self.sae)
         self._scheduled: dict[str, int] = {}
 
     @classmethod
@@ -158,81 +116,6 @@ class HiddenStatesCapture:
         """The runner's capture state, or None when hidden states are off."""
         config = HiddenStatesConfig.from_vllm_config(runner.vllm_config)
         return None if config is None else cls(config, runner)
-
-    def _install(self, runner: Any) -> None:
-        """Capture points for each capturable id but ``L``: before decoder
-        layer ``k < L``, and the points past ``L`` where the layout reads them."""
-        model = runner.get_model()
-        inner = list(self.config.inner_layers)
-        if not inner:
-            return  # only the final layer: the model's own output
-        model_config = runner.vllm_config.model_config
-        try:
-            self.points = CapturePoints(
-                model,
-                inner,
-                num_layers=self.config.num_layers,
-                hidden_size=model_config.get_hidden_size(),
-                max_rows=self.config.max_rows,
-                dtype=model_config.dtype,
-                device=runner.device,
-                layout=point_layout(self.config.architecture),
-            )
-        except LookupError as e:
-            raise RuntimeError(
-                f"vllm-hidden-states cannot place capture points in "
-                f"{type(model).__name__} ({e}); it can still serve layer -1 "
-                "(the final post-norm state): start with --hidden-states-layers -1"
-            ) from None
-        start = self.points.start_layer
-        n = self.config.num_layers
-        self.carried_layers = [k for k in inner if layer_of_id(k, n) < start]
-        if not self.is_last_stage:
-            self.sent_layers = self.carried_layers + self.points.layers
-        if get_pp_group().world_size > 1:
-            logger.info(
-                "vllm-hidden-states: pipeline stage with layers [%d, %d): "
-                "captures %s, receives %s, sends %s",
-                start,
-                self.points.end_layer,
-                self.points.layers,
-                self.carried_layers,
-                self.sent_layers,
-            )
-
-    def _install_steering(self, runner: Any) -> "Steering | None":
-        """Steering hooks at the steerable points (after the capture hooks:
-        they are prepended, so a point is steered before it is captured)."""
-        from vllm_hidden_states.steering_config import SteeringConfig
-
-        config = SteeringConfig.from_vllm_config(runner.vllm_config)
-        if config is None:
-            return None
-        from vllm_hidden_states.worker.steering_tables import Steering
-
-        vllm_config = runner.vllm_config
-        return Steering(
-            config,
-            runner.get_model(),
-            hidden_size=vllm_config.model_config.get_hidden_size(),
-            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-            device=runner.device,
-            layout=point_layout(self.config.architecture),
-            sae=self._sae_for_steering(runner),
-        )
-
-    def _sae_for_steering(self, runner: Any) -> Any:
-        """The SAE whose features requests may clamp or steer along: the one
-        loaded for capture, or (a pipeline stage that does not encode) its
-        own copy; None without --sae."""
-        if self.config.sae is None:
-            return None
-        if self.sae is not None:
-            return self.sae
-        from vllm_hidden_states.sae import load_sae
-
-        return load_sae(self.config.sae["path"], layer=self.sae_layer, device=runner.device)
 
     # -- per step ------------------------------------------------------------
 
@@ -250,9 +133,9 @@ class HiddenStatesCapture:
             self.steering.begin_step(scheduler_output)
             self._scheduled = scheduler_output.num_scheduled_tokens
         self.plan = scheduler_output.capture_plan
-        self._carried = None
+        self.carry.rows = None
         if self.plan is not None:
-            self.take_carried(intermediate_tensors)
+            self.carry.take(intermediate_tensors)
 
     def arm(self, runner: Any, input_batch: Any = None) -> None:
         """Right before the forward: arm the rows of this step's plan (one
@@ -269,7 +152,7 @@ class HiddenStatesCapture:
             self.steering.arm(batch, self._scheduled)
         if self.plan is None:
             return
-        with _inference_mode():
+        with inference_mode_once():
             self._arm(batch, runner.device)
         self.plan = None
 
@@ -288,7 +171,7 @@ class HiddenStatesCapture:
             row0 = query_start[list(map(index_of.__getitem__, plan.req_ids))]
             if any(plan.offsets):
                 row0 = row0 + np.array(plan.offsets, dtype=np.int64)
-            rows = _ranges(row0, plan.counts)
+            rows = ranges(row0, plan.counts)
             self._group = _ArmedGroup(plan.req_ids, plan.counts, kind.layers, kind.probes)
             self._arm_rows(device, rows, self._asked([kind]), [kind.buffered], [len(rows)])
             return
@@ -327,7 +210,7 @@ class HiddenStatesCapture:
             offset += count
             self._armed.append(armed)
         self._arm_rows(
-            device, _ranges(first_rows, counts), self._asked(armed_kinds), buffered, counts
+            device, ranges(first_rows, counts), self._asked(armed_kinds), buffered, counts
         )
 
     def _asked(self, kinds: "list[CaptureKind]") -> set[int]:
@@ -364,41 +247,6 @@ class HiddenStatesCapture:
             assert self.points is not None  # buffered rows exist only with capture points
             self.points.arm(rows[np.repeat(np.array(buffered, dtype=bool), counts)], asked)
 
-    def take_carried(self, intermediate_tensors: IntermediateTensors | None) -> None:
-        """Before a stage's forward: take earlier stages' rows off the received
-        tensors (only a step with a plan has them; reading ``tensors`` waits
-        for the receive, which the forward would do anyway)."""
-        if intermediate_tensors is not None:
-            # Always off: vLLM would look for the key in its own buffers.
-            carried = intermediate_tensors.tensors.pop(CARRY_KEY, None)
-            self._carried = carried if self.carried_layers else None
-
-    def _check_carried(self) -> None:
-        want = (len(self.carried_layers), self._inner_count)
-        got = None if self._carried is None else tuple(self._carried.shape[:2])
-        if self.carried_layers and self._inner_count and got != want:
-            raise RuntimeError(
-                f"vllm-hidden-states: expected rows of layers {self.carried_layers} "
-                f"x {self._inner_count} from the previous pipeline stage, got "
-                f"{'none' if got is None else got}"
-            )
-
-    def _carry_on(self) -> torch.Tensor | None:
-        """A non-last stage: ``[len(sent_layers), rows, hidden]``, earlier
-        stages' rows then this stage's, to send to the next stage (a new
-        tensor: the buffers are rewritten by the next forward while the send
-        may still be in flight). None when no row passes the buffers."""
-        if not self._inner_count or not self.sent_layers:
-            return None
-        points = self.points
-        own = [] if points is None else [points.read(k) for k in points.layers]
-        if not self.carried_layers:
-            return torch.stack(own)  # the first stage
-        assert self._carried is not None  # take_carried checked it arrived
-        if not own:
-            return self._carried.clone()  # a middle stage without capture points
-        return torch.cat([self._carried, torch.stack(own)])
-
     def collect(self, model_output: Any) -> Any:
         """Right after the forward: copy this step's rows out, per request;
         returns the model output to go on with (a non-last pipeline stage:
@@ -409,28 +257,28 @@ class HiddenStatesCapture:
         if not self._armed and self._group is None:
             return model_output
         try:
-            with _inference_mode():
+            with inference_mode_once():
                 carry = self._collect(model_output)
         finally:
             if self.points is not None:
                 self.points.disarm()
         if carry is None:
             return model_output
-        return IntermediateTensors({**model_output.tensors, CARRY_KEY: carry})
+        return StageCarry.send(model_output, carry)
 
     def _collect(self, model_output: Any) -> torch.Tensor | None:
         """Copy this step's rows out, per request. On a stage that is not the
         last, returns the rows to send on instead (:meth:`_carry_on`); the
         last stage emits every stage's rows."""
-        self._check_carried()
+        self.carry.check(self._inner_count)
         if not self.is_last_stage:
-            carry = self._carry_on()
+            carry = self.carry.carry_on(self.points, self._inner_count)
             self._done_with_step()
             return carry
         if isinstance(model_output, tuple):  # (hidden, aux) with an EAGLE3 drafter
             model_output = model_output[0]
         final_rows = model_output.index_select(0, self._rows) if self._wants_final else None
-        carried = {k: i for i, k in enumerate(self.carried_layers)}
+        carried = self.carry.index
         if self._group is not None:
             self._collect_as_one(self._group, model_output, final_rows, carried)
             return None
@@ -487,7 +335,7 @@ class HiddenStatesCapture:
         self._armed = []
         self._group = None
         self._rows = None
-        self._carried = None
+        self.carry.rows = None
 
     def _device_rows(
         self,
@@ -505,8 +353,8 @@ class HiddenStatesCapture:
             assert final_rows is not None  # gathered whenever layer L is asked
             return final_rows if final is None else final_rows[final]
         if k in carried:  # captured by an earlier pipeline stage
-            assert self._carried is not None
-            rows = self._carried[carried[k]]
+            assert self.carry.rows is not None
+            rows = self.carry.rows[carried[k]]
         else:
             assert self.points is not None  # layers below L are read from capture points
             rows = self.points.read(k)

@@ -2,12 +2,12 @@
 """Steering: the runner's per-step steering state and its tables.
 
 :class:`Steering` installs the steering op's hooks (``steering_op.py``) at
-model load, writes each running steered request's vectors once into the slot
-tables (:class:`SlotTable`), and arms the rows and slots of a step before its
-forward. docs/architecture.md, "Steering".
+model load, writes each running steered request's vectors once into table
+rows that a :class:`~vllm_hidden_states.worker.slot_pool.SlotPool` lends,
+and arms the rows and slots of a step before its forward.
+docs/architecture.md, "Steering".
 """
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,13 +15,10 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm_hidden_states.patch_rows import rows_of_bytes
 from vllm_hidden_states.points import point_of_id
 from vllm_hidden_states.steering_config import (
     MAX_SAE_EDITS,
-    REWRITE_OPS,
     SteeringConfig,
-    vector_files,
 )
 from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_op import (
@@ -29,242 +26,26 @@ from vllm_hidden_states.worker.capture_op import (
     off_cpu_route,
 )
 from vllm_hidden_states.worker.rewrite_op import SAE_ARCH_CODES, register_ops
+from vllm_hidden_states.worker.slot_pool import SlotPool
 from vllm_hidden_states.worker.steering_op import (
     SteerTap,
-    compose,
     register_op,
     steer_hook,
     steer_tap,
 )
-from vllm_hidden_states.worker.step_batch import StepBatch
+from vllm_hidden_states.worker.steering_requests import (
+    PATCH,
+    SPLICE,
+    STEER,
+    NamedVectors,
+    RequestSteering,
+)
+from vllm_hidden_states.worker.step_batch import StepBatch, expand_stretches
 from vllm_hidden_states.worker.taps import (
     find_decoder_layers,
 )
 
 logger = init_logger(__name__)
-
-
-# Where a stretch's entries are armed: the steering op's index, the patch
-# op's (a patch table row per position), the splice op's (an edit-table slot).
-STEER, PATCH, SPLICE = 0, 1, 2
-
-
-@dataclass
-class Stretch:
-    """Positions ``start .. end - 1`` (``end`` None: on) of one request at
-    one steerable point, steered by table slot ``slot``."""
-
-    index: int  # the point's position in counts
-    start: int
-    end: int | None
-    slot: int
-    dest: int = STEER
-
-
-class RequestSteering:
-    """One request's interventions, split into stretches of positions with
-    the same interventions per point, each one composed (add, dir) pair; its
-    patch rows (a stretch of one position each) and its splice, if any."""
-
-    def __init__(
-        self,
-        wire: list[dict[str, Any]],
-        vectors: "NamedVectors",
-        index_of: dict[int, int],
-        hidden_size: int,
-    ):
-        by_point: dict[int, list[dict[str, Any]]] = {}
-        for item in wire:
-            by_point.setdefault(int(item["id"]), []).append(item)
-        self.stretches: list[Stretch] = []
-        self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        # Per stretch: (encoder column, bias, threshold, value, decoder row)
-        # of its clamp, or None (a clamp is alone at its point).
-        self.clamps: list[tuple[np.ndarray, float, float, float, np.ndarray] | None] = []
-        # Per stretch: whether it projects (ablates or clamps), not only adds.
-        self.projects: list[bool] = []
-        # Patches: one stretch per position (``patch_stretches``), its row in
-        # ``patch_rows`` float32 [positions, hidden] (same order).
-        self.patch_stretches: list[Stretch] = []
-        patch_rows: list[np.ndarray] = []
-        # The splice: (stretch, edits [[feature, mode, value]], keep_error).
-        self.splice: tuple[Stretch, list[list[float]], bool] | None = None
-        for capture_id, items in by_point.items():
-            if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
-                for item in items:
-                    self._rewrite(item, index_of[capture_id], vectors, hidden_size, patch_rows)
-                continue
-            bounds = sorted(
-                {int(x["start"]) for x in items}
-                | {int(x["end"]) for x in items if x["end"] is not None}
-            )
-            for lo, hi in zip(bounds, [*bounds[1:], None]):
-                active = [
-                    x
-                    for x in items
-                    if x["start"] <= lo
-                    and (x["end"] is None or (hi is not None and hi <= x["end"]))
-                ]
-                if not active:
-                    continue
-                self.stretches.append(Stretch(index_of[capture_id], lo, hi, 0))
-                if active[0]["op"] == "clamp_sae_feature":
-                    column, bias, threshold, row = vectors.sae_columns(active[0]["sae_feature"])
-                    zero = np.zeros_like(row)
-                    self.pairs.append((zero, zero))
-                    self.projects.append(True)
-                    self.clamps.append((column, bias, threshold, float(active[0]["value"]), row))
-                    continue
-                self.clamps.append(None)
-                self.projects.append(any(x["op"] == "ablate" for x in active))
-                self.pairs.append(
-                    compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
-                )
-        self.patch_rows = (
-            np.concatenate(patch_rows) if patch_rows else np.zeros((0, hidden_size), np.float32)
-        )
-        self.slots: list[int] | None = None  # table slots while resident
-        self.patch_slots: list[int] | None = None  # patch table rows while resident
-        self.splice_slot: int | None = None  # edit-table slot while resident
-
-    def _rewrite(
-        self,
-        item: dict[str, Any],
-        index: int,
-        vectors: "NamedVectors",
-        hidden_size: int,
-        patch_rows: list[np.ndarray],
-    ) -> None:
-        start = int(item["start"])
-        if item["op"] == "sae_splice":
-            end = None if item["end"] is None else int(item["end"])
-            stretch = Stretch(index, start, end, 0, SPLICE)
-            self.splice = (stretch, list(item["edits"] or []), bool(item["keep_error"]))
-            return
-        rows = (
-            rows_of_bytes(item["rows"], hidden_size)
-            if item["rows"] is not None
-            else vectors.matrix(item["name"])
-        )
-        patch_rows.append(rows)
-        self.patch_stretches.extend(
-            Stretch(index, start + p, start + p + 1, 0, PATCH) for p in range(rows.shape[0])
-        )
-
-
-class NamedVectors:
-    """Where vectors come from, on the host: inline, ``--steering-vectors``
-    (loaded once per worker), or the engine's SAE (``sae_feature``)."""
-
-    def __init__(self, directory: str | None, sae: Any = None):
-        self._files = vector_files(directory) if directory else {}
-        self._loaded: dict[str, np.ndarray] = {}
-        self.sae = sae  # vllm_hidden_states.sae.SAE, None without --sae
-
-    def sae_columns(self, feature: int) -> tuple[np.ndarray, float, float, np.ndarray]:
-        """Feature ``feature`` of the SAE as ``(encoder column e, bias c,
-        threshold, decoder row)``, float32: its activation is ``act(x . e +
-        c)`` with ``c = b_enc[f] - b_dec . e`` when the SAE subtracts
-        ``b_dec`` from its input."""
-        sae = self.sae
-        assert sae is not None, "sae_feature is refused in the front-end without an SAE"
-        e = sae.W_enc[:, feature].double().cpu().numpy()
-        c = float(sae.b_enc[feature])
-        if sae.apply_b_dec_to_input:
-            c -= float(sae.b_dec.double().cpu().numpy() @ e)
-        threshold = float(sae.threshold[feature]) if sae.threshold is not None else 0.0
-        row = sae.W_dec[feature].float().cpu().numpy()
-        return e.astype(np.float32), c, threshold, row
-
-    def matrix(self, name: str) -> np.ndarray:
-        """A ``[n, hidden]`` matrix of ``--steering-vectors`` (patch rows)."""
-        if name not in self._loaded:
-            from safetensors import safe_open
-
-            path, key = self._files[name]
-            with safe_open(path, framework="numpy") as f:
-                self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
-        return self._loaded[name]
-
-    def get(self, item: dict[str, Any]) -> np.ndarray:
-        if item.get("vector") is not None:
-            return np.asarray(item["vector"], dtype=np.float32)
-        if item.get("sae_feature") is not None:
-            return self.sae_columns(int(item["sae_feature"]))[3]
-        name = item["name"]
-        if name not in self._loaded:
-            from safetensors import safe_open
-
-            path, key = self._files[name]
-            with safe_open(path, framework="numpy") as f:
-                self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
-        return self._loaded[name]
-
-
-class SlotTable:
-    """Rows of the device vector tables (``adds``/``dirs``), lent to the
-    steered requests of the batch; slot 0 stays zero. A request keeps its
-    slots while it runs; when the table is full, requests not in the current
-    batch give theirs back (and upload again when they return)."""
-
-    def __init__(self, num_slots: int):
-        self.free = list(range(num_slots - 1, 0, -1))
-        self.holders: dict[str, RequestSteering] = {}
-
-    def lend(self, req_id: str, request: RequestSteering, batch: set[str]) -> list[int] | None:
-        """Slots for ``request`` (None: it needed none before and has them)."""
-        need = len(request.pairs)
-        if len(self.free) < need:
-            for other_id in [r for r in self.holders if r not in batch]:
-                self.give_back(other_id)
-                if len(self.free) >= need:
-                    break
-        if len(self.free) < need:
-            raise RuntimeError(
-                f"vllm-hidden-states: steering table full ({need} slots asked); "
-                "raise --max-steering or lower max_num_seqs"
-            )
-        slots = [self.free.pop() for _ in range(need)]
-        request.slots = slots
-        self.holders[req_id] = request
-        return slots
-
-    def give_back(self, req_id: str) -> None:
-        request = self.holders.pop(req_id, None)
-        if request is not None and request.slots is not None:
-            self.free.extend(request.slots)
-            request.slots = None
-
-
-class RowPool:
-    """Rows ``1 .. size - 1`` of a device table, lent per request while it is
-    resident (row 0 is never lent: an unarmed entry's slot). The scheduler
-    admits patching requests only while their rows fit (``CapturePlanner.
-    waits``); requests not in the batch give theirs back if ever short."""
-
-    def __init__(self, size: int, what: str):
-        self.free = list(range(size - 1, 0, -1))
-        self.holders: dict[str, list[int]] = {}
-        self.what = what
-
-    def lend(self, req_id: str, need: int, batch: set[str]) -> list[int]:
-        if len(self.free) < need:
-            for other_id in [r for r in self.holders if r not in batch]:
-                self.give_back(other_id)
-                if len(self.free) >= need:
-                    break
-        if len(self.free) < need:
-            raise RuntimeError(
-                f"vllm-hidden-states: {self.what} full ({need} rows asked, {len(self.free)} free)"
-            )
-        rows = [self.free.pop() for _ in range(need)]
-        self.holders[req_id] = rows
-        return rows
-
-    def give_back(self, req_id: str) -> None:
-        rows = self.holders.pop(req_id, None)
-        if rows is not None:
-            self.free.extend(rows)
 
 
 class Steering:
@@ -323,7 +104,9 @@ class Steering:
             self.dec = torch.zeros_like(self.adds)
             self.par = torch.zeros(num_slots, 3, dtype=torch.float32, device=device)
         self.device = device
-        self.table = SlotTable(num_slots)
+        self.table = SlotPool(
+            num_slots, "steering table", "raise --max-steering or lower max_num_seqs"
+        )
         self.vectors = NamedVectors(config.vectors_dir, sae)
         self.hidden_size = hidden_size
         # Rewrites (patch, sae_splice): their own entries per point, the
@@ -341,7 +124,7 @@ class Steering:
             dtype=torch.float32,
             device=device,
         )
-        self.patch_pool = RowPool(self.patch_table.shape[0], "patch table (--max-patch-rows)")
+        self.patch_pool = SlotPool(self.patch_table.shape[0], "patch table (--max-patch-rows)")
         # On CPU, each token's patch table row per point, for the compiled
         # route (rewrite_op.patch); 0 where nobody patches. Written and
         # cleared through a numpy view, entry by entry.
@@ -364,7 +147,7 @@ class Steering:
         )
         self.edit_vals = torch.ones_like(self.edit_mode)
         self.keep = torch.ones(splice_slots, dtype=torch.float32, device=device)
-        self.splice_pool = RowPool(splice_slots, "splice slots")
+        self.splice_pool = SlotPool(splice_slots, "splice slots")
         self.sae = sae
         self.requests: dict[str, RequestSteering] = {}
         # The stretches of the requests holding slots (:meth:`_stretch_table`),
@@ -497,9 +280,6 @@ class Steering:
         self.table.give_back(req_id)
         self.patch_pool.give_back(req_id)
         self.splice_pool.give_back(req_id)
-        request = self.requests.get(req_id)
-        if request is not None:
-            request.slots = request.patch_slots = request.splice_slot = None
 
     def arm(self, batch: StepBatch, num_scheduled: dict[str, int]) -> None:
         """Right before the forward: the rows of every steered request in the
@@ -514,7 +294,7 @@ class Steering:
         missing = [
             r
             for r, q in self.requests.items()
-            if not self._resident(q) and r in num_scheduled and r in index_of
+            if not self._resident(r, q) and r in num_scheduled and r in index_of
         ]
         if missing:  # entering the batch without table slots: upload first
             in_batch = {r for r in self.requests if r in num_scheduled and r in index_of}
@@ -560,7 +340,7 @@ class Steering:
             index_col = points if where != SPLICE else np.full_like(points, self.splice_index)
             for index in np.unique(index_col[mine_dest]).tolist():
                 mine = mine_dest & (index_col == index)
-                rows, slot_of_row = _expand(firsts[mine], counts[mine], slots[mine])
+                rows, slot_of_row = expand_stretches(firsts[mine], counts[mine], slots[mine])
                 total = rows.shape[0]
                 if where == STEER:
                     self.rows[index, :total].copy_(torch.from_numpy(rows), non_blocking=True)
@@ -589,12 +369,12 @@ class Steering:
             self.rw_counts.copy_(self.rw_counts_host, non_blocking=True)
         self.armed = True
 
-    def _resident(self, request: RequestSteering) -> bool:
+    def _resident(self, req_id: str, request: RequestSteering) -> bool:
         """Whether ``request`` holds every table row its stretches need."""
         return (
-            request.slots is not None
-            and (request.patch_slots is not None or not request.patch_stretches)
-            and (request.splice_slot is not None or request.splice is None)
+            self.table.rows_of(req_id) is not None
+            and (self.patch_pool.rows_of(req_id) is not None or not request.patch_stretches)
+            and (self.splice_pool.rows_of(req_id) is not None or request.splice is None)
         )
 
     def _stretch_table(self) -> tuple:
@@ -605,25 +385,26 @@ class Steering:
         columns: list[tuple[int, int, int, int, bool, int]] = []
         big = np.iinfo(np.int64).max
         for req_id, request in self.requests.items():
-            if not self._resident(request):
+            if not self._resident(req_id, request):
                 continue
-            assert request.slots is not None
-            for stretch, slot, projects in zip(request.stretches, request.slots, request.projects):
+            slots = self.table.rows_of(req_id)
+            patch_slots = self.patch_pool.rows_of(req_id)
+            splice_slots = self.splice_pool.rows_of(req_id)
+            assert slots is not None
+            for stretch, slot, projects in zip(request.stretches, slots, request.projects):
                 owners.append(req_id)
                 end = big if stretch.end is None else stretch.end
                 columns.append((stretch.index, stretch.start, end, slot, projects, STEER))
-            if request.patch_slots is not None:
-                for stretch, slot in zip(request.patch_stretches, request.patch_slots):
+            if patch_slots is not None:
+                for stretch, slot in zip(request.patch_stretches, patch_slots):
                     owners.append(req_id)
                     end = stretch.start + 1  # a patch stretch is one position
                     columns.append((stretch.index, stretch.start, end, slot, False, PATCH))
-            if request.splice is not None and request.splice_slot is not None:
+            if request.splice is not None and splice_slots:
                 stretch = request.splice[0]
                 owners.append(req_id)
                 end = big if stretch.end is None else stretch.end
-                columns.append(
-                    (stretch.index, stretch.start, end, request.splice_slot, False, SPLICE)
-                )
+                columns.append((stretch.index, stretch.start, end, splice_slots[0], False, SPLICE))
         table = np.array(columns, dtype=np.int64).reshape(-1, 6)
         return (
             owners,
@@ -638,19 +419,17 @@ class Steering:
     def _upload(self, req_id: str, request: RequestSteering, batch: set[str]) -> None:
         """Write a request's composed vectors, patch rows and splice edits
         into table rows (once per entry into the batch)."""
-        if request.slots is None:
-            slots = self.table.lend(req_id, request, batch)
+        if self.table.rows_of(req_id) is None:
+            slots = self.table.lend(req_id, len(request.pairs), batch)
             if slots:
                 self._upload_pairs(request, slots)
-        if request.patch_stretches and request.patch_slots is None:
+        if request.patch_stretches and self.patch_pool.rows_of(req_id) is None:
             rows = self.patch_pool.lend(req_id, len(request.patch_stretches), batch)
-            request.patch_slots = rows
             index = torch.tensor(rows, dtype=torch.int64, device=self.device)
             values = torch.from_numpy(request.patch_rows).to(self.device)
             self.patch_table.index_copy_(0, index, values)
-        if request.splice is not None and request.splice_slot is None:
+        if request.splice is not None and self.splice_pool.rows_of(req_id) is None:
             [slot] = self.splice_pool.lend(req_id, 1, batch)
-            request.splice_slot = slot
             _, edits, keep_error = request.splice
             d_sae = self.sae.d_sae
             ids: np.ndarray = np.full(MAX_SAE_EDITS, d_sae, np.int64)
@@ -712,15 +491,3 @@ class Steering:
                 self._give_back(req_id)
                 del self.requests[req_id]
                 self._stretches = None
-
-
-def _expand(
-    firsts: np.ndarray, counts: np.ndarray, slots: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Batch rows and their slots of stretches starting at batch rows
-    ``firsts``, ``counts`` rows long, each with one slot."""
-    total = int(counts.sum())
-    if total == len(counts):  # a row each (decode, patches): no ranges to expand
-        return firsts, slots
-    offsets = np.cumsum(counts) - counts
-    return np.repeat(firsts - offsets, counts) + np.arange(total), np.repeat(slots, counts)

@@ -9,11 +9,13 @@ a new ``InputBatch`` every step (``req_ids`` in batch order,
 only in a step that arms something.
 """
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 
 @dataclass(slots=True)
@@ -48,3 +50,33 @@ class StepBatch:
             input_batch.query_start_loc_np,
             input_batch.num_computed_tokens_np,
         )
+
+
+def expand_stretches(
+    firsts: np.ndarray, counts: np.ndarray, slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Batch rows and their slots of stretches starting at batch rows
+    ``firsts``, ``counts`` rows long, each with one slot."""
+    total = int(counts.sum())
+    if total == len(counts):  # a row each (decode, patches): no ranges to expand
+        return firsts, slots
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(firsts - offsets, counts) + np.arange(total), np.repeat(slots, counts)
+
+
+def ranges(starts: "np.ndarray | list[int]", counts: "np.ndarray | list[int]") -> np.ndarray:
+    """int64 ``[sum(counts)]``: ``starts[i], starts[i] + 1, ...`` for
+    ``counts[i]`` values each, concatenated."""
+    if len(counts) == sum(counts):  # a row each: a decode step
+        return np.asarray(starts, dtype=np.int64)
+    first = np.asarray(starts, dtype=np.int64)
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    offsets = np.cumsum(n) - n
+    return np.repeat(first - offsets, n) + np.arange(total, dtype=np.int64)
+
+
+def inference_mode_once() -> contextlib.AbstractContextManager:
+    """Inference mode, entered only where the caller is not in it already
+    (``execute_model`` is; entering costs microseconds, every step)."""
+    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()

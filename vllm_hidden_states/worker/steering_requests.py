@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One steered request on the worker, as its tables need it.
+
+:class:`RequestSteering` splits a request's interventions (wire form) into
+stretches of positions with the same interventions per point, each composed
+into one (add, dir) pair, plus its patch rows and its splice;
+:class:`NamedVectors` is where their vectors come from.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_hidden_states.patch_rows import rows_of_bytes
+from vllm_hidden_states.steering_config import REWRITE_OPS, vector_files
+from vllm_hidden_states.worker.steering_op import compose
+
+# Where a stretch's entries are armed: the steering op's index, the patch
+# op's (a patch table row per position), the splice op's (an edit-table slot).
+STEER, PATCH, SPLICE = 0, 1, 2
+
+
+@dataclass
+class Stretch:
+    """Positions ``start .. end - 1`` (``end`` None: on) of one request at
+    one steerable point, steered by table slot ``slot``."""
+
+    index: int  # the point's position in counts
+    start: int
+    end: int | None
+    slot: int
+    dest: int = STEER
+
+
+class RequestSteering:
+    """One request's interventions, split into stretches of positions with
+    the same interventions per point, each one composed (add, dir) pair; its
+    patch rows (a stretch of one position each) and its splice, if any."""
+
+    def __init__(
+        self,
+        wire: list[dict[str, Any]],
+        vectors: "NamedVectors",
+        index_of: dict[int, int],
+        hidden_size: int,
+    ):
+        by_point: dict[int, list[dict[str, Any]]] = {}
+        for item in wire:
+            by_point.setdefault(int(item["id"]), []).append(item)
+        self.stretches: list[Stretch] = []
+        self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        # Per stretch: (encoder column, bias, threshold, value, decoder row)
+        # of its clamp, or None (a clamp is alone at its point).
+        self.clamps: list[tuple[np.ndarray, float, float, float, np.ndarray] | None] = []
+        # Per stretch: whether it projects (ablates or clamps), not only adds.
+        self.projects: list[bool] = []
+        # Patches: one stretch per position (``patch_stretches``), its row in
+        # ``patch_rows`` float32 [positions, hidden] (same order).
+        self.patch_stretches: list[Stretch] = []
+        patch_rows: list[np.ndarray] = []
+        # The splice: (stretch, edits [[feature, mode, value]], keep_error).
+        self.splice: tuple[Stretch, list[list[float]], bool] | None = None
+        for capture_id, items in by_point.items():
+            if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
+                for item in items:
+                    self._rewrite(item, index_of[capture_id], vectors, hidden_size, patch_rows)
+                continue
+            bounds = sorted(
+                {int(x["start"]) for x in items}
+                | {int(x["end"]) for x in items if x["end"] is not None}
+            )
+            for lo, hi in zip(bounds, [*bounds[1:], None]):
+                active = [
+                    x
+                    for x in items
+                    if x["start"] <= lo
+                    and (x["end"] is None or (hi is not None and hi <= x["end"]))
+                ]
+                if not active:
+                    continue
+                self.stretches.append(Stretch(index_of[capture_id], lo, hi, 0))
+                if active[0]["op"] == "clamp_sae_feature":
+                    column, bias, threshold, row = vectors.sae_columns(active[0]["sae_feature"])
+                    zero = np.zeros_like(row)
+                    self.pairs.append((zero, zero))
+                    self.projects.append(True)
+                    self.clamps.append((column, bias, threshold, float(active[0]["value"]), row))
+                    continue
+                self.clamps.append(None)
+                self.projects.append(any(x["op"] == "ablate" for x in active))
+                self.pairs.append(
+                    compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
+                )
+        self.patch_rows = (
+            np.concatenate(patch_rows) if patch_rows else np.zeros((0, hidden_size), np.float32)
+        )
+
+    def _rewrite(
+        self,
+        item: dict[str, Any],
+        index: int,
+        vectors: "NamedVectors",
+        hidden_size: int,
+        patch_rows: list[np.ndarray],
+    ) -> None:
+        start = int(item["start"])
+        if item["op"] == "sae_splice":
+            end = None if item["end"] is None else int(item["end"])
+            stretch = Stretch(index, start, end, 0, SPLICE)
+            self.splice = (stretch, list(item["edits"] or []), bool(item["keep_error"]))
+            return
+        rows = (
+            rows_of_bytes(item["rows"], hidden_size)
+            if item["rows"] is not None
+            else vectors.matrix(item["name"])
+        )
+        patch_rows.append(rows)
+        self.patch_stretches.extend(
+            Stretch(index, start + p, start + p + 1, 0, PATCH) for p in range(rows.shape[0])
+        )
+
+
+class NamedVectors:
+    """Where vectors come from, on the host: inline, ``--steering-vectors``
+    (loaded once per worker), or the engine's SAE (``sae_feature``)."""
+
+    def __init__(self, directory: str | None, sae: Any = None):
+        self._files = vector_files(directory) if directory else {}
+        self._loaded: dict[str, np.ndarray] = {}
+        self.sae = sae  # vllm_hidden_states.sae.SAE, None without --sae
+
+    def sae_columns(self, feature: int) -> tuple[np.ndarray, float, float, np.ndarray]:
+        """Feature ``feature`` of the SAE as ``(encoder column e, bias c,
+        threshold, decoder row)``, float32: its activation is ``act(x . e +
+        c)`` with ``c = b_enc[f] - b_dec . e`` when the SAE subtracts
+        ``b_dec`` from its input."""
+        sae = self.sae
+        assert sae is not None, "sae_feature is refused in the front-end without an SAE"
+        e = sae.W_enc[:, feature].double().cpu().numpy()
+        c = float(sae.b_enc[feature])
+        if sae.apply_b_dec_to_input:
+            c -= float(sae.b_dec.double().cpu().numpy() @ e)
+        threshold = float(sae.threshold[feature]) if sae.threshold is not None else 0.0
+        row = sae.W_dec[feature].float().cpu().numpy()
+        return e.astype(np.float32), c, threshold, row
+
+    def matrix(self, name: str) -> np.ndarray:
+        """A ``[n, hidden]`` matrix of ``--steering-vectors`` (patch rows)."""
+        if name not in self._loaded:
+            from safetensors import safe_open
+
+            path, key = self._files[name]
+            with safe_open(path, framework="numpy") as f:
+                self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
+        return self._loaded[name]
+
+    def get(self, item: dict[str, Any]) -> np.ndarray:
+        if item.get("vector") is not None:
+            return np.asarray(item["vector"], dtype=np.float32)
+        if item.get("sae_feature") is not None:
+            return self.sae_columns(int(item["sae_feature"]))[3]
+        name = item["name"]
+        if name not in self._loaded:
+            from safetensors import safe_open
+
+            path, key = self._files[name]
+            with safe_open(path, framework="numpy") as f:
+                self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
+        return self._loaded[name]
