@@ -289,3 +289,34 @@ def test_probes_that_do_not_fit_the_model_are_refused_at_start(qwen3_dir, tmp_pa
         start("far", hidden, f"resid_post.{n + 3}")
     with pytest.raises(ValueError, match="'pattern'.*not a residual-stream row"):
         start("pattern", hidden, "attn_pattern.1")
+
+
+@pytest.mark.four_modes
+def test_probe_action_flags_survive_preemption_once_each(probe_llm, reference):
+    """Flags on "all" positions of long, chunked, preempted requests: every
+    position whose reference score is above the threshold is flagged once,
+    none twice (a recomputed position is not delivered again)."""
+    prompts = [f"{LONG_PROMPT} number {i}" for i in range(4)]
+    threshold = 0.0  # "final" has no output function: scores of both signs
+    actions = [{"probe": "final", "above": threshold, "then": "flag"}]
+    before = num_preemptions(probe_llm)
+    outs = probe_llm.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.0,
+            ignore_eos=True,
+            hidden_states_positions="all",
+            extra_args={"probe_actions": actions},
+        ),
+        use_tqdm=False,
+    )
+    assert num_preemptions(probe_llm) > before  # the case under test happened
+    for out in outs:
+        ids = token_ids_of(out)
+        scores = score_numpy(reference.rows(ids, "-1"), reference.probes["final"])[:, 0]
+        margin = np.abs(scores[:-1] - threshold).min()
+        assert margin > 1e-4 * np.abs(scores).max()  # no score on the fence
+        want = [p for p in range(len(ids) - 1) if scores[p] > threshold]
+        got = [f.position for f in out.outputs[0].op_results.firings]
+        assert got == want
