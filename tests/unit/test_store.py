@@ -613,3 +613,30 @@ def test_an_sae_at_a_capture_point_and_point_states_name_the_point(tmp_path):
         (-1, None),
         (3, "mlp_out.3"),
     ]
+
+
+def test_probe_action_firings_land_one_row_each_and_are_queried_by_duckdb(tmp_path):
+    from vllm_hidden_states.contract import ProbeFiring
+
+    clock = Clock(dt.datetime(2030, 5, 17, 12, 0, tzinfo=dt.timezone.utc))
+    s = store.ActivationStore(tmp_path, clock=clock)
+    firings = [
+        ProbeFiring(label="topic", position=7, score=0.5, then="flag", monitor=True),
+        ProbeFiring(label="harm", position=9, score=1.25, then="stop"),
+    ]
+    assert s.append_firings("r1", model_id="tiny", firings=firings)
+    assert s.flush(300)
+    assert list((tmp_path / "probe_firings").glob("date=2030-05-17/*.parquet"))
+    rows = (
+        store.connect(tmp_path)
+        .execute(
+            "SELECT request_id, action, outcome, monitor, token_position, score, model_id "
+            "FROM probe_firings ORDER BY token_position"
+        )
+        .fetchall()
+    )
+    assert rows == [
+        ("r1", "topic", "flag", True, 7, 0.5, "tiny"),
+        ("r1", "harm", "stop", False, 9, 1.25, "tiny"),
+    ]
+    s.close()

@@ -51,6 +51,7 @@ class _Watched:
     columns: list[int]
     position: int
     runs: list[int] = field(default_factory=list)
+    flagged: set[str] = field(default_factory=set)  # actions whose first flag was logged
 
 
 class ActionWatch:
@@ -134,7 +135,10 @@ class ActionWatch:
                 firings = [f for f in firings if f.position <= stop.position]
                 _stop(scheduler, eco, stop, self.trimmed)
             for firing in firings:
-                logger.info(
+                # A stop, and an action's first flag on a request, at INFO;
+                # the flags after it (one per position) at DEBUG.
+                first = firing.then == "stop" or watched_first_flag(self.watched, req_id, firing)
+                (logger.info if first else logger.debug)(
                     "probe action %s (%s) fired on request %s at position %d (score %.6g)",
                     firing.label,
                     firing.then,
@@ -148,6 +152,15 @@ class ActionWatch:
             if outs.captured is None:
                 outs.captured = []
             outs.captured.append(group)
+
+
+def watched_first_flag(watched: dict[str, _Watched], req_id: str, firing: ProbeFiring) -> bool:
+    """Whether ``firing`` is its action's first flag on ``req_id`` (noted)."""
+    entry = watched.get(req_id)
+    if entry is None or firing.label in entry.flagged:
+        return False
+    entry.flagged.add(firing.label)
+    return True
 
 
 def _evaluate(watched: _Watched, scores: np.ndarray) -> list[ProbeFiring]:

@@ -21,7 +21,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
 from vllm_hidden_states.contract import OpResults, ProbeFiring
-from vllm_hidden_states.frontend.monitor_metrics import count_firings
+from vllm_hidden_states.frontend.firings import record_firings
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
@@ -63,6 +63,7 @@ class HiddenStatesTracker:
         error: why the capture failed, if it did; the request then finishes
             with ``finish_reason`` "error" and this message in its
             ``stop_reason`` (HTTP: a 500).
+        request_id: the engine request's id (for the store's firing rows).
         firings: its probe actions' firings as the engine reported them.
     """
 
@@ -74,6 +75,7 @@ class HiddenStatesTracker:
     chunks: list[CapturedRows] = field(default_factory=list)
     complete: CapturedRows | None = None
     error: str | None = None
+    request_id: str = ""
     firings: list[ProbeFiring] = field(default_factory=list)
     _emitted_firings: int = 0
     _emitted_chunks: int = 0  # DELTA: chunks already given to outputs
@@ -128,7 +130,7 @@ class HiddenStatesTracker:
         ops decided in that step)."""
         if rows.op_results is not None:
             self.firings.extend(rows.op_results.firings)
-            count_firings(rows.op_results.firings)
+            record_firings(self.request_id, rows.op_results.firings)
             if not has_rows(rows):
                 return
         if self.spec.inline:
@@ -402,6 +404,7 @@ class ExtractDispatcher:
             request.priority,
             None if params is None else params.steering,
             mm_positions_of(request.mm_features),
+            request_id=request.request_id,
         )
 
     @property

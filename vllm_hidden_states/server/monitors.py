@@ -65,6 +65,13 @@ def load_monitors(args: Any) -> None:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     _monitors.extend(data)
+    # Firings go to the activation store, if the server has one, from start.
+    from vllm_hidden_states.frontend import firings
+    from vllm_hidden_states.store import choice_writer
+
+    choice_writer.open_store(args)
+    names = getattr(args, "served_model_name", None) or [getattr(args, "model", "")]
+    firings.model_id = str(names[0])
     logger.info(
         "probe monitors on every request: %s",
         ", ".join(f"{a.label} ({a.probe} {a.then})" for a in actions),

@@ -34,6 +34,8 @@ SCHEMA_VERSION = 3
 SAE_TABLE = "sae_features"
 HIDDEN_TABLE = "hidden_states"
 PROBE_TABLE = "probe_scores"
+FIRING_TABLE = "probe_firings"
+TABLES = (SAE_TABLE, HIDDEN_TABLE, PROBE_TABLE, FIRING_TABLE)
 DEFAULT_RETENTION_DAYS = 14
 RETENTION_ENV = "VLLM_HIDDEN_STATES_STORE_RETENTION_DAYS"
 SOURCE_MODES = ("inline", "nearline")
@@ -105,6 +107,27 @@ def probe_schema():
     )
 
 
+def firing_schema():
+    """One row per probe action firing (a server monitor's or a request's own):
+    where it held and the probe's score there."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("request_id", pa.string()),
+            ("token_position", pa.int32()),
+            ("created_at", pa.timestamp("us")),
+            ("action", pa.string()),
+            ("outcome", pa.string()),  # "stop" or "flag" (the action's then)
+            ("monitor", pa.bool_()),
+            ("score", pa.float32()),
+            ("model_id", pa.string()),
+            ("schema_version", pa.int16()),
+        ],
+        metadata={"schema_version": str(SCHEMA_VERSION)},
+    )
+
+
 @dataclass
 class StoreStats:
     """Counters, updated by the writer thread and the appenders."""
@@ -157,6 +180,14 @@ class _ProbeItem:
     positions: np.ndarray
     prompt_len: int
     scores: dict[str, np.ndarray]  # probe name -> float32 [n, k]
+    created_at: dt.datetime
+
+
+@dataclass
+class _FiringItem:
+    request_id: str
+    model_id: str
+    firings: list[Any]  # ProbeFiring
     created_at: dt.datetime
 
 
@@ -300,6 +331,29 @@ def probe_table(items: Sequence[_ProbeItem]):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+def firing_table(items: Sequence[_FiringItem]):
+    """Arrow table of ``items`` in :func:`firing_schema`."""
+    import pyarrow as pa
+
+    rows = [(it, f) for it in items for f in it.firings]
+    when = [it.created_at.replace(tzinfo=None) for it, _ in rows]
+    columns = {
+        "request_id": [it.request_id for it, _ in rows],
+        "token_position": [f.position for _, f in rows],
+        "created_at": when,
+        "action": [f.label for _, f in rows],
+        "outcome": [f.then for _, f in rows],
+        "monitor": [f.monitor for _, f in rows],
+        "score": [f.score for _, f in rows],
+        "model_id": [it.model_id for it, _ in rows],
+        "schema_version": [SCHEMA_VERSION] * len(rows),
+    }
+    schema = firing_schema()
+    return pa.Table.from_arrays(
+        [pa.array(columns[f.name], type=f.type) for f in schema], schema=schema
+    )
+
+
 def _partition_dates(root: Path, table: str) -> list[tuple[dt.date, Path]]:
     out: list[tuple[dt.date, Path]] = []
     base = root / table
@@ -326,7 +380,7 @@ def prune(
     today = today or dt.datetime.now(dt.timezone.utc).date()
     cutoff = today - dt.timedelta(days=retention_days)
     deleted = []
-    for table in (SAE_TABLE, HIDDEN_TABLE, PROBE_TABLE):
+    for table in TABLES:
         for date, path in _partition_dates(root, table):
             if date < cutoff:
                 shutil.rmtree(path)
@@ -523,6 +577,16 @@ class ActivationStore:
             self._log("bad", "activation store: dropped request %s: %s", request_id, e)
             return False
 
+    def append_firings(self, request_id: str, *, model_id: str, firings: list[Any]) -> bool:
+        """Queue a request's probe action firings (``ProbeFiring``: a row each
+        in ``probe_firings``). Never raises."""
+        try:
+            return self._put(_FiringItem(request_id, model_id, list(firings), self._clock()))
+        except Exception as e:  # noqa: BLE001
+            self.stats.requests_dropped += 1
+            self._log("bad", "activation store: dropped firings of %s: %s", request_id, e)
+            return False
+
     def _put(self, item) -> bool:
         if not self.available:
             self.stats.requests_dropped += 1
@@ -605,6 +669,7 @@ class ActivationStore:
         sae: list[_SaeItem] = []
         hid: list[_HiddenItem] = []
         probes: list[_ProbeItem] = []
+        firings: list[_FiringItem] = []
         rows = 0
         deadline = None
         while True:
@@ -622,11 +687,14 @@ class ActivationStore:
             elif isinstance(item, _ProbeItem):
                 probes.append(item)
                 rows += sum(len(v) for v in item.scores.values())
-            if deadline is None and (sae or hid or probes):
+            elif isinstance(item, _FiringItem):
+                firings.append(item)
+                rows += len(item.firings)
+            if deadline is None and (sae or hid or probes or firings):
                 deadline = time.monotonic() + self.flush_interval_s
             if item is _FLUSH or item is _STOP or rows >= self.flush_rows:
-                self._write(sae, hid, probes)
-                sae, hid, probes, rows, deadline = [], [], [], 0, None
+                self._write(sae, hid, probes, firings)
+                sae, hid, probes, firings, rows, deadline = [], [], [], [], 0, None
                 if item is _FLUSH:
                     self._flushed.set()
             if item is _STOP:
@@ -634,9 +702,13 @@ class ActivationStore:
                 return
 
     def _write(
-        self, sae: list[_SaeItem], hid: list[_HiddenItem], probes: list[_ProbeItem] | None = None
+        self,
+        sae: list[_SaeItem],
+        hid: list[_HiddenItem],
+        probes: list[_ProbeItem] | None = None,
+        firings: list[_FiringItem] | None = None,
     ) -> None:
-        if not (sae or hid or probes):
+        if not (sae or hid or probes or firings):
             return
         if not self.available:
             self.available = self._probe()
@@ -644,6 +716,7 @@ class ActivationStore:
             (SAE_TABLE, sae, sae_table),
             (HIDDEN_TABLE, hid, hidden_table),
             (PROBE_TABLE, probes or [], probe_table),
+            (FIRING_TABLE, firings or [], firing_table),
         ):
             if not items:
                 continue
@@ -694,18 +767,20 @@ def _glob(root: str | Path, table: str) -> str:
 
 
 def connect(root: str | Path):
-    """A DuckDB connection with views ``sae_features``, ``hidden_states`` and
-    ``probe_scores`` over the store's Parquet files (hive partitioning: a ``date`` column;
-    files of every schema version by column name, ``choice_index`` 0 where a
-    version-1 file has none)."""
+    """A DuckDB connection with views ``sae_features``, ``hidden_states``,
+    ``probe_scores`` and ``probe_firings`` over the store's Parquet files
+    (hive partitioning: a ``date`` column; files of every schema version by
+    column name, ``choice_index`` 0 where a version-1 file has none)."""
     import duckdb
 
     con = duckdb.connect()
-    for table in (SAE_TABLE, HIDDEN_TABLE, PROBE_TABLE):
+    for table in TABLES:
         if any((Path(root) / table).glob("date=*/*.parquet")):
             # A relation, not SQL text: the path needs no quoting.
             rel = con.read_parquet(_glob(root, table), hive_partitioning=True, union_by_name=True)
-            if "choice_index" in rel.columns:
+            if table == FIRING_TABLE:
+                pass  # one row per firing, of the engine request that fired
+            elif "choice_index" in rel.columns:
                 rel = rel.project("* REPLACE (coalesce(choice_index, 0)::INTEGER AS choice_index)")
             else:  # version-1 files only
                 rel = rel.project("*, 0::INTEGER AS choice_index")

@@ -14,6 +14,7 @@ The server's monitors (a YAML file):
 """
 
 import re
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 
 from vllm_hidden_states.probes import save_probe
 
-from .server_utils import ServerProcess, running_server
+from .server_utils import ServerProcess, running_server, wait_until
 from .test_server import assert_choice_matches_hf
 
 MODEL = "tiny-qwen3"
@@ -40,8 +41,12 @@ def tripwire_token(hf_qwen3) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, hf_qwen3, tripwire_token, tmp_path_factory):
-    root = tmp_path_factory.mktemp("monitors")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("monitors")
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, hf_qwen3, tripwire_token, root):
     embedding = hf_qwen3.model.get_input_embeddings().weight.detach().double().numpy()
     row = embedding[tripwire_token]
     scores = embedding @ (row / row.dot(row))
@@ -61,11 +66,18 @@ def server(qwen3_dir, hf_qwen3, tripwire_token, tmp_path_factory):
             str(root / "monitors.yaml"),
             "--max-model-len",
             "512",
+            "--activation-store",
+            str(root / "store"),
         ],
         root / "server.log",
         name=MODEL,
     ) as process:
         yield process
+
+
+@pytest.fixture(scope="module")
+def store_dir(server: ServerProcess, root: Path) -> Path:
+    return root / "store"
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +165,22 @@ def test_routes_the_monitors_cannot_reach_are_refused_on_a_monitored_server(serv
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "use_beam_search"
+
+
+def test_every_firing_lands_in_the_activation_store(oai, store_dir, tripwire_token):
+    from vllm_hidden_states.store.activation_store import connect
+
+    res = complete(oai, logit_bias={str(tripwire_token): 100})
+    prompt_len = len(res.choices[0].model_extra["prompt_token_ids"])
+
+    def stored():
+        if not any((store_dir / "probe_firings").glob("date=*/*.parquet")):
+            return []
+        con = connect(store_dir)
+        return con.execute(
+            "SELECT action, outcome, token_position FROM probe_firings "
+            "WHERE action = 'tripwire-stop' ORDER BY created_at"
+        ).fetchall()
+
+    rows = wait_until(stored, timeout=120.0, what="the store's firing rows")
+    assert ("tripwire-stop", "stop", prompt_len) in rows
