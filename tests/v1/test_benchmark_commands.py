@@ -166,8 +166,9 @@ def test_the_patching_benchmark_runs_its_variants(make_bench):
 
 def test_probes_runs_its_variants_and_writes_its_record(make_bench):
     """The probes section: plain vs probes loaded (nobody asks, one probe on
-    every generated token, return_hidden_states at the same point), and the
-    payload per token of the last two."""
+    every generated token, a server monitor that never fires,
+    return_hidden_states at the same point), and the payload per token of the
+    probe and of return_hidden_states."""
     [throughput] = named(make_bench, "probes: a linear probe")
     [payload] = named(make_bench, "probes: bytes")
     comparison(
@@ -177,6 +178,7 @@ def test_probes_runs_its_variants_and_writes_its_record(make_bench):
             "A/A control: a second plain engine",
             "probes loaded, nobody asks",
             "one probe, every generated token",
+            "a server monitor on every request, never firing",
             "return_hidden_states layer 2, every generated token",
         },
     )

@@ -239,14 +239,18 @@ MISFIT_POINTS = [
 ]
 
 
-@pytest.mark.parametrize(("misfit_arch", "point", "layer_class", "points"), MISFIT_POINTS)
+# Tests of a subset of the families take ``arch`` indirectly: pytest then runs
+# them with the family's other tests, on its one engine (engine_for).
+@pytest.mark.parametrize(
+    ("arch", "point", "layer_class", "points"), MISFIT_POINTS, indirect=["arch"], scope="module"
+)
 def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
-    misfit_arch, point, layer_class, points
+    arch, point, layer_class, points
 ):
     """Refused to capture and to steer, each naming the layer class and the
     points it has (the message at start is tested in
     tests/unit/test_layer_classes.py)."""
-    llm, hf = engine_for(misfit_arch)
+    llm, hf = engine_for(arch)
     capture = SamplingParams(max_tokens=1, return_hidden_states=True, hidden_states_points=[point])
     kind, layer = point.split(".")
     why = rf"{point}: decoder layer {layer} \({layer_class}\).*its points: {points}"
@@ -264,29 +268,26 @@ def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
 HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 
 
-@pytest.fixture(scope="module", params=HYBRID_ARCHS)
-def hybrid_arch(request) -> str:
-    return request.param
-
-
-def test_a_hybrid_over_a_chunked_prefill_matches_hf_at_every_layer(hybrid_arch):
+@pytest.mark.parametrize("arch", HYBRID_ARCHS, indirect=True)
+def test_a_hybrid_over_a_chunked_prefill_matches_hf_at_every_layer(arch):
     """ "all" over a prompt longer than the 64-token budget (its prefill runs
     in chunks), then "last" of the same prompt again (its prefix cached where
     vLLM caches hybrids), each against HF."""
-    llm, hf = engine_for(hybrid_arch)
+    llm, hf = engine_for(arch)
     for positions in ("all", "last"):
         params = every_layer(hf, positions)
         params.ignore_eos = True
         (out,) = llm.generate([LONG_PROMPT], params, use_tqdm=False)
         assert len(out.prompt_token_ids) > COMMON_ENGINE_ARGS["max_num_batched_tokens"]
-        assert_every_layer_matches_hf(out, hf, positions, f"{hybrid_arch} chunked")
+        assert_every_layer_matches_hf(out, hf, positions, f"{arch} chunked")
 
 
-def test_last_extracts_of_a_batch_of_hybrid_requests_match_hf(hybrid_arch):
+@pytest.mark.parametrize("arch", HYBRID_ARCHS, indirect=True)
+def test_last_extracts_of_a_batch_of_hybrid_requests_match_hf(arch):
     """Requests of different lengths and outputs, batched: each one's "last"
     extract runs after it finished, beside the others' decodes and
     extracts, and matches HF on its own tokens."""
-    llm, hf = engine_for(hybrid_arch)
+    llm, hf = engine_for(arch)
     prompts = [PROMPT, LONG_PROMPT, "Hello world!", PROMPT + " and then"]
     params = []
     for j in range(len(prompts)):
@@ -297,7 +298,7 @@ def test_last_extracts_of_a_batch_of_hybrid_requests_match_hf(hybrid_arch):
     outs = llm.generate(prompts, params, use_tqdm=False)
     for j, out in enumerate(outs):
         assert len(out.outputs[0].token_ids) == MAX_TOKENS + 3 * j
-        assert_every_layer_matches_hf(out, hf, "last", f"{hybrid_arch} batch {j}")
+        assert_every_layer_matches_hf(out, hf, "last", f"{arch} batch {j}")
 
 
 def test_compiled_engine_matches_hf_at_every_layer(compiled_arch):

@@ -31,13 +31,14 @@ def compiled_arch(request) -> str:
     return request.param
 
 
-def test_cohere2_differs_from_hfs_own_mask_only_beyond_its_window():
+@pytest.mark.parametrize("arch", ["cohere2"], indirect=True)  # on cohere2's one engine
+def test_cohere2_differs_from_hfs_own_mask_only_beyond_its_window(arch):
     """vLLM's Cohere attends to one key more than HF's sliding mask (its
     "training convention"): against HF's own code every layer matches on the
     positions inside the window and differs past it; the final state, put
     through the tied LM head and logit scale, gives the engine's own prompt
     logprobs (the state served is the engine's)."""
-    llm, by_vllm_convention = engine_for("cohere2")
+    llm, by_vllm_convention = engine_for(arch)
     hf = HFReference(by_vllm_convention.model.name_or_path)  # HF's own window
     params = SamplingParams(
         temperature=0.0,

