@@ -26,7 +26,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from probe_loop import LAYER, PROBE, Server, dataset, free_port, harvest, train_logistic
+from probe_loop import (
+    LAYER,
+    PROBE,
+    Server,
+    dataset,
+    free_port,
+    harvest,
+    steering_along,
+    train_logistic,
+)
 
 MONITOR = "machines-stop"
 PROMPT = "I saw a cat today and"
@@ -111,17 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     monitors.write_text(
         json.dumps([{"name": MONITOR, "probe": PROBE, "above": args.threshold, "then": "stop"}])
     )
-    direction = w / scale
-    strength = args.shift / np.linalg.norm(direction)
-    steering = [
-        {
-            "point": f"resid_pre.{LAYER}",
-            "op": "add",
-            "vector": (direction / np.linalg.norm(direction)).astype(np.float32).tolist(),
-            "strength": float(strength),
-            "positions": "all",
-        }
-    ]
+    steering = steering_along(w, scale, args.shift)
     serve = [*flags, "--probes", str(probes_dir), "--monitors", str(monitors)]
     with Server(port, serve, out / "server-monitor.log", args.model) as server:
         runs = {

@@ -184,6 +184,24 @@ def accuracy(x, y, w, b, mean, scale) -> float:
 # 3. serve the probe, 4. steer along it
 
 
+def steering_along(w: np.ndarray, scale: np.ndarray, shift: float) -> list[dict]:
+    """The steering item that moves the probe's logit by ``shift`` at every
+    position: the direction that raises the score in the raw stream is
+    d(logit)/dx = w / scale, added as a unit vector at the point the probe
+    reads with the strength that shifts the logit there by ``shift``."""
+    direction = w / scale
+    strength = shift / np.linalg.norm(direction)
+    return [
+        {
+            "point": f"resid_pre.{LAYER}",
+            "op": "add",
+            "vector": (direction / np.linalg.norm(direction)).astype(np.float32).tolist(),
+            "strength": float(strength),
+            "positions": "all",
+        }
+    ]
+
+
 def stream_scores(
     base_url: str, model: str, prompt: str, steering=None, max_tokens=24
 ) -> list[float]:
@@ -278,21 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
         probes_dir / f"{PROBE}.safetensors", w, [b], str(LAYER), "sigmoid", mean=mean, scale=scale
     )
 
-    # The direction that raises the score in the raw stream: d(logit)/dx is
-    # w / scale. Steered as a unit vector at the point the probe reads, with
-    # the strength that moves the probe's logit there by --shift.
-    direction = w / scale
-    strength = args.shift / np.linalg.norm(direction)
-    direction /= np.linalg.norm(direction)
-    steering = [
-        {
-            "point": f"resid_pre.{LAYER}",
-            "op": "add",
-            "vector": direction.astype(np.float32).tolist(),
-            "strength": float(strength),
-            "positions": "all",
-        }
-    ]
+    steering = steering_along(w, scale, args.shift)
     prompt = "I saw a cat today and"
     with Server(
         port, [*flags, "--probes", str(probes_dir)], out / "server-probes.log", args.model

@@ -528,6 +528,26 @@ def write_steering_vectors(directory: Path, hidden_size: int) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def probes_dir(tmp_path_factory, hf_qwen3) -> Path:
+    """A ``--probes`` directory for the tiny Qwen3: one random probe at each
+    kind of point (probe_reference.py)."""
+    from .probe_reference import write_probes
+
+    return write_probes(
+        tmp_path_factory.mktemp("probes"), hf_qwen3.hidden_size, hf_qwen3.num_layers
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(hf_qwen3, probes_dir):
+    """The numpy scores of ``probes_dir``'s probes on HF states (a module that
+    tests something else may define its own ``reference``)."""
+    from .probe_reference import Reference
+
+    return Reference(hf_qwen3, probes_dir)
+
+
 @pytest.fixture(scope="session")
 def steering_vectors_dir(tmp_path_factory, qwen3_dir) -> Path:
     import json

@@ -19,23 +19,11 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_hidden_states.probes import score_numpy
 
 from .conftest import COMMON_ENGINE_ARGS, token_ids_of
-from .test_probes import PROMPT, Reference, write_probes
+from .test_probes import PROMPT
 
 PROBE = "post1"  # resid_post.1, sigmoid, 3 outputs
 FINAL = "final"  # layer -1, one output
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def probes_dir(tmp_path_factory, hf_qwen3):
-    return write_probes(
-        tmp_path_factory.mktemp("probes"), hf_qwen3.hidden_size, hf_qwen3.num_layers
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(hf_qwen3, probes_dir):
-    return Reference(hf_qwen3, probes_dir)
 
 
 @pytest.fixture(scope="module")

@@ -16,22 +16,9 @@ import pytest
 import torch
 
 from .server_utils import ServerProcess, running_server, wait_until
-from .test_probes import Reference, write_probes
 
 MODEL = "tiny-qwen3"
 PROMPT = "Once upon a time there was a small robot who loved to count"
-
-
-@pytest.fixture(scope="module")
-def probes_dir(tmp_path_factory, hf_qwen3):
-    return write_probes(
-        tmp_path_factory.mktemp("probes"), hf_qwen3.hidden_size, hf_qwen3.num_layers
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(hf_qwen3, probes_dir):
-    return Reference(hf_qwen3, probes_dir)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from .conftest import (
     shut_down_in_process,
     token_ids_of,
 )
-from .test_probes import Reference, probe_points, write_probes
+from .probe_reference import Reference, probe_points, write_probes
 
 METHODS = ("eagle3", "mtp")
 
