@@ -121,7 +121,10 @@ def heads_output_projection_of(layer):
     attention block's ``mixer.o_proj``. None for a layer without attention
     (a Mamba2 mixer, a linear attention, a short convolution)."""
     if getattr(layer, "block_type", None) is not None and hasattr(layer, "mixer"):
-        attention = layer.mixer if layer.block_type == "attention" else None
+        # HF 5 names Nemotron-H's attention block "full_attention" (its
+        # Mamba2 block "linear_attention").
+        full = layer.block_type in ("attention", "full_attention")
+        attention = layer.mixer if full else None
     else:
         attention = next(
             (
