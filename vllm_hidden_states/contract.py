@@ -124,8 +124,10 @@ class HiddenStatesSpec(
     # served by an extract that recomputes every position (every key).
     patterns: list[str] = []
     pattern_ids: list[int] = []
-    # MLP neurons (mlp_post: the down projection's input, intermediate_size
-    # wide): addresses as given, and their capture ids.
+    # Points of their own width (points.WIDE_KINDS): MLP neurons (mlp_post:
+    # the down projection's input, intermediate_size wide) and the heads'
+    # outputs (attn_z: the attention output projection's input, heads *
+    # head_dim wide): addresses as given, and their capture ids.
     neurons: list[str] = []
     neuron_ids: list[int] = []
     # Linear probes (--probes) whose scores to return, names as given, and
@@ -163,8 +165,10 @@ class CapturedRows(
     # float32 [num_patterns, heads, num_positions, keys]: attention patterns
     # of the query positions, over keys 0..keys-1.
     patterns: torch.Tensor | None = None
-    # [num_neuron_points, num_positions, intermediate_size], model dtype.
-    neurons: torch.Tensor | None = None
+    # One [num_positions, width] per point of its own width (the spec's
+    # neuron_ids, in order), model dtype: width intermediate_size for
+    # mlp_post, heads * head_dim for attn_z (a list: widths may differ).
+    neurons: list[torch.Tensor] | None = None
     # float32 [num_positions, sum of k]: the spec's probes' scores side by
     # side, in the spec's order.
     probe_scores: torch.Tensor | None = None
@@ -207,7 +211,7 @@ class HiddenStatesExtractRequest(
     patterns: list[int] = []
     start: int = 0
     end: int | None = None
-    neurons: list[int] = []  # mlp_post capture ids
+    neurons: list[int] = []  # mlp_post and attn_z capture ids
     probes: list[str] = []  # linear probes to score, names
     # The original request's steering (vllm_hidden_states.steering_fields wire
     # form), replayed over the positions the extract recomputes.

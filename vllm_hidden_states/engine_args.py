@@ -9,7 +9,7 @@ from vllm_hidden_states.hidden_states_config import (
     DEFAULT_MAX_ROWS,
     HiddenStatesConfig,
 )
-from vllm_hidden_states.points import is_neuron_id, is_pattern_id, parse_point
+from vllm_hidden_states.points import is_pattern_id, is_wide_id, parse_point
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -323,13 +323,14 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
             f"runner {vllm_config.model_config.runner_type!r}: hidden states need a generate model"
         )
     sharded = [
-        k for k in cfg.layers if is_pattern_id(k, cfg.num_layers) or is_neuron_id(k, cfg.num_layers)
+        k for k in cfg.layers if is_pattern_id(k, cfg.num_layers) or is_wide_id(k, cfg.num_layers)
     ]
     if sharded and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
         problems.append(
-            "attention patterns and MLP neurons (attn_pattern, mlp_post in "
-            "--hidden-states-points) are not supported with tensor or pipeline "
-            "parallelism yet (each rank holds only its heads / neurons / layers); "
+            "attention patterns, MLP neurons and heads' outputs (attn_pattern, "
+            "mlp_post, attn_z in --hidden-states-points) are not supported with "
+            "tensor or pipeline parallelism yet (each rank holds only its heads / "
+            "neurons / layers); "
             "name the other kinds instead of 'all', e.g. --hidden-states-points "
             "attn_out,resid_mid,mlp_out,resid_post"
         )

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, PointKind
+from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, POINT_KINDS, Z_KIND, PointKind
 
 # How a layer class's stream and points are read (worker/capture_points.py):
 # "stream_only": a layer of vLLM's Transformers backend (HF's own class),
@@ -75,13 +75,15 @@ class LayerClass:
             argument being ``attn_out``; Gemma 2/3: their
             ``pre_feedforward_layernorm``).
         attention: whether ``<mixer>.attn`` is vLLM's ``Attention``, whose
-            queries and keys give attention patterns.
+            queries and keys give attention patterns; such a mixer's output
+            projection (the first of :data:`HEADS_OUT_NAMES` it has) takes
+            the heads' outputs, ``attn_z``.
         neurons: the dotted path of the dense MLP's down projection, whose
             input is ``mlp_post``; None for a mixture of experts.
         tested_by: the tiny models (``tools/tiny_models.py``) that test it
             against HF in ``tests/v1/hidden_states/test_architectures.py``.
         points: whether the points inside the layer (attn_out, resid_mid,
-            mlp_out, resid_post, mlp_post, attn_pattern) are verified; when
+            mlp_out, resid_post, mlp_post, attn_pattern, attn_z) are verified; when
             not, only the stream entering it (its layer, resid_pre) is served.
         kinds: the point kinds the layer has (None: every kind, less those
             ``attention`` and ``neurons`` rule out); the others are refused
@@ -102,6 +104,11 @@ class LayerClass:
     lacks: str = ""
     float16: str = ""
 
+
+# Where vLLM's attention modules keep their output projection (Llama-likes:
+# o_proj; GPT-2: c_proj; LFM2, GPT-J: out_proj; Falcon, Bloom: dense), tried
+# in this order inside a layer's mixer when its class names none.
+HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense")
 
 LAYER_CLASSES: dict[str, LayerClass] = {
     _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45")),
@@ -167,7 +174,7 @@ LAYER_CLASSES.update(
             kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"),
             lacks="attends with multi-head latent attention (MLA), whose vLLM module "
             "takes the compressed KV latent rather than keys: no attention pattern is "
-            "read there",
+            "read there, and its heads' outputs (attn_z) are not verified against HF",
             float16="vLLM scales DeepSeek's residual stream by 1/routed_scaling_factor "
             "in float16 (an overflow guard), so its states there are not the model's",
         ),
@@ -193,7 +200,15 @@ LAYER_CLASSES.update(
         _V + "commandr.CohereDecoderLayer": LayerClass(
             "parallel",
             ("cohere2",),
-            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+            kinds=(
+                "resid_pre",
+                "attn_out",
+                "mlp_out",
+                "resid_post",
+                "attn_pattern",
+                "mlp_post",
+                "attn_z",
+            ),
             lacks="runs attention and the MLP side by side on one norm's output, so the "
             "stream has no point between them",
         ),
@@ -266,7 +281,7 @@ LAYER_CLASSES[_V + "nemotron_h.NemotronHAttentionDecoderLayer"] = LayerClass(
     ("nemotron_h",),
     mixer="mixer",
     neurons=None,
-    kinds=("resid_pre", "attn_out", "resid_post", "attn_pattern"),
+    kinds=("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z"),
     lacks=_SINGLE_BLOCK.format(block="attention", other="MLP (mlp_out, mlp_post)"),
 )
 LAYER_CLASSES[_V + "nemotron_h.NemotronHMLPDecoderLayer"] = LayerClass(
@@ -284,7 +299,15 @@ LAYER_CLASSES[_V + "falcon_h1.FalconH1ParallelHybrid"] = LayerClass(
     "parallel_hybrid",
     ("falcon_h1",),
     neurons="feed_forward.down_proj",
-    kinds=("resid_pre", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+    kinds=(
+        "resid_pre",
+        "resid_mid",
+        "mlp_out",
+        "resid_post",
+        "attn_pattern",
+        "mlp_post",
+        "attn_z",
+    ),
     lacks="runs attention and a Mamba2 mixer side by side and adds their sum (each "
     "times its muP multiplier), so no one block's attn_out: their joint contribution "
     "is resid_mid minus resid_pre",
@@ -440,7 +463,15 @@ LAYER_CLASSES.update(
             ("gpt_j",),
             mixer="attn",
             neurons="mlp.fc_out",
-            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "attn_pattern", "mlp_post"),
+            kinds=(
+                "resid_pre",
+                "attn_out",
+                "mlp_out",
+                "resid_post",
+                "attn_pattern",
+                "mlp_post",
+                "attn_z",
+            ),
             lacks=_SIDE_BY_SIDE,
         ),
         # Nemotron (Minitron): vLLM's fused residual, LayerNorm1P.
@@ -452,7 +483,7 @@ LAYER_CLASSES.update(
             ("granitemoeshared",),
             mlp="block_sparse_moe",
             neurons=None,
-            kinds=("resid_pre", "attn_out", "resid_mid", "resid_post", "attn_pattern"),
+            kinds=("resid_pre", "attn_out", "resid_mid", "resid_post", "attn_pattern", "attn_z"),
             lacks="adds the sum of its routed experts' and its shared MLP's outputs (two "
             "modules, times residual_multiplier), so no one module's output is its mlp_out "
             "(resid_post minus resid_mid); no mlp_post (MoE)",
@@ -464,7 +495,7 @@ LAYER_CLASSES.update(
             ("falcon",),
             mixer="self_attention",
             neurons="mlp.dense_4h_to_h",
-            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "mlp_post"),
+            kinds=("resid_pre", "attn_out", "mlp_out", "resid_post", "mlp_post", "attn_z"),
             lacks=_SIDE_BY_SIDE + "; its attention pattern is not verified: HF "
             "transformers' Falcon returns weights only from its eager attention, which "
             "(5.19) is not causal (seen: the first token weighting later ones, states 2.4 "
@@ -476,7 +507,15 @@ LAYER_CLASSES.update(
             ("bloom",),
             mixer="self_attention",
             neurons="mlp.dense_4h_to_h",
-            kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post"),
+            kinds=(
+                "resid_pre",
+                "attn_out",
+                "resid_mid",
+                "mlp_out",
+                "resid_post",
+                "mlp_post",
+                "attn_z",
+            ),
             lacks=_ALIBI,
         ),
     }
@@ -550,7 +589,7 @@ def _afmoe_layers(config: Any) -> list[str]:
 LAYER_CLASSES[_V + "hyperclovax.HyperCLOVAXDecoderLayer"] = LayerClass(
     "granite",
     ("hyperclovax",),
-    kinds=("resid_pre", "resid_mid", "resid_post", "attn_pattern", "mlp_post"),
+    kinds=("resid_pre", "resid_mid", "resid_post", "attn_pattern", "mlp_post", "attn_z"),
     lacks="adds each block's output through a post-norm (post_norm1, post_norm2) times "
     "residual_multiplier, which this reader of its blocks does not read: no attn_out or "
     "mlp_out (resid_mid minus resid_pre and resid_post minus resid_mid are their "
@@ -863,6 +902,8 @@ class ModelLayers:
             lacks.add(PATTERN_KIND)
         if known.neurons is None:
             lacks.add(NEURON_KIND)
+        if not known.attention:
+            lacks.add(Z_KIND)
         if self.experts and known.layout == "granite_hybrid":
             lacks |= {"mlp_out", NEURON_KIND}
         return tuple(k for k in POINT_KINDS if k not in lacks)
@@ -942,14 +983,26 @@ class ModelLayers:
             why = f"{kind}.{i}: decoder layer {i} ({name}) {known.lacks}; its points: " + (
                 ", ".join(self.kinds_at(i))
             )
-            if kind != PATTERN_KIND or known.attention:
+            if kind not in (PATTERN_KIND, Z_KIND) or known.attention:
                 return why
-            attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]
+            attention = [j for j in range(self.num_layers) if kind in self.kinds_at(j)]
             return f"{why}; it is not attention; attention layers: {attention}"
         if kind == PATTERN_KIND and (self.classes[i] or "").startswith("transformers."):
             return (
                 f"attn_pattern needs vLLM's own attention module in the decoder layer "
                 f"(self_attn.attn); {name} runs on vLLM's Transformers backend"
+            )
+        if kind == Z_KIND:
+            attention = [j for j in range(self.num_layers) if Z_KIND in self.kinds_at(j)]
+            mixes = (
+                "runs on vLLM's Transformers backend (no vLLM attention module)"
+                if (self.classes[i] or "").startswith("transformers.")
+                else f"mixes tokens with {known.mixer}, not attention"
+            )
+            return (
+                f"attn_z.{i}: decoder layer {i} ({name}) {mixes}, so no attention output "
+                f"projection takes the heads' outputs there; its points: "
+                f"{', '.join(self.kinds_at(i))}; layers with attn_z: {attention}"
             )
         if kind == PATTERN_KIND:
             attention = [j for j in range(self.num_layers) if PATTERN_KIND in self.kinds_at(j)]

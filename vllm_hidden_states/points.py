@@ -48,7 +48,14 @@ def window_of(positions: "Positions | Window", prompt_len: int) -> Window | None
 # -- capture points (see the module doc) -------------------------------------
 
 PointKind = Literal[
-    "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post"
+    "resid_pre",
+    "attn_out",
+    "resid_mid",
+    "mlp_out",
+    "resid_post",
+    "attn_pattern",
+    "mlp_post",
+    "attn_z",
 ]
 POINT_KINDS: tuple[PointKind, ...] = get_args(PointKind)
 # Attention patterns: [heads, query positions, key positions] per layer, not
@@ -57,6 +64,14 @@ PATTERN_KIND: PointKind = "attn_pattern"
 # MLP neurons: the down projection's input, [positions, intermediate_size]
 # per layer (CapturedRows.neurons). Dense MLPs only.
 NEURON_KIND: PointKind = "mlp_post"
+# Heads' outputs: the attention output projection's input, [positions,
+# heads * head_dim] per layer (TransformerLens' hook_z flattened: head h at
+# columns h * head_dim .. (h + 1) * head_dim - 1). Travels with the neurons
+# (CapturedRows.neurons), its own width per point.
+Z_KIND: PointKind = "attn_z"
+# Kinds whose rows are not hidden_size wide (each point its own width): they
+# travel apart from the residual rows, as CapturedRows.neurons.
+WIDE_KINDS: tuple[PointKind, ...] = (NEURON_KIND, Z_KIND)
 # Longest sequence an attention-pattern request may reach: its answer is
 # [heads, positions, keys] per point, square in the length.
 MAX_PATTERN_POSITIONS = 4096
@@ -64,14 +79,17 @@ MAX_PATTERN_POSITIONS = 4096
 _OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
 
 _ADDRESS = re.compile(r"^(?:blocks\.(-?\d+)\.hook_([a-z_]+)|([a-z_]+)\.(-?\d+))$")
-# TransformerLens' own name of the pattern hook: blocks.{i}.attn.hook_pattern.
-_TL_PATTERN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_pattern$")
+# TransformerLens' own names of the attention hooks: blocks.{i}.attn.hook_pattern
+# (attn_pattern) and blocks.{i}.attn.hook_z (attn_z).
+_TL_ATTN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_(pattern|z)$")
+_TL_ATTN_KINDS: dict[str, PointKind] = {"pattern": PATTERN_KIND, "z": Z_KIND}
 
 
 def address_help(num_layers: int) -> str:
     return (
         f"a point is '<kind>.<i>' or 'blocks.<i>.hook_<kind>' with kind one of "
-        f"{list(POINT_KINDS)} and i a decoder layer in "
+        f"{list(POINT_KINDS)} (also 'blocks.<i>.attn.hook_pattern' and "
+        f"'blocks.<i>.attn.hook_z') and i a decoder layer in "
         f"{-num_layers}..{num_layers - 1}"
     )
 
@@ -79,13 +97,13 @@ def address_help(num_layers: int) -> str:
 def parse_point(address: Any, num_layers: int) -> tuple[PointKind, int]:
     """``(kind, layer)`` of a point address, the layer absolute in
     ``0..L-1``; ValueError naming the allowed forms."""
-    tl = _TL_PATTERN.match(address) if isinstance(address, str) else None
+    tl = _TL_ATTN.match(address) if isinstance(address, str) else None
     match = _ADDRESS.match(address) if isinstance(address, str) else None
     if match is None and tl is None:
         raise ValueError(f"{address!r} is not a point address; {address_help(num_layers)}")
     kind: str
     if tl is not None:
-        layer_text, kind = tl[1], PATTERN_KIND
+        layer_text, kind = tl[1], _TL_ATTN_KINDS[tl[2]]
     elif match is not None and match[1] is not None:
         layer_text, kind = match[1], match[2]
     else:
@@ -115,6 +133,8 @@ def point_id(kind: PointKind, layer: int, num_layers: int) -> int:
         return n + 2 + len(_OWN_ID_KINDS) * n + layer
     if kind == NEURON_KIND:
         return n + 2 + (len(_OWN_ID_KINDS) + 1) * n + layer
+    if kind == Z_KIND:
+        return n + 2 + (len(_OWN_ID_KINDS) + 2) * n + layer
     return n + 1 + _OWN_ID_KINDS.index(kind) * n + layer
 
 
@@ -129,7 +149,8 @@ def point_of_id(capture_id: int, num_layers: int) -> tuple[PointKind, int] | Non
         return "resid_post", n - 1
     if offset > len(_OWN_ID_KINDS) * n:
         rest = offset - len(_OWN_ID_KINDS) * n - 1
-        return (PATTERN_KIND, rest) if rest < n else (NEURON_KIND, rest - n)
+        past: tuple[PointKind, ...] = (PATTERN_KIND, NEURON_KIND, Z_KIND)
+        return past[rest // n], rest % n
     return _OWN_ID_KINDS[offset // n], offset % n
 
 
@@ -145,17 +166,41 @@ def is_neuron_id(capture_id: int, num_layers: int) -> bool:
     return point is not None and point[0] == NEURON_KIND
 
 
+def is_wide_id(capture_id: int, num_layers: int) -> bool:
+    """Whether a capture id is a point whose rows are not ``hidden_size``
+    wide (:data:`WIDE_KINDS`: mlp_post, attn_z)."""
+    point = point_of_id(capture_id, num_layers)
+    return point is not None and point[0] in WIDE_KINDS
+
+
 def is_neuron_address(address: str) -> bool:
     """Whether a (well-formed) point address names MLP neurons (mlp_post)."""
     match = _ADDRESS.match(address)
     return match is not None and NEURON_KIND in (match[2], match[3])
 
 
+def is_z_address(address: str) -> bool:
+    """Whether a (well-formed) point address names the heads' outputs
+    (attn_z, TransformerLens' ``blocks.<i>.attn.hook_z``)."""
+    tl = _TL_ATTN.match(address)
+    if tl is not None:
+        return tl[2] == "z"
+    match = _ADDRESS.match(address)
+    return match is not None and Z_KIND in (match[2], match[3])
+
+
+def is_wide_address(address: str) -> bool:
+    """Whether a (well-formed) point address names a point of its own width
+    (:data:`WIDE_KINDS`), which travels apart from the residual rows."""
+    return is_neuron_address(address) or is_z_address(address)
+
+
 def is_pattern_address(address: str) -> bool:
     """Whether a (well-formed) point address names an attention pattern,
     without knowing the model (the server splits a request's points)."""
-    if _TL_PATTERN.match(address):
-        return True
+    tl = _TL_ATTN.match(address)
+    if tl is not None:
+        return tl[2] == "pattern"
     match = _ADDRESS.match(address)
     return match is not None and PATTERN_KIND in (match[2], match[3])
 

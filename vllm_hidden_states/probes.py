@@ -189,9 +189,10 @@ def read_probe_dir(directory: str | Path) -> list[ProbeFile]:
 
 def probe_capture_id(point: str, num_layers: int, model: ModelLayers) -> int:
     """The capture id a probe's ``point`` reads: an HF layer (``"-1"``, ``"3"``)
-    or a residual-width point (not ``attn_pattern`` / ``mlp_post``). ValueError
+    or a residual-width point (not ``attn_pattern`` / ``mlp_post`` /
+    ``attn_z``). ValueError
     saying why this model cannot give it exactly."""
-    from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, parse_point, point_id
+    from vllm_hidden_states.points import PATTERN_KIND, WIDE_KINDS, parse_point, point_id
 
     n = num_layers
     if re.fullmatch(r"-?\d+", point.strip()):
@@ -205,7 +206,7 @@ def probe_capture_id(point: str, num_layers: int, model: ModelLayers) -> int:
             raise ValueError(model.why_not_layer(layer))
         return absolute
     kind, i = parse_point(point, n)
-    if kind in (PATTERN_KIND, NEURON_KIND):
+    if kind == PATTERN_KIND or kind in WIDE_KINDS:
         raise ValueError(
             f"{point!r} is not a residual-stream row; probes read resid_pre, "
             "attn_out, resid_mid, mlp_out, resid_post or an HF layer"

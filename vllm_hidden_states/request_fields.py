@@ -20,8 +20,8 @@ from vllm_hidden_states.points import (
     POSITIONS,
     Positions,
     Window,
-    is_neuron_id,
     is_pattern_id,
+    is_wide_id,
 )
 from vllm_hidden_states.probe_actions import action_probes, check_monitors, check_probe_actions
 
@@ -110,7 +110,8 @@ class AskedStates:
         points, point_ids: residual-stream points beyond the layers, as
             named, and their capture ids.
         patterns, pattern_ids: attention-pattern points, and their ids.
-        neurons, neuron_ids: MLP-neuron (mlp_post) points, and their ids.
+        neurons, neuron_ids: points of their own width (MLP neurons,
+            mlp_post; heads' outputs, attn_z), and their ids.
         probes: the engine's linear probes to score, names as given, then
             those only ``probe_actions`` read.
         probe_actions: its probe actions, then the server's monitors, checked.
@@ -248,10 +249,11 @@ def resolve_fields(cfg: "HiddenStatesConfig | None", fields: RequestFields) -> A
         bool(asked),
     )
     abs_layers = checked(cfg.resolve_all, "hidden_states_layers", layers)
-    # Attention patterns and MLP neurons travel apart from the residual rows.
+    # Attention patterns, MLP neurons and heads' outputs travel apart from
+    # the residual rows.
     n = cfg.num_layers
     pattern = [is_pattern_id(k, n) for k in ids]
-    neuron = [is_neuron_id(k, n) for k in ids]
+    neuron = [is_wide_id(k, n) for k in ids]
     row = [not (p or q) for p, q in zip(pattern, neuron)]
     return AskedStates(
         layers=tuple(layers),

@@ -11,7 +11,7 @@ docs/architecture.md, "Wire types".
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -131,13 +131,14 @@ def distinct_layers(spec: HiddenStatesSpec) -> list[int]:
     return sorted(set(spec.abs_layers))
 
 
-# The positions axis of each CapturedRows field.
+# The positions axis of each CapturedRows field (of each tensor of a list
+# field's, :data:`LIST_FIELDS`).
 POSITION_AXIS: dict[str, int] = {
     "hidden": 1,
     "sae_ids": 0,
     "sae_values": 0,
     "patterns": 2,
-    "neurons": 1,
+    "neurons": 0,
     "probe_scores": 0,
 }
 # The fields that name a group's owners; every other field is data.
@@ -146,13 +147,34 @@ _FIELDS = [f for f in msgspec.structs.fields(CapturedRows) if f.name not in _GRO
 assert {f.name for f in _FIELDS} == set(POSITION_AXIS), "a CapturedRows field lacks its axis"
 
 
+# Fields holding a list of tensors (one per point, widths differing), each
+# cut and joined along its positions axis; the others hold one tensor.
+LIST_FIELDS: frozenset[str] = frozenset({"neurons"})
+
+
 def num_positions(rows: CapturedRows) -> int:
     """How many positions ``rows`` covers (every present field agrees)."""
     for f in _FIELDS:
         value = getattr(rows, f.name)
-        if value is not None:
+        if f.name in LIST_FIELDS and value:
+            value = value[0]
+        if value is not None and not isinstance(value, list):
             return value.shape[POSITION_AXIS[f.name]]
     return 0
+
+
+def _cut(value: Any, cut: Callable[[torch.Tensor], Any]) -> Any:
+    """``cut`` of a field's tensor, or of each tensor of a list field's."""
+    return [cut(t) for t in value] if isinstance(value, list) else cut(value)
+
+
+def _slicer(axis: int, start: int, stop: int | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    index = (slice(None),) * axis + (slice(start, stop),)
+    return lambda t: t[index]
+
+
+def _splitter(axis: int, counts: list[int]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    return lambda t: t.split(counts, dim=axis)
 
 
 def cat_rows(parts: list[CapturedRows], grouped: bool = False) -> CapturedRows:
@@ -164,8 +186,11 @@ def cat_rows(parts: list[CapturedRows], grouped: bool = False) -> CapturedRows:
     fields: dict = {}
     for f in _FIELDS:
         values = [getattr(p, f.name) for p in parts]
-        if values[0] is not None:
-            fields[f.name] = torch.cat(values, dim=POSITION_AXIS[f.name])
+        axis = POSITION_AXIS[f.name]
+        if isinstance(values[0], list):  # each point's tensors joined
+            fields[f.name] = [torch.cat(point, dim=axis) for point in zip(*values)]
+        elif values[0] is not None:
+            fields[f.name] = torch.cat(values, dim=axis)
     if grouped:
         fields["req_ids"] = [r for p in parts for r in p.req_ids]
         fields["counts"] = [c for p in parts for c in p.counts]
@@ -174,12 +199,11 @@ def cat_rows(parts: list[CapturedRows], grouped: bool = False) -> CapturedRows:
 
 def slice_rows(rows: CapturedRows, start: int, stop: int | None = None) -> CapturedRows:
     """Positions ``start:stop`` of ``rows`` (views, no copy)."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for f in _FIELDS:
         value = getattr(rows, f.name)
         if value is not None:
-            axis = POSITION_AXIS[f.name]
-            fields[f.name] = value[(slice(None),) * axis + (slice(start, stop),)]
+            fields[f.name] = _cut(value, _slicer(POSITION_AXIS[f.name], start, stop))
     return CapturedRows(**fields)
 
 
@@ -192,11 +216,13 @@ def group_rows(rows: CapturedRows, req_id: str) -> CapturedRows:
 def split_group(group: CapturedRows) -> Iterator[tuple[str, CapturedRows]]:
     """``(req_id, rows)`` of each request of ``group``, in order (views: one
     ``split`` per field, no copy)."""
-    parts = {}
+    parts: dict[str, Any] = {}
     for f in _FIELDS:
         value = getattr(group, f.name)
         if value is not None:
-            parts[f.name] = value.split(group.counts, dim=POSITION_AXIS[f.name])
+            split = _cut(value, _splitter(POSITION_AXIS[f.name], group.counts))
+            # A list field: one list of the points' views per request.
+            parts[f.name] = [list(p) for p in zip(*split)] if isinstance(split, list) else split
     for i, req_id in enumerate(group.req_ids):
         rows = CapturedRows(**{name: views[i] for name, views in parts.items()})
         if group.op_results is not None:  # a group of one request (see the field)

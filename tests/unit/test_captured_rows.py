@@ -158,3 +158,52 @@ def test_a_value_of_op_results_only_joins_the_rows_of_its_request():
         joined = with_op_results(first, second)
         assert_same(joined, rows(0, 2))
         assert joined.op_results.firings == [firing]
+
+
+def wide_rows(start: int, count: int) -> CapturedRows:
+    """Rows with two points of their own widths (an mlp_post 16 wide, an
+    attn_z 6 wide) whose values name their position."""
+    pos = torch.arange(start, start + count, dtype=torch.float32)[:, None]
+    return CapturedRows(
+        hidden=pos[None].expand(LAYERS, count, HIDDEN).clone(),
+        neurons=[pos.expand(count, 16).clone(), -pos.expand(count, 6).clone()],
+    )
+
+
+def assert_same_wide(a: CapturedRows, b: CapturedRows) -> None:
+    assert torch.equal(a.hidden, b.hidden)
+    assert len(a.neurons) == len(b.neurons)
+    for x, y in zip(a.neurons, b.neurons):
+        assert torch.equal(x, y)
+
+
+def test_points_of_different_widths_join_cut_and_split_per_point():
+    """mlp_post and attn_z rows (intermediate_size and heads * head_dim
+    wide) travel as one tensor per point, each cut along its positions."""
+    joined = cat_rows([wide_rows(0, 2), wide_rows(2, 3)])
+    assert_same_wide(joined, wide_rows(0, 5))
+    assert num_positions(joined) == 5
+    assert num_positions(CapturedRows(neurons=wide_rows(0, 3).neurons)) == 3
+    assert_same_wide(slice_rows(joined, 1, 4), wide_rows(1, 3))
+    group = group_rows(wide_rows(0, 5), "r0")
+    group.req_ids, group.counts = ["r0", "r1"], [2, 3]
+    parts = dict(split_group(group))
+    assert_same_wide(parts["r0"], wide_rows(0, 2))
+    assert_same_wide(parts["r1"], wide_rows(2, 3))
+
+
+def test_points_of_different_widths_cross_vllms_msgpack():
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(request_id=f"r{i}", new_token_ids=[1]) for i in range(2)],
+        captured=[
+            cat_rows(
+                [group_rows(wide_rows(0, 1), "r0"), group_rows(wide_rows(1, 2), "r1")], grouped=True
+            )
+        ],
+    )
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    hand_out_captured(decoded)
+    assert_same_wide(decoded.outputs[0].captured, wide_rows(0, 1))
+    assert_same_wide(decoded.outputs[1].captured, wide_rows(1, 2))

@@ -129,7 +129,16 @@ def test_messages_prefix_renders_to_the_same_first_tokens_as_the_whole_conversat
     assert tokens.render_ids(tokenizer, cut)[:100] == full[:100]
 
 
-@pytest.mark.parametrize("point", ["mlp_post.1", "attn_pattern.0", "blocks.0.attn.hook_pattern"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        "mlp_post.1",
+        "attn_pattern.0",
+        "blocks.0.attn.hook_pattern",
+        "attn_z.0",
+        "blocks.0.attn.hook_z",
+    ],
+)
 def test_collect_refuses_points_that_are_not_hidden_size_rows(point):
     from vllm_hidden_states.tools.collect import CollectConfig
 

@@ -76,3 +76,20 @@ def test_gather_puts_each_layers_rows_in_its_slot_of_one_host_tensor(on_host):
         torch.testing.assert_close(host[i], layer)
     rows[0].fill_(0.0)  # the host tensor is its own memory, not a view
     assert host[0].abs().sum() > 0
+
+
+def test_points_of_their_own_widths_fill_one_host_tensor_each():
+    """An mlp_post (16 wide) and an attn_z (6 wide) in one capture: one
+    ``[rows, width]`` host tensor per point, filled chunk by chunk."""
+    copies = HostCopies(CPU)
+
+    def wide(first: int, count: int) -> list[torch.Tensor]:
+        return [chunk(first, count, layers=1, hidden=w)[0] for w in (16, 6)]
+
+    rows = HostRows.allocate(copies, 0, 5, [], None, neurons=wide(0, 2))
+    rows.write(copies, 0, [], None, neurons=wide(0, 2))
+    rows.write(copies, 2, [], None, neurons=wide(2, 3))
+    assert rows.num_rows == 5 and rows.states is None
+    captured = rows.captured()
+    assert [t.shape for t in captured.neurons] == [(5, 16), (5, 6)]
+    assert all(torch.equal(got, want) for got, want in zip(captured.neurons, wide(0, 5)))

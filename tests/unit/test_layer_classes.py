@@ -68,7 +68,7 @@ def test_a_single_block_layer_has_the_points_of_its_block_only():
     assert model.exact_layers() == list(range(L + 1))
     mixer = ("resid_pre", "attn_out", "resid_post")
     assert model.kinds_at(0) == model.kinds_at(3) == mixer
-    assert model.kinds_at(1) == ("resid_pre", "attn_out", "resid_post", "attn_pattern")
+    assert model.kinds_at(1) == ("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z")
     assert model.kinds_at(2) == ("resid_pre", "mlp_out", "resid_post", "mlp_post")
 
 
@@ -84,6 +84,8 @@ def test_a_single_block_layer_has_the_points_of_its_block_only():
         ("mlp_out.0", r"mlp_out.0: decoder layer 0 \(NemotronHMambaDecoderLayer\) has one"),
         ("attn_out.2", r"attn_out.2: decoder layer 2 \(NemotronHMLPDecoderLayer\).*no token"),
         ("attn_pattern.3", r"attn_pattern.3: .*not attention; attention layers: \[1\]"),
+        ("attn_z.0", r"attn_z.0: decoder layer 0 \(NemotronHMambaDecoderLayer\).*\[1\]"),
+        ("attn_z.2", r"attn_z.2: decoder layer 2 \(NemotronHMLPDecoderLayer\).*\[1\]"),
     ],
 )
 def test_a_single_block_layer_refuses_the_points_it_has_not(point, message):
@@ -97,7 +99,15 @@ def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
     block's attn_out; the rest, patterns of its attention branch included."""
     model = model_layers(tiny_config("falcon_h1"))
     assert model.exact_layers() == list(range(L + 1))
-    every = ("resid_pre", "resid_mid", "mlp_out", "resid_post", "attn_pattern", "mlp_post")
+    every = (
+        "resid_pre",
+        "resid_mid",
+        "mlp_out",
+        "resid_post",
+        "attn_pattern",
+        "mlp_post",
+        "attn_z",
+    )
     assert all(model.kinds_at(i) == every for i in range(L))
     message = (
         r"attn_out.2: decoder layer 2 \(FalconH1ParallelHybrid\) runs attention and a "
@@ -409,3 +419,31 @@ def test_every_listed_language_model_is_the_one_the_wrappers_source_builds(wrapp
         assert _builds_from_text_config(wrapper), wrapper
     else:
         assert inner in _named_language_models(wrapper), _named_language_models(wrapper)
+
+
+@pytest.mark.parametrize(
+    ("arch", "served", "refused"),
+    [
+        ("granitemoehybrid", [1, 3], [0, 2]),  # Mamba2 layers refuse it
+        ("qwen3_next", [3], [0, 1, 2]),  # gated delta-net layers refuse it
+        ("lfm2", [1, 3], [0, 2]),  # short-convolution layers refuse it
+    ],
+)
+def test_attn_z_is_served_at_attention_layers_only(arch, served, refused):
+    """The heads' outputs (attn_z): at the layers whose mixer is vLLM's
+    attention; elsewhere refused naming the layer class, its points and the
+    layers that have attn_z."""
+    model = model_layers(tiny_config(arch))
+    assert [i for i in range(L) if "attn_z" in model.kinds_at(i)] == served
+    for i in refused:
+        layers = rf"\[{', '.join(map(str, served))}\]"
+        with pytest.raises(ValueError, match=rf"attn_z.{i}: .*its points: .*{layers}"):
+            capturable_point_ids([f"attn_z.{i}"], L, model)
+
+
+def test_mla_refuses_attn_z_naming_why():
+    """DeepSeek's heads' outputs are not verified against HF: refused."""
+    model = model_layers(tiny_config("deepseek_v3"))
+    assert all("attn_z" not in model.kinds_at(i) for i in range(L))
+    with pytest.raises(ValueError, match=r"attn_z.1: .*multi-head latent attention.*attn_z"):
+        capturable_point_ids(["attn_z.1"], L, model)

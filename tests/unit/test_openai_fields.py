@@ -306,8 +306,8 @@ def test_choice_rows_take_advances_start_by_the_rows_taken():
     rows = ChoiceRows()
     rows.pending = [{-1: torch.zeros(4, 8)}, {-1: torch.ones(1, 8)}]
     first, neurons = rows.take(ask_all)
-    assert (first["start"], first["shape"]) == (0, [1, 5, 8]) and neurons is None
-    assert rows.take(ask_all) == (None, None)
+    assert (first["start"], first["shape"]) == (0, [1, 5, 8]) and neurons == {}
+    assert rows.take(ask_all) == (None, {})
     rows.pending = [{-1: torch.ones(2, 8)}]
     assert rows.take(ask_all)[0]["start"] == 5
 
@@ -318,10 +318,34 @@ def test_choice_rows_take_gives_neurons_their_own_object():
     ask = HiddenStatesAsk((), "float", "all", True, neurons=("mlp_post.1",))
     rows = ChoiceRows(start=3)
     rows.pending = [{"mlp_post.1": torch.zeros(2, 16)}, {"mlp_post.1": torch.ones(1, 16)}]
-    hidden, neurons = rows.take(ask)
-    assert hidden is None
+    hidden, objects = rows.take(ask)
+    assert hidden is None and list(objects) == ["neurons"]
+    neurons = objects["neurons"]
     assert neurons["points"] == ["mlp_post.1"] and neurons["start"] == 3
     assert neurons["shape"] == [1, 3, 16] and rows.start == 6
+
+
+def test_heads_outputs_and_neurons_come_as_two_objects_of_their_own_widths():
+    """attn_z rows (heads * head_dim wide) are not stacked with mlp_post's
+    (intermediate_size wide): a head_outputs object beside neurons."""
+    from vllm_hidden_states.server.openai_response import ChoiceRows
+
+    points = ("attn_z.0", "mlp_post.1", "blocks.1.attn.hook_z")
+    ask = HiddenStatesAsk((), "float", "last", neurons=points)
+    rows = ChoiceRows()
+    rows.pending = [
+        {
+            "attn_z.0": torch.ones(2, 6),
+            "mlp_post.1": torch.zeros(2, 16),
+            "blocks.1.attn.hook_z": torch.full((2, 6), 2.0),
+        }
+    ]
+    _, objects = rows.take(ask)
+    assert list(objects) == ["neurons", "head_outputs"]
+    assert objects["neurons"]["points"] == ["mlp_post.1"]
+    assert objects["neurons"]["shape"] == [1, 16]
+    heads = objects["head_outputs"]
+    assert heads["points"] == ["attn_z.0", "blocks.1.attn.hook_z"] and heads["shape"] == [2, 6]
 
 
 def test_price_positions_counts_prompt_plus_max_tokens_per_choice():

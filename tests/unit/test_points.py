@@ -10,8 +10,12 @@ from vllm_hidden_states.layers import point_kinds_for
 from vllm_hidden_states.points import (
     POINT_KINDS,
     id_name,
+    is_neuron_address,
     is_pattern_address,
     is_pattern_id,
+    is_wide_address,
+    is_wide_id,
+    is_z_address,
     layer_of_id,
     parse_point,
     point_id,
@@ -117,8 +121,9 @@ def test_no_points_flag_keeps_todays_capturable_set():
 
 def test_all_makes_every_kind_capturable_at_every_layer():
     cfg = engine("all")
-    # HF layers, 3 row kinds, the last resid_post, a pattern and mlp_post per layer
-    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L + L
+    # HF layers, 3 row kinds, the last resid_post, a pattern, mlp_post and
+    # attn_z per layer
+    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L + L + L
 
 
 def test_mlp_post_ids_are_their_own_and_moe_models_lack_them():
@@ -140,6 +145,47 @@ def test_attention_pattern_addresses_name_one_pattern_id(address):
     assert is_pattern_id(capture_id, L) and is_pattern_address(address)
     assert point_of_id(capture_id, L) == ("attn_pattern", 2)
     assert not is_pattern_address("attn_out.2")
+
+
+@pytest.mark.parametrize("address", ["attn_z.2", "blocks.2.hook_attn_z", "blocks.2.attn.hook_z"])
+def test_heads_output_addresses_name_one_attn_z_id(address):
+    """TransformerLens' blocks.L.attn.hook_z is attn_z.L, a point of its own
+    width (heads * head_dim) that travels with the MLP neurons."""
+    kind, layer = parse_point(address, L)
+    assert (kind, layer) == ("attn_z", 2)
+    capture_id = point_id(kind, layer, L)
+    assert point_of_id(capture_id, L) == ("attn_z", 2)
+    assert id_name(capture_id, L) == "attn_z.2" and layer_of_id(capture_id, L) == 2
+    assert is_wide_id(capture_id, L) and not is_pattern_id(capture_id, L)
+    assert is_z_address(address) and is_wide_address(address)
+    assert not is_pattern_address(address) and not is_neuron_address(address)
+
+
+def test_every_kind_at_every_layer_has_a_distinct_id_that_round_trips():
+    ids = {point_id(kind, i, L) for kind in POINT_KINDS for i in range(L)}
+    # resid_pre.i+1 and resid_post.i share HF layer i+1
+    assert len(ids) == len(POINT_KINDS) * L - (L - 1)
+    for kind in POINT_KINDS:
+        for i in range(L):
+            if kind != "resid_pre" and not (kind == "resid_post" and i < L - 1):
+                assert point_of_id(point_id(kind, i, L), L) == (kind, i)
+    assert is_wide_id(point_id("mlp_post", 1, L), L)
+    assert not is_wide_id(point_id("attn_out", 1, L), L)
+    assert not is_z_address("blocks.1.attn.hook_pattern")
+    assert not is_pattern_address("blocks.1.attn.hook_z")
+
+
+def test_attn_z_is_refused_where_the_layer_has_no_attention():
+    """The heads' outputs need vLLM's attention module: refused on OLMo 2
+    (Transformers backend) and at Nemotron-H's Mamba2 layers, naming the
+    layer class and its points; served at its attention layers."""
+    assert "attn_z" in point_kinds_for("LlamaForCausalLM")
+    assert "attn_z" in point_kinds_for("GPT2LMHeadModel")
+    assert "attn_z" not in point_kinds_for("Olmo2ForCausalLM")
+    with pytest.raises(ValueError, match=r"attn_z.*Transformers backend"):
+        capturable_point_ids(["attn_z"], L, "Olmo2ForCausalLM")
+    with pytest.raises(ValueError, match=r"attn_z.*OPTForCausalLM.*not verified"):
+        capturable_point_ids(["attn_z.1"], L, "OPTForCausalLM")
 
 
 def test_olmo2_on_the_transformers_backend_has_no_attention_patterns():

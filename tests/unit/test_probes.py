@@ -122,15 +122,17 @@ def test_an_empty_or_missing_directory_is_refused(tmp_path):
 def test_start_refuses_a_wrong_width_and_a_point_the_model_lacks(tmp_path):
     probe(tmp_path, name="ok", point="blocks.2.hook_resid_pre")
     probe(tmp_path, name="neurons", point="mlp_post.1")
+    probe(tmp_path, name="heads", point="blocks.1.attn.hook_z")
     probe(tmp_path, name="far", point="-9")
     cfg = config(tmp_path)
     assert cfg.probes["ok"]["capture_id"] == 2  # resid_pre.2 = HF layer 2
     problems = probe_problems(cfg, HIDDEN + 1)
     assert (
         sum(f"{HIDDEN} wide but the model's hidden size is {HIDDEN + 1}" in p for p in problems)
-        == 3
+        == 4
     )
     assert any("'neurons'" in p and "not a residual-stream row" in p for p in problems)
+    assert any("'heads'" in p and "not a residual-stream row" in p for p in problems)
     assert any("'far'" in p and "out of range for a 4-layer model" in p for p in problems)
     assert not any("'ok'" in p and "cannot capture" in p for p in problems)
 

@@ -228,7 +228,16 @@ def test_an_unknown_point_names_the_address_forms(point):
         check([add(point=point)])
 
 
-@pytest.mark.parametrize("point", ["attn_pattern.1", "mlp_post.1", "blocks.1.attn.hook_pattern"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        "attn_pattern.1",
+        "mlp_post.1",
+        "blocks.1.attn.hook_pattern",
+        "attn_z.1",
+        "blocks.1.attn.hook_z",
+    ],
+)
 def test_a_kind_that_is_not_in_the_stream_cannot_be_steered(point):
     with pytest.raises(ValueError, match="cannot be steered; steerable kinds") as e:
         check([add(point=point)])

@@ -116,9 +116,9 @@ class HiddenStatesTracker:
         ):
             return "no attention patterns"
         if self.spec.neuron_ids and (
-            rows.neurons is None or rows.neurons.shape[0] != len(self.spec.neuron_ids)
+            rows.neurons is None or len(rows.neurons) != len(self.spec.neuron_ids)
         ):
-            return "no MLP neurons"
+            return "no MLP neurons or heads' outputs"
         if self.spec.sae_top_k and rows.sae_ids is None:
             return "no SAE features"
         if self.spec.probes and rows.probe_scores is None:
@@ -234,7 +234,8 @@ class HiddenStatesTracker:
             }
         states = self._keyed(rows.hidden) if self.spec.abs_layers else None
         if self.spec.neurons and rows.neurons is not None:
-            # {address: [positions, intermediate_size]}, after the rows' keys.
+            # {address: [positions, width]} (mlp_post: intermediate_size;
+            # attn_z: heads * head_dim), after the rows' keys.
             states = {**(states or {}), **dict(zip(self.spec.neurons, rows.neurons))}
         if self.spec.patterns and rows.patterns is not None:
             # {address: [heads, queries, keys]}, beside the rows' keys.

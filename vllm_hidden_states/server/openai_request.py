@@ -19,7 +19,13 @@ from typing import Any
 
 import orjson
 
-from vllm_hidden_states.points import Positions, Window, is_neuron_address, is_pattern_address
+from vllm_hidden_states.points import (
+    Positions,
+    Window,
+    is_pattern_address,
+    is_wide_address,
+    is_z_address,
+)
 from vllm_hidden_states.probe_actions import check_probe_actions
 from vllm_hidden_states.request_fields import (
     IMPLYING_FIELDS,
@@ -70,7 +76,9 @@ class HiddenStatesAsk:
     sae_top_k: int = 0  # sae_features: {"top_k": k}; 0 = not asked
     points: tuple[str, ...] = ()  # hidden_states_points, as given (rows)
     patterns: tuple[str, ...] = ()  # hidden_states_points of attention patterns
-    neurons: tuple[str, ...] = ()  # hidden_states_points of MLP neurons (mlp_post)
+    # hidden_states_points of their own width: MLP neurons (mlp_post) and
+    # heads' outputs (attn_z), answered as the neurons / head_outputs objects.
+    neurons: tuple[str, ...] = ()
     heads: tuple[int, ...] | None = None  # hidden_states_heads; None = every head
     probes: tuple[str, ...] = ()  # probes: names of the engine's probes to score
     # probe_actions as given (checked by the one resolver); their probes are
@@ -93,6 +101,15 @@ class HiddenStatesAsk:
         if isinstance(self.positions, Window):
             return self.positions.start
         return prompt_len if self.positions == "generated" else 0
+
+    @property
+    def wide_objects(self) -> dict[str, tuple[str, ...]]:
+        """The response objects of ``neurons``, each with its points in
+        request order: ``neurons`` (mlp_post, intermediate_size wide) and
+        ``head_outputs`` (attn_z, heads * head_dim wide); only those asked."""
+        heads = tuple(p for p in self.neurons if is_z_address(p))
+        mlp = tuple(p for p in self.neurons if p not in heads)
+        return {name: p for name, p in (("neurons", mlp), ("head_outputs", heads)) if p}
 
     @property
     def keys(self) -> tuple[int | str, ...]:
@@ -203,7 +220,7 @@ def parse_ask(extra: dict[str, Any] | None) -> HiddenStatesAsk | None:
                 "ask for one in hidden_states_points (e.g. 'attn_pattern.3')",
                 "hidden_states_heads",
             )
-    neurons = tuple(p for p in points if is_neuron_address(p))
+    neurons = tuple(p for p in points if is_wide_address(p))
     return HiddenStatesAsk(
         tuple(layers),
         fmt,
@@ -322,6 +339,7 @@ class PositionPricing:
     spent_positions: int = 0
     heads: int = 0  # query heads: an attention pattern is [heads, queries, keys]
     intermediate: int = 0  # an mlp_post row's width
+    z_width: int = 0  # an attn_z row's width (heads * head_dim)
     spent_extra_values: int = 0  # attention-pattern weights and MLP neurons
     probe_outputs: int = 0  # probe scores per position
 
@@ -349,9 +367,11 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
     if pricing.probe_outputs:
         pricing.spent_extra_values += pricing.n * per_choice * pricing.probe_outputs
     if pricing.ask.neurons:
-        pricing.spent_extra_values += (
-            pricing.n * per_choice * len(pricing.ask.neurons) * pricing.intermediate
-        )
+        widths = [
+            pricing.z_width if is_z_address(p) else pricing.intermediate
+            for p in pricing.ask.neurons
+        ]
+        pricing.spent_extra_values += pricing.n * per_choice * sum(widths)
     if pricing.ask.patterns:
         # [heads, queries, keys] per pattern point, keys up to the whole sequence.
         keys = prompt_len + max_tokens
@@ -515,6 +535,8 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             model_config.get_hidden_size(),
             heads=int(model_config.hf_text_config.num_attention_heads),
             intermediate=int(getattr(model_config.hf_text_config, "intermediate_size", 0) or 0),
+            z_width=int(model_config.hf_text_config.num_attention_heads)
+            * int(model_config.get_head_size()),
             probe_outputs=probe_outputs(cfg, ask),
         )
     sae_name = cfg.sae["name"] if cfg.sae is not None else ""

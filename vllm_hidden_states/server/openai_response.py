@@ -58,13 +58,18 @@ def encode_choice_states(
 
 def encode_choice_neurons(
     states: dict[int | str, Any] | None, ask: HiddenStatesAsk, start: int = 0
-) -> dict[str, Any] | None:
-    """The ``neurons`` object of one choice (or streamed chunk): MLP neurons
-    (``mlp_post``), laid out like ``hidden_states`` with ``intermediate_size``
-    values per row."""
+) -> dict[str, dict[str, Any]]:
+    """The ``neurons`` and ``head_outputs`` objects of one choice (or
+    streamed chunk), by name, those asked: MLP neurons (``mlp_post``, with
+    ``intermediate_size`` values per row) and the heads' outputs (``attn_z``,
+    ``heads * head_dim`` values per row, head ``h`` at columns ``h *
+    head_dim`` onwards), each laid out like ``hidden_states``."""
     if states is None:
-        return None
-    return _rows_object(states, ask.neurons, {"points": list(ask.neurons)}, ask, start)
+        return {}
+    return {
+        name: _rows_object(states, points, {"points": list(points)}, ask, start)
+        for name, points in ask.wide_objects.items()
+    }
 
 
 def _rows_object(
@@ -219,16 +224,17 @@ class ChoiceRows:
         taken, self.firings = firings_json(self.firings), []
         return taken
 
-    def take(self, ask: HiddenStatesAsk) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The pending rows as the ``hidden_states`` and ``neurons`` objects
-        (None where not asked), emptied."""
+    def take(self, ask: HiddenStatesAsk) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+        """The pending rows as the ``hidden_states`` object (None where not
+        asked) and the ``neurons`` / ``head_outputs`` objects (by name, those
+        asked), emptied."""
         if not self.pending:
-            return None, None
+            return None, {}
         states = _concat(self.pending, ask)
         hidden = encode_choice_states(states, ask, self.start) if ask.keys else None
         if hidden is not None and self.mm_positions:
             hidden["mm_positions"] = self.mm_positions
-        neurons = encode_choice_neurons(states, ask, self.start) if ask.neurons else None
+        neurons = encode_choice_neurons(states, ask, self.start) if ask.neurons else {}
         self.start += states[(*ask.keys, *ask.neurons)[0]].shape[0]
         self.pending = []
         return hidden, neurons
@@ -362,8 +368,7 @@ def _attach_to_chunk(chunk: str, choices: dict[int, ChoiceRows], ask: HiddenStat
             hidden, neurons = rows.take(ask)
             if ask.keys:
                 choice["hidden_states"] = hidden
-            if ask.neurons:
-                choice["neurons"] = neurons
+            choice.update(neurons)
         if ask.sae_top_k:
             choice["sae_features"] = rows.take_features(ask)
         if ask.probes:
@@ -430,7 +435,11 @@ def _attach_to_choices(
         if ask.keys:
             choice.hidden_states = encode_choice_states(choice_states, ask, start)
         if ask.neurons:
-            choice.neurons = encode_choice_neurons(choice_states, ask, start)
+            wide = encode_choice_neurons(choice_states, ask, start)
+            if "neurons" in wide:
+                choice.neurons = wide["neurons"]
+            if "head_outputs" in wide:
+                choice.head_outputs = wide["head_outputs"]
         if ask.patterns:
             choice.attention_patterns = encode_choice_patterns(choice_states, ask, start)
         if ask.sae_top_k:

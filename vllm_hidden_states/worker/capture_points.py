@@ -18,7 +18,7 @@ from torch import nn
 from torch._dynamo import mark_dynamic
 
 from vllm.logger import init_logger
-from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, point_of_id
+from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, Z_KIND, point_of_id
 from vllm_hidden_states.worker.capture_op import (
     capture,
     count_readable_on_host,
@@ -32,6 +32,7 @@ from vllm_hidden_states.worker.taps import (
     attention_module,
     find_decoder_layers,
     first_arg,
+    heads_out_module,
     is_pp_placeholder,
     neuron_module,
     point_tap,
@@ -148,8 +149,10 @@ class CapturePoints:
         self._index: dict[int, int] = {}  # capture id -> its position in counts
         self.buffers: dict[int, torch.Tensor] = {}
         taps: dict[int, Tap] = {}
-        # Attention patterns: vLLM's Attention module per pattern id; MLP
-        # neurons: the down projection per mlp_post id.
+        # Attention patterns: vLLM's Attention module per pattern id; points
+        # of their own width: the linear layer whose input they are, the MLP's
+        # down projection per mlp_post id, the attention's output projection
+        # per attn_z id.
         self.pattern_modules: dict[int, nn.Module] = {}
         self.neuron_modules: dict[int, nn.Module] = {}
         for k in layers:
@@ -162,6 +165,11 @@ class CapturePoints:
                 down = neuron_module(layer, f"{NEURON_KIND}.{point[1]}")
                 self.neuron_modules[k] = down
                 taps[k] = Tap(down, "pre", first_arg(("x", "input_", "input")))
+            elif point is not None and point[0] == Z_KIND:
+                # The heads' outputs: the attention output projection's input.
+                out_proj = heads_out_module(layer, f"{Z_KIND}.{point[1]}")
+                self.neuron_modules[k] = out_proj
+                taps[k] = Tap(out_proj, "pre", first_arg(("x", "input_", "input")))
             elif point is not None and point[0] == PATTERN_KIND:
                 attn = attention_module(layer, f"{PATTERN_KIND}.{point[1]}")
                 self.pattern_modules[k] = attn
@@ -200,7 +208,8 @@ class CapturePoints:
         modules: dict[int, nn.Module] = {}
         # Pattern ids: their queries and keys, [max_rows, heads x head_size].
         self.pattern_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # mlp_post ids: [max_rows, intermediate_size].
+        # mlp_post ids: [max_rows, intermediate_size]; attn_z ids: [max_rows,
+        # heads * head_dim] (this rank's: tensor parallelism is refused).
         self.neuron_buffers: dict[int, torch.Tensor] = {}
         for index, (k, tap) in enumerate(taps.items()):
             module = tap.module
@@ -330,7 +339,8 @@ class CapturePoints:
         return self.buffers[k][: self.count]
 
     def read_neurons(self, k: int) -> torch.Tensor:
-        """``[count, intermediate_size]``: mlp_post id ``k``'s rows of the last forward."""
+        """``[count, width]``: mlp_post (``intermediate_size`` wide) or attn_z
+        (``heads * head_dim``) id ``k``'s rows of the last forward."""
         return self.neuron_buffers[k][: self.count]
 
     def read_pattern(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,8 +82,9 @@ class HostRows:
             None when no layer's full states were asked.
         features: SAE top-k ``(ids int32, values float32)``, each
             ``[rows, k]``, or None without ``sae_top_k``.
-        neurons: ``[num_mlp_post, rows, intermediate_size]`` in the model
-            dtype, or None when no MLP-neuron point was asked.
+        neurons: one ``[rows, width]`` per point of its own width (mlp_post:
+            ``intermediate_size``; attn_z: ``heads * head_dim``) in the model
+            dtype, or None when no such point was asked.
         scores: probe scores, float32 ``[rows, sum of k]``, or None when no
             probe was asked.
     """
@@ -91,7 +92,7 @@ class HostRows:
     first: int
     states: torch.Tensor | None
     features: tuple[torch.Tensor, torch.Tensor] | None
-    neurons: torch.Tensor | None = None
+    neurons: list[torch.Tensor] | None = None
     scores: torch.Tensor | None = None
 
     @classmethod
@@ -107,7 +108,7 @@ class HostRows:
     ) -> "HostRows":
         """Room for ``num_rows`` rows shaped like the first chunk's
         (``layers``: one ``[rows, hidden]`` device tensor per layer;
-        ``neurons``: one ``[rows, intermediate_size]`` per mlp_post point;
+        ``neurons``: one ``[rows, width]`` per mlp_post / attn_z point;
         ``scores``: the chunk's probe scores ``[rows, sum of k]``)."""
         states = None
         if layers:
@@ -115,8 +116,7 @@ class HostRows:
             states = copies.empty((len(layers), num_rows, hidden), layers[0].dtype)
         host_neurons = None
         if neurons:
-            width = neurons[0].shape[-1]
-            host_neurons = copies.empty((len(neurons), num_rows, width), neurons[0].dtype)
+            host_neurons = [copies.empty((num_rows, n.shape[-1]), n.dtype) for n in neurons]
         host_features = None
         if features is not None:
             ids, values = features
@@ -145,8 +145,8 @@ class HostRows:
     def num_rows(self) -> int:
         if self.states is not None:
             return self.states.shape[1]
-        if self.neurons is not None:
-            return self.neurons.shape[1]
+        if self.neurons:
+            return self.neurons[0].shape[0]
         if self.scores is not None:
             return self.scores.shape[0]
         return self.features[0].shape[0] if self.features is not None else 0
@@ -186,7 +186,7 @@ class HostRows:
             copies.copy(self.features[1][lo : lo + count], features[1])
         for i, rows in enumerate(neurons or ()):
             assert self.neurons is not None  # allocated for the same points
-            copies.copy(self.neurons[i, lo : lo + count], rows)
+            copies.copy(self.neurons[i][lo : lo + count], rows)
         if scores is not None:
             assert self.scores is not None  # allocated with probes
             copies.copy(self.scores[lo : lo + count], scores)

@@ -17,10 +17,12 @@ from torch import nn
 
 from vllm_hidden_states.layers import (
     FUSED_RESIDUAL_LAYOUTS,
+    HEADS_OUT_NAMES,
     LayerClass,
     class_name,
     layer_class,
 )
+from vllm_hidden_states.points import Z_KIND
 
 # Names a decoder layer's forward uses for its input stream, most common
 # first; failing these, the first positional argument that is not a position.
@@ -320,6 +322,25 @@ def neuron_module(layer: nn.Module, point: str) -> nn.Module:
     if getattr(layer, "block_sparse_moe", None) is not None:
         raise LookupError(f"{point}: routed experts in {type(layer).__name__}: untested")
     return _path(layer, known.neurons, point)
+
+
+def heads_out_module(layer: nn.Module, point: str) -> nn.Module:
+    """The attention's output projection of ``layer``: its input, ``[tokens,
+    heads * head_dim]`` (the heads' outputs side by side), is ``attn_z``.
+    The first of :data:`~vllm_hidden_states.layers.HEADS_OUT_NAMES` inside
+    the layer's mixer, where the mixer is vLLM's attention."""
+    known = layer_layout(layer, point)
+    if not known.attention or (known.kinds is not None and Z_KIND not in known.kinds):
+        raise LookupError(f"{point}: {type(layer).__name__} has no heads' outputs to read")
+    mixer = child_module(layer, known.mixer, point)
+    for name in HEADS_OUT_NAMES:
+        module = getattr(mixer, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    raise LookupError(
+        f"{point}: {type(mixer).__name__} ({type(layer).__name__}.{known.mixer}) has none of "
+        f"{list(HEADS_OUT_NAMES)}, the attention output projections known"
+    )
 
 
 def attention_module(layer: nn.Module, point: str) -> nn.Module:

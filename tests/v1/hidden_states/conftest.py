@@ -113,6 +113,33 @@ def single_block_point(layer) -> str | None:
     return "mlp_out" if block == "mlp" else "attn_out"
 
 
+def heads_output_projection_of(layer):
+    """The output projection of an HF decoder layer's attention, whose input
+    is the heads' outputs side by side (``attn_z``): Llama-likes'
+    ``self_attn.o_proj``, GPT-2's ``attn.c_proj``, LFM2's and GPT-J's
+    ``out_proj``, Falcon's and Bloom's ``self_attention.dense``; Nemotron-H's
+    attention block's ``mixer.o_proj``. None for a layer without attention
+    (a Mamba2 mixer, a linear attention, a short convolution)."""
+    if getattr(layer, "block_type", None) is not None and hasattr(layer, "mixer"):
+        # HF 5 names Nemotron-H's attention block "full_attention" (its
+        # Mamba2 block "linear_attention").
+        full = layer.block_type in ("attention", "full_attention")
+        attention = layer.mixer if full else None
+    else:
+        attention = next(
+            (
+                getattr(layer, name)
+                for name in ("self_attn", "attn", "self_attention")
+                if getattr(layer, name, None) is not None
+            ),
+            None,
+        )
+    for name in ("o_proj", "out_proj", "c_proj", "dense"):
+        if attention is not None and getattr(attention, name, None) is not None:
+            return getattr(attention, name)
+    return None
+
+
 def _block_output(block, projections: tuple[str, ...]):
     """The module whose output is ``block``'s contribution to the stream:
     ``block`` itself, or its output projection where ``block`` takes the
@@ -129,6 +156,9 @@ def point_sites(layer) -> dict[str, tuple]:
     multiplier on the blocks' outputs). resid_pre is the layer's input.
     Written from HF's own modeling code, independently of the package."""
     sites: dict[str, tuple] = {"resid_pre": (layer, "in", 1.0), "resid_post": (layer, "out", 1.0)}
+    heads_out = heads_output_projection_of(layer)
+    if heads_out is not None:  # the heads' outputs, entering the output projection
+        sites["attn_z"] = (heads_out, "in", 1.0)
     single = single_block_point(layer)
     if single is not None:  # Nemotron-H: norm, mixer, add
         sites[single] = (layer.mixer, "out", 1.0)
@@ -213,7 +243,8 @@ class HFReference:
         Granite's residual multiplier), ``resid_mid`` as the input of the
         module that reads it (the pre-MLP norm; OLMo 2: the MLP),
         ``resid_post`` as the layer's output, ``mlp_post`` as the input of
-        a dense MLP's down projection, ``resid_pre`` from
+        a dense MLP's down projection, ``attn_z`` as the input of the
+        attention's output projection, ``resid_pre`` from
         ``output_hidden_states``."""
         found: dict[str, torch.Tensor] = {}
         handles = []

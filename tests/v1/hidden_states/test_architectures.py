@@ -227,14 +227,14 @@ MISFIT_POINTS = [
         "nemotron_h",
         "resid_mid.1",
         "NemotronHAttentionDecoderLayer",
-        "resid_pre, attn_out, resid_post, attn_pattern",
+        "resid_pre, attn_out, resid_post, attn_pattern, attn_z",
     ),
     # Falcon-H1: attention and Mamba2 side by side: no one block's attn_out.
     (
         "falcon_h1",
         "attn_out.1",
         "FalconH1ParallelHybrid",
-        "resid_pre, resid_mid, mlp_out, resid_post, attn_pattern, mlp_post",
+        "resid_pre, resid_mid, mlp_out, resid_post, attn_pattern, mlp_post, attn_z",
     ),
 ]
 
@@ -258,6 +258,30 @@ def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
         llm.generate([PROMPT], capture, use_tqdm=False)
     steer = steered(hf, [{"point": point, "vector": random_vector(hf, 0)}])
     with pytest.raises(VLLMValidationError, match=why):
+        llm.generate([PROMPT], steer, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid"], indirect=True, scope="module")
+def test_attn_z_at_a_mamba_layer_is_refused_per_request_and_never_steered(arch):
+    """The heads' outputs (attn_z) exist only where the mixer is attention:
+    at a Mamba2 layer the request is refused naming the layer class, its
+    points and the layers with attn_z; steering at attn_z is refused at an
+    attention layer too (a capture point only)."""
+    llm, hf = engine_for(arch)
+    model = layers_of(hf)
+    attention = [i for i in range(hf.num_layers) if "attn_z" in model.kinds_at(i)]
+    mamba = next(i for i in range(hf.num_layers) if i not in attention)
+    capture = SamplingParams(
+        max_tokens=1, return_hidden_states=True, hidden_states_points=[f"attn_z.{mamba}"]
+    )
+    why = (
+        rf"attn_z.{mamba}: decoder layer {mamba} \(GraniteMoeHybridMambaDecoderLayer\).*"
+        rf"its points: .*layers with attn_z: \[{', '.join(map(str, attention))}\]"
+    )
+    with pytest.raises(VLLMValidationError, match=why):
+        llm.generate([PROMPT], capture, use_tqdm=False)
+    steer = steered(hf, [{"point": f"attn_z.{attention[0]}", "vector": random_vector(hf, 0)}])
+    with pytest.raises(VLLMValidationError, match="attn_z cannot be steered"):
         llm.generate([PROMPT], steer, use_tqdm=False)
 
 

@@ -50,6 +50,9 @@ GDN_ATTN_TOL = 5e-2
 ROUTE_TIE = 3e-2  # of the row's largest router logit
 MAX_TIES = 0.35  # of a layer's rows
 KINDS = ("attn_out", "resid_mid", "mlp_out", "resid_post")
+# Points of their own width: MLP neurons, and the heads' outputs (attention
+# layers only; Qwen3-Next's gated attention: the gated output entering o_proj).
+WIDE = ("mlp_post", "attn_z")
 
 
 def assert_bf16_close(actual, reference, what, rows=None, tol=BF16_TOL):
@@ -95,7 +98,7 @@ def every_row_point(hf: HFReference) -> list[str]:
     return [
         f"{kind}.{i}"
         for i in range(hf.num_layers)
-        for kind in ("resid_pre",) + KINDS + ("mlp_post",)
+        for kind in ("resid_pre",) + KINDS + WIDE
         if kind in model.kinds_at(i)
     ]
 
@@ -126,7 +129,7 @@ def assert_layers_match_hf(out, hf, arch, interventions=()):
         if i in margins:  # an MoE layer: rows where routing may part
             ties = margins[i] < ROUTE_TIE
             assert float(ties.float().mean()) <= MAX_TIES, (arch, i, int(ties.sum()))
-        for kind in KINDS + ("mlp_post",):
+        for kind in KINDS + WIDE:
             if kind not in model.kinds_at(i):
                 continue
             name = f"{kind}.{i}"

@@ -142,11 +142,14 @@ def test_pipeline_parallel_with_speculative_decoding_is_refused_at_start(qwen3_d
 
 
 @pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
-@pytest.mark.parametrize("points", ["attn_pattern", "mlp_post.1", "all"])
+@pytest.mark.parametrize("points", ["attn_pattern", "mlp_post.1", "attn_z.1", "all"])
 def test_sharded_points_are_refused_at_start_with_tp_or_pp(qwen3_dir, parallel, points):
-    """Each rank holds only its heads / neurons / layers: attention patterns and
-    MLP neurons are refused, naming the kinds that work instead."""
-    with pytest.raises(ValueError, match=r"attention patterns and MLP neurons") as e:
+    """Each rank holds only its heads / neurons / layers: attention patterns,
+    MLP neurons and heads' outputs are refused, naming the kinds that work
+    instead."""
+    with pytest.raises(
+        ValueError, match=r"attention patterns, MLP neurons and heads' outputs"
+    ) as e:
         _config(qwen3_dir, hidden_states_points=points, **{parallel: 2})
     assert ROW_POINTS in str(e.value)
 

@@ -24,7 +24,7 @@ from .test_patterns import hf_patterns
 from .test_server import assert_error, decode_rows
 
 MODEL = "tiny-gemma2"
-POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1,mlp_post.0"
+POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1,mlp_post.0,attn_z.1"
 PROMPT = "Once upon a time there was a small robot who loved to count"
 
 
@@ -428,6 +428,32 @@ def test_streamed_mlp_neurons_concatenate_to_every_position(http, hf):
     assert_close(rows[0], hf.points(ids)["mlp_post.0"], "streamed mlp_post.0")
 
 
+def test_heads_outputs_come_as_their_own_object_beside_the_neurons(http, hf):
+    """attn_z (Gemma 2: heads * head_dim, not hidden_size) and mlp_post in
+    one request: a head_outputs object beside neurons, each its own width,
+    exact against the input of HF's o_proj; base64 round-trips."""
+    r = http.post(
+        "/v1/completions",
+        json=body(
+            hidden_states_layers=[-1],
+            hidden_states_points=["blocks.1.attn.hook_z", "mlp_post.0"],
+            hidden_states_positions="all",
+            hidden_states_format="base64",
+        ),
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    config = hf.model.config
+    heads = choice["head_outputs"]
+    assert heads["points"] == ["blocks.1.attn.hook_z"]
+    assert heads["shape"] == [1, len(ids), config.num_attention_heads * config.head_dim]
+    assert choice["neurons"]["shape"] == [1, len(ids), config.intermediate_size]
+    reference = hf.points(ids)
+    assert_close(decode_rows(heads)[0], reference["attn_z.1"], "attn_z.1")
+    assert_close(decode_rows(choice["neurons"])[0], reference["mlp_post.0"], "mlp_post.0")
+
+
 def test_hidden_states_route_answers_mlp_neurons_of_every_prompt_position(http, hf):
     r = http.post(
         "/v1/hidden_states", json={"model": MODEL, "input": PROMPT, "point": "mlp_post.0"}
@@ -439,3 +465,14 @@ def test_hidden_states_route_answers_mlp_neurons_of_every_prompt_position(http, 
     assert obj["shape"] == [len(ids), hf.model.config.intermediate_size]
     rows = decode_rows({**obj, "data": obj["hidden_states"], "encoding_format": "float"})
     assert_close(rows, hf.points(ids)["mlp_post.0"], "mlp_post.0")
+
+
+def test_hidden_states_route_answers_heads_outputs_of_every_prompt_position(http, hf):
+    r = http.post("/v1/hidden_states", json={"model": MODEL, "input": PROMPT, "point": "attn_z.1"})
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    ids = hf_ids(http, PROMPT)
+    config = hf.model.config
+    assert obj["shape"] == [len(ids), config.num_attention_heads * config.head_dim]
+    rows = decode_rows({**obj, "data": obj["hidden_states"], "encoding_format": "float"})
+    assert_close(rows, hf.points(ids)["attn_z.1"], "attn_z.1")

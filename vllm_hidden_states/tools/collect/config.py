@@ -72,13 +72,14 @@ class CollectConfig:
             )
         if not self.layers and not self.points:
             raise ValueError("name at least one layer (--layers) or point (--points)")
-        from vllm_hidden_states.points import is_neuron_address, is_pattern_address
+        from vllm_hidden_states.points import is_pattern_address, is_wide_address
 
-        other = [p for p in self.points if is_neuron_address(p) or is_pattern_address(p)]
+        other = [p for p in self.points if is_wide_address(p) or is_pattern_address(p)]
         if other:
             raise ValueError(
                 f"--points {other}: collect stores rows of the model's hidden size; "
-                "mlp_post (intermediate_size wide) and attention patterns are served "
+                "mlp_post (intermediate_size wide), attn_z (heads * head_dim wide) and "
+                "attention patterns are served "
                 "on the completion routes and the Python API, not by collect yet"
             )
         for name in ("batch_size", "max_length", "max_tokens", "concurrency"):
