@@ -518,6 +518,18 @@ def in_process_engine():
         envs.disable_envs_cache()
 
 
+def llm_in_process(**kwargs):
+    """``LLM(**kwargs)`` built inside this process (:func:`in_process_engine`):
+    no EngineCore process to spawn (tens of seconds on 2 cores). Shut it down
+    with :func:`shut_down_in_process`. Engines whose states must cross ZMQ
+    (``llm_compiled``, the probes' engines, every server) keep their own
+    process."""
+    from vllm import LLM
+
+    with in_process_engine():
+        return LLM(**kwargs)
+
+
 def shut_down_in_process(engine) -> None:
     """Shut an in-process engine down; the groups its shutdown tears down are
     made again for the in-process engines still alive (:func:`world_of_one`)."""
@@ -633,9 +645,8 @@ def llm_small_kv(qwen3_dir):
     """An engine whose KV cache holds fewer tokens than its concurrent
     requests need, so the scheduler preempts and recomputes (steering on:
     the recompute replays it; a point of each kind capturable)."""
-    from vllm import LLM
 
-    engine = LLM(
+    engine = llm_in_process(
         model=str(qwen3_dir),
         enable_hidden_states=True,
         hidden_states_points="attn_out.1,mlp_post.2,attn_pattern.3",
@@ -648,7 +659,7 @@ def llm_small_kv(qwen3_dir):
         **dict(COMMON_ENGINE_ARGS, max_num_seqs=4),
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 def num_preemptions(llm) -> float:

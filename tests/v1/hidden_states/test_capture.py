@@ -17,7 +17,9 @@ from .conftest import (
     LLM_MAX_ROWS,
     HFReference,
     assert_close,
+    llm_in_process,
     model_of,
+    shut_down_in_process,
     token_ids_of,
 )
 
@@ -92,26 +94,25 @@ def test_all_capture_longer_than_the_buffers_is_split_over_steps(engine_core, hf
     assert_close(eco.captured.hidden[1], ref[final], "layer L")
 
 
-def test_engine_without_the_flag_installs_no_capture_points(qwen3_dir, monkeypatch):
-    from vllm import LLM
-
-    # The engine runs in its own process (a second in-process engine would tear
-    # down the process-wide distributed state of the shared one on shutdown);
-    # apply_model ships the check to its worker, which needs pickled functions.
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    plain = LLM(model=str(qwen3_dir), enforce_eager=True, max_model_len=256, **COMMON_ENGINE_ARGS)
+def test_engine_without_the_flag_installs_no_capture_points(qwen3_dir):
+    plain = llm_in_process(
+        model=str(qwen3_dir), enforce_eager=True, max_model_len=256, **COMMON_ENGINE_ARGS
+    )
     try:
         assert plain.apply_model(has_capture_points) == [False]
         (out,) = plain.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)
         assert out.outputs[0].hidden_states is None
     finally:
-        plain.llm_engine.engine_core.shutdown()
+        shut_down_in_process(plain)
 
 
 @pytest.fixture(scope="module")
 def llm_ngram(qwen3_dir):
     """n-gram speculative decoding next to hidden states, every point
-    capturable (EngineCore in its own process)."""
+    capturable. Its EngineCore runs in its own process: vLLM's n-gram
+    proposer imports numba, whose llvmlite objects break vLLM's kernel
+    rebinding scan (``_rebind_kernels``) for every engine built in-process
+    after it."""
     from vllm import LLM
 
     if ENGINE_MODE.startswith("v2"):

@@ -11,7 +11,7 @@ The engine's KV cache holds 8 blocks of 128 tokens (vLLM sizes a hybrid's
 attention blocks to the Mamba state's page), too few for 4 requests that
 cross their 128th token together: vLLM preempts some of them. (Seen: 2
 preemptions, and the resumed requests prefilled from scratch, with no prefix
-cache hit.) One engine, its EngineCore in its own process.
+cache hit.) One engine, in this process.
 
 Then data parallel 2 (``vllm serve --data-parallel-size 2``): concurrent
 requests spread over both engines, each keeping its requests' Mamba state;
@@ -20,7 +20,7 @@ every state exact, and nothing held afterwards on either engine.
 
 import pytest
 
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm_hidden_states.tools.tiny_models import build_tiny_model
 
 from .conftest import (
@@ -28,7 +28,9 @@ from .conftest import (
     MODELS,
     HFReference,
     assert_close,
+    llm_in_process,
     num_preemptions,
+    shut_down_in_process,
     token_ids_of,
 )
 from .server_utils import post_concurrently, test_server_process
@@ -49,10 +51,7 @@ def hf_hybrid() -> HFReference:
 @pytest.fixture(scope="module")
 def llm_hybrid_small_kv(hf_hybrid):
     model_dir = build_tiny_model(MODELS / f"tiny-{ARCH}", arch=ARCH)
-    # EngineCore in its own process (vLLM's default): shutting an in-process
-    # engine down would tear down the process-wide distributed state that
-    # the session's in-process engine (conftest ``llm``) runs on.
-    engine = LLM(
+    engine = llm_in_process(
         model=str(model_dir),
         enable_hidden_states=True,
         enforce_eager=True,
@@ -62,7 +61,7 @@ def llm_hybrid_small_kv(hf_hybrid):
         **dict(COMMON_ENGINE_ARGS, max_num_seqs=4),
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 @pytest.mark.parametrize("positions", ["all", "last"])

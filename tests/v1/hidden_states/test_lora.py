@@ -16,7 +16,14 @@ from safetensors.torch import save_file
 
 from vllm import SamplingParams
 
-from .conftest import COMMON_ENGINE_ARGS, HFReference, assert_close, token_ids_of
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    HFReference,
+    assert_close,
+    llm_in_process,
+    shut_down_in_process,
+    token_ids_of,
+)
 
 RANK, ALPHA = 4, 8
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
@@ -66,9 +73,7 @@ def adapter(qwen3_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm_lora(qwen3_dir):
-    from vllm import LLM
-
-    engine = LLM(
+    engine = llm_in_process(
         model=str(qwen3_dir),
         enable_hidden_states=True,
         hidden_states_points="attn_out,mlp_out",
@@ -80,7 +85,7 @@ def llm_lora(qwen3_dir):
         **COMMON_ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 def params(positions: str) -> SamplingParams:

@@ -3,7 +3,7 @@
 heads, ``[heads, queries, keys]``, exact against HF transformers' eager
 attention (``output_attentions=True``) on the token ids vLLM reports.
 
-One engine per architecture with vLLM's own attention (all of the matrix but
+One engine per architecture (in this process) with vLLM's own attention (all of the matrix but
 OLMo 2), every layer's pattern capturable, 24-row capture buffers so that
 longer sequences are computed over several steps (the keys of earlier chunks
 are kept on the device). The tiny models have grouped query heads (2 query
@@ -22,7 +22,15 @@ from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.points import MAX_PATTERN_POSITIONS
 from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, build_tiny_model
 
-from .conftest import COMMON_ENGINE_ARGS, MODELS, HFReference, assert_close, token_ids_of
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    MODELS,
+    HFReference,
+    assert_close,
+    in_process_engine,
+    shut_down_in_process,
+    token_ids_of,
+)
 
 PROMPT = "Once upon a time there was a small robot who loved to count"
 # Every architecture of the first matrix with vLLM's own attention module in every
@@ -39,18 +47,19 @@ def engine(request):
     model_dir = build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
     hf = HFReference(model_dir)
     hf.model.set_attn_implementation("eager")  # the textbook weights, soft-capping included
-    llm = LLM(
-        model=str(model_dir),
-        enable_hidden_states=True,
-        hidden_states_layers="-1",
-        hidden_states_points="attn_pattern,attn_out.1",
-        hidden_states_max_rows=24,
-        enforce_eager=True,
-        max_model_len=512,
-        **COMMON_ENGINE_ARGS,
-    )
+    with in_process_engine():  # no EngineCore process to start per family
+        llm = LLM(
+            model=str(model_dir),
+            enable_hidden_states=True,
+            hidden_states_layers="-1",
+            hidden_states_points="attn_pattern,attn_out.1",
+            hidden_states_max_rows=24,
+            enforce_eager=True,
+            max_model_len=512,
+            **COMMON_ENGINE_ARGS,
+        )
     yield arch, llm, hf
-    llm.llm_engine.engine_core.shutdown()
+    shut_down_in_process(llm)
     del llm
     gc.collect()
 

@@ -8,8 +8,8 @@ values) pair is compared with the float64 numpy reference encoder applied to
 HF transformers' hidden states at that layer, on the token ids vLLM reports:
 same ids (up to near-ties), values within 1e-3 relative.
 
-* Python: one multiprocess engine (features cross ZMQ as int32/float32
-  tensors) with a ``standard`` SAE on an inner layer: "last", "prompt",
+* Python: one engine in this process (the servers below carry the features
+  over ZMQ as int32/float32 tensors) with a ``standard`` SAE on an inner layer: "last", "prompt",
   "all" (streamed per output and not), features only or with full states,
   and the validation errors.
 * HTTP: one ``vllm serve`` with a ``jumprelu`` SAE on the final layer and an
@@ -33,7 +33,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 from vllm_hidden_states.sae import encode_topk_numpy, random_sae, save_sae
 
-from .conftest import COMMON_ENGINE_ARGS, token_ids_of
+from .conftest import COMMON_ENGINE_ARGS, llm_in_process, shut_down_in_process, token_ids_of
 from .server_utils import sse_events, test_server_process, wait_until
 
 D_SAE = 64
@@ -97,15 +97,13 @@ class Reference:
 
 @pytest.fixture(scope="module", params=["attn_out", "mlp_out"])
 def point_sae(request, tmp_path_factory, qwen3_dir, hf_qwen3):
-    from vllm import LLM
-
     kind = request.param
     path, weights, cfg = write_random_sae(
         tmp_path_factory.mktemp("sae") / f"{kind}-1",
         hf_qwen3.hidden_size,
         f"blocks.1.hook_{kind}",
     )
-    engine = LLM(
+    engine = llm_in_process(
         model=str(qwen3_dir),
         sae=str(path),
         enforce_eager=True,
@@ -113,7 +111,7 @@ def point_sae(request, tmp_path_factory, qwen3_dir, hf_qwen3):
         **COMMON_ENGINE_ARGS,
     )
     yield kind, engine, Reference(hf_qwen3, f"{kind}.1", weights, cfg)
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 @pytest.mark.parametrize("positions", ["last", "all"])
@@ -155,9 +153,7 @@ def sae_std(tmp_path_factory, hf_qwen3):
 
 @pytest.fixture(scope="module")
 def sae_llm(qwen3_dir, sae_std):
-    from vllm import LLM
-
-    engine = LLM(
+    engine = llm_in_process(
         model=str(qwen3_dir),
         sae=str(sae_std[0]),
         enforce_eager=True,
@@ -166,7 +162,7 @@ def sae_llm(qwen3_dir, sae_std):
         **COMMON_ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 def run(llm, params, prompts=(PROMPT,)):

@@ -20,7 +20,9 @@ from .conftest import (
     COMMON_ENGINE_ARGS,
     STEERING_VECTOR,
     assert_close,
+    llm_in_process,
     num_preemptions,
+    shut_down_in_process,
     token_ids_of,
 )
 
@@ -372,7 +374,6 @@ def test_preempted_patched_requests_are_recomputed_patched(llm_small_kv, hf_qwen
 def sae_steering(request, tmp_path_factory, qwen3_dir, hf_qwen3):
     """An engine with an SAE at ``blocks.1.hook_resid_post`` (resid_pre.2)
     and steering; yields ``(engine, SAE weights as torch tensors)``."""
-    from vllm import LLM
     from vllm_hidden_states.sae import random_sae, save_sae
 
     weights, cfg = random_sae(
@@ -380,7 +381,7 @@ def sae_steering(request, tmp_path_factory, qwen3_dir, hf_qwen3):
     )
     path = tmp_path_factory.mktemp("sae") / request.param
     save_sae(path, weights, cfg)
-    engine = LLM(
+    engine = llm_in_process(
         model=str(qwen3_dir),
         sae=str(path),
         enable_steering=True,
@@ -389,7 +390,7 @@ def sae_steering(request, tmp_path_factory, qwen3_dir, hf_qwen3):
         **COMMON_ENGINE_ARGS,
     )
     yield engine, {k: torch.as_tensor(v) for k, v in weights.items()}
-    engine.llm_engine.engine_core.shutdown()
+    shut_down_in_process(engine)
 
 
 def test_clamp_sae_feature_matches_hf_hooks(sae_steering, hf_qwen3):

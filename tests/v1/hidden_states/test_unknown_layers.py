@@ -23,6 +23,8 @@ from .conftest import (
     HFReference,
     assert_close,
     assert_prompt_logprobs_match,
+    llm_in_process,
+    shut_down_in_process,
     token_ids_of,
 )
 
@@ -37,12 +39,11 @@ def opt_dir():
 
 @pytest.fixture(scope="module")
 def opt(opt_dir):
-    # EngineCore in its own process: shutting an in-process engine down would
-    # tear down the process-wide distributed state that the session's
-    # in-process engine (conftest ``llm``) runs on, in this test process.
-    llm = LLM(model=str(opt_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
+    llm = llm_in_process(
+        model=str(opt_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS
+    )
     yield llm, HFReference(opt_dir)
-    llm.llm_engine.engine_core.shutdown()
+    shut_down_in_process(llm)
 
 
 def test_an_engine_asked_for_a_layer_it_cannot_read_refuses_at_start(opt_dir):
