@@ -135,6 +135,17 @@ LAYER_CLASSES: dict[str, LayerClass] = {
     ),
 }
 
+# Attention and MLP side by side on one norm (Cohere, GPT-J): no resid_mid.
+_SIDE_BY_SIDE_KINDS = (
+    "resid_pre",
+    "attn_out",
+    "mlp_out",
+    "resid_post",
+    "attn_pattern",
+    "mlp_post",
+    "attn_z",
+)
+
 # The frontier families (issue 48); MoE blocks' mlp_out is the whole block's
 # output (routed experts, plus shared experts where the family has them),
 # the one tensor the layer adds to the stream; they have no mlp_post.
@@ -200,15 +211,7 @@ LAYER_CLASSES.update(
         _V + "commandr.CohereDecoderLayer": LayerClass(
             "parallel",
             ("cohere2",),
-            kinds=(
-                "resid_pre",
-                "attn_out",
-                "mlp_out",
-                "resid_post",
-                "attn_pattern",
-                "mlp_post",
-                "attn_z",
-            ),
+            kinds=_SIDE_BY_SIDE_KINDS,
             lacks="runs attention and the MLP side by side on one norm's output, so the "
             "stream has no point between them",
         ),
@@ -463,15 +466,7 @@ LAYER_CLASSES.update(
             ("gpt_j",),
             mixer="attn",
             neurons="mlp.fc_out",
-            kinds=(
-                "resid_pre",
-                "attn_out",
-                "mlp_out",
-                "resid_post",
-                "attn_pattern",
-                "mlp_post",
-                "attn_z",
-            ),
+            kinds=_SIDE_BY_SIDE_KINDS,
             lacks=_SIDE_BY_SIDE,
         ),
         # Nemotron (Minitron): vLLM's fused residual, LayerNorm1P.
