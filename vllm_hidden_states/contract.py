@@ -144,6 +144,9 @@ class HiddenStatesSpec(
     # the final one (a "last" request on a server with monitors, which watch
     # every generated position); "none" nothing (only monitors asked).
     returns: str = ""
+    # The query heads of the attn_z rows in ``neurons`` (0: none asked): each
+    # is returned ``[positions, z_heads, head_dim]``, TransformerLens' hook_z.
+    z_heads: int = 0
 
 
 class CapturedRows(

@@ -326,8 +326,9 @@ def test_choice_rows_take_gives_neurons_their_own_object():
 
 
 def test_heads_outputs_and_neurons_come_as_two_objects_of_their_own_widths():
-    """attn_z rows (heads * head_dim wide) are not stacked with mlp_post's
-    (intermediate_size wide): a head_outputs object beside neurons."""
+    """attn_z rows (``[positions, heads, head_dim]``) are not stacked with
+    mlp_post's (intermediate_size wide): a head_outputs object beside
+    neurons, with its heads axis."""
     from vllm_hidden_states.server.openai_response import ChoiceRows
 
     points = ("attn_z.0", "mlp_post.1", "blocks.1.attn.hook_z")
@@ -335,9 +336,9 @@ def test_heads_outputs_and_neurons_come_as_two_objects_of_their_own_widths():
     rows = ChoiceRows()
     rows.pending = [
         {
-            "attn_z.0": torch.ones(2, 6),
+            "attn_z.0": torch.ones(2, 3, 2),
             "mlp_post.1": torch.zeros(2, 16),
-            "blocks.1.attn.hook_z": torch.full((2, 6), 2.0),
+            "blocks.1.attn.hook_z": torch.full((2, 3, 2), 2.0),
         }
     ]
     _, objects = rows.take(ask)
@@ -345,7 +346,7 @@ def test_heads_outputs_and_neurons_come_as_two_objects_of_their_own_widths():
     assert objects["neurons"]["points"] == ["mlp_post.1"]
     assert objects["neurons"]["shape"] == [1, 16]
     heads = objects["head_outputs"]
-    assert heads["points"] == ["attn_z.0", "blocks.1.attn.hook_z"] and heads["shape"] == [2, 6]
+    assert heads["points"] == ["attn_z.0", "blocks.1.attn.hook_z"] and heads["shape"] == [2, 3, 2]
 
 
 def test_price_positions_counts_prompt_plus_max_tokens_per_choice():
@@ -393,3 +394,16 @@ def test_sae_features_count_toward_the_response_cap_and_are_named():
     check_response(
         limits, 1, positions - 1, 0, 128, "float", "max_tokens", "advice", sae_top_k=top_k
     )
+
+
+def test_the_store_keeps_heads_outputs_flat_under_canonical_addresses():
+    """The activation store's rows are ``[positions, width]``: attn_z's
+    ``[positions, heads, head_dim]`` goes in as ``[positions, heads *
+    head_dim]``, head h at columns h * head_dim on."""
+    from vllm_hidden_states.store.choice_writer import _canonical
+
+    z = torch.arange(24.0).reshape(2, 3, 4)
+    stored = _canonical({-1: torch.ones(2, 8), "blocks.1.attn.hook_z": z}, num_layers=4)
+    assert list(stored) == [-1, "attn_z.1"]
+    assert stored["attn_z.1"].shape == (2, 12)
+    assert torch.equal(stored["attn_z.1"][:, 4:8], z[:, 1])

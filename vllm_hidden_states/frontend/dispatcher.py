@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
 from vllm_hidden_states.contract import OpResults, ProbeFiring
 from vllm_hidden_states.frontend.firings import record_firings
+from vllm_hidden_states.points import is_z_address
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
@@ -119,6 +120,12 @@ class HiddenStatesTracker:
             rows.neurons is None or len(rows.neurons) != len(self.spec.neuron_ids)
         ):
             return "no MLP neurons or heads' outputs"
+        if self.spec.z_heads and any(
+            t.shape[-1] % self.spec.z_heads
+            for a, t in zip(self.spec.neurons, rows.neurons or ())
+            if is_z_address(a)
+        ):
+            return f"heads' outputs not a whole number of {self.spec.z_heads} heads wide"
         if self.spec.sae_top_k and rows.sae_ids is None:
             return "no SAE features"
         if self.spec.probes and rows.probe_scores is None:
@@ -234,9 +241,13 @@ class HiddenStatesTracker:
             }
         states = self._keyed(rows.hidden) if self.spec.abs_layers else None
         if self.spec.neurons and rows.neurons is not None:
-            # {address: [positions, width]} (mlp_post: intermediate_size;
-            # attn_z: heads * head_dim), after the rows' keys.
-            states = {**(states or {}), **dict(zip(self.spec.neurons, rows.neurons))}
+            # {address: rows} after the rows' keys: mlp_post [positions,
+            # intermediate_size]; attn_z [positions, heads, head_dim].
+            wide: dict[int | str, torch.Tensor] = {
+                a: t.unflatten(-1, (self.spec.z_heads, -1)) if is_z_address(a) else t
+                for a, t in zip(self.spec.neurons, rows.neurons)
+            }
+            states = {**(states or {}), **wide}
         if self.spec.patterns and rows.patterns is not None:
             # {address: [heads, queries, keys]}, beside the rows' keys.
             states = {**(states or {}), **dict(zip(self.spec.patterns, rows.patterns))}

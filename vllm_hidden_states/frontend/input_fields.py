@@ -20,7 +20,13 @@ from vllm_hidden_states.hidden_states_config import (
     num_hidden_layers,
 )
 from vllm_hidden_states.layers import deepstack_layers, multimodal_prompt_problem
-from vllm_hidden_states.points import MAX_PATTERN_POSITIONS, Window, parse_point, window_of
+from vllm_hidden_states.points import (
+    MAX_PATTERN_POSITIONS,
+    Window,
+    is_z_address,
+    parse_point,
+    window_of,
+)
 from vllm_hidden_states.request_fields import (
     AskedStates,
     FieldError,
@@ -107,6 +113,7 @@ def resolve_request(
         probe_actions=list(asked.probe_actions),
         probes_returned=asked.probes_returned,
         returns=asked.returns,
+        z_heads=_z_heads(vllm_config) if any(map(is_z_address, asked.neurons)) else 0,
     )
     if asked.probe_actions:
         _check_probe_actions(vllm_config, spec)
@@ -263,3 +270,9 @@ def resolve_steering(
         raise VLLMValidationError(problem, parameter="steering")
     params.steering = wire
     return salted(cache_salt, wire)
+
+
+def _z_heads(vllm_config: "VllmConfig") -> int:
+    """The query heads of the model's attention output projections' input
+    (attn_z): its rows are returned ``[positions, heads, head_dim]``."""
+    return int(vllm_config.model_config.hf_text_config.num_attention_heads)

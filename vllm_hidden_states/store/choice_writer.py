@@ -201,11 +201,13 @@ def _joined(chunks: list[dict[int | str, Any]], keys: tuple) -> dict[int | str, 
 
 
 def _canonical(states: dict[int | str, Any], num_layers: int) -> dict[int | str, Any]:
-    """Point addresses as ``"kind.i"`` with ``i`` absolute, for the store."""
+    """Point addresses as ``"kind.i"`` with ``i`` absolute, for the store,
+    whose rows are flat: attn_z's ``[positions, heads, head_dim]`` is stored
+    ``[positions, heads * head_dim]`` (head h at columns h * head_dim on)."""
     out: dict[int | str, Any] = {}
     for key, rows in states.items():
         if isinstance(key, str):
             kind, layer = parse_point(key, num_layers)
             key = f"{kind}.{layer}"
-        out[key] = rows
+        out[key] = rows.flatten(1) if rows.ndim > 2 else rows
     return out

@@ -227,6 +227,7 @@ class HFReference:
         text_config = self.model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.hidden_size = text_config.hidden_size
+        self.num_heads = text_config.num_attention_heads
 
     @torch.inference_mode()
     def states(self, token_ids: list[int], mm: dict | None = None) -> tuple[torch.Tensor, ...]:
@@ -244,8 +245,8 @@ class HFReference:
         module that reads it (the pre-MLP norm; OLMo 2: the MLP),
         ``resid_post`` as the layer's output, ``mlp_post`` as the input of
         a dense MLP's down projection, ``attn_z`` as the input of the
-        attention's output projection, ``resid_pre`` from
-        ``output_hidden_states``."""
+        attention's output projection (``[len(token_ids), heads,
+        head_dim]``), ``resid_pre`` from ``output_hidden_states``."""
         found: dict[str, torch.Tensor] = {}
         handles = []
 
@@ -260,7 +261,10 @@ class HFReference:
 
         def input_of(name: str, module) -> None:
             def hook(module, args, kwargs, name=name):
-                found[name] = (args[0] if args else kwargs["hidden_states"])[0].clone()
+                rows = (args[0] if args else kwargs["hidden_states"])[0].clone()
+                if name.startswith("attn_z."):  # heads side by side
+                    rows = rows.unflatten(-1, (self.num_heads, -1))
+                found[name] = rows
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 

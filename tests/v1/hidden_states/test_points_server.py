@@ -430,8 +430,9 @@ def test_streamed_mlp_neurons_concatenate_to_every_position(http, hf):
 
 def test_heads_outputs_come_as_their_own_object_beside_the_neurons(http, hf):
     """attn_z (Gemma 2: heads * head_dim, not hidden_size) and mlp_post in
-    one request: a head_outputs object beside neurons, each its own width,
-    exact against the input of HF's o_proj; base64 round-trips."""
+    one request: a head_outputs object ``[points, positions, heads,
+    head_dim]`` beside neurons, exact against the input of HF's o_proj;
+    base64 round-trips."""
     r = http.post(
         "/v1/completions",
         json=body(
@@ -447,7 +448,7 @@ def test_heads_outputs_come_as_their_own_object_beside_the_neurons(http, hf):
     config = hf.model.config
     heads = choice["head_outputs"]
     assert heads["points"] == ["blocks.1.attn.hook_z"]
-    assert heads["shape"] == [1, len(ids), config.num_attention_heads * config.head_dim]
+    assert heads["shape"] == [1, len(ids), config.num_attention_heads, config.head_dim]
     assert choice["neurons"]["shape"] == [1, len(ids), config.intermediate_size]
     reference = hf.points(ids)
     assert_close(decode_rows(heads)[0], reference["attn_z.1"], "attn_z.1")
@@ -473,6 +474,6 @@ def test_hidden_states_route_answers_heads_outputs_of_every_prompt_position(http
     obj = r.json()
     ids = hf_ids(http, PROMPT)
     config = hf.model.config
-    assert obj["shape"] == [len(ids), config.num_attention_heads * config.head_dim]
+    assert obj["shape"] == [len(ids), config.num_attention_heads, config.head_dim]
     rows = decode_rows({**obj, "data": obj["hidden_states"], "encoding_format": "float"})
     assert_close(rows, hf.points(ids)["attn_z.1"], "attn_z.1")
