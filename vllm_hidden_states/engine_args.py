@@ -629,6 +629,7 @@ def _add_server_limit_args(group) -> None:
         DEFAULT_MAX_MESSAGES,
         DEFAULT_MAX_OBJECT_KEYS,
         DEFAULT_MAX_RESPONSE_MB,
+        DEFAULT_MAX_SWEEP_CELLS,
         DEPTH_FLAG,
         INPUT_ITEMS_FLAG,
         KEYS_FLAG,
@@ -636,6 +637,7 @@ def _add_server_limit_args(group) -> None:
         MAX_RESPONSE_ENV,
         MESSAGES_FLAG,
         RESPONSE_FLAG,
+        SWEEP_CELLS_FLAG,
         VALUES_FLAG,
     )
 
@@ -661,6 +663,14 @@ def _add_server_limit_args(group) -> None:
         default=None,
         help="Most characters of input text (prompt, messages, input) one "
         f"hidden-states request may send. Default: {DEFAULT_MAX_INPUT_CHARS}.",
+    )
+    group.add_argument(
+        SWEEP_CELLS_FLAG,
+        type=int,
+        default=None,
+        help="Most cells (patched runs: points x heads x positions) one POST "
+        "/v1/patch_sweep may run; larger sweeps are refused (400) before any "
+        f"work. Default: {DEFAULT_MAX_SWEEP_CELLS}.",
     )
     """The body flags, on the ``Hidden states (vllm-hidden-states)`` group (the
     API server reads them; EngineArgs ignores them)."""

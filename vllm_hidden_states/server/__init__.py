@@ -13,8 +13,8 @@ from typing import Any
 def register_routes(
     args: Any, app: Any, supported_tasks: tuple[str, ...], model_config: Any = None
 ) -> None:
-    """Add POST /v1/hidden_states, GET /v1/steering_vectors and GET /v1/probes (servers that
-    generate) and the request-body inspection middleware (every server) to
+    """Add POST /v1/hidden_states, POST /v1/patch_sweep, GET /v1/steering_vectors and GET
+    /v1/probes (servers that generate) and the request-body inspection middleware (every server) to
     ``app``.
 
     vLLM's endpoint-plugin entry point (``vllm.endpoint_plugins``) would add
@@ -30,9 +30,11 @@ def register_routes(
         load_monitors(args)
     if "generate" in supported_tasks:
         from vllm_hidden_states.server.hidden_states_route import router
+        from vllm_hidden_states.server.patch_sweep_route import router as sweep_router
         from vllm_hidden_states.server.probes_route import router as probes_router
         from vllm_hidden_states.server.steering_vectors_route import router as vectors_router
 
         app.include_router(router)
         app.include_router(vectors_router)
         app.include_router(probes_router)
+        app.include_router(sweep_router)

@@ -18,6 +18,8 @@ from typing import Any
 
 from vllm_hidden_states.server.encoding import value_bytes
 from vllm_hidden_states.server.errors import invalid_request, too_large
+from vllm_hidden_states.sweep import DEFAULT_MAX_CELLS as DEFAULT_MAX_SWEEP_CELLS
+from vllm_hidden_states.sweep import MAX_CELLS_FLAG as SWEEP_CELLS_FLAG
 
 MB = 2**20
 
@@ -68,6 +70,8 @@ class Limits:
             /v1/hidden_states, prompts x ``n`` on completions, ``n`` on chat).
         max_input_chars: characters of text per hidden-states request.
         max_body_bytes ... max_input_items: the body caps (``--request-max-*``).
+        max_sweep_cells: cells one POST /v1/patch_sweep may run
+            (``--patch-sweep-max-cells``).
         num_layers: the model's ``L`` (``hidden_states_layers`` may hold at
             most ``L + 1`` entries); None when unknown (no cap on bodies).
         off_loop_bytes: bodies at least this large are inspected in a thread.
@@ -83,6 +87,7 @@ class Limits:
     max_object_keys: int = DEFAULT_MAX_OBJECT_KEYS
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_input_items: int = DEFAULT_MAX_INPUT_ITEMS
+    max_sweep_cells: int = DEFAULT_MAX_SWEEP_CELLS
     num_layers: int | None = None
     off_loop_bytes: int = INSPECT_OFF_LOOP_BYTES
 
@@ -142,6 +147,9 @@ class Limits:
             max_messages=flag("request_max_messages", MESSAGES_FLAG, DEFAULT_MAX_MESSAGES),
             max_input_items=flag(
                 "request_max_input_items", INPUT_ITEMS_FLAG, DEFAULT_MAX_INPUT_ITEMS
+            ),
+            max_sweep_cells=flag(
+                "patch_sweep_max_cells", SWEEP_CELLS_FLAG, DEFAULT_MAX_SWEEP_CELLS
             ),
             num_layers=num_layers,
         )

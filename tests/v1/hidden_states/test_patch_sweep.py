@@ -1,0 +1,275 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A patching sweep in one call: POST /v1/patch_sweep and the ``LLM`` helper
+``vllm_hidden_states.sweep.patch_sweep``.
+
+One real ``vllm serve`` on loopback for the file: tiny Qwen3,
+``--enable-steering --steering-points all --hidden-states-points
+attn_out,mlp_out --max-patch-rows 64 --patch-sweep-max-cells 100``. The
+grid is checked against HF transformers whose forward hooks make the same
+patch, and cell by cell against the same patch sent as its own
+/v1/completions request (the official ``openai`` client); the refusals are
+OpenAI error bodies naming the field.
+"""
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from vllm_hidden_states.patch_rows import encode_rows
+from vllm_hidden_states.sweep import HEADS_OFF, SweepError, patch_sweep
+
+from .conftest import HFReference
+from .server_utils import ServerProcess, running_server, sse_events
+from .test_server import decode_rows
+
+MODEL = "tiny-qwen3"
+# The same number of tokens; they differ at two positions (the number and its repeat).
+CLEAN = "The model splits the prompt into two tokens and the sky has two"
+CORRUPTED = "The model splits the prompt into six tokens and the sky has six"
+ANSWER, WRONG = " two", " six"
+POINTS = ["resid_pre.0", "resid_pre.2", "attn_out.1", "mlp_out.3"]
+MAX_CELLS = 100
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with running_server(
+        qwen3_dir,
+        [
+            "--enable-steering",
+            "--steering-points",
+            "all",
+            "--hidden-states-points",
+            "attn_out,mlp_out",
+            "--max-patch-rows",
+            "64",
+            "--max-model-len",
+            "512",
+            "--patch-sweep-max-cells",
+            str(MAX_CELLS),
+        ],
+        tmp_path_factory.mktemp("sweep-server") / "server.log",
+        name=MODEL,
+    ) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess):
+    with httpx.Client(base_url=server.base_url, timeout=600.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server: ServerProcess):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", timeout=300.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer):
+    """The prompts' and answers' token ids (as /v1/completions tokenizes)."""
+    encode = tokenizer.encode
+    return {
+        "clean": encode(CLEAN),
+        "corrupted": encode(CORRUPTED),
+        "answer": encode(ANSWER, add_special_tokens=False)[0],
+        "wrong": encode(WRONG, add_special_tokens=False)[0],
+    }
+
+
+def body(**over):
+    out = {"model": MODEL, "clean": CLEAN, "corrupted": CORRUPTED, "points": POINTS,
+           "metric": {"logit_diff": [ANSWER, WRONG]}}  # fmt: skip
+    out.update(over)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@pytest.fixture(scope="module")
+def answer(http):
+    """The module's sweep: POINTS x every position, logit difference."""
+    r = http.post("/v1/patch_sweep", json=body())
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@torch.inference_mode()
+def hf_grid(hf: HFReference, ids: dict, points: list[str], positions: list[int]):
+    """The same sweep with HF forward hooks: ``grid[i, j]`` the logit
+    difference of the corrupted prompt with ``points[i]`` at ``positions[j]``
+    replaced by the clean prompt's; the clean and corrupted differences."""
+    donor = hf.points(ids["clean"])
+
+    def diff(token_ids, items=()) -> float:
+        with hf.steering(list(items)):
+            logits = hf.model(torch.tensor([token_ids])).logits[0, -1].double()
+        lp = torch.log_softmax(logits, -1)
+        return float(lp[ids["answer"]] - lp[ids["wrong"]])
+
+    grid = np.zeros((len(points), len(positions)))
+    for i, point in enumerate(points):
+        for j, p in enumerate(positions):
+            rows = donor[point][p : p + 1].float()
+            item = {"point": point, "op": "patch", "rows": rows, "start": p, "end": p + 1}
+            grid[i, j] = diff(ids["corrupted"], [item])
+    return grid, diff(ids["clean"]), diff(ids["corrupted"])
+
+
+def test_the_grid_and_baselines_equal_hf_hooks_doing_the_same_patches(answer, hf_qwen3, ids):
+    n = len(ids["clean"])
+    grid, clean, corrupted = hf_grid(hf_qwen3, ids, POINTS, list(range(n)))
+    got = np.asarray(answer["grid"])
+    assert answer["object"] == "patch_sweep" and answer["model"] == MODEL
+    assert answer["points"] == POINTS and answer["positions"] == list(range(n))
+    assert answer["num_tokens"] == n and got.shape == (len(POINTS), n)
+    assert answer["metric"] == {"logit_diff": [ids["answer"], ids["wrong"]]}
+    assert abs(answer["clean"] - clean) < 1e-3 and abs(answer["corrupted"] - corrupted) < 1e-3
+    assert np.abs(got - grid).max() < 1e-3, np.abs(got - grid).max()
+    assert np.ptp(grid) > 1e-2, "the sweep moved nothing"
+    assert "head_grid" not in answer
+
+
+def completion_logprob(oai, prompt_ids: list[int], token: int, steering) -> float:
+    """``log p(token | prompt_ids)`` by a /v1/completions request of its own:
+    the prompt's logprobs of ``prompt_ids + [token]`` (causal: the appended
+    token changes nothing before it), ``steering`` applied."""
+    out = oai.completions.create(
+        model=MODEL,
+        prompt=[*prompt_ids, token],
+        max_tokens=1,
+        temperature=0.0,
+        extra_body={"prompt_logprobs": 0, "steering": steering},
+    )
+    return float(out.choices[0].model_extra["prompt_logprobs"][-1][str(token)]["logprob"])
+
+
+def test_each_cell_equals_the_same_patch_sent_as_its_own_completion(http, oai, ids):
+    """Token-id prompts, a logprob metric: three cells, each against the
+    same ``patch`` of the clean run's row (read by a completion of its own)
+    on /v1/completions."""
+    cells = [("resid_pre.2", 7), ("attn_out.1", 16), ("mlp_out.3", 16)]
+    points = sorted({p for p, _ in cells})
+    r = http.post(
+        "/v1/patch_sweep",
+        json=body(clean=ids["clean"], corrupted=ids["corrupted"], points=points,
+                  positions=[7, 16], metric={"logprob": ids["answer"]}),
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    clean = oai.completions.create(
+        model=MODEL,
+        prompt=ids["clean"],
+        max_tokens=1,
+        temperature=0.0,
+        extra_body={"return_hidden_states": True, "hidden_states_points": points,
+                    "hidden_states_positions": "prompt"},
+    )  # fmt: skip
+    obj = clean.choices[0].model_extra["hidden_states"]
+    # Rows: the layers asked (the default one), then the points.
+    rows = dict(zip(obj["points"], decode_rows(obj)[-len(points) :], strict=True))
+    alones = []
+    for point, p in cells:
+        steering = [{"op": "patch", "point": point, "rows": encode_rows(rows[point][p : p + 1]),
+                     "positions": {"start": p, "end": p + 1}}]  # fmt: skip
+        alone = completion_logprob(oai, ids["corrupted"], ids["answer"], steering)
+        got = answer["grid"][points.index(point)][answer["positions"].index(p)]
+        assert abs(got - alone) < 1e-5, (point, p, got, alone)
+        alones.append(alone)
+    unpatched = completion_logprob(oai, ids["corrupted"], ids["answer"], None)
+    assert abs(answer["corrupted"] - unpatched) < 1e-5
+    assert max(abs(x - unpatched) for x in alones) > 1e-3, "no cell moved the metric"
+
+
+def test_a_stream_sends_a_row_event_per_point_then_the_answer(http, answer):
+    with http.stream("POST", "/v1/patch_sweep", json=body(stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    rows, final = events[:-1], events[-1]
+    total = len(POINTS) * answer["num_tokens"]
+    assert [e["object"] for e in rows] == ["patch_sweep.row"] * len(POINTS)
+    assert sorted(e["point"] for e in rows) == sorted(POINTS)
+    assert [e["cells_done"] for e in rows] == sorted(e["cells_done"] for e in rows)
+    assert rows[-1]["cells_done"] == total and {e["cells_total"] for e in rows} == {total}
+    assert final["object"] == "patch_sweep" and final["points"] == POINTS
+    grid = np.asarray(final["grid"])
+    assert np.abs(grid - np.asarray(answer["grid"])).max() < 1e-5
+    for e in rows:
+        assert np.abs(np.asarray(e["values"]) - grid[POINTS.index(e["point"])]).max() == 0
+
+
+def refusal(http, request: dict, param: str, *needles: str) -> dict:
+    r = http.post("/v1/patch_sweep", json=request)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400, error
+    assert error["param"] == param, error
+    for needle in needles:
+        assert needle in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "over, param, needles",
+    [
+        (dict(corrupted="The model splits"), "corrupted", ["same token length"]),
+        (dict(points=["resid_pre.9"]), "points", ["out of range"]),
+        (dict(points=["attn_pattern.1"]), "points", ["cannot be patched"]),
+        (dict(points=["resid_mid.1"]), "points", ["not capturable", "--hidden-states-points"]),
+        (dict(points=[]), "points", ["non-empty"]),
+        (dict(positions=[0, 40]), "positions", ["[40] out of range", "0..16"]),
+        (dict(metric={"logit_diff": [" two six", WRONG]}), "metric", ["exactly one token"]),
+        (dict(metric={"logprob": 10**7}), "metric", ["outside this model's vocabulary"]),
+        (dict(metric={"accuracy": 3}), "metric", ["logit_diff", "logprob"]),
+        (dict(heads=[0]), "heads", ["attn_z"]),
+        (dict(layers=[1]), "layers", ["unknown field", "points"]),
+    ],
+    ids=["unequal-lengths", "unknown-point", "not-patchable", "not-capturable", "empty-grid",
+         "position-out-of-range", "multi-token-string", "token-out-of-vocab", "unknown-metric",
+         "heads-without-head-points", "unknown-field"],
+)  # fmt: skip
+def test_a_bad_sweep_is_a_400_naming_the_field(http, over, param, needles):
+    refusal(http, body(**over), param, *needles)
+
+
+def test_a_sweep_over_the_cell_limit_is_a_400_naming_the_flag(http):
+    points = ["resid_pre.0", "resid_pre.1", "resid_pre.2", "resid_pre.3", "attn_out.0", "mlp_out.0"]
+    refusal(http, body(points=points), "points", "102 cells", f"{MAX_CELLS}",
+            "--patch-sweep-max-cells")  # fmt: skip
+
+
+def test_a_heads_axis_is_refused_until_per_head_patching_is_in_this_build(http):
+    refusal(http, body(points=["resid_pre.0", "attn_z.1"], heads=[0, 1]), "points",
+            "'attn_z.1'", HEADS_OFF)  # fmt: skip
+
+
+def test_the_server_keeps_serving_after_refusals(http):
+    r = http.post("/v1/patch_sweep", json=body(points=["resid_pre.1"], positions=[7]))
+    assert r.status_code == 200, r.text
+    assert np.asarray(r.json()["grid"]).shape == (1, 1)
+
+
+def test_the_llm_helper_equals_hf_hooks_and_refuses_alike(llm, hf_qwen3, ids):
+    """The helper on the in-process ``llm`` engine (every point steerable,
+    resid_pre capturable): numpy grid and baselines as HF's, and the same
+    checks as the route's (a SweepError naming the field)."""
+    points, positions = ["resid_pre.1", "resid_pre.3"], [0, 7, 16]
+    result = patch_sweep(llm, clean=CLEAN, corrupted=CORRUPTED, points=points,
+                         positions=positions, metric={"logit_diff": [ANSWER, WRONG]})  # fmt: skip
+    grid, clean, corrupted = hf_grid(hf_qwen3, ids, points, positions)
+    assert isinstance(result.grid, np.ndarray) and result.grid.shape == (2, 3)
+    assert result.points == points and result.positions == positions
+    assert np.abs(result.grid - grid).max() < 1e-3, np.abs(result.grid - grid).max()
+    assert abs(result.clean - clean) < 1e-3 and abs(result.corrupted - corrupted) < 1e-3
+    with pytest.raises(SweepError, match="over the limit of 5 per sweep") as e:
+        patch_sweep(llm, clean=CLEAN, corrupted=CORRUPTED, points=points,
+                    metric={"logprob": ANSWER}, max_cells=5)  # fmt: skip
+    assert e.value.param == "points"
