@@ -239,7 +239,9 @@ def test_an_unknown_point_names_the_address_forms(point):
     ],
 )
 def test_a_kind_that_is_not_in_the_stream_cannot_be_steered(point):
-    with pytest.raises(ValueError, match="cannot be steered; steerable kinds") as e:
+    """attn_z is written by patch and ablate_heads only: add is refused
+    there too, naming the kinds add may steer."""
+    with pytest.raises(ValueError, match="cannot be steered.*steerable kinds") as e:
         check([add(point=point)])
     assert all(kind in str(e.value) for kind in STEERABLE_KINDS)
 
@@ -258,7 +260,7 @@ def test_an_unknown_op_names_the_ops():
     with pytest.raises(
         ValueError,
         match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature', "
-        r"'patch', 'sae_splice'\]",
+        r"'patch', 'sae_splice', 'ablate_heads'\]",
     ):
         check([add(op="scale")])
 
@@ -441,8 +443,10 @@ def test_steering_entry_reads_the_vector_lengths_with_an_absolute_directory(tmp_
 
 
 def test_all_makes_every_stream_point_steerable_but_not_the_final_norm():
+    """and the heads' outputs (attn_z, for patch and ablate_heads) of every
+    attention layer."""
     ids = steerable_ids(["all"], L, ARCH)
-    expected = {point_id(k, i, L) for k in STEERABLE_KINDS for i in range(L)}
+    expected = {point_id(k, i, L) for k in (*STEERABLE_KINDS, "attn_z") for i in range(L)}
     assert set(ids) == expected
     assert L not in ids  # HF layer L: the final post-norm state
     assert list(ids) == sorted(ids)
