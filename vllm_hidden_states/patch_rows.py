@@ -80,7 +80,7 @@ def decode_head_rows(value: Any, heads: int, head_dim: int) -> np.ndarray:
     """A per-head patch's ``rows`` as float32 ``[n, heads, head_dim]`` (the
     forms of :func:`decode_rows` with a 3-D shape), every value finite."""
     form = (
-        f'[n, {heads}, {head_dim}] numbers (positions, heads given, head_dim), or '
+        f"[n, {heads}, {head_dim}] numbers (positions, heads given, head_dim), or "
         f'{{"dtype": "float32"|"float16", "shape": [n, {heads}, {head_dim}], "data": '
         "base64 of the little-endian values}"
     )

@@ -236,8 +236,7 @@ def _patch_rows(
         raise _fail(
             i,
             "name",
-            f"matrix {name!r} is [{n}, {width}]; the point's width ({width_name}) is "
-            f"{hidden_size}",
+            f"matrix {name!r} is [{n}, {width}]; the point's width ({width_name}) is {hidden_size}",
         )
     return None, name, n
 

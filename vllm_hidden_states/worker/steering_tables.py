@@ -78,7 +78,9 @@ class Steering:
             taps[k] = steer_tap(layer, k, n, layout)
         # attn_z ids: their width (heads * head_dim, the output projection's
         # input), as the front-end reads it from the config.
-        self.widths = {k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads}
+        self.widths = {
+            k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
+        }
         self.index_of = {k: i for i, k in enumerate(config.ids)}
         num_points = max(len(config.ids), 1)
         self.max_tokens = max_tokens

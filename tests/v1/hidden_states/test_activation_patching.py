@@ -316,7 +316,8 @@ def _bad_head_items(d: int) -> list[tuple[dict, tuple[str, ...]]]:
     nan_rows[1, 0, 3] = np.nan
     window = {"start": 0, "end": 2}
     return [
-        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [2]}, ("head 2 is out of range", "0..1")),
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [2]},
+         ("head 2 is out of range", "0..1")),
         ({"point": "attn_z.1", "op": "ablate_heads", "heads": [1, 1]}, ("head 1 is given twice",)),
         ({"point": "attn_z.1", "op": "patch", "heads": [0], "rows": np.zeros((2, 2, d)),
           "positions": window}, (f"[n, 1, {d}]", "got shape [2, 2, 64]")),
