@@ -489,7 +489,7 @@ def _rewrite_wire(
     if op in TABLE_OPS and cfg.max_patch_rows == 0:
         raise _fail(i, "op", "patching is off on this engine (--max-patch-rows 0)")
     if op in TABLE_OPS and kind in HEAD_KINDS:
-        rows, name, n = _head_wire(item, op, cfg.z_shapes, layer, cfg, i)
+        rows, name, n = _head_wire(item, op, layer, cfg, i)
         start, end = (
             _patch_span(item, n, prompt_len, reach, i)
             if op == "patch"
@@ -524,12 +524,7 @@ def _rewrite_wire(
 
 
 def _head_wire(
-    item: dict[str, Any],
-    op: str,
-    shapes: tuple[tuple[int, int], ...],
-    layer: int,
-    cfg: SteeringConfig,
-    i: int,
+    item: dict[str, Any], op: str, layer: int, cfg: SteeringConfig, i: int
 ) -> tuple[bytes | None, str | None, int]:
     """``(rows as wire bytes, matrix name, table rows)`` of a patch or an
     ablate_heads at ``attn_z.<layer>``: rows ``heads * head_dim`` wide,
@@ -542,6 +537,7 @@ def _head_wire(
 
     from vllm_hidden_states.patch_rows import decode_head_rows, decode_head_values, rows_bytes
 
+    shapes = cfg.z_shapes
     if layer >= len(shapes) or not shapes[layer][0] or not shapes[layer][1]:
         raise _fail(i, "point", "this engine does not know the heads' shape at this layer")
     num_heads, head_dim = shapes[layer]
