@@ -37,34 +37,67 @@ def encode_rows(rows: Any, dtype: str = "float32") -> dict[str, Any]:
     }
 
 
-def decode_rows(value: Any, hidden_size: int) -> np.ndarray:
-    """``value`` (see module doc) as float32 ``[n, hidden_size]``, every
-    value finite; ValueError saying what was wrong and what is allowed."""
+def _as_array(value: Any, form: str) -> np.ndarray:
+    """``value`` (typed array, tensor, numpy, nested lists) as a numpy array
+    of numbers; ValueError naming ``form``."""
     if isinstance(value, dict):
-        array = _typed_array(value)
-    else:
-        if hasattr(value, "detach"):  # a torch tensor
-            value = value.detach().cpu().float().numpy()
-        if isinstance(value, np.ndarray):
-            if value.dtype.kind not in "fiu":
-                raise ValueError(f"must be numbers, got an array of {value.dtype}; {ROWS_FORM}")
-            array = value
-        elif isinstance(value, (list, tuple)):
-            try:
-                array = np.asarray(value, dtype=np.float64)
-            except (TypeError, ValueError):
-                raise ValueError(f"must be {ROWS_FORM}") from None
-        else:
-            raise ValueError(f"must be {ROWS_FORM}, got {type(value).__name__}")
-    if array.ndim != 2 or array.shape[1] != hidden_size or array.shape[0] < 1:
-        raise ValueError(
-            f"must be [n, {hidden_size}] (n >= 1 positions; {hidden_size} is the "
-            f"point's width, hidden_size), got shape {list(array.shape)}"
-        )
+        return _typed_array(value)
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().float().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "fiu":
+            raise ValueError(f"must be numbers, got an array of {value.dtype}; {form}")
+        return value
+    if isinstance(value, (list, tuple)):
+        try:
+            return np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be {form}") from None
+    raise ValueError(f"must be {form}, got {type(value).__name__}")
+
+
+def _finite32(array: np.ndarray) -> np.ndarray:
     out = np.ascontiguousarray(array, dtype=np.float32)
     if not np.isfinite(out).all():
         raise ValueError("must be finite (no NaN or infinity, also after rounding to float32)")
     return out
+
+
+def decode_rows(value: Any, hidden_size: int, width_name: str = "hidden_size") -> np.ndarray:
+    """``value`` (see module doc) as float32 ``[n, hidden_size]``, every
+    value finite; ValueError saying what was wrong and what is allowed
+    (``width_name``: what the width is, heads * head_dim at attn_z)."""
+    array = _as_array(value, ROWS_FORM)
+    if array.ndim != 2 or array.shape[1] != hidden_size or array.shape[0] < 1:
+        raise ValueError(
+            f"must be [n, {hidden_size}] (n >= 1 positions; {hidden_size} is the "
+            f"point's width, {width_name}), got shape {list(array.shape)}"
+        )
+    return _finite32(array)
+
+
+def decode_head_rows(value: Any, heads: int, head_dim: int) -> np.ndarray:
+    """A per-head patch's ``rows`` as float32 ``[n, heads, head_dim]`` (the
+    forms of :func:`decode_rows` with a 3-D shape), every value finite."""
+    form = (
+        f"[n, {heads}, {head_dim}] numbers (positions, heads given, head_dim), or "
+        f'{{"dtype": "float32"|"float16", "shape": [n, {heads}, {head_dim}], "data": '
+        "base64 of the little-endian values}"
+    )
+    array = _as_array(value, form)
+    if array.ndim != 3 or array.shape[1:] != (heads, head_dim) or array.shape[0] < 1:
+        raise ValueError(f"must be {form}; got shape {list(array.shape)}")
+    return _finite32(array)
+
+
+def decode_head_values(value: Any, heads: int, head_dim: int) -> np.ndarray:
+    """An ablate_heads ``mean`` as float32 ``[heads, head_dim]`` (one row per
+    head given, the same at every position), every value finite."""
+    form = f"[{heads}, {head_dim}] numbers (one row of head_dim values per head given)"
+    array = _as_array(value, form)
+    if array.shape != (heads, head_dim):
+        raise ValueError(f"must be {form}; got shape {list(array.shape)}")
+    return _finite32(array)
 
 
 def _typed_array(value: dict[str, Any]) -> np.ndarray:
@@ -76,10 +109,13 @@ def _typed_array(value: dict[str, Any]) -> np.ndarray:
         raise ValueError(f"dtype must be one of {list(ROWS_DTYPES)}, got {dtype!r}")
     if (
         not isinstance(shape, list)
-        or len(shape) != 2
+        or len(shape) not in (2, 3)
         or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
     ):
-        raise ValueError(f"shape must be [n, hidden_size] (two integers), got {shape!r}")
+        raise ValueError(
+            "shape must be [n, hidden_size] (or, for per-head rows, [n, heads, head_dim]): "
+            f"integers, got {shape!r}"
+        )
     if not isinstance(data, str):
         raise ValueError("data must be a base64 string")
     try:
@@ -87,10 +123,10 @@ def _typed_array(value: dict[str, Any]) -> np.ndarray:
     except (binascii.Error, ValueError):
         raise ValueError("data is not valid base64") from None
     itemsize = np.dtype(ROWS_DTYPES[dtype]).itemsize
-    if len(raw) != shape[0] * shape[1] * itemsize:
+    count = int(np.prod(shape))
+    if len(raw) != count * itemsize:
         raise ValueError(
-            f"data holds {len(raw)} bytes; shape {shape} of {dtype} needs "
-            f"{shape[0] * shape[1] * itemsize}"
+            f"data holds {len(raw)} bytes; shape {shape} of {dtype} needs {count * itemsize}"
         )
     return np.frombuffer(raw, dtype=ROWS_DTYPES[dtype]).reshape(shape)
 
@@ -101,5 +137,6 @@ def rows_bytes(rows: np.ndarray) -> bytes:
 
 
 def rows_of_bytes(data: bytes, hidden_size: int) -> np.ndarray:
-    """The wire form back as float32 ``[n, hidden_size]`` (a read-only view)."""
+    """The wire form back as float32 ``[n, hidden_size]`` (a read-only view;
+    ``hidden_size``: the point's width, heads * head_dim at attn_z)."""
     return np.frombuffer(data, dtype="<f4").reshape(-1, hidden_size)

@@ -22,13 +22,30 @@ if TYPE_CHECKING:
 # ``additional_config["hidden_states"]["steering"]``.
 STEERING_KEY = "steering"
 
-STEERING_OPS: tuple[str, ...] = ("add", "ablate", "clamp_sae_feature", "patch", "sae_splice")
+STEERING_OPS: tuple[str, ...] = (
+    "add",
+    "ablate",
+    "clamp_sae_feature",
+    "patch",
+    "sae_splice",
+    "ablate_heads",
+)
 # The ops that replace the stream (rather than add to it): each is the only
 # intervention of its request at its point.
-REWRITE_OPS: tuple[str, ...] = ("patch", "sae_splice")
+REWRITE_OPS: tuple[str, ...] = ("patch", "sae_splice", "ablate_heads")
+# The ops whose rows live in the patch table (``n`` rows each on the wire).
+TABLE_OPS: tuple[str, ...] = ("patch", "ablate_heads")
 # Points that can be steered: those of the residual stream and the blocks'
 # contributions to it (not patterns or neurons).
 STEERABLE_KINDS: tuple[str, ...] = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+# The heads' outputs (attn_z): written by ``patch`` and ``ablate_heads``
+# only (no add, ablate, clamp or splice there), where the layer attends.
+HEAD_KINDS: tuple[str, ...] = ("attn_z",)
+HEAD_OPS: tuple[str, ...] = ("patch", "ablate_heads")
+# Every kind --steering-points may name.
+WRITABLE_KINDS: tuple[str, ...] = (*STEERABLE_KINDS, *HEAD_KINDS)
+# ablate_heads' modes: the heads' columns set to zero, or to a given mean.
+ABLATE_HEADS_MODES: tuple[str, ...] = ("zero", "mean")
 # Network order of the kinds inside one decoder layer: interventions written
 # at one module run in this order.
 KIND_ORDER = {kind: i for i, kind in enumerate(STEERABLE_KINDS)}
@@ -52,11 +69,24 @@ INTERVENTION_KEYS = (
     "capture",
     "edits",
     "keep_error",
+    "heads",
+    "mode",
+    "mean",
     "positions",
 )
-# The wire form: the request's keys, the point's capture id after it, and the
-# positions as start/end over prompt + output; n: a patch's row count (0 otherwise).
-WIRE_KEYS = (INTERVENTION_KEYS[0], "id", *INTERVENTION_KEYS[1:-1], "start", "end", "n")
+# Keys of per-head interventions: lowered into full-width rows on the wire.
+HEAD_KEYS = ("heads", "mode", "mean")
+# The wire form: the request's keys (less HEAD_KEYS), the point's capture id
+# after it, and the positions as start/end over prompt + output; n: the patch
+# table rows of a patch or an ablate_heads (0 otherwise).
+WIRE_KEYS = (
+    INTERVENTION_KEYS[0],
+    "id",
+    *(k for k in INTERVENTION_KEYS[1:-1] if k not in HEAD_KEYS),
+    "start",
+    "end",
+    "n",
+)
 
 ENABLE_STEERING_HINT = (
     "start the engine with enable_steering=True (LLM / EngineArgs) or "
@@ -222,23 +252,32 @@ def vector_files(directory: str) -> dict[str, tuple[str, str]]:
 
 
 def steerable_ids(
-    items: list[str], num_layers: int, architecture: "str | ModelLayers | None"
+    items: list[str],
+    num_layers: int,
+    architecture: "str | ModelLayers | None",
+    heads: bool = True,
 ) -> tuple[int, ...]:
-    """Capture ids of ``--steering-points`` (``"all"``: every steerable kind
-    at every layer where it is exact; a kind alone: every layer where it is
-    exact; addresses); ValueError naming what is allowed."""
+    """Capture ids of ``--steering-points`` (``"all"``: every writable kind
+    at every layer where it is exact, attn_z included where the layer
+    attends; a kind alone: every layer where it is exact; addresses);
+    ValueError naming what is allowed. ``heads`` False (tensor parallelism:
+    each rank holds only its heads): attn_z is left out of "all" and
+    refused by name."""
     model = model_layers_for(architecture, num_layers)
+    writable = WRITABLE_KINDS if heads else STEERABLE_KINDS
 
     def kinds_at(i: int) -> list[str]:
-        return [k for k in model.kinds_at(i) if k in STEERABLE_KINDS]
+        return [k for k in model.kinds_at(i) if k in writable]
 
     ids: set[int] = set()
     wanted: list[tuple[str, int]]
     for item in items:
         if item == "all":
             wanted = [(k, i) for i in range(num_layers) for k in kinds_at(i)]
-        elif item in STEERABLE_KINDS:
+        elif item in WRITABLE_KINDS:
             wanted = [(item, i) for i in range(num_layers) if item in kinds_at(i)]
+            if not wanted and item in HEAD_KINDS and not heads:
+                raise ValueError(_HEADS_SHARDED.format(item=item))
             if not wanted:
                 raise ValueError(
                     f"--steering-points {item!r}: no decoder layer of this model has it "
@@ -250,14 +289,17 @@ def steerable_ids(
             except ValueError as e:
                 raise ValueError(
                     f"--steering-points entry {e} (or 'all', or one of the steerable "
-                    f"kinds {list(STEERABLE_KINDS)} alone: every layer)"
+                    f"kinds {list(WRITABLE_KINDS)} alone: every layer)"
                 ) from None
         for kind, layer in wanted:
-            if kind not in STEERABLE_KINDS:
+            if kind not in WRITABLE_KINDS:
                 raise ValueError(
                     f"--steering-points {item!r}: {kind} cannot be steered; steerable "
-                    f"kinds: {list(STEERABLE_KINDS)}"
+                    f"kinds: {list(STEERABLE_KINDS)}, and {list(HEAD_KINDS)} for "
+                    f"{list(HEAD_OPS)}"
                 )
+            if kind in HEAD_KINDS and not heads:
+                raise ValueError(_HEADS_SHARDED.format(item=item))
             if kind not in kinds_at(layer):
                 raise ValueError(
                     f"--steering-points {item!r}: {kind} cannot be steered there: "
@@ -265,6 +307,37 @@ def steerable_ids(
                 )
             ids.add(point_id(kind, layer, num_layers))  # type: ignore[arg-type]
     return tuple(sorted(ids))
+
+
+_HEADS_SHARDED = (
+    "--steering-points {item!r}: the heads' outputs (attn_z) cannot be written with "
+    "tensor parallelism (each rank holds only its heads); name the other kinds"
+)
+
+
+def z_shapes_of(model_config: Any, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``(heads, head_dim)`` of each decoder layer's heads' outputs (attn_z,
+    ``heads * head_dim`` wide) from the model's config: a layer's own entry
+    of ``per_layer_config`` where the config has one (Gemma 4's full and
+    sliding layers differ), else the model's query heads and head size."""
+    text = model_config.hf_text_config
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    head_size = getattr(model_config, "get_head_size", None)
+    try:
+        head_dim = int(head_size()) if head_size is not None else 0
+    except Exception:  # a config without heads (attn_z is then never writable)
+        head_dim = 0
+    per_layer = getattr(text, "per_layer_config", None)
+    out = []
+    for i in range(num_layers):
+        own = per_layer[i] if per_layer else None
+        out.append(
+            (
+                int(getattr(own, "num_attention_heads", 0) or heads),
+                int(getattr(own, "head_dim", 0) or head_dim),
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -302,6 +375,9 @@ class SteeringConfig:
     max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS
     # Why the engine's SAE cannot be spliced (None: it can, or no SAE).
     sae_splice_problem: str | None = None
+    # (heads, head_dim) of each decoder layer's attn_z (z_shapes_of; empty:
+    # configs built by hand without attn_z).
+    z_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "SteeringConfig | None":
@@ -319,9 +395,11 @@ class SteeringConfig:
         architecture = (vllm_config.model_config.architectures or [None])[0]
         model = ModelLayers.of(vllm_config.model_config, n)
         sae = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY].get("sae")
+        parallel = getattr(vllm_config, "parallel_config", None)
+        sharded = int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1
         return cls(
             n,
-            steerable_ids(entry["points"], n, model),
+            steerable_ids(entry["points"], n, model, heads=not sharded),
             tuple(entry["points"]),
             int(entry["max_interventions"]),
             dict(entry.get("vectors") or {}),
@@ -334,11 +412,12 @@ class SteeringConfig:
             dict(entry.get("matrices") or {}),
             int(entry.get("max_patch_rows", DEFAULT_MAX_PATCH_ROWS)),
             entry.get("splice_problem"),
+            z_shapes_of(vllm_config.model_config, n),
         )
 
     def describe_points(self) -> str:
         return ", ".join(
-            f"{item} (every layer)" if item == "all" or item in STEERABLE_KINDS else item
+            f"{item} (every layer)" if item == "all" or item in WRITABLE_KINDS else item
             for item in self.points_given
         )
 

@@ -17,11 +17,16 @@ from typing import Any
 from vllm_hidden_states.points import POSITIONS, Window, parse_point, point_id, window_of
 from vllm_hidden_states.request_fields import check_positions, window_problem
 from vllm_hidden_states.steering_config import (
+    ABLATE_HEADS_MODES,
+    HEAD_KEYS,
+    HEAD_KINDS,
+    HEAD_OPS,
     INTERVENTION_KEYS,
     MAX_SAE_EDITS,
     REWRITE_OPS,
     STEERABLE_KINDS,
     STEERING_OPS,
+    TABLE_OPS,
     SteeringConfig,
 )
 
@@ -87,14 +92,31 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _parse_steerable(point: Any, i: int, n: int) -> tuple[str, int]:
+def _parse_steerable(point: Any, i: int, n: int, op: str = "add") -> tuple[str, int]:
     try:
         kind, layer = parse_point(point, n)
     except ValueError as e:
         raise _fail(i, "point", str(e)) from None
-    if kind not in STEERABLE_KINDS:
+    if op == "ablate_heads" and kind not in HEAD_KINDS:
         raise _fail(
-            i, "point", f"{kind} cannot be steered; steerable kinds: {list(STEERABLE_KINDS)}"
+            i,
+            "point",
+            f"ablate_heads writes attention heads' outputs: its point is attn_z.<i> "
+            f"(blocks.<i>.attn.hook_z), got {point!r} ({kind})",
+        )
+    if kind in HEAD_KINDS and op not in HEAD_OPS:
+        raise _fail(
+            i,
+            "point",
+            f"{kind} cannot be steered by {op!r}: the heads' outputs are written by "
+            f"{list(HEAD_OPS)} only; steerable kinds for {op!r}: {list(STEERABLE_KINDS)}",
+        )
+    if kind not in STEERABLE_KINDS and kind not in HEAD_KINDS:
+        raise _fail(
+            i,
+            "point",
+            f"{kind} cannot be steered; steerable kinds: {list(STEERABLE_KINDS)} "
+            f"(and {list(HEAD_KINDS)} for {list(HEAD_OPS)})",
         )
     return kind, layer
 
@@ -176,10 +198,11 @@ def _vector_source(
 
 
 def _patch_rows(
-    item: dict[str, Any], cfg: SteeringConfig, hidden_size: int, i: int
+    item: dict[str, Any], cfg: SteeringConfig, hidden_size: int, i: int, width_name: str
 ) -> tuple[bytes | None, str | None, int]:
     """``(rows as wire bytes, matrix name, row count)`` of a patch: exactly
-    one of ``rows`` and ``name``."""
+    one of ``rows`` and ``name``; ``hidden_size`` the point's width
+    (``width_name``: what it is)."""
     from vllm_hidden_states.patch_rows import decode_rows, rows_bytes
 
     if item.get("capture") is not None:
@@ -200,7 +223,7 @@ def _patch_rows(
         )
     if given[0] == "rows":
         try:
-            rows = decode_rows(item["rows"], hidden_size)
+            rows = decode_rows(item["rows"], hidden_size, width_name)
         except ValueError as e:
             raise _fail(i, "rows", str(e)) from None
         return rows_bytes(rows), None, rows.shape[0]
@@ -213,7 +236,7 @@ def _patch_rows(
         raise _fail(
             i,
             "name",
-            f"matrix {name!r} is [{n}, {width}]; this model's hidden_size is {hidden_size}",
+            f"matrix {name!r} is [{n}, {width}]; the point's width ({width_name}) is {hidden_size}",
         )
     return None, name, n
 
@@ -317,7 +340,7 @@ def check_steering(
         point = item.get("point")
         if op in ("clamp_sae_feature", "sae_splice"):
             point = _sae_point(item, cfg, i)
-        kind, layer = _parse_steerable(point, i, n)
+        kind, layer = _parse_steerable(point, i, n, op)
         capture_id = point_id(kind, layer, n)  # type: ignore[arg-type]
         model = cfg.model_layers
         if capture_id not in cfg.ids and model is not None and kind not in model.kinds_at(layer):
@@ -336,13 +359,18 @@ def check_steering(
                 )
             )
             continue
-        for key in ("rows", "capture", "edits", "keep_error"):
+        for key in ("rows", "capture", "edits", "keep_error", *HEAD_KEYS):
             if item.get(key) is not None:
-                raise _fail(
-                    i,
-                    key,
-                    f"{key} belongs to {'patch' if key in ('rows', 'capture') else 'sae_splice'}",
+                owner = (
+                    "patch"
+                    if key in ("rows", "capture")
+                    else "patch and ablate_heads at attn_z"
+                    if key == "heads"
+                    else "ablate_heads"
+                    if key in HEAD_KEYS
+                    else "sae_splice"
                 )
+                raise _fail(i, key, f"{key} belongs to {owner}")
         vector = name = feature = None
         strength, value = item.get("strength"), item.get("value")
         if op == "clamp_sae_feature":
@@ -397,7 +425,7 @@ def check_steering(
                 "n": 0,
             }
         )
-    patched = sum(item["n"] for item in wire if item["op"] == "patch")
+    patched = sum(item["n"] for item in wire if item["op"] in TABLE_OPS)
     if patched > cfg.max_patch_rows:
         raise ValueError(
             f"steering patches {patched} positions; this engine's patch table holds "
@@ -439,21 +467,36 @@ def _rewrite_wire(
     reach: int,
     i: int,
 ) -> dict[str, Any]:
-    """The wire form of a ``patch`` or an ``sae_splice``."""
-    allowed = (
-        ("point", "op", "rows", "name", "capture", "positions")
-        if op == "patch"
-        else ("point", "op", "edits", "keep_error", "positions")
-    )
+    """The wire form of a ``patch``, an ``ablate_heads`` or an ``sae_splice``
+    (per-head forms lowered to full-width rows: :func:`_head_wire`)."""
+    allowed = {
+        "patch": ("point", "op", "rows", "name", "capture", "heads", "positions"),
+        "ablate_heads": ("point", "op", "heads", "mode", "mean", "positions"),
+        "sae_splice": ("point", "op", "edits", "keep_error", "positions"),
+    }[op]
     for key in INTERVENTION_KEYS:
         if key not in allowed and item.get(key) is not None:
             raise _fail(i, key, f"{op} takes {list(allowed)} only")
+    if item.get("heads") is not None and kind not in HEAD_KINDS:
+        raise _fail(
+            i,
+            "heads",
+            f"heads selects attention heads of an attn_z point (the heads' outputs, the "
+            f"attention output projection's input); {item.get('point')!r} is {kind}",
+        )
     rows = name = edits = keep_error = None
     n = 0
-    if op == "patch":
-        if cfg.max_patch_rows == 0:
-            raise _fail(i, "op", "patching is off on this engine (--max-patch-rows 0)")
-        rows, name, n = _patch_rows(item, cfg, hidden_size, i)
+    if op in TABLE_OPS and cfg.max_patch_rows == 0:
+        raise _fail(i, "op", "patching is off on this engine (--max-patch-rows 0)")
+    if op in TABLE_OPS and kind in HEAD_KINDS:
+        rows, name, n = _head_wire(item, op, layer, cfg, i)
+        start, end = (
+            _patch_span(item, n, prompt_len, reach, i)
+            if op == "patch"
+            else _span(item.get("positions"), prompt_len or 0, reach, i)
+        )
+    elif op == "patch":
+        rows, name, n = _patch_rows(item, cfg, hidden_size, i, "hidden_size")
         start, end = _patch_span(item, n, prompt_len, reach, i)
     else:
         edits = _splice_edits(item, cfg, i)
@@ -478,6 +521,94 @@ def _rewrite_wire(
         "end": end,
         "n": n,
     }
+
+
+def _head_wire(
+    item: dict[str, Any], op: str, layer: int, cfg: SteeringConfig, i: int
+) -> tuple[bytes | None, str | None, int]:
+    """``(rows as wire bytes, matrix name, table rows)`` of a patch or an
+    ablate_heads at ``attn_z.<layer>``: rows ``heads * head_dim`` wide,
+    NaN in the columns of the heads not written (the worker keeps the
+    point's own values there; a request's rows are finite, so NaN means
+    only that). A patch without ``heads`` is rows of every head, flat, as
+    captured; ablate_heads is one row, written at every position of its
+    span."""
+    import numpy as np
+
+    from vllm_hidden_states.patch_rows import decode_head_rows, decode_head_values, rows_bytes
+
+    shapes = cfg.z_shapes
+    if layer >= len(shapes) or not shapes[layer][0] or not shapes[layer][1]:
+        raise _fail(i, "point", "this engine does not know the heads' shape at this layer")
+    num_heads, head_dim = shapes[layer]
+    if op == "patch" and item.get("heads") is None:
+        return _patch_rows(item, cfg, num_heads * head_dim, i, "heads * head_dim")
+    heads = _heads_of(item.get("heads"), num_heads, i)
+    if op == "patch":
+        if item.get("rows") is None:
+            raise _fail(
+                i,
+                "rows",
+                f"a per-head patch (heads given) takes inline rows [n, {len(heads)}, "
+                f"{head_dim}] (positions, heads given, head_dim); a named matrix or a "
+                f"stored capture patches every head: leave heads out",
+            )
+        try:
+            values = decode_head_rows(item["rows"], len(heads), head_dim)
+        except ValueError as e:
+            raise _fail(i, "rows", str(e)) from None
+    else:
+        mode = item.get("mode", "zero")
+        if mode not in ABLATE_HEADS_MODES:
+            raise _fail(i, "mode", f"must be one of {list(ABLATE_HEADS_MODES)}, got {mode!r}")
+        mean = item.get("mean")
+        if mode == "zero" and mean is not None:
+            raise _fail(i, "mean", "mean belongs to mode 'mean' (mode 'zero' writes zeros)")
+        if mode == "mean" and mean is None:
+            raise _fail(
+                i,
+                "mean",
+                f"mode 'mean' needs mean: [{len(heads)}, {head_dim}] (one row per head "
+                "given, written at every position)",
+            )
+        try:
+            row = (
+                np.zeros((len(heads), head_dim), np.float32)
+                if mean is None
+                else decode_head_values(mean, len(heads), head_dim)
+            )
+        except ValueError as e:
+            raise _fail(i, "mean", str(e)) from None
+        values = row[None]
+    full = np.full((values.shape[0], num_heads, head_dim), np.nan, np.float32)
+    full[:, heads, :] = values
+    return rows_bytes(full.reshape(values.shape[0], num_heads * head_dim)), None, values.shape[0]
+
+
+def _heads_of(value: Any, num_heads: int, i: int) -> list[int]:
+    """Distinct head indices in ``0 .. num_heads - 1``."""
+    import numpy as np
+
+    allowed = f"a non-empty list of distinct query head indices in 0..{num_heads - 1}"
+    if value is None:
+        raise _fail(i, "heads", f"ablate_heads needs heads: {allowed}")
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or not all(isinstance(h, (int, np.integer)) and not isinstance(h, bool) for h in value)
+    ):
+        raise _fail(i, "heads", f"must be {allowed}; got {value!r}")
+    heads = [int(h) for h in value]
+    for h in heads:
+        if not 0 <= h < num_heads:
+            raise _fail(
+                i, "heads", f"head {h} is out of range: this layer has {num_heads} query heads; "
+                f"give {allowed}"
+            )  # fmt: skip
+    repeated = sorted({h for h in heads if heads.count(h) > 1})
+    if repeated:
+        raise _fail(i, "heads", f"head {repeated[0]} is given twice; give {allowed}")
+    return heads
 
 
 def read_after_steering(

@@ -57,6 +57,30 @@ def test_a_patch_divides_by_the_points_scale():
     assert torch.equal(target[0] * 0.5, table[1])
 
 
+def test_a_masked_patch_keeps_the_targets_values_where_its_row_is_nan():
+    """attn_z's per-head rows: NaN columns (the heads not written) keep the
+    target's values bit for bit; the others are the row's."""
+    table = torch.randn(3, H)
+    table[2, : H // 2] = float("nan")
+    rows, slots, counts = armed([(1, 2)])
+    target = torch.randn(T, H)
+    before = target.clone()
+    _patch(target, None, rows, slots, counts, 0, table, 1.0, masked=True)
+    assert torch.equal(target[1, : H // 2], before[1, : H // 2])
+    assert torch.equal(target[1, H // 2 :], table[2, H // 2 :])
+    assert torch.equal(target[[0, 2, 3, 4, 5]], before[[0, 2, 3, 4, 5]])
+
+
+def test_a_patch_reads_the_first_columns_of_a_wider_table():
+    """The table is as wide as the widest patchable point (attn_z may be
+    wider than hidden_size): a narrower point reads its own width."""
+    table = torch.randn(3, H + 5)
+    rows, slots, counts = armed([(4, 1)])
+    target = torch.randn(T, H)
+    _patch(target, None, rows, slots, counts, 0, table, 1.0)
+    assert torch.equal(target[4], table[1, :H])
+
+
 def test_a_patch_with_nothing_armed_at_its_point_changes_nothing():
     table = torch.randn(3, H)
     rows, slots, counts = armed([(2, 1)], index=1)
@@ -195,11 +219,16 @@ from vllm_hidden_states.worker import rewrite_kernel
 from vllm_hidden_states.worker.rewrite_op import _patch
 
 
-def check(dtype_name, other_kind, scale_text):
+def check(dtype_name, other_kind, scale_text, columns="full"):
     torch.manual_seed(0)
     H, T = 300, 7  # H not a multiple of the kernel's block
     dtype = getattr(torch, dtype_name)
-    table = torch.randn(4, H)
+    # "heads": attn_z's per-head rows, NaN where the target keeps its value,
+    # in a table wider than the target (the widest point's width).
+    masked = columns == "heads"
+    table = torch.randn(4, H + 40) if masked else torch.randn(4, H)
+    if masked:
+        table[:, 100:250] = float("nan")
     target = torch.randn(T, H).to(dtype)
     other = torch.randn(T, H).to(dtype) if other_kind == "other" else None
     scale = float(scale_text)
@@ -208,10 +237,12 @@ def check(dtype_name, other_kind, scale_text):
     counts = torch.tensor([3])
     expected_t = target.clone()
     expected_o = None if other is None else other.clone()
-    _patch(expected_t, expected_o, rows, slots, counts, 0, table, scale)
+    _patch(expected_t, expected_o, rows, slots, counts, 0, table, scale, masked)
+    if masked:
+        assert torch.equal(expected_t[2, 100:250], target[2, 100:250]), "torch path: NaN written"
     got_t = target.clone()
     got_o = None if other is None else other.clone()
-    rewrite_kernel.patch(got_t, got_o, rows[0], slots[0], T, table, scale)
+    rewrite_kernel.patch(got_t, got_o, rows[0], slots[0], T, table, scale, masked)
     # float32 bit for bit; bfloat16 within its rounding (the interpreter's
     # conversion may truncate where torch rounds to nearest).
     tol = 0.0 if dtype == torch.float32 else 1e-2
@@ -226,6 +257,8 @@ PATCH_KERNEL_CASES = [
     ("float32", "none", "1.0"),
     ("float32", "other", "0.5"),
     ("bfloat16", "other", "1.0"),
+    ("float32", "none", "1.0", "heads"),
+    ("bfloat16", "none", "1.0", "heads"),
 ]
 
 
@@ -274,3 +307,30 @@ def test_compiled_on_cpu_a_patch_is_aten_ops_in_the_graph_and_writes_as_eager():
     assert torch.equal(compiled, ex + ey)
     ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert not any("hidden_states_patch" in op for op in ops), ops
+
+
+def test_compiled_on_cpu_a_masked_patch_writes_as_eager():
+    """attn_z's per-head write under torch.compile on CPU (NaN columns of
+    the row keep the token's values) equals the op's body."""
+    from vllm_hidden_states.worker.rewrite_op import patch, register_ops
+
+    register_ops()
+    table = torch.randn(4, H + 3)
+    table[2:, 2:6] = float("nan")
+    entries = [(1, 2), (4, 3), (5, 1)]
+    rows, slots, counts = armed(entries)
+    token_slots = torch.zeros(POINTS, T, dtype=torch.int64)
+    for r, s in entries:
+        token_slots[0, r] = s
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = x * 2.0
+        patch(x, None, rows, slots, counts, 0, table, 1.0, token_slots=token_slots, masked=True)
+        return x + 1.0
+
+    x = torch.randn(T, H)
+    compiled = torch.compile(forward, backend="eager", fullgraph=True)(x)
+    ex = x * 2.0
+    _patch(ex, None, rows, slots, counts, 0, table, 1.0, masked=True)
+    assert torch.equal(compiled, ex + 1.0)
+    assert not compiled.isnan().any()

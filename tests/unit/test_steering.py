@@ -239,7 +239,9 @@ def test_an_unknown_point_names_the_address_forms(point):
     ],
 )
 def test_a_kind_that_is_not_in_the_stream_cannot_be_steered(point):
-    with pytest.raises(ValueError, match="cannot be steered; steerable kinds") as e:
+    """attn_z is written by patch and ablate_heads only: add is refused
+    there too, naming the kinds add may steer."""
+    with pytest.raises(ValueError, match="cannot be steered.*steerable kinds") as e:
         check([add(point=point)])
     assert all(kind in str(e.value) for kind in STEERABLE_KINDS)
 
@@ -258,7 +260,7 @@ def test_an_unknown_op_names_the_ops():
     with pytest.raises(
         ValueError,
         match=r"steering\[0\]\.op: must be one of \['add', 'ablate', 'clamp_sae_feature', "
-        r"'patch', 'sae_splice'\]",
+        r"'patch', 'sae_splice', 'ablate_heads'\]",
     ):
         check([add(op="scale")])
 
@@ -441,8 +443,10 @@ def test_steering_entry_reads_the_vector_lengths_with_an_absolute_directory(tmp_
 
 
 def test_all_makes_every_stream_point_steerable_but_not_the_final_norm():
+    """and the heads' outputs (attn_z, for patch and ablate_heads) of every
+    attention layer."""
     ids = steerable_ids(["all"], L, ARCH)
-    expected = {point_id(k, i, L) for k in STEERABLE_KINDS for i in range(L)}
+    expected = {point_id(k, i, L) for k in (*STEERABLE_KINDS, "attn_z") for i in range(L)}
     assert set(ids) == expected
     assert L not in ids  # HF layer L: the final post-norm state
     assert list(ids) == sorted(ids)
@@ -1009,3 +1013,113 @@ def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_a
     torch.testing.assert_close(got, expected)
     before = stream() * 2.0 + 1.0
     assert torch.equal(got[[1, 2, 4]], before[[1, 2, 4]])  # slot 0: unchanged
+
+
+# -- per-head writes at attn_z ------------------------------------------------------
+
+HEADS, HEAD_DIM = 4, 2  # attn_z is HEADS * HEAD_DIM = H wide here
+
+
+def heads_config(**extra) -> SteeringConfig:
+    return SteeringConfig(
+        num_layers=L,
+        ids=steerable_ids(["all"], L, ARCH),
+        points_given=("all",),
+        max_interventions=4,
+        architecture=ARCH,
+        z_shapes=((HEADS, HEAD_DIM),) * L,
+        **extra,
+    )
+
+
+def wire_rows(item: dict) -> np.ndarray:
+    return np.frombuffer(item["rows"], "<f4").reshape(item["n"], HEADS * HEAD_DIM)
+
+
+def test_a_per_head_patch_is_full_width_rows_with_nan_in_the_other_heads_columns():
+    rows = np.arange(2 * 2 * HEAD_DIM, dtype=np.float32).reshape(2, 2, HEAD_DIM)
+    item = {"point": "attn_z.1", "op": "patch", "heads": [3, 1], "rows": rows,
+            "positions": {"start": 1, "end": 3}}  # fmt: skip
+    [wire] = check_steering([item], heads_config(), H, PROMPT, REACH)
+    full = wire_rows(wire).reshape(2, HEADS, HEAD_DIM)
+    assert (wire["op"], wire["n"], wire["start"], wire["end"]) == ("patch", 2, 1, 3)
+    assert np.array_equal(full[:, 3], rows[:, 0]) and np.array_equal(full[:, 1], rows[:, 1])
+    assert np.isnan(full[:, [0, 2]]).all()
+
+
+def test_a_patch_at_attn_z_without_heads_takes_flat_rows_of_every_head():
+    rows = np.ones((2, HEADS * HEAD_DIM), np.float32)
+    item = {"point": "blocks.1.attn.hook_z", "op": "patch", "rows": rows}
+    [wire] = check_steering([item], heads_config(), H, PROMPT, REACH)
+    assert np.array_equal(wire_rows(wire), rows) and (wire["start"], wire["end"]) == (0, 2)
+
+
+def test_ablate_heads_is_one_table_row_over_every_position_by_default():
+    item = {"point": "attn_z.2", "op": "ablate_heads", "heads": [0], "mode": "mean",
+            "mean": [[5.0, 6.0]]}  # fmt: skip
+    [wire] = check_steering([item], heads_config(), H, PROMPT, REACH)
+    assert (wire["op"], wire["n"], wire["start"], wire["end"]) == ("ablate_heads", 1, 0, None)
+    row = wire_rows(wire)[0].reshape(HEADS, HEAD_DIM)
+    assert row[0].tolist() == [5.0, 6.0] and np.isnan(row[1:]).all()
+    zero = check_steering(
+        [{**item, "mode": "zero", "mean": None}], heads_config(), H, PROMPT, REACH
+    )
+    assert wire_rows(zero[0])[0, :HEAD_DIM].tolist() == [0.0, 0.0]
+
+
+def test_an_ablate_heads_row_counts_against_the_patch_table():
+    items = [
+        {"point": "attn_z.2", "op": "ablate_heads", "heads": [0]},
+        {"point": "resid_pre.1", "op": "patch", "rows": np.ones((2, H))},
+    ]
+    with pytest.raises(ValueError, match="patches 3 positions; .* holds 2 rows"):
+        check_steering(items, heads_config(max_patch_rows=2), H, PROMPT, REACH)
+
+
+def test_the_cache_salt_covers_the_heads_and_the_mean():
+    cfg = heads_config()
+    base = {"point": "attn_z.2", "op": "ablate_heads", "heads": [0], "mode": "mean",
+            "mean": [[1.0, 2.0]]}  # fmt: skip
+    digests = {
+        steering_digest(check_steering([item], cfg, H, PROMPT, REACH))
+        for item in (base, {**base, "heads": [1]}, {**base, "mean": [[1.0, 2.5]]})
+    }
+    assert len(digests) == 3
+
+
+def test_attn_z_at_a_mamba_layer_is_refused_naming_the_attention_layers():
+    from .test_layer_classes import hybrid
+
+    model = hybrid()
+    cfg = SteeringConfig(
+        num_layers=L, ids=steerable_ids(["all"], L, model), points_given=("all",),
+        max_interventions=4, model_layers=model, z_shapes=((HEADS, HEAD_DIM),) * L,
+    )  # fmt: skip
+    assert point_id("attn_z", 1, L) in cfg.ids and point_id("attn_z", 0, L) not in cfg.ids
+    item = {"point": "attn_z.0", "op": "ablate_heads", "heads": [0]}
+    with pytest.raises(
+        ValueError, match=r"attn_z.0: decoder layer 0 .*layers with attn_z: \[1, 3\]"
+    ):
+        check_steering([item], cfg, H, PROMPT, REACH)
+
+
+def test_with_tensor_parallelism_all_leaves_attn_z_out_and_naming_it_is_refused():
+    ids = steerable_ids(["all"], L, ARCH, heads=False)
+    assert not any(point_id("attn_z", i, L) in ids for i in range(L))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        steerable_ids(["attn_z.1"], L, ARCH, heads=False)
+
+
+def test_the_worker_pads_rows_to_the_table_and_spans_an_ablation_with_one_row():
+    cfg = heads_config()
+    z = point_id("attn_z", 2, L)
+    index_of = {k: i for i, k in enumerate(cfg.ids)}
+    items = [
+        {"point": "attn_z.2", "op": "ablate_heads", "heads": [1]},
+        {"point": "resid_pre.1", "op": "patch", "rows": np.ones((2, H))},
+    ]
+    wire = check_steering(items, cfg, H, PROMPT, REACH)
+    request = RequestSteering(wire, NamedVectors(None), index_of, H, {z: H}, H + 4)
+    assert request.patch_rows.shape == (3, H + 4)
+    spans = [(s.index, s.start, s.end) for s in request.patch_stretches]
+    assert spans == [(index_of[z], 0, None), (index_of[1], 0, 1), (index_of[1], 1, 2)]

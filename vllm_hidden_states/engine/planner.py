@@ -434,7 +434,7 @@ class CapturePlanner:
 
     def waits(self, request: "Request") -> bool:
         """In the scheduler's loop over waiting requests: whether ``request``
-        must wait because its patch rows (``patch`` interventions) do not fit
+        must wait because its patch rows (``patch`` and ``ablate_heads``) do not fit
         the worker's patch table beside those of the requests admitted before
         it. Otherwise its rows are counted until it is freed (a preempted
         request keeps them). The front-end refuses a request whose rows
@@ -442,7 +442,9 @@ class CapturePlanner:
         params = request.sampling_params
         if params is None or not params.steering or request.request_id in self.patch_rows:
             return False
-        need = sum(int(item["n"]) for item in params.steering if item["op"] == "patch")
+        from vllm_hidden_states.steering_config import TABLE_OPS
+
+        need = sum(int(item["n"]) for item in params.steering if item["op"] in TABLE_OPS)
         if not need:
             return False
         if self.patch_rows_held + need > self.max_patch_rows:

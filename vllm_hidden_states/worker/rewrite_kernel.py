@@ -7,8 +7,9 @@ near-empty launch per point where nobody patches, inside the CUDA graph). An
 armed entry writes its patch row (divided by the point's scale, rounded to
 the target's dtype) minus ``other[r]`` into ``target[r]`` (``other`` is
 read, not written: see ``rewrite_op._patch``); rows are distinct among armed
-entries. Tested on CPU with Triton's interpreter
-(``tests/unit/test_rewrite_op.py``); not yet run on a GPU.
+entries. At attn_z (``masked``) a NaN in the row keeps the target's value.
+Tested on CPU with Triton's interpreter (``tests/unit/test_rewrite_op.py``);
+not yet run on a GPU.
 """
 
 import torch
@@ -28,8 +29,10 @@ def _patch_kernel(
     hidden,
     target_stride,
     other_stride,
+    table_stride,
     scale,
     HAS_OTHER: tl.constexpr,
+    MASKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     j = tl.program_id(0)
@@ -41,11 +44,14 @@ def _patch_kernel(
         for h0 in range(0, hidden, BLOCK):
             offs = h0 + tl.arange(0, BLOCK)
             mask = offs < hidden
-            value = tl.load(table + s * hidden + offs, mask=mask, other=0.0) / scale
+            value = tl.load(table + s * table_stride + offs, mask=mask, other=0.0) / scale
             if HAS_OTHER:
                 value -= tl.load(o_row + offs, mask=mask, other=0.0).to(tl.float32)
             t = tl.load(t_row + offs, mask=mask, other=0.0)
-            tl.store(t_row + offs, value.to(t.dtype), mask=mask)
+            out = value.to(t.dtype)
+            if MASKED:  # NaN in the row: the target keeps its value there
+                out = tl.where(value != value, t, out)
+            tl.store(t_row + offs, out, mask=mask)
 
 
 def patch(
@@ -56,11 +62,13 @@ def patch(
     n: int,
     table: torch.Tensor,
     scale: float,
+    masked: bool = False,
 ) -> None:
     """Launch the kernel over entries ``0 .. n-1`` of ``rows``/``slots``
     (int64 ``[n_max]``, one point's); ``target``/``other`` ``[tokens,
     hidden]`` with unit stride along ``hidden``; ``table`` float32 ``[rows,
-    hidden]``, contiguous."""
+    width >= hidden]``, contiguous (its first ``hidden`` columns read);
+    ``masked``: NaN in a row keeps the target's value (attn_z)."""
     if n == 0:
         return
     hidden = target.shape[-1]
@@ -75,7 +83,9 @@ def patch(
         hidden,
         flat.stride(0),
         other_flat.stride(0),
+        table.stride(0),
         float(scale),
         HAS_OTHER=other is not None,
+        MASKED=bool(masked),
         BLOCK=BLOCK_H,
     )

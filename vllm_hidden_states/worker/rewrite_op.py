@@ -33,6 +33,7 @@ def _patch(
     index: int,
     table: torch.Tensor,
     scale: float,
+    masked: bool = False,
 ) -> None:
     """For the ``n = counts[index]`` armed entries ``j`` (``r = rows[index,
     j]``, ``s = slots[index, j]``): ``target[r] = table[s] / scale -
@@ -41,24 +42,28 @@ def _patch(
     float32 rounding of the sum otherwise). ``other`` is left as it is: a
     point before this one at the same module reads it (a fused layer's
     ``attn_out`` is the ``other`` of its ``resid_mid``). ``table`` float32
-    ``[rows, hidden]`` (row 0 unused: an unarmed entry's slot)."""
+    ``[rows, width]``, at least the target's width (its first columns are
+    read; row 0 unused: an unarmed entry's slot). ``masked`` (attn_z, a
+    per-head write): a NaN in the row keeps the target's own value there."""
     if count_readable_on_host(counts.device):
         n = int(counts_on_host(counts)[index])
         if not n:
             return
         r, s = rows[index, :n], slots[index, :n]
         flat = target.view(-1, target.shape[-1])
-        values = table.index_select(0, s)
+        values = table[:, : flat.shape[1]].index_select(0, s)
         if scale != 1.0:
             values = values / scale
         if other is not None:
             values = values - other.reshape(-1, other.shape[-1]).index_select(0, r).float()
+        if masked:
+            values = torch.where(values.isnan(), flat.index_select(0, r).float(), values)
         flat.index_copy_(0, r, values.to(flat.dtype))
         return
     from vllm_hidden_states.worker import rewrite_kernel
 
     n = min(rows.shape[1], target.reshape(-1, target.shape[-1]).shape[0])
-    rewrite_kernel.patch(target, other, rows[index], slots[index], n, table, scale)
+    rewrite_kernel.patch(target, other, rows[index], slots[index], n, table, scale, masked)
 
 
 def _patch_fake(
@@ -70,6 +75,7 @@ def _patch_fake(
     index: int,
     table: torch.Tensor,
     scale: float,
+    masked: bool = False,
 ) -> None:
     return None
 
@@ -224,16 +230,18 @@ def _patch_every_token(
     index: int,
     table: torch.Tensor,
     scale: float,
+    masked: bool = False,
 ) -> None:
     """The patch at every token of the forward, its table row
     ``token_slots[index, t]`` (0 where nobody patches: the token keeps its
-    value). A gather and selects only, so inductor fuses it into the
-    forward's own loops (an opaque op here would be a Python dispatch per
-    point, and its mutated inputs copied, on every forward)."""
+    value; ``masked``: nor where the row holds NaN). A gather and selects
+    only, so inductor fuses it into the forward's own loops (an opaque op
+    here would be a Python dispatch per point, and its mutated inputs
+    copied, on every forward)."""
     flat = target.view(-1, target.shape[-1])
     s = token_slots[index, : flat.shape[0]]
-    keep = (s == 0)[:, None]
-    values = table.index_select(0, s)
+    values = table[:, : flat.shape[1]].index_select(0, s)
+    keep = (s == 0)[:, None] | values.isnan() if masked else (s == 0)[:, None]
     if scale != 1.0:
         values = values / scale
     if other is not None:
@@ -251,21 +259,25 @@ def patch(
     table: torch.Tensor,
     scale: float,
     token_slots: torch.Tensor | None = None,
+    masked: bool = False,
 ) -> None:
     """One point's patch write, by the route that costs least where the
     forward runs (as :func:`~.steering_op.steer` chooses): on CPU in eager
     mode the op's body (a count read); on CPU under torch.compile the write
     at every token as aten ops in the graph, each token's row read from the
     dense map ``token_slots`` (int64 ``[points, max_tokens]``); off CPU the
-    registered op (its Triton kernel, replayed in CUDA graphs)."""
+    registered op (its Triton kernel, replayed in CUDA graphs). ``masked``:
+    the point is attn_z, whose rows keep the target's values where NaN."""
     if count_readable_on_host(counts.device):
         if not torch.compiler.is_compiling():
-            _patch(target, other, rows, slots, counts, index, table, scale)
+            _patch(target, other, rows, slots, counts, index, table, scale, masked)
             return
         if token_slots is not None:
-            _patch_every_token(target, other, token_slots, index, table, scale)
+            _patch_every_token(target, other, token_slots, index, table, scale, masked)
             return
-    torch.ops.vllm.hidden_states_patch(target, other, rows, slots, counts, index, table, scale)
+    torch.ops.vllm.hidden_states_patch(
+        target, other, rows, slots, counts, index, table, scale, masked
+    )
 
 
 def splice_rows(

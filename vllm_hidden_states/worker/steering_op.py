@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm_hidden_states.points import point_of_id
+from vllm_hidden_states.points import Z_KIND, point_of_id
 from vllm_hidden_states.steering_config import KIND_ORDER
 from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_op import (
@@ -29,6 +29,7 @@ from vllm_hidden_states.worker.taps import (
     Reader,
     child_module,
     first_arg,
+    heads_out_module,
     layer_layout,
     point_tap,
     stream_tap,
@@ -261,6 +262,9 @@ class SteerTap:
     pair: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     scale: float = 1.0
     order: int = 0  # network order among the ids written at one module
+    # attn_z (the heads' outputs): patched only, NaN in a row keeping the
+    # point's value (per-head writes); never steered by add / ablate.
+    heads: bool = False
 
 
 def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | None) -> SteerTap:
@@ -271,6 +275,9 @@ def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | 
         return SteerTap(layer, "pre", _pair(tap.read), order=KIND_ORDER["resid_pre"])
     kind, i = point
     name = f"{kind}.{i}"
+    if kind == Z_KIND:  # the attention output projection's input, as captured
+        module = heads_out_module(layer, name)
+        return SteerTap(module, "pre", _pair(first_arg(("x", "input_", "input"))), heads=True)
     # Each layer is steered by what its class is (layout is not used).
     known = layer_layout(layer, name)
     if known.layout == "granite_hybrid" and kind == "resid_mid":
@@ -296,7 +303,7 @@ def steer_tap(layer: nn.Module, capture_id: int, num_layers: int, layout: str | 
 
 
 def steer_hook(
-    entries: list[tuple[Callable, int, float]],
+    entries: list[tuple[Callable, int, float, bool]],
     post: bool,
     host_counts: np.ndarray | None,
     rewrites: bool = False,
@@ -304,7 +311,8 @@ def steer_hook(
     splice: tuple[int, int] | None = None,
 ) -> Callable[..., None]:
     """A forward hook that steers the ids written at one module:
-    ``(pair, index in counts, scale)`` each, in network order, each one
+    ``(pair, index in counts, scale, heads)`` each (``heads``: attn_z, only
+    patched, per head), in network order, each one
     followed by its rewrites (``rewrites``: the engine patches or splices;
     ``splice``: ``(index of the SAE's point, the splice's index)`` at the
     module of the SAE's point). ``host_counts`` / ``rw_host_counts``: on
@@ -312,8 +320,9 @@ def steer_hook(
     steers returns after one memory read per point."""
     from vllm_hidden_states.worker.rewrite_op import patch, splice_rows
 
-    indices = [index for _, index, _ in entries]
-    rw_indices = [*indices, splice[1]] if splice is not None else indices
+    indices = [index for _, index, _, heads in entries if not heads]
+    every = [index for _, index, _, _ in entries]
+    rw_indices = [*every, splice[1]] if splice is not None else every
 
     def steer_points(module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
         # is_compiling() first: Dynamo must not see the numpy view at all.
@@ -324,25 +333,26 @@ def steer_hook(
             else:
                 if rw_host_counts is None or not any(rw_host_counts[i] for i in rw_indices):
                     return
-        for pair, index, scale in entries:
+        for pair, index, scale, heads in entries:
             target, other = pair(args, kwargs, output)
-            steer(
-                target,
-                other,
-                module._hs_steer_rows,
-                module._hs_steer_slots,
-                module._hs_steer_counts,
-                index,
-                module._hs_steer_adds,
-                module._hs_steer_dirs,
-                scale,
-                # Registered only on an engine with an SAE (static per graph).
-                getattr(module, "_hs_steer_enc", None),
-                getattr(module, "_hs_steer_dec", None),
-                getattr(module, "_hs_steer_par", None),
-                # Registered only on CPU (the compiled route's slot map).
-                getattr(module, "_hs_steer_token_slots", None),
-            )
+            if not heads:
+                steer(
+                    target,
+                    other,
+                    module._hs_steer_rows,
+                    module._hs_steer_slots,
+                    module._hs_steer_counts,
+                    index,
+                    module._hs_steer_adds,
+                    module._hs_steer_dirs,
+                    scale,
+                    # Registered only on an engine with an SAE (static per graph).
+                    getattr(module, "_hs_steer_enc", None),
+                    getattr(module, "_hs_steer_dec", None),
+                    getattr(module, "_hs_steer_par", None),
+                    # Registered only on CPU (the compiled route's slot map).
+                    getattr(module, "_hs_steer_token_slots", None),
+                )
             if not rewrites:
                 continue
             patch(
@@ -356,6 +366,7 @@ def steer_hook(
                 scale,
                 # Registered only on CPU (the compiled route's row map).
                 getattr(module, "_hs_patch_token_slots", None),
+                heads,
             )
             if splice is not None and index == splice[0]:
                 splice_rows(module, target, other, splice[1], scale)

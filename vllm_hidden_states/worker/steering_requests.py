@@ -44,7 +44,12 @@ class RequestSteering:
         vectors: "NamedVectors",
         index_of: dict[int, int],
         hidden_size: int,
+        widths: dict[int, int] | None = None,
+        table_width: int | None = None,
     ):
+        """``widths``: the width of each point not ``hidden_size`` wide (attn_z
+        ids); ``table_width``: the patch table's (default ``hidden_size``),
+        to which patch rows are padded."""
         by_point: dict[int, list[dict[str, Any]]] = {}
         for item in wire:
             by_point.setdefault(int(item["id"]), []).append(item)
@@ -56,15 +61,17 @@ class RequestSteering:
         # Per stretch: whether it projects (ablates or clamps), not only adds.
         self.projects: list[bool] = []
         # Patches: one stretch per position (``patch_stretches``), its row in
-        # ``patch_rows`` float32 [positions, hidden] (same order).
+        # ``patch_rows`` float32 [positions, table width] (same order); an
+        # ablate_heads: one stretch over its span, one row.
         self.patch_stretches: list[Stretch] = []
         patch_rows: list[np.ndarray] = []
         # The splice: (stretch, edits [[feature, mode, value]], keep_error).
         self.splice: tuple[Stretch, list[list[float]], bool] | None = None
         for capture_id, items in by_point.items():
             if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
+                width = (widths or {}).get(capture_id, hidden_size)
                 for item in items:
-                    self._rewrite(item, index_of[capture_id], vectors, hidden_size, patch_rows)
+                    self._rewrite(item, index_of[capture_id], vectors, width, patch_rows)
                 continue
             bounds = sorted(
                 {int(x["start"]) for x in items}
@@ -92,9 +99,12 @@ class RequestSteering:
                 self.pairs.append(
                     compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
                 )
-        self.patch_rows = (
-            np.concatenate(patch_rows) if patch_rows else np.zeros((0, hidden_size), np.float32)
-        )
+        wide = table_width or hidden_size
+        self.patch_rows = np.zeros((sum(r.shape[0] for r in patch_rows), wide), np.float32)
+        at = 0
+        for rows in patch_rows:  # narrower rows padded (the op reads its point's width)
+            self.patch_rows[at : at + rows.shape[0], : rows.shape[1]] = rows
+            at += rows.shape[0]
 
     def _rewrite(
         self,
@@ -116,6 +126,10 @@ class RequestSteering:
             else vectors.matrix(item["name"])
         )
         patch_rows.append(rows)
+        if item["op"] == "ablate_heads":  # one row over the whole span
+            end = None if item["end"] is None else int(item["end"])
+            self.patch_stretches.append(Stretch(index, start, end, 0, PATCH))
+            return
         self.patch_stretches.extend(
             Stretch(index, start + p, start + p + 1, 0, PATCH) for p in range(rows.shape[0])
         )

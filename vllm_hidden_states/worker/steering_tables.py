@@ -76,6 +76,11 @@ class Steering:
             if is_pp_placeholder(layer):
                 continue  # another pipeline stage owns it
             taps[k] = steer_tap(layer, k, n, layout)
+        # attn_z ids: their width (heads * head_dim, the output projection's
+        # input), as the front-end reads it from the config.
+        self.widths = {
+            k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
+        }
         self.index_of = {k: i for i, k in enumerate(config.ids)}
         num_points = max(len(config.ids), 1)
         self.max_tokens = max_tokens
@@ -117,10 +122,12 @@ class Steering:
         self.rw_slots = torch.zeros_like(self.rw_rows)
         self.rw_counts = torch.zeros(num_points + 1, dtype=torch.int64, device=device)
         self.rw_counts_host = torch.zeros(num_points + 1, dtype=torch.int64)
-        # The patch table: float32 [max_patch_rows + 1, hidden] (row 0 unused).
+        # The patch table: float32 [max_patch_rows + 1, width] (row 0 unused),
+        # width the widest patchable point (attn_z may be wider than hidden).
+        self.table_width = max([hidden_size, *self.widths.values()])
         self.patch_table = torch.zeros(
             config.max_patch_rows + 1 if config.max_patch_rows else 1,
-            hidden_size,
+            self.table_width,
             dtype=torch.float32,
             device=device,
         )
@@ -199,7 +206,7 @@ class Steering:
                 else None
             )
             hook = steer_hook(
-                [(t.pair, i, t.scale) for t, i in entries],
+                [(t.pair, i, t.scale, t.heads) for t, i in entries],
                 when == "post",
                 host_counts,
                 rewrites=self.rewrites,
@@ -228,6 +235,23 @@ class Steering:
             hidden_size,
             route,
         )
+
+    @staticmethod
+    def _z_width(config: SteeringConfig, capture_id: int, module: nn.Module) -> int:
+        """The width of attn_z id ``capture_id`` at its output projection
+        ``module``; ValueError where it is not the config's heads * head_dim
+        (the front-end checks rows against that)."""
+        point = point_of_id(capture_id, config.num_layers)
+        assert point is not None
+        width = int(getattr(module, "input_size_per_partition", 0) or module.in_features)
+        heads, head_dim = config.z_shapes[point[1]]
+        if width != heads * head_dim:
+            raise ValueError(
+                f"attn_z.{point[1]}: {type(module).__name__} takes {width} values per token, "
+                f"not {heads} heads x {head_dim} (the config's); leave attn_z out of "
+                "--steering-points"
+            )
+        return width
 
     @staticmethod
     def _splices(config: SteeringConfig, sae: Any) -> bool:
@@ -266,7 +290,12 @@ class Steering:
                 # A preempted request comes back as new: its old slots go back.
                 self._give_back(new.req_id)
                 self.requests[new.req_id] = RequestSteering(
-                    params.steering, self.vectors, self.index_of, self.hidden_size
+                    params.steering,
+                    self.vectors,
+                    self.index_of,
+                    self.hidden_size,
+                    self.widths,
+                    self.table_width,
                 )
                 self._stretches = None
         if self.requests and scheduler_output.finished_req_ids:
@@ -398,7 +427,8 @@ class Steering:
             if patch_slots is not None:
                 for stretch, slot in zip(request.patch_stretches, patch_slots):
                     owners.append(req_id)
-                    end = stretch.start + 1  # a patch stretch is one position
+                    # A patch's stretch is one position; an ablate_heads' its span.
+                    end = big if stretch.end is None else stretch.end
                     columns.append((stretch.index, stretch.start, end, slot, False, PATCH))
             if request.splice is not None and splice_slots:
                 stretch = request.splice[0]

@@ -353,7 +353,9 @@ class HFReference:
         "add" | "ablate", "vector": tensor [hidden], "strength": float,
         "start": int, "end": int | None}`` (``clamp_sae_feature``: ``"sae"``,
         the SAE's weights as tensors, ``"sae_feature"``, ``"value"``;
-        ``patch``: ``"rows"`` ``[end - start, hidden]``; ``sae_splice``:
+        ``patch``: ``"rows"`` ``[end - start, hidden]``; ``patch_heads``
+        (attn_z): ``"heads"``, ``"head_dim"``, ``"rows"`` ``[end - start or 1,
+        len(heads), head_dim]``; ``sae_splice``:
         :func:`splice_reference`'s keys). The
         point's value ``x`` is the tensor the hook sees times Granite's residual multiplier for the
         blocks' outputs; ``add``: ``x += strength * v``; ``ablate``: ``x -=
@@ -367,6 +369,13 @@ class HFReference:
             if item["op"] == "patch":
                 # The point's value becomes the given rows.
                 rows.copy_((item["rows"].to(torch.float32) / scale).to(rows.dtype))
+                return
+            if item["op"] == "patch_heads":
+                # Head h's columns h * head_dim .. of the point become the
+                # given rows' [:, j] (one row: the same at every position).
+                d = item["head_dim"]
+                for j, h in enumerate(item["heads"]):
+                    rows[:, h * d : (h + 1) * d] = item["rows"][:, j].to(rows.dtype)
                 return
             if item["op"] == "sae_splice":
                 rows.copy_((splice_reference(rows.double() * scale, item) / scale).to(rows.dtype))

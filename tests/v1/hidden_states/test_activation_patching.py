@@ -5,6 +5,9 @@ the same replacement: batches of differently patched requests, the extract
 of "last", n > 1, a patch over a chunked prefill, the patch table full
 (requests wait), and the refusals.
 
+Per-head writes at attn_z (``patch`` with ``heads``, ``ablate_heads``)
+against HF forward pre-hooks on o_proj replacing the same columns.
+
 One in-process engine: tiny Qwen3, eager, every steerable point, a top-k SAE
 at ``blocks.1.hook_resid_pre`` (the splice's point), a 24-row patch table and
 chunked prefill at 64 tokens. The family matrix (test_architectures.py,
@@ -56,6 +59,8 @@ def llm(qwen3_dir, sae):
         engine = LLM(
             model=str(qwen3_dir),
             enable_hidden_states=True,
+            # The heads' outputs where a per-head patch writes them.
+            hidden_states_points="attn_z.2",
             enable_steering=True,
             steering_points="all",
             sae=str(sae["path"]),
@@ -204,6 +209,139 @@ def test_requests_whose_rows_do_not_fit_the_table_wait_and_finish_exact(llm, hf_
     outs = llm.generate([PROMPT] * 3, [params([x]) for x in items], use_tqdm=False)
     for j, (out, item) in enumerate(zip(outs, items)):
         assert_like_hf(out, hf_qwen3, [reference_item(item)], f"request {j} of 3")
+
+
+# -- per-head patching and ablation at attn_z -----------------------------------
+
+
+def head_dim_of(hf: HFReference) -> int:
+    config = hf.model.config
+    return int(getattr(config, "head_dim", 0) or config.hidden_size // config.num_attention_heads)
+
+
+def head_rows(rows: torch.Tensor, heads: list[int], d: int) -> torch.Tensor:
+    """``[n, len(heads), d]``: the given heads' columns of attn_z rows."""
+    return torch.stack([rows[:, h * d : (h + 1) * d] for h in heads], dim=1).contiguous()
+
+
+def head_reference(item: dict, hf: HFReference) -> dict:
+    """A per-head intervention as HFReference.steering's ``patch_heads``
+    (a patch without heads: the plain ``patch``)."""
+    if item["op"] == "patch" and "heads" not in item:
+        return reference_item(item)
+    d = head_dim_of(hf)
+    if item["op"] == "patch":
+        rows = torch.from_numpy(np.asarray(item["rows"], dtype=np.float32))
+        start, end = item["positions"]["start"], item["positions"]["end"]
+    else:
+        mean = item.get("mean")
+        rows = (
+            torch.zeros(1, len(item["heads"]), d)
+            if mean is None
+            else torch.as_tensor(np.asarray(mean, dtype=np.float32))[None]
+        )
+        start, end = 0, None
+    layer = item["point"].split(".")[1]  # attn_z.i or blocks.i.attn.hook_z
+    return {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": item["heads"],
+            "head_dim": d, "rows": rows, "start": start, "end": end}  # fmt: skip
+
+
+def per_head_items(llm, hf: HFReference) -> list[dict]:
+    """A per-head patch (donor rows of head 1), a zero ablation of head 0,
+    a mean ablation of both heads in reverse order, and a patch of every
+    head (flat rows, as captured), at attention layers 1..3."""
+    d = head_dim_of(hf)
+    donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
+    mean = head_rows(donor["attn_z.3"], [1, 0], d).mean(0)
+    return [
+        {"point": "attn_z.2", "op": "patch", "heads": [1],
+         "rows": head_rows(donor["attn_z.2"][2:6], [1], d).numpy(),
+         "positions": {"start": 2, "end": 6}},
+        {"point": "blocks.1.attn.hook_z", "op": "ablate_heads", "heads": [0]},
+        {"point": "attn_z.3", "op": "ablate_heads", "heads": [1, 0], "mode": "mean",
+         "mean": mean.tolist()},
+        patch("attn_z.1", donor["attn_z.1"][3:5].float(), 3),
+    ]  # fmt: skip
+
+
+def test_per_head_patches_and_ablations_share_a_batch_each_exact(llm, hf_qwen3):
+    """Each per-head write matches HF forward pre-hooks on o_proj replacing
+    the same columns, in one batch with an unpatched request."""
+    items = per_head_items(llm, hf_qwen3)
+    plain = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, return_hidden_states=True,
+        hidden_states_layers=list(range(5)), hidden_states_positions="all",
+    )  # fmt: skip
+    outs = llm.generate(
+        [PROMPT] * (len(items) + 1), [params([x]) for x in items] + [plain], use_tqdm=False
+    )
+    for out, item in zip(outs, items):
+        what = f"{item['op']} at {item['point']} heads {item.get('heads', 'all')} in a batch"
+        assert_like_hf(out, hf_qwen3, [head_reference(item, hf_qwen3)], what)
+    expected = hf_qwen3.states(token_ids_of(outs[-1]))
+    for layer in range(hf_qwen3.num_layers + 1):
+        got = outs[-1].outputs[0].hidden_states[layer]
+        assert_close(got, expected[layer], f"unpatched beside per-head patches, layer {layer}")
+
+
+def test_a_per_head_patch_writes_its_heads_and_keeps_the_others(llm, hf_qwen3):
+    """attn_z.2 read after the write: head 1's columns are the given rows
+    bit for bit over the window; head 0's, and every column elsewhere, are
+    the model's own (HF's)."""
+    item = per_head_items(llm, hf_qwen3)[0]
+    d = head_dim_of(hf_qwen3)
+    (out,) = llm.generate(
+        [PROMPT], params([item], hidden_states_points=["attn_z.2"]), use_tqdm=False
+    )
+    got = out.outputs[0].hidden_states["attn_z.2"]
+    given = torch.from_numpy(item["rows"])[:, 0]
+    assert torch.equal(got[2:6, d : 2 * d], given), "head 1 is not the given rows"
+    own = hf_qwen3.points(token_ids_of(out))["attn_z.2"]
+    assert_close(got[:, :d], own[:, :d], "head 0 of attn_z.2")
+    assert_close(torch.cat([got[:2], got[6:]]), torch.cat([own[:2], own[6:]]), "outside")
+
+
+def test_the_final_tokens_extract_replays_a_head_ablation(llm, hf_qwen3):
+    """ "last" is read by a recomputing extract: it ablates the same heads
+    at every position, the final token's included."""
+    item = per_head_items(llm, hf_qwen3)[2]
+    (out,) = llm.generate([PROMPT], params([item], positions="last"), use_tqdm=False)
+    expected = hf_qwen3.steered_states(token_ids_of(out), [head_reference(item, hf_qwen3)])
+    for layer in range(hf_qwen3.num_layers + 1):
+        assert_close(out.outputs[0].hidden_states[layer], expected[layer][-1:], f"last {layer}")
+
+
+def _bad_head_items(d: int) -> list[tuple[dict, tuple[str, ...]]]:
+    nan_rows = np.zeros((2, 1, d), np.float32)
+    nan_rows[1, 0, 3] = np.nan
+    window = {"start": 0, "end": 2}
+    return [
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [2]},
+         ("head 2 is out of range", "0..1")),
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [1, 1]}, ("head 1 is given twice",)),
+        ({"point": "attn_z.1", "op": "patch", "heads": [0], "rows": np.zeros((2, 2, d)),
+          "positions": window}, (f"[n, 1, {d}]", "got shape [2, 2, 64]")),
+        ({"point": "attn_z.1", "op": "patch", "heads": [0], "rows": nan_rows,
+          "positions": window}, ("must be finite",)),
+        ({"point": "resid_pre.1", "op": "patch", "heads": [0], "rows": np.zeros((2, 1, d)),
+          "positions": window}, ("heads selects attention heads of an attn_z point",)),
+        ({"point": "resid_pre.1", "op": "ablate_heads", "heads": [0]}, ("its point is attn_z",)),
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [0], "mode": "one"},
+         ("must be one of ['zero', 'mean']",)),
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [0], "mode": "mean"},
+         (f"needs mean: [1, {d}]",)),
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [0], "mode": "mean",
+          "mean": np.zeros((2, d))}, (f"must be [1, {d}]", "got shape [2, 64]")),
+        ({"point": "attn_z.1", "op": "ablate_heads", "heads": [0], "mean": np.zeros((1, d))},
+         ("mean belongs to mode 'mean'",)),
+        ({"point": "attn_z.1", "vector": [1.0] * 128}, ("attn_z cannot be steered by 'add'",)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_per_head_interventions_are_refused_naming_what_is_allowed(llm, hf_qwen3, case):
+    item, needles = _bad_head_items(head_dim_of(hf_qwen3))[case]
+    refused(llm, [item], "steering[0].", *needles)
 
 
 # -- refusals: before the engine sees the request ------------------------------

@@ -274,8 +274,9 @@ def test_a_point_that_does_not_fit_a_hybrid_layer_is_refused_per_request(
 def test_attn_z_at_a_mamba_layer_is_refused_per_request_and_never_steered(arch):
     """The heads' outputs (attn_z) exist only where the mixer is attention:
     at a Mamba2 layer the request is refused naming the layer class, its
-    points and the layers with attn_z; steering at attn_z is refused at an
-    attention layer too (a capture point only)."""
+    points and the layers with attn_z, ablate_heads there too; add at
+    attn_z is refused at an attention layer (only patch and ablate_heads
+    write the heads' outputs)."""
     llm, hf = engine_for(arch)
     model = layers_of(hf)
     attention = [i for i in range(hf.num_layers) if "attn_z" in model.kinds_at(i)]
@@ -289,6 +290,11 @@ def test_attn_z_at_a_mamba_layer_is_refused_per_request_and_never_steered(arch):
     )
     with pytest.raises(VLLMValidationError, match=why):
         llm.generate([PROMPT], capture, use_tqdm=False)
+    ablate = SamplingParams(
+        max_tokens=1, steering=[{"point": f"attn_z.{mamba}", "op": "ablate_heads", "heads": [0]}]
+    )
+    with pytest.raises(VLLMValidationError, match=why):
+        llm.generate([PROMPT], ablate, use_tqdm=False)
     steer = steered(hf, [{"point": f"attn_z.{attention[0]}", "vector": random_vector(hf, 0)}])
     with pytest.raises(VLLMValidationError, match="attn_z cannot be steered"):
         llm.generate([PROMPT], steer, use_tqdm=False)
@@ -735,6 +741,79 @@ def test_compiled_engine_patches_like_hf_hooks(compiled_arch):
     outs = llm.generate([PROMPT] * len(items), [patched(hf, x) for x in items], use_tqdm=False)
     for out, item in zip(outs, items):
         assert_patched_like_hf(out, hf, item, f"compiled {compiled_arch} patch at {item['point']}")
+
+
+def head_items(llm, hf: HFReference) -> tuple[list[dict], list[dict]]:
+    """Per-head writes at two attention layers (the engine's items and HF's
+    ``patch_heads`` references): the donor's head 1 over PATCHED, head 0
+    zeroed at every position, both heads (reversed) set to the donor's mean."""
+    config = hf.model.config.get_text_config()
+    d = int(getattr(config, "head_dim", 0) or config.hidden_size // config.num_attention_heads)
+    layer = hf.num_layers // 2
+    donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
+
+    def heads_of(rows: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        return torch.stack([rows[:, h * d : (h + 1) * d] for h in heads], dim=1).contiguous()
+
+    rows = heads_of(donor[f"attn_z.{layer}"][PATCHED[0] : PATCHED[1]].float(), [1])
+    mean = heads_of(donor[f"attn_z.{layer - 1}"].float(), [1, 0]).mean(0)
+    window = {"start": PATCHED[0], "end": PATCHED[1]}
+    items = [
+        {"point": f"attn_z.{layer}", "op": "patch", "heads": [1], "rows": rows.numpy(),
+         "positions": window},
+        {"point": f"attn_z.{layer - 1}", "op": "ablate_heads", "heads": [0]},
+        {"point": f"attn_z.{layer - 1}", "op": "ablate_heads", "heads": [1, 0], "mode": "mean",
+         "mean": mean.numpy()},
+    ]  # fmt: skip
+    references = [
+        {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": [1], "head_dim": d,
+         "rows": rows, "start": PATCHED[0], "end": PATCHED[1]},
+        {"point": f"attn_z.{layer - 1}", "op": "patch_heads", "heads": [0], "head_dim": d,
+         "rows": torch.zeros(1, 1, d), "start": 0, "end": None},
+        {"point": f"attn_z.{layer - 1}", "op": "patch_heads", "heads": [1, 0], "head_dim": d,
+         "rows": mean[None], "start": 0, "end": None},
+    ]  # fmt: skip
+    return items, references
+
+
+@pytest.mark.parametrize("compiled_arch", ["llama"], indirect=True, scope="module")
+def test_compiled_engine_patches_and_ablates_heads_like_hf_hooks(compiled_arch):
+    """patch with heads and ablate_heads at attn_z under torch.compile
+    (Inductor: the write is aten ops in the graph), one batch with an
+    unpatched request: every layer, and every attn_z point, as HF forward
+    pre-hooks on o_proj replacing the same columns."""
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    items, references = head_items(llm, hf)
+    z_points = [f"attn_z.{i}" for i in range(hf.num_layers)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            return_hidden_states=True,
+            hidden_states_layers=list(range(hf.num_layers + 1)),
+            hidden_states_points=z_points,
+            hidden_states_positions="all",
+            steering=[item] if item else None,
+        )
+        for item in [*items, None]
+    ]
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for out, item, reference in zip(outs, [*items, None], [*references, None]):
+        what = f"compiled {compiled_arch} {item and item['op']} at {item and item['point']}"
+        ids = token_ids_of(out)
+        expected = hf.steered_states(ids, [reference] if reference else [])
+        points = hf.steered_points(ids, [reference] if reference else [])
+        got = out.outputs[0].hidden_states
+        for layer in range(hf.num_layers + 1):
+            assert_close(got[layer], expected[layer], f"{what} layer {layer}")
+        for address in z_points:
+            assert_close(got[address], points[address], f"{what} {address}")
+        if reference is not None:
+            plain = hf.states(ids)
+            changed = max(
+                (r - p).abs().max() / p.abs().max() for r, p in zip(expected[1:], plain[1:])
+            )
+            assert changed > 3 * REL_TOL, f"{what}: changed no layer (by {changed:.1e})"
 
 
 def test_points_are_captured_after_the_steering_at_them(arch):
