@@ -63,14 +63,21 @@ def _finite32(array: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode_rows(value: Any, hidden_size: int, width_name: str = "hidden_size") -> np.ndarray:
+def decode_rows(
+    value: Any, hidden_size: int, width_name: str = "hidden_size", heads: int = 0
+) -> np.ndarray:
     """``value`` (see module doc) as float32 ``[n, hidden_size]``, every
     value finite; ValueError saying what was wrong and what is allowed
-    (``width_name``: what the width is, heads * head_dim at attn_z)."""
+    (``width_name``: what the width is, heads * head_dim at attn_z).
+    ``heads`` (attn_z): ``[n, heads, hidden_size / heads]``, as captured,
+    is taken too, flattened."""
     array = _as_array(value, ROWS_FORM)
+    if heads and array.ndim == 3 and array.shape[1:] == (heads, hidden_size // heads):
+        array = array.reshape(array.shape[0], hidden_size)
     if array.ndim != 2 or array.shape[1] != hidden_size or array.shape[0] < 1:
+        also = f" or [n, {heads}, {hidden_size // heads}] (as captured)" if heads else ""
         raise ValueError(
-            f"must be [n, {hidden_size}] (n >= 1 positions; {hidden_size} is the "
+            f"must be [n, {hidden_size}]{also} (n >= 1 positions; {hidden_size} is the "
             f"point's width, {width_name}), got shape {list(array.shape)}"
         )
     return _finite32(array)

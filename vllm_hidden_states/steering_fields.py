@@ -198,11 +198,17 @@ def _vector_source(
 
 
 def _patch_rows(
-    item: dict[str, Any], cfg: SteeringConfig, hidden_size: int, i: int, width_name: str
+    item: dict[str, Any],
+    cfg: SteeringConfig,
+    hidden_size: int,
+    i: int,
+    width_name: str,
+    heads: int = 0,
 ) -> tuple[bytes | None, str | None, int]:
     """``(rows as wire bytes, matrix name, row count)`` of a patch: exactly
     one of ``rows`` and ``name``; ``hidden_size`` the point's width
-    (``width_name``: what it is)."""
+    (``width_name``: what it is; ``heads``: attn_z's, whose rows may come
+    ``[n, heads, head_dim]``)."""
     from vllm_hidden_states.patch_rows import decode_rows, rows_bytes
 
     if item.get("capture") is not None:
@@ -223,7 +229,7 @@ def _patch_rows(
         )
     if given[0] == "rows":
         try:
-            rows = decode_rows(item["rows"], hidden_size, width_name)
+            rows = decode_rows(item["rows"], hidden_size, width_name, heads)
         except ValueError as e:
             raise _fail(i, "rows", str(e)) from None
         return rows_bytes(rows), None, rows.shape[0]
@@ -530,9 +536,9 @@ def _head_wire(
     ablate_heads at ``attn_z.<layer>``: rows ``heads * head_dim`` wide,
     NaN in the columns of the heads not written (the worker keeps the
     point's own values there; a request's rows are finite, so NaN means
-    only that). A patch without ``heads`` is rows of every head, flat, as
-    captured; ablate_heads is one row, written at every position of its
-    span."""
+    only that). A patch without ``heads`` is rows of every head, ``[n,
+    heads, head_dim]`` as captured or flat; ablate_heads is one row,
+    written at every position of its span."""
     import numpy as np
 
     from vllm_hidden_states.patch_rows import decode_head_rows, decode_head_values, rows_bytes
@@ -542,7 +548,7 @@ def _head_wire(
         raise _fail(i, "point", "this engine does not know the heads' shape at this layer")
     num_heads, head_dim = shapes[layer]
     if op == "patch" and item.get("heads") is None:
-        return _patch_rows(item, cfg, num_heads * head_dim, i, "heads * head_dim")
+        return _patch_rows(item, cfg, num_heads * head_dim, i, "heads * head_dim", num_heads)
     heads = _heads_of(item.get("heads"), num_heads, i)
     if op == "patch":
         if item.get("rows") is None:

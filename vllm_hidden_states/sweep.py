@@ -35,20 +35,6 @@ from vllm_hidden_states.steering_config import STEERABLE_KINDS
 DEFAULT_MAX_CELLS = 4096
 MAX_CELLS_FLAG = "--patch-sweep-max-cells"
 
-# ---------------------------------------------------------------------------
-# THE ONE SWITCH of the heads axis. A head point (``attn_z.L``) sweeps a
-# heads axis: its cell (point, head h, position p) patches the clean run's
-# head h at p, ``{"op": "patch", "point": "attn_z.L", "heads": [h], "rows":
-# [1, 1, head_dim], "positions": {"start": p, "end": p + 1}}`` (the per-head
-# ``patch`` of issue 57's other half). Until that op is in this build every
-# head point is refused (400 naming it); set True once it is, and
-# :func:`cell_steering` already builds its cells.
-HEAD_PATCHING_AVAILABLE = False
-HEADS_OFF = (
-    "per-head patching (the 'patch' op at attn_z.L with 'heads') is not available in "
-    "this build; sweep resid_pre, attn_out, resid_mid, mlp_out or resid_post points"
-)
-# ---------------------------------------------------------------------------
 
 METRIC_FORMS = (
     '{"logit_diff": [answer, wrong]} (log p(answer) - log p(wrong)) or {"logprob": token} '
@@ -343,13 +329,9 @@ def check_points(points: Any, hs_cfg: Any, steer_cfg: Any) -> tuple[list[str], l
             kind, layer = parse_point(address, n)
         except ValueError as e:
             raise SweepError(f"'{where}': {e}", "points") from None
-        if is_z_address(address):
-            # Head points: see HEAD_PATCHING_AVAILABLE.
-            if not HEAD_PATCHING_AVAILABLE:
-                raise SweepError(f"'{where}' {address!r}: {HEADS_OFF}", "points")
-            heads.append(address)
-        else:
-            plain.append(address)
+        # A head point (attn_z.L) sweeps a heads axis: its cell (point, head
+        # h, position p) patches the clean run's head h at p only.
+        (heads if is_z_address(address) else plain).append(address)
         if not is_z_address(address) and (
             kind not in STEERABLE_KINDS or is_pattern_address(address)
         ):
@@ -461,7 +443,8 @@ def metric_params(sweep: SweepPlan, steering: list[dict] | None = None) -> dict[
 
 
 def clean_rows(sweep: SweepPlan, states: Mapping[Any, Any]) -> dict[str, np.ndarray]:
-    """The clean run's rows per point, float32 ``[positions, width]``."""
+    """The clean run's rows per point, float32 ``[positions, width]``
+    (a head point's ``[positions, heads, head_dim]``)."""
     out = {}
     for point in sweep.capture_points:
         rows = states[point]
@@ -478,11 +461,10 @@ def cell_steering(sweep: SweepPlan, cell: Cell, rows: Mapping[str, np.ndarray]) 
     if cell.head is None:
         return [{"op": "patch", "point": cell.point, "rows": rows[cell.point][p : p + 1],
                  "positions": {"start": p, "end": p + 1}}]  # fmt: skip
-    # A head point (HEAD_PATCHING_AVAILABLE): its head's head_dim columns.
-    head_dim = rows[cell.point].shape[1] // sweep.num_heads
+    # A head point: its head's row, [1, 1, head_dim].
     h = cell.head
-    row = rows[cell.point][p : p + 1, h * head_dim : (h + 1) * head_dim]
-    return [{"op": "patch", "point": cell.point, "heads": [h], "rows": row.reshape(1, 1, head_dim),
+    row = rows[cell.point][p : p + 1, h : h + 1]
+    return [{"op": "patch", "point": cell.point, "heads": [h], "rows": row,
              "positions": {"start": p, "end": p + 1}}]  # fmt: skip
 
 

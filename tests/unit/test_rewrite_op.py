@@ -194,6 +194,21 @@ def test_float16_rows_widen_to_float32():
     assert np.array_equal(decode_rows(encode_rows(rows, "float16"), H), rows.astype(np.float32))
 
 
+def test_attn_z_rows_come_as_captured_or_flat_and_go_on_the_wire_flat():
+    """attn_z (``heads`` given): ``[n, heads, head_dim]``, as captured, and
+    the flat ``[n, heads * head_dim]`` decode to the same flat rows."""
+    heads = 4
+    rows = np.random.default_rng(2).standard_normal((3, heads, H // heads)).astype(np.float32)
+    flat = rows.reshape(3, H)
+    assert np.array_equal(decode_rows(rows, H, "heads * head_dim", heads), flat)
+    assert np.array_equal(decode_rows(encode_rows(rows), H, "heads * head_dim", heads), flat)
+    assert np.array_equal(decode_rows(flat, H, "heads * head_dim", heads), flat)
+    with pytest.raises(ValueError, match=rf"\[n, {H}\] or \[n, 4, {H // 4}\] \(as captured\)"):
+        decode_rows(rows[:, :2], H, "heads * head_dim", heads)
+    with pytest.raises(ValueError, match=rf"must be \[n, {H}\] \(n >= 1"):
+        decode_rows(rows, H)  # a point without heads takes no 3-D rows
+
+
 @pytest.mark.parametrize(
     "value, message",
     [

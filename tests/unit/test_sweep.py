@@ -67,7 +67,6 @@ def test_a_plan_expands_points_by_positions_and_reads_its_metric():
         (dict(metric={"logprob": "a b"}), "metric", "encodes to 2 tokens"),
         (dict(metric={"logit_diff": [3, 3]}), "metric", "twice"),
         (dict(heads=[0]), "heads", "attn_z"),
-        (dict(points=["attn_z.1"]), "points", sweep.HEADS_OFF),
         (dict(max_cells=2), "points", "3 cells"),
     ],
 )
@@ -85,11 +84,10 @@ def test_a_plain_cell_patches_its_one_clean_row():
     assert item["rows"].tolist() == [[4, 5, 6, 7]]
 
 
-def test_with_the_heads_axis_switched_on_a_head_cell_patches_its_heads_columns(monkeypatch):
-    monkeypatch.setattr(sweep, "HEAD_PATCHING_AVAILABLE", True)
+def test_a_head_cell_patches_its_one_head_of_the_clean_row():
     p = plan(points=["resid_pre.0", "attn_z.2"], heads=[1], positions=[0, 2])
     assert p.rows == [("resid_pre.0", None), ("attn_z.2", 1)]
-    z = np.arange(3 * HEADS * HEAD_DIM, dtype=np.float32).reshape(3, HEADS * HEAD_DIM)
+    z = np.arange(3 * HEADS * HEAD_DIM, dtype=np.float32).reshape(3, HEADS, HEAD_DIM)
     cell = p.cells()[3]  # attn_z.2, head 1, position 2
     (item,) = sweep.cell_steering(p, cell, {"attn_z.2": z})
     assert item["heads"] == [1] and item["positions"] == {"start": 2, "end": 3}

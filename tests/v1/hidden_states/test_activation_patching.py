@@ -104,6 +104,7 @@ def reference_item(item: dict, sae: dict | None = None) -> dict:
     """An intervention as HFReference.steering takes it."""
     if item["op"] == "patch":
         rows = torch.from_numpy(np.asarray(item["rows"]))
+        rows = rows.flatten(1)  # attn_z's [n, heads, head_dim]: the flat input of o_proj
         start = item["positions"]["start"]
         return {"point": item["point"], "op": "patch", "rows": rows, "start": start,
                 "end": start + rows.shape[0]}  # fmt: skip
@@ -219,9 +220,10 @@ def head_dim_of(hf: HFReference) -> int:
     return int(getattr(config, "head_dim", 0) or config.hidden_size // config.num_attention_heads)
 
 
-def head_rows(rows: torch.Tensor, heads: list[int], d: int) -> torch.Tensor:
-    """``[n, len(heads), d]``: the given heads' columns of attn_z rows."""
-    return torch.stack([rows[:, h * d : (h + 1) * d] for h in heads], dim=1).contiguous()
+def head_rows(rows: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """``[n, len(heads), head_dim]``: the given heads of attn_z rows ``[n,
+    heads, head_dim]``."""
+    return rows[:, heads].contiguous()
 
 
 def head_reference(item: dict, hf: HFReference) -> dict:
@@ -249,13 +251,13 @@ def head_reference(item: dict, hf: HFReference) -> dict:
 def per_head_items(llm, hf: HFReference) -> list[dict]:
     """A per-head patch (donor rows of head 1), a zero ablation of head 0,
     a mean ablation of both heads in reverse order, and a patch of every
-    head (flat rows, as captured), at attention layers 1..3."""
-    d = head_dim_of(hf)
+    head (rows ``[n, heads, head_dim]``, as captured), at attention layers
+    1..3."""
     donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
-    mean = head_rows(donor["attn_z.3"], [1, 0], d).mean(0)
+    mean = head_rows(donor["attn_z.3"], [1, 0]).mean(0)
     return [
         {"point": "attn_z.2", "op": "patch", "heads": [1],
-         "rows": head_rows(donor["attn_z.2"][2:6], [1], d).numpy(),
+         "rows": head_rows(donor["attn_z.2"][2:6], [1]).numpy(),
          "positions": {"start": 2, "end": 6}},
         {"point": "blocks.1.attn.hook_z", "op": "ablate_heads", "heads": [0]},
         {"point": "attn_z.3", "op": "ablate_heads", "heads": [1, 0], "mode": "mean",
@@ -293,11 +295,12 @@ def test_a_per_head_patch_writes_its_heads_and_keeps_the_others(llm, hf_qwen3):
     (out,) = llm.generate(
         [PROMPT], params([item], hidden_states_points=["attn_z.2"]), use_tqdm=False
     )
-    got = out.outputs[0].hidden_states["attn_z.2"]
+    got = out.outputs[0].hidden_states["attn_z.2"]  # [positions, heads, head_dim]
+    assert got.shape[1:] == (hf_qwen3.num_heads, d)
     given = torch.from_numpy(item["rows"])[:, 0]
-    assert torch.equal(got[2:6, d : 2 * d], given), "head 1 is not the given rows"
+    assert torch.equal(got[2:6, 1], given), "head 1 is not the given rows"
     own = hf_qwen3.points(token_ids_of(out))["attn_z.2"]
-    assert_close(got[:, :d], own[:, :d], "head 0 of attn_z.2")
+    assert_close(got[:, 0], own[:, 0], "head 0 of attn_z.2")
     assert_close(torch.cat([got[:2], got[6:]]), torch.cat([own[:2], own[6:]]), "outside")
 
 

@@ -4,7 +4,7 @@
 
 One real ``vllm serve`` on loopback for the file: tiny Qwen3,
 ``--enable-steering --steering-points all --hidden-states-points
-attn_out,mlp_out --max-patch-rows 64 --patch-sweep-max-cells 100``. The
+attn_out,mlp_out,attn_z --max-patch-rows 64 --patch-sweep-max-cells 100``. The
 grid is checked against HF transformers whose forward hooks make the same
 patch, and cell by cell against the same patch sent as its own
 /v1/completions request (the official ``openai`` client); the refusals are
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_hidden_states.patch_rows import encode_rows
-from vllm_hidden_states.sweep import HEADS_OFF, SweepError, patch_sweep
+from vllm_hidden_states.sweep import SweepError, patch_sweep
 
 from .conftest import HFReference
 from .server_utils import ServerProcess, running_server, sse_events
@@ -42,7 +42,7 @@ def server(qwen3_dir, tmp_path_factory):
             "--steering-points",
             "all",
             "--hidden-states-points",
-            "attn_out,mlp_out",
+            "attn_out,mlp_out,attn_z",
             "--max-patch-rows",
             "64",
             "--max-model-len",
@@ -121,6 +121,25 @@ def hf_grid(hf: HFReference, ids: dict, points: list[str], positions: list[int])
             item = {"point": point, "op": "patch", "rows": rows, "start": p, "end": p + 1}
             grid[i, j] = diff(ids["corrupted"], [item])
     return grid, diff(ids["clean"]), diff(ids["corrupted"])
+
+
+@torch.inference_mode()
+def hf_head_grid(hf: HFReference, ids: dict, point: str, positions: list[int]) -> np.ndarray:
+    """``[heads, positions]``: the logit difference of the corrupted prompt
+    with head h of ``point`` (attn_z, ``[positions, heads, head_dim]``) at a
+    position replaced by the clean prompt's, the other heads kept."""
+    donor = hf.points(ids["clean"])[point]
+    out = np.zeros((hf.num_heads, len(positions)))
+    for h in range(hf.num_heads):
+        for j, p in enumerate(positions):
+            rows = donor[p : p + 1, h : h + 1].float()  # [1, 1, head_dim]
+            item = {"point": point, "op": "patch_heads", "heads": [h], "head_dim": rows.shape[-1],
+                    "rows": rows, "start": p, "end": p + 1}  # fmt: skip
+            with hf.steering([item]):
+                logits = hf.model(torch.tensor([ids["corrupted"]])).logits[0, -1].double()
+            lp = torch.log_softmax(logits, -1)
+            out[h, j] = float(lp[ids["answer"]] - lp[ids["wrong"]])
+    return out
 
 
 def test_the_grid_and_baselines_equal_hf_hooks_doing_the_same_patches(answer, hf_qwen3, ids):
@@ -246,9 +265,27 @@ def test_a_sweep_over_the_cell_limit_is_a_400_naming_the_flag(http):
             "--patch-sweep-max-cells")  # fmt: skip
 
 
-def test_a_heads_axis_is_refused_until_per_head_patching_is_in_this_build(http):
-    refusal(http, body(points=["resid_pre.0", "attn_z.1"], heads=[0, 1]), "points",
-            "'attn_z.1'", HEADS_OFF)  # fmt: skip
+def test_a_head_point_sweeps_its_heads_each_cell_as_hf_patching_that_head(http, hf_qwen3, ids):
+    """A plain point beside a head point (attn_z.1, every head): the head
+    grid ``[head points, heads, positions]`` equals HF hooks writing that
+    one head of o_proj's input; the plain row stays in ``grid``."""
+    positions = [7, 16]
+    r = http.post(
+        "/v1/patch_sweep",
+        json=body(points=["resid_pre.1", "attn_z.1"], positions=positions, heads="all"),
+    )
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    heads = hf_qwen3.num_heads
+    assert answer["points"] == ["resid_pre.1"] and answer["head_points"] == ["attn_z.1"]
+    assert answer["heads"] == list(range(heads))
+    got = np.asarray(answer["head_grid"])
+    assert got.shape == (1, heads, len(positions))
+    expected = hf_head_grid(hf_qwen3, ids, "attn_z.1", positions)
+    assert np.abs(got[0] - expected).max() < 1e-3, np.abs(got[0] - expected).max()
+    assert np.ptp(expected) > 1e-3, "no head moved the metric"
+    grid, _, _ = hf_grid(hf_qwen3, ids, ["resid_pre.1"], positions)
+    assert np.abs(np.asarray(answer["grid"]) - grid).max() < 1e-3
 
 
 def test_the_server_keeps_serving_after_refusals(http):
