@@ -6,10 +6,11 @@ Answers ``{"object": "list", "data": [{"object": "steering_vector", "name",
 "max_interventions": k, "max_patch_rows": r}``: the named vectors of
 ``--steering-vectors DIR`` (sorted by name; empty without one), its matrices
 of patch rows, the patch table's rows (``--max-patch-rows``) and every
-address a request may steer (``resid_post.i`` and ``resid_pre.(i+1)`` are one
-point under two names, both listed). Without ``--enable-steering`` it is a
-404 naming the flag: the resource does not exist there, which a client can
-tell from an engine that steers but has no named vectors.
+address a request may write (``resid_post.i`` and ``resid_pre.(i+1)`` are
+one point under two names, both listed; ``attn_z.i`` where heads are
+writable). Without ``--enable-steering`` it is a 404 naming the flag: the
+resource does not exist there, which a client can tell from an engine that
+steers but has no named vectors.
 """
 
 from http import HTTPStatus
@@ -22,18 +23,20 @@ from fastapi.responses import Response
 from vllm_hidden_states.points import point_id
 from vllm_hidden_states.server.errors import ApiError
 from vllm_hidden_states.server.request_checks import steering_config
-from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, STEERABLE_KINDS, SteeringConfig
+from vllm_hidden_states.steering_config import ENABLE_STEERING_HINT, WRITABLE_KINDS, SteeringConfig
 
 router = APIRouter()
 
 
-def steerable_points(cfg: SteeringConfig) -> list[str]:
-    """Every address a request may steer, layer by layer in network order."""
+def writable_points(cfg: SteeringConfig) -> list[str]:
+    """Every address a request may write, layer by layer: the steerable
+    points in network order, then the layer's heads' outputs (attn_z:
+    ``patch`` and ``ablate_heads`` only) where they are writable."""
     ids, n = set(cfg.ids), cfg.num_layers
     return [
         f"{kind}.{layer}"
         for layer in range(n)
-        for kind in STEERABLE_KINDS
+        for kind in WRITABLE_KINDS
         if point_id(kind, layer, n) in ids  # type: ignore[arg-type]
     ]
 
@@ -49,7 +52,7 @@ def steering_vectors_body(cfg: SteeringConfig) -> dict[str, Any]:
         "matrices": [
             {"name": name, "shape": shape} for name, shape in sorted(cfg.matrices.items())
         ],
-        "points": steerable_points(cfg),
+        "points": writable_points(cfg),
         "max_interventions": cfg.max_interventions,
         "max_patch_rows": cfg.max_patch_rows,
     }

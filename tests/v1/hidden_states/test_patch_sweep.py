@@ -11,6 +11,11 @@ patch, and cell by cell against the same patch sent as its own
 OpenAI error bodies naming the field.
 """
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import numpy as np
 import openai
@@ -310,3 +315,38 @@ def test_the_llm_helper_equals_hf_hooks_and_refuses_alike(llm, hf_qwen3, ids):
         patch_sweep(llm, clean=CLEAN, corrupted=CORRUPTED, points=points,
                     metric={"logprob": ANSWER}, max_cells=5)  # fmt: skip
     assert e.value.param == "points"
+
+
+def test_the_head_patching_example_sweeps_heads_in_one_call_like_hf(
+    server, hf_qwen3, tokenizer, tmp_path
+):
+    """examples/head_patching.py against this server (alone, it starts
+    ``make serve``'s with the same flags): its heads x positions grid at
+    attn_z.2 equals HF hooks writing each head, and it plots it."""
+    examples = Path(__file__).parents[3] / "examples"
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(examples / "head_patching.py"), "--base-url", server.base_url,
+         "--out", str(out), "--layers", "2"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    answer = json.loads((out / "head_patching.json").read_text())
+    assert (out / "head_patching.png").stat().st_size > 0
+    sys.path.insert(0, str(examples))
+    try:
+        import head_patching
+    finally:
+        sys.path.remove(str(examples))
+    encode = tokenizer.encode
+    ids = {
+        "clean": encode(head_patching.CLEAN),
+        "corrupted": encode(head_patching.CORRUPTED),
+        "answer": encode(head_patching.A, add_special_tokens=False)[0],
+        "wrong": encode(head_patching.B, add_special_tokens=False)[0],
+    }
+    assert answer["head_points"] == ["attn_z.2"]
+    assert answer["positions"] == list(range(len(ids["clean"])))
+    expected = hf_head_grid(hf_qwen3, ids, "attn_z.2", answer["positions"])
+    got = np.asarray(answer["head_grid"])[0]
+    assert np.abs(got - expected).max() < 1e-3, np.abs(got - expected).max()

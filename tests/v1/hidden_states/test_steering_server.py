@@ -335,7 +335,7 @@ def test_routes_that_cannot_steer_refuse_steering(http, path, body):
 # GET /v1/steering_vectors
 
 
-def test_steering_vectors_lists_the_named_vector_and_the_steerable_points(http, hf_qwen3):
+def test_steering_vectors_lists_the_named_vector_and_the_writable_points(http, hf_qwen3):
     r = http.get("/v1/steering_vectors")
     assert r.status_code == 200, r.text
     body = r.json()
@@ -343,7 +343,9 @@ def test_steering_vectors_lists_the_named_vector_and_the_steerable_points(http, 
     assert body["data"] == [
         {"object": "steering_vector", "name": VECTOR_NAME, "length": hf_qwen3.hidden_size}
     ]
-    kinds = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    # Per layer: the steerable points, then the heads' outputs (patch and
+    # ablate_heads only).
+    kinds = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "attn_z")
     expected = [f"{k}.{i}" for i in range(hf_qwen3.num_layers) for k in kinds]
     assert body["points"] == expected
     assert body["max_interventions"] == 4
