@@ -753,7 +753,7 @@ def head_items(llm, hf: HFReference) -> tuple[list[dict], list[dict]]:
     donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
 
     def heads_of(rows: torch.Tensor, heads: list[int]) -> torch.Tensor:
-        return torch.stack([rows[:, h * d : (h + 1) * d] for h in heads], dim=1).contiguous()
+        return rows[:, heads].contiguous()  # attn_z rows: [n, heads, head_dim]
 
     rows = heads_of(donor[f"attn_z.{layer}"][PATCHED[0] : PATCHED[1]].float(), [1])
     mean = heads_of(donor[f"attn_z.{layer - 1}"].float(), [1, 0]).mean(0)
