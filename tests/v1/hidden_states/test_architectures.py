@@ -756,31 +756,32 @@ def head_items(llm, hf: HFReference) -> tuple[list[dict], list[dict]]:
     ``patch_heads`` references): at the middle one the donor's head 1 over
     PATCHED, at the one before it (the same one if it is the only one) head
     0 zeroed at every position and both heads (reversed) set to the donor's
-    mean. Heads and head_dim are read from HF's capture (``[n, heads,
-    head_dim]``), not from the package."""
+    mean (a one-head model, LFM2: head 0 for each). Heads and head_dim are
+    read from HF's capture (``[n, heads, head_dim]``), not from the
+    package."""
     attending = head_layers(hf)
     layer = attending[len(attending) // 2]
     other = attending[max(len(attending) // 2 - 1, 0)]
     donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
     z, z_other = donor[f"attn_z.{layer}"].float(), donor[f"attn_z.{other}"].float()
     d = z.shape[-1]
-    assert z.shape[1] >= 2, f"attn_z.{layer}: {z.shape[1]} head(s), the test writes two"
-    rows = z[PATCHED[0] : PATCHED[1], [1]].contiguous()
-    mean = z_other[:, [1, 0]].mean(0)
+    one, both = ([1], [1, 0]) if z.shape[1] > 1 else ([0], [0])
+    rows = z[PATCHED[0] : PATCHED[1], one].contiguous()
+    mean = z_other[:, both].mean(0)
     window = {"start": PATCHED[0], "end": PATCHED[1]}
     items = [
-        {"point": f"attn_z.{layer}", "op": "patch", "heads": [1], "rows": rows.numpy(),
+        {"point": f"attn_z.{layer}", "op": "patch", "heads": one, "rows": rows.numpy(),
          "positions": window},
         {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": [0]},
-        {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": [1, 0], "mode": "mean",
+        {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": both, "mode": "mean",
          "mean": mean.numpy()},
     ]  # fmt: skip
     references = [
-        {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": [1], "head_dim": d,
+        {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": one, "head_dim": d,
          "rows": rows, "start": PATCHED[0], "end": PATCHED[1]},
         {"point": f"attn_z.{other}", "op": "patch_heads", "heads": [0], "head_dim": d,
          "rows": torch.zeros(1, 1, d), "start": 0, "end": None},
-        {"point": f"attn_z.{other}", "op": "patch_heads", "heads": [1, 0], "head_dim": d,
+        {"point": f"attn_z.{other}", "op": "patch_heads", "heads": both, "head_dim": d,
          "rows": mean[None], "start": 0, "end": None},
     ]  # fmt: skip
     return items, references
