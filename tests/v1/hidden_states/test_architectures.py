@@ -743,48 +743,59 @@ def test_compiled_engine_patches_like_hf_hooks(compiled_arch):
         assert_patched_like_hf(out, hf, item, f"compiled {compiled_arch} patch at {item['point']}")
 
 
+def head_layers(hf: HFReference) -> list[int]:
+    """The decoder layers whose mixer attends (attn_z exact there): every
+    layer of a reader, a hybrid's attention layers only, none on vLLM's
+    Transformers backend."""
+    model = layers_of(hf)
+    return [i for i in range(hf.num_layers) if "attn_z" in model.kinds_at(i)]
+
+
 def head_items(llm, hf: HFReference) -> tuple[list[dict], list[dict]]:
-    """Per-head writes at two attention layers (the engine's items and HF's
-    ``patch_heads`` references): the donor's head 1 over PATCHED, head 0
-    zeroed at every position, both heads (reversed) set to the donor's mean."""
-    config = hf.model.config.get_text_config()
-    d = int(getattr(config, "head_dim", 0) or config.hidden_size // config.num_attention_heads)
-    layer = hf.num_layers // 2
+    """Per-head writes at two attending layers (the engine's items and HF's
+    ``patch_heads`` references): at the middle one the donor's head 1 over
+    PATCHED, at the one before it (the same one if it is the only one) head
+    0 zeroed at every position and both heads (reversed) set to the donor's
+    mean (a one-head model, LFM2: head 0 for each). Heads and head_dim are
+    read from HF's capture (``[n, heads, head_dim]``), not from the
+    package."""
+    attending = head_layers(hf)
+    layer = attending[len(attending) // 2]
+    other = attending[max(len(attending) // 2 - 1, 0)]
     donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
-
-    def heads_of(rows: torch.Tensor, heads: list[int]) -> torch.Tensor:
-        return rows[:, heads].contiguous()  # attn_z rows: [n, heads, head_dim]
-
-    rows = heads_of(donor[f"attn_z.{layer}"][PATCHED[0] : PATCHED[1]].float(), [1])
-    mean = heads_of(donor[f"attn_z.{layer - 1}"].float(), [1, 0]).mean(0)
+    z, z_other = donor[f"attn_z.{layer}"].float(), donor[f"attn_z.{other}"].float()
+    d = z.shape[-1]
+    one, both = ([1], [1, 0]) if z.shape[1] > 1 else ([0], [0])
+    rows = z[PATCHED[0] : PATCHED[1], one].contiguous()
+    mean = z_other[:, both].mean(0)
     window = {"start": PATCHED[0], "end": PATCHED[1]}
     items = [
-        {"point": f"attn_z.{layer}", "op": "patch", "heads": [1], "rows": rows.numpy(),
+        {"point": f"attn_z.{layer}", "op": "patch", "heads": one, "rows": rows.numpy(),
          "positions": window},
-        {"point": f"attn_z.{layer - 1}", "op": "ablate_heads", "heads": [0]},
-        {"point": f"attn_z.{layer - 1}", "op": "ablate_heads", "heads": [1, 0], "mode": "mean",
+        {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": [0]},
+        {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": both, "mode": "mean",
          "mean": mean.numpy()},
     ]  # fmt: skip
     references = [
-        {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": [1], "head_dim": d,
+        {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": one, "head_dim": d,
          "rows": rows, "start": PATCHED[0], "end": PATCHED[1]},
-        {"point": f"attn_z.{layer - 1}", "op": "patch_heads", "heads": [0], "head_dim": d,
+        {"point": f"attn_z.{other}", "op": "patch_heads", "heads": [0], "head_dim": d,
          "rows": torch.zeros(1, 1, d), "start": 0, "end": None},
-        {"point": f"attn_z.{layer - 1}", "op": "patch_heads", "heads": [1, 0], "head_dim": d,
+        {"point": f"attn_z.{other}", "op": "patch_heads", "heads": both, "head_dim": d,
          "rows": mean[None], "start": 0, "end": None},
     ]  # fmt: skip
     return items, references
 
 
-@pytest.mark.parametrize("compiled_arch", ["llama"], indirect=True, scope="module")
-def test_compiled_engine_patches_and_ablates_heads_like_hf_hooks(compiled_arch):
-    """patch with heads and ablate_heads at attn_z under torch.compile
-    (Inductor: the write is aten ops in the graph), one batch with an
-    unpatched request: every layer, and every attn_z point, as HF forward
-    pre-hooks on o_proj replacing the same columns."""
-    llm, hf = engine_for(compiled_arch, compiled=True)
+def assert_heads_written_like_hf(llm, hf: HFReference, what: str) -> None:
+    """patch with heads and ablate_heads (zero, mean) at attn_z, one request
+    each, in one batch with an unpatched request: every layer, and every
+    attn_z point, as HF forward pre-hooks on the attention output
+    projection (o_proj, c_proj, dense, out_proj) replacing the same
+    columns; each write changed some layer by over three times the
+    tolerance."""
     items, references = head_items(llm, hf)
-    z_points = [f"attn_z.{i}" for i in range(hf.num_layers)]
+    z_points = [f"attn_z.{i}" for i in head_layers(hf)]
     params = [
         SamplingParams(
             temperature=0.0,
@@ -799,21 +810,57 @@ def test_compiled_engine_patches_and_ablates_heads_like_hf_hooks(compiled_arch):
     ]
     outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
     for out, item, reference in zip(outs, [*items, None], [*references, None]):
-        what = f"compiled {compiled_arch} {item and item['op']} at {item and item['point']}"
+        at = f"{item['op']} {item.get('mode', '')} at {item['point']}" if item else "unpatched"
         ids = token_ids_of(out)
         expected = hf.steered_states(ids, [reference] if reference else [])
         points = hf.steered_points(ids, [reference] if reference else [])
         got = out.outputs[0].hidden_states
         for layer in range(hf.num_layers + 1):
-            assert_close(got[layer], expected[layer], f"{what} layer {layer}")
+            assert_close(got[layer], expected[layer], f"{what} {at} layer {layer}")
         for address in z_points:
-            assert_close(got[address], points[address], f"{what} {address}")
+            if not points[address].any():  # a one-head model's only head zeroed
+                assert not got[address].any(), f"{what} {at} {address}: not zero"
+                continue
+            assert_close(got[address], points[address], f"{what} {at} {address}")
         if reference is not None:
             plain = hf.states(ids)
             changed = max(
                 (r - p).abs().max() / p.abs().max() for r, p in zip(expected[1:], plain[1:])
             )
-            assert changed > 3 * REL_TOL, f"{what}: changed no layer (by {changed:.1e})"
+            assert changed > 3 * REL_TOL, f"{what} {at}: changed no layer (by {changed:.1e})"
+
+
+# Why a family without writable heads refuses them (OLMo 2 runs on vLLM's
+# Transformers backend: no vLLM attention module, no attn_z).
+NO_HEADS = "Transformers backend|multi-head latent attention"
+
+
+def test_heads_are_patched_and_ablated_like_hf_hooks(arch):
+    """Every family of the matrix: a per-head patch at the middle attending
+    layer, a zero and a mean ablate_heads at another, and an unpatched
+    request, one batch, as HF hooks (hybrids: their attention layers only).
+    A family without attn_z refuses both ops per request, saying why."""
+    llm, hf = engine_for(arch)
+    if head_layers(hf):
+        assert_heads_written_like_hf(llm, hf, arch)
+        return
+    layer = hf.num_layers // 2
+    d = hf.hidden_size // hf.num_heads
+    for item in (
+        {"point": f"attn_z.{layer}", "op": "ablate_heads", "heads": [0]},
+        {"point": f"attn_z.{layer}", "op": "patch", "heads": [0], "rows": [[[0.0] * d]]},
+    ):
+        with pytest.raises(VLLMValidationError, match=rf"attn_z.{layer}.*({NO_HEADS})"):
+            llm.generate([PROMPT], SamplingParams(max_tokens=1, steering=[item]), use_tqdm=False)
+
+
+def test_compiled_engine_patches_and_ablates_heads_like_hf_hooks(compiled_arch):
+    """The same under torch.compile (Llama and Nemotron-H under Inductor:
+    the write is aten ops in the graph; the others traced by Dynamo)."""
+    llm, hf = engine_for(compiled_arch, compiled=True)
+    if not head_layers(hf):
+        pytest.skip(f"{compiled_arch}: no attn_z (refusal: test_heads_are_patched_and_...)")
+    assert_heads_written_like_hf(llm, hf, f"compiled {compiled_arch}")
 
 
 def test_points_are_captured_after_the_steering_at_them(arch):

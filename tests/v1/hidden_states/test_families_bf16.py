@@ -278,3 +278,63 @@ def test_patterns_at_attention_layers_and_refused_at_delta_net_layers(family):
     params.hidden_states_points = [f"attn_pattern.{linear[0]}"]
     with pytest.raises(VLLMValidationError, match="linear_attn, not attention"):
         llm.generate([PROMPT], params, use_tqdm=False)
+
+
+def test_heads_are_patched_and_ablated_like_hf_hooks_layer_by_layer(family):
+    """patch with heads at the middle attention layer's attn_z (the donor's
+    head 1 over positions 2..5), a zero and a mean ablate_heads at another
+    attention layer (delta-net layers have no attn_z), one request each, in
+    one batch with an unpatched one; every layer compared with HF forward
+    pre-hooks on o_proj replacing the same columns (rows rounded to
+    bfloat16, as the engine writes them)."""
+    from .test_architectures import DONOR, head_layers
+
+    arch, llm, hf = family
+    attending = head_layers(hf)
+    layer = attending[len(attending) // 2]
+    other = attending[max(len(attending) // 2 - 1, 0)]
+    donor = hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
+    z, z_other = donor[f"attn_z.{layer}"].float(), donor[f"attn_z.{other}"].float()
+    d = z.shape[-1]
+    rows = z[2:6, [1]].to(torch.bfloat16).float().contiguous()
+    mean = z_other[:, [1, 0]].mean(0).to(torch.bfloat16).float()
+    items = [
+        {"point": f"attn_z.{layer}", "op": "patch", "heads": [1], "rows": rows.numpy(),
+         "positions": {"start": 2, "end": 6}},
+        {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": [0]},
+        {"point": f"attn_z.{other}", "op": "ablate_heads", "heads": [1, 0], "mode": "mean",
+         "mean": mean.numpy()},
+        None,
+    ]  # fmt: skip
+    references = [
+        {"point": f"attn_z.{layer}", "op": "patch_heads", "heads": [1], "head_dim": d,
+         "rows": rows, "start": 2, "end": 6},
+        {"point": f"attn_z.{other}", "op": "patch_heads", "heads": [0], "head_dim": d,
+         "rows": torch.zeros(1, 1, d), "start": 0, "end": None},
+        {"point": f"attn_z.{other}", "op": "patch_heads", "heads": [1, 0], "head_dim": d,
+         "rows": mean[None], "start": 0, "end": None},
+        None,
+    ]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=4,
+            return_hidden_states=True,
+            hidden_states_points=every_row_point(hf),
+            hidden_states_positions="all",
+            steering=[item] if item else None,
+        )
+        for item in items
+    ]
+    outs = llm.generate([PROMPT] * len(items), params, use_tqdm=False)
+    for out, item, reference in zip(outs, items, references):
+        at = f"{item['op']} {item.get('mode', '')} at {item['point']}" if item else "unpatched"
+        states = assert_layers_match_hf(out, hf, f"{arch} {at}", [reference] if reference else [])
+        if item and item["op"] == "patch":  # head 1's columns are the given rows
+            written = states[item["point"]][2:6, 1].float()
+            assert torch.equal(written, rows[:, 0]), f"{arch} {at}: head 1 is not the rows"
+        elif item:  # the first head named holds zero, or its mean, at every position
+            head = item["heads"][0]
+            value = states[item["point"]][:, head].float()
+            want = torch.zeros_like(value) if "mean" not in item else mean[0].expand_as(value)
+            assert torch.equal(value, want), f"{arch} {at}: head {head} is not written"

@@ -18,6 +18,7 @@ from .family_matrix import (  # noqa: F401  (collected here)
     test_every_point_of_every_position_matches_hf,
     test_every_point_of_the_last_token_matches_hf,
     test_every_steerable_kind_matches_hf_hooks,
+    test_heads_are_patched_and_ablated_like_hf_hooks,
     test_patch_at_every_steerable_kind_matches_hf_hooks,
     test_points_are_captured_after_the_steering_at_them,
     test_points_satisfy_the_residual_identities,
