@@ -1008,6 +1008,10 @@ class ModelLayers:
         if kind in QKV_KINDS:
             # Wherever attn_z is refused, q, k and v are, for the same reason.
             why = self.why_not(Z_KIND, i).replace(f"{Z_KIND}.{i}", f"{kind}.{i}", 1)
+            why = why.replace(
+                "no attention output projection takes the heads' outputs there",
+                "no vLLM attention module reads queries, keys and values there",
+            )
             return why.replace("layers with attn_z", f"layers with {kind}")
         if known.kinds is not None and kind not in known.kinds:
             why = f"{kind}.{i}: decoder layer {i} ({name}) {known.lacks}; its points: " + (
