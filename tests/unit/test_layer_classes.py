@@ -68,7 +68,16 @@ def test_a_single_block_layer_has_the_points_of_its_block_only():
     assert model.exact_layers() == list(range(L + 1))
     mixer = ("resid_pre", "attn_out", "resid_post")
     assert model.kinds_at(0) == model.kinds_at(3) == mixer
-    assert model.kinds_at(1) == ("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z")
+    assert model.kinds_at(1) == (
+        "resid_pre",
+        "attn_out",
+        "resid_post",
+        "attn_pattern",
+        "attn_z",
+        "q",
+        "k",
+        "v",
+    )
     assert model.kinds_at(2) == ("resid_pre", "mlp_out", "resid_post", "mlp_post")
 
 
@@ -107,6 +116,9 @@ def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
         "attn_pattern",
         "mlp_post",
         "attn_z",
+        "q",
+        "k",
+        "v",
     )
     assert all(model.kinds_at(i) == every for i in range(L))
     message = (
