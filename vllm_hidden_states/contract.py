@@ -144,9 +144,11 @@ class HiddenStatesSpec(
     # the final one (a "last" request on a server with monitors, which watch
     # every generated position); "none" nothing (only monitors asked).
     returns: str = ""
-    # The query heads of the attn_z rows in ``neurons`` (0: none asked): each
-    # is returned ``[positions, z_heads, head_dim]``, TransformerLens' hook_z.
-    z_heads: int = 0
+    # The heads of each point in ``neurons`` whose rows are returned per head
+    # (points.HEAD_KINDS), ``[positions, heads, head_dim]``: query heads for
+    # attn_z (TransformerLens' hook_z) and q, KV heads for k and v; 0 for a
+    # point returned flat (mlp_post). Empty: every point flat.
+    neuron_heads: list[int] = []
 
 
 class CapturedRows(
@@ -170,7 +172,8 @@ class CapturedRows(
     patterns: torch.Tensor | None = None
     # One [num_positions, width] per point of its own width (the spec's
     # neuron_ids, in order), model dtype: width intermediate_size for
-    # mlp_post, heads * head_dim for attn_z (a list: widths may differ).
+    # mlp_post, heads * head_dim for attn_z and q, kv_heads * head_dim for k
+    # and v (a list: widths may differ).
     neurons: list[torch.Tensor] | None = None
     # float32 [num_positions, sum of k]: the spec's probes' scores side by
     # side, in the spec's order.
@@ -214,7 +217,7 @@ class HiddenStatesExtractRequest(
     patterns: list[int] = []
     start: int = 0
     end: int | None = None
-    neurons: list[int] = []  # mlp_post and attn_z capture ids
+    neurons: list[int] = []  # mlp_post, attn_z, q, k, v capture ids
     probes: list[str] = []  # linear probes to score, names
     # The original request's steering (vllm_hidden_states.steering_fields wire
     # form), replayed over the positions the extract recomputes.

@@ -56,6 +56,9 @@ PointKind = Literal[
     "attn_pattern",
     "mlp_post",
     "attn_z",
+    "q",
+    "k",
+    "v",
 ]
 POINT_KINDS: tuple[PointKind, ...] = get_args(PointKind)
 # Attention patterns: [heads, query positions, key positions] per layer, not
@@ -69,9 +72,18 @@ NEURON_KIND: PointKind = "mlp_post"
 # columns h * head_dim .. (h + 1) * head_dim - 1). Travels with the neurons
 # (CapturedRows.neurons), its own width per point.
 Z_KIND: PointKind = "attn_z"
+# Queries, keys and values as vLLM's attention kernel reads them: the
+# arguments of the layer's ``Attention`` module (after the QKV projection,
+# QK-norm where the model has it, and rotary embedding; TransformerLens'
+# hook_rot_q / hook_rot_k / hook_v), [positions, heads * head_dim] for q,
+# [positions, kv_heads * head_dim] for k and v (one per KV head under GQA),
+# returned [positions, heads, head_dim]. Travel with the neurons too.
+QKV_KINDS: tuple[PointKind, ...] = ("q", "k", "v")
+# Kinds whose rows are returned per head ([positions, heads, head_dim]).
+HEAD_KINDS: tuple[PointKind, ...] = (Z_KIND, *QKV_KINDS)
 # Kinds whose rows are not hidden_size wide (each point its own width): they
 # travel apart from the residual rows, as CapturedRows.neurons.
-WIDE_KINDS: tuple[PointKind, ...] = (NEURON_KIND, Z_KIND)
+WIDE_KINDS: tuple[PointKind, ...] = (NEURON_KIND, Z_KIND, *QKV_KINDS)
 # Longest sequence an attention-pattern request may reach: its answer is
 # [heads, positions, keys] per point, square in the length.
 MAX_PATTERN_POSITIONS = 4096
@@ -80,18 +92,34 @@ _OWN_ID_KINDS: tuple[PointKind, ...] = ("attn_out", "resid_mid", "mlp_out")
 
 _ADDRESS = re.compile(r"^(?:blocks\.(-?\d+)\.hook_([a-z_]+)|([a-z_]+)\.(-?\d+))$")
 # TransformerLens' own names of the attention hooks: blocks.{i}.attn.hook_pattern
-# (attn_pattern) and blocks.{i}.attn.hook_z (attn_z).
-_TL_ATTN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_(pattern|z)$")
-_TL_ATTN_KINDS: dict[str, PointKind] = {"pattern": PATTERN_KIND, "z": Z_KIND}
+# (attn_pattern), blocks.{i}.attn.hook_z (attn_z), hook_rot_q / hook_rot_k
+# (q, k: after rotary) and hook_v (v). TransformerLens' pre-rotary hook_q /
+# hook_k are refused naming q / k (vLLM applies rotary before its attention
+# module; no tap reads the query or key before it).
+_TL_ATTN = re.compile(r"^blocks\.(-?\d+)\.attn\.hook_(pattern|z|rot_q|rot_k|v|q|k)$")
+_TL_ATTN_KINDS: dict[str, PointKind] = {
+    "pattern": PATTERN_KIND,
+    "z": Z_KIND,
+    "rot_q": "q",
+    "rot_k": "k",
+    "v": "v",
+}
+# Kinds past L, in capture-id order.
+_PAST_KINDS: tuple[PointKind, ...] = (PATTERN_KIND, NEURON_KIND, Z_KIND, *QKV_KINDS)
 
 
 def address_help(num_layers: int) -> str:
     return (
         f"a point is '<kind>.<i>' or 'blocks.<i>.hook_<kind>' with kind one of "
-        f"{list(POINT_KINDS)} (also 'blocks.<i>.attn.hook_pattern' and "
-        f"'blocks.<i>.attn.hook_z') and i a decoder layer in "
+        f"{list(POINT_KINDS)} (also 'blocks.<i>.attn.hook_pattern', "
+        f"'blocks.<i>.attn.hook_z', 'blocks.<i>.attn.hook_rot_q', "
+        f"'blocks.<i>.attn.hook_rot_k' and 'blocks.<i>.attn.hook_v') and i a decoder "
+        f"layer in "
         f"{-num_layers}..{num_layers - 1}"
     )
+
+
+_QK_NAME = {"q": "query", "k": "key"}
 
 
 def parse_point(address: Any, num_layers: int) -> tuple[PointKind, int]:
@@ -102,6 +130,13 @@ def parse_point(address: Any, num_layers: int) -> tuple[PointKind, int]:
     if match is None and tl is None:
         raise ValueError(f"{address!r} is not a point address; {address_help(num_layers)}")
     kind: str
+    if tl is not None and tl[2] in ("q", "k"):
+        raise ValueError(
+            f"{address!r}: TransformerLens' hook_{tl[2]} is the {_QK_NAME[tl[2]]} before "
+            f"rotary embedding, which is not captured (vLLM rotates it before its "
+            f"attention module reads it); the {_QK_NAME[tl[2]]} after rotary is "
+            f"'{tl[2]}.{tl[1]}' (TransformerLens' blocks.{tl[1]}.attn.hook_rot_{tl[2]})"
+        )
     if tl is not None:
         layer_text, kind = tl[1], _TL_ATTN_KINDS[tl[2]]
     elif match is not None and match[1] is not None:
@@ -129,12 +164,8 @@ def point_id(kind: PointKind, layer: int, num_layers: int) -> int:
         return layer
     if kind == "resid_post":
         return layer + 1 if layer < n - 1 else n + 1 + len(_OWN_ID_KINDS) * n
-    if kind == PATTERN_KIND:
-        return n + 2 + len(_OWN_ID_KINDS) * n + layer
-    if kind == NEURON_KIND:
-        return n + 2 + (len(_OWN_ID_KINDS) + 1) * n + layer
-    if kind == Z_KIND:
-        return n + 2 + (len(_OWN_ID_KINDS) + 2) * n + layer
+    if kind in _PAST_KINDS:
+        return n + 2 + (len(_OWN_ID_KINDS) + _PAST_KINDS.index(kind)) * n + layer
     return n + 1 + _OWN_ID_KINDS.index(kind) * n + layer
 
 
@@ -149,8 +180,7 @@ def point_of_id(capture_id: int, num_layers: int) -> tuple[PointKind, int] | Non
         return "resid_post", n - 1
     if offset > len(_OWN_ID_KINDS) * n:
         rest = offset - len(_OWN_ID_KINDS) * n - 1
-        past: tuple[PointKind, ...] = (PATTERN_KIND, NEURON_KIND, Z_KIND)
-        return past[rest // n], rest % n
+        return _PAST_KINDS[rest // n], rest % n
     return _OWN_ID_KINDS[offset // n], offset % n
 
 
@@ -189,10 +219,34 @@ def is_z_address(address: str) -> bool:
     return match is not None and Z_KIND in (match[2], match[3])
 
 
+def address_kind(address: str) -> str | None:
+    """The kind a (well-formed) point address names, without knowing the
+    model (None: not a point address)."""
+    tl = _TL_ATTN.match(address)
+    if tl is not None:
+        return _TL_ATTN_KINDS.get(tl[2])
+    match = _ADDRESS.match(address)
+    if match is None:
+        return None
+    return match[2] if match[2] is not None else match[3]
+
+
+def is_qkv_address(address: str) -> bool:
+    """Whether a (well-formed) point address names queries, keys or values
+    (q, k, v; TransformerLens' hook_rot_q / hook_rot_k / hook_v)."""
+    return address_kind(address) in QKV_KINDS
+
+
+def is_head_address(address: str) -> bool:
+    """Whether a point's rows are returned per head, ``[positions, heads,
+    head_dim]`` (:data:`HEAD_KINDS`: attn_z, q, k, v)."""
+    return address_kind(address) in HEAD_KINDS
+
+
 def is_wide_address(address: str) -> bool:
     """Whether a (well-formed) point address names a point of its own width
     (:data:`WIDE_KINDS`), which travels apart from the residual rows."""
-    return is_neuron_address(address) or is_z_address(address)
+    return is_neuron_address(address) or is_z_address(address) or is_qkv_address(address)
 
 
 def is_pattern_address(address: str) -> bool:

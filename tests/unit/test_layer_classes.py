@@ -68,7 +68,16 @@ def test_a_single_block_layer_has_the_points_of_its_block_only():
     assert model.exact_layers() == list(range(L + 1))
     mixer = ("resid_pre", "attn_out", "resid_post")
     assert model.kinds_at(0) == model.kinds_at(3) == mixer
-    assert model.kinds_at(1) == ("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z")
+    assert model.kinds_at(1) == (
+        "resid_pre",
+        "attn_out",
+        "resid_post",
+        "attn_pattern",
+        "attn_z",
+        "q",
+        "k",
+        "v",
+    )
     assert model.kinds_at(2) == ("resid_pre", "mlp_out", "resid_post", "mlp_post")
 
 
@@ -107,6 +116,9 @@ def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
         "attn_pattern",
         "mlp_post",
         "attn_z",
+        "q",
+        "k",
+        "v",
     )
     assert all(model.kinds_at(i) == every for i in range(L))
     message = (
@@ -439,6 +451,31 @@ def test_attn_z_is_served_at_attention_layers_only(arch, served, refused):
         layers = rf"\[{', '.join(map(str, served))}\]"
         with pytest.raises(ValueError, match=rf"attn_z.{i}: .*its points: .*{layers}"):
             capturable_point_ids([f"attn_z.{i}"], L, model)
+
+
+@pytest.mark.parametrize(
+    ("arch", "served"),
+    [("granitemoehybrid", [1, 3]), ("qwen3_next", [3]), ("lfm2", [1, 3])],
+)
+def test_query_key_value_are_served_where_attn_z_is(arch, served):
+    """q, k, v: at the layers whose mixer is vLLM's attention (attn_z's);
+    at a Mamba2 / delta-net / short-convolution layer refused naming the
+    layers that have them."""
+    model = model_layers(tiny_config(arch))
+    for kind in ("q", "k", "v"):
+        assert [i for i in range(L) if kind in model.kinds_at(i)] == served
+    refused = next(i for i in range(L) if i not in served)
+    layers = rf"\[{', '.join(map(str, served))}\]"
+    with pytest.raises(ValueError, match=rf"k.{refused}: .*its points: .*layers with k: {layers}"):
+        capturable_point_ids([f"k.{refused}"], L, model)
+
+
+def test_mla_refuses_query_key_value():
+    """DeepSeek's latent keys have no per-head meaning: q, k, v refused."""
+    model = model_layers(tiny_config("deepseek_v3"))
+    assert all(k not in model.kinds_at(i) for i in range(L) for k in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=r"q.1: .*multi-head latent attention"):
+        capturable_point_ids(["q.1"], L, model)
 
 
 def test_mla_refuses_attn_z_naming_why():

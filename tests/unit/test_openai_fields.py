@@ -407,3 +407,27 @@ def test_the_store_keeps_heads_outputs_flat_under_canonical_addresses():
     assert list(stored) == [-1, "attn_z.1"]
     assert stored["attn_z.1"].shape == (2, 12)
     assert torch.equal(stored["attn_z.1"][:, 4:8], z[:, 1])
+
+
+def test_queries_keys_values_come_as_one_object_each_with_their_heads():
+    """q rows (query heads) and k / v rows (KV heads) are not stacked
+    together: a queries, a keys and a values object, each [points, heads,
+    head_dim] for "last"."""
+    from vllm_hidden_states.server.openai_response import ChoiceRows
+
+    points = ("q.0", "blocks.1.attn.hook_rot_k", "v.1", "attn_z.0")
+    ask = HiddenStatesAsk((), "float", "last", neurons=points)
+    rows = ChoiceRows()
+    rows.pending = [
+        {
+            "q.0": torch.ones(2, 4, 2),
+            "blocks.1.attn.hook_rot_k": torch.zeros(2, 1, 2),
+            "v.1": torch.full((2, 1, 2), 3.0),
+            "attn_z.0": torch.ones(2, 4, 2),
+        }
+    ]
+    _, objects = rows.take(ask)
+    assert list(objects) == ["head_outputs", "queries", "keys", "values"]
+    assert objects["queries"]["points"] == ["q.0"] and objects["queries"]["shape"] == [1, 4, 2]
+    assert objects["keys"]["points"] == ["blocks.1.attn.hook_rot_k"]
+    assert objects["keys"]["shape"] == objects["values"]["shape"] == [1, 1, 2]

@@ -10,9 +10,11 @@ from vllm_hidden_states.layers import point_kinds_for
 from vllm_hidden_states.points import (
     POINT_KINDS,
     id_name,
+    is_head_address,
     is_neuron_address,
     is_pattern_address,
     is_pattern_id,
+    is_qkv_address,
     is_wide_address,
     is_wide_id,
     is_z_address,
@@ -121,9 +123,9 @@ def test_no_points_flag_keeps_todays_capturable_set():
 
 def test_all_makes_every_kind_capturable_at_every_layer():
     cfg = engine("all")
-    # HF layers, 3 row kinds, the last resid_post, a pattern, mlp_post and
-    # attn_z per layer
-    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L + L + L
+    # HF layers, 3 row kinds, the last resid_post, a pattern, mlp_post,
+    # attn_z, q, k and v per layer
+    assert len(cfg.layers) == (L + 1) + 3 * L + 1 + L + L + L + 3 * L
 
 
 def test_mlp_post_ids_are_their_own_and_moe_models_lack_them():
@@ -265,3 +267,51 @@ def test_a_point_not_capturable_names_the_capturable_set_and_the_flag():
 def test_an_engine_without_points_says_how_to_start_one():
     with pytest.raises(ValueError, match="--hidden-states-points all"):
         engine(None).resolve_points(["attn_out.0"])
+
+
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [
+        ("q.2", "q"),
+        ("blocks.2.attn.hook_rot_q", "q"),
+        ("k.2", "k"),
+        ("blocks.2.attn.hook_rot_k", "k"),
+        ("v.2", "v"),
+        ("blocks.2.attn.hook_v", "v"),
+        ("blocks.2.hook_v", "v"),
+    ],
+)
+def test_query_key_value_addresses_name_one_wide_id_each(address, kind):
+    """q / k / v (TransformerLens' post-rotary hook_rot_q / hook_rot_k, and
+    hook_v) are points of their own width, returned per head."""
+    assert parse_point(address, L) == (kind, 2)
+    capture_id = point_id(kind, 2, L)
+    assert point_of_id(capture_id, L) == (kind, 2) and id_name(capture_id, L) == f"{kind}.2"
+    assert is_wide_id(capture_id, L) and not is_pattern_id(capture_id, L)
+    assert is_qkv_address(address) and is_head_address(address) and is_wide_address(address)
+    assert not is_z_address(address) and not is_neuron_address(address)
+
+
+@pytest.mark.parametrize("part", ["q", "k"])
+def test_pre_rotary_hook_q_and_hook_k_are_refused_naming_the_post_rotary_point(part):
+    """TransformerLens' hook_q / hook_k are before rotary, which vLLM applies
+    before its attention module reads them: refused, naming q.L / k.L."""
+    with pytest.raises(ValueError, match=rf"before rotary.*'{part}\.1'.*hook_rot_{part}"):
+        parse_point(f"blocks.1.attn.hook_{part}", L)
+
+
+def test_query_key_value_are_served_where_attn_z_is_and_refused_with_it():
+    """q, k, v are read at vLLM's attention module: served on Llama and
+    Qwen3 (QK-norm), refused on OLMo 2 (Transformers backend), on an unknown
+    class, and where HF computes attention inline (GPT-J, Falcon, Bloom: no
+    independent reference)."""
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"):
+        assert {"q", "k", "v"} <= set(point_kinds_for(arch)), arch
+    with pytest.raises(ValueError, match=r"q.*Transformers backend"):
+        capturable_point_ids(["q"], L, "Olmo2ForCausalLM")
+    with pytest.raises(ValueError, match=r"v.1.*OPTForCausalLM.*not verified"):
+        capturable_point_ids(["v.1"], L, "OPTForCausalLM")
+    for arch in ("GPTJForCausalLM",):  # Falcon, Bloom: by their configs (test_layer_classes)
+        assert "attn_z" in point_kinds_for(arch) and "q" not in point_kinds_for(arch), arch
+        with pytest.raises(ValueError, match=r"k.1: .*attention interface.*no independent"):
+            capturable_point_ids(["blocks.1.attn.hook_rot_k"], L, arch)

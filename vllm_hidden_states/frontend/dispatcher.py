@@ -22,7 +22,6 @@ from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
 from vllm_hidden_states.contract import OpResults, ProbeFiring
 from vllm_hidden_states.frontend.firings import record_firings
-from vllm_hidden_states.points import is_z_address
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
@@ -120,12 +119,9 @@ class HiddenStatesTracker:
             rows.neurons is None or len(rows.neurons) != len(self.spec.neuron_ids)
         ):
             return "no MLP neurons or heads' outputs"
-        if self.spec.z_heads and any(
-            t.shape[-1] % self.spec.z_heads
-            for a, t in zip(self.spec.neurons, rows.neurons or ())
-            if is_z_address(a)
-        ):
-            return f"heads' outputs not a whole number of {self.spec.z_heads} heads wide"
+        for a, t, heads in zip(self.spec.neurons, rows.neurons or (), self.spec.neuron_heads):
+            if heads and t.shape[-1] % heads:
+                return f"{a}: {t.shape[-1]} values per row, not a whole number of {heads} heads"
         if self.spec.sae_top_k and rows.sae_ids is None:
             return "no SAE features"
         if self.spec.probes and rows.probe_scores is None:
@@ -242,10 +238,12 @@ class HiddenStatesTracker:
         states = self._keyed(rows.hidden) if self.spec.abs_layers else None
         if self.spec.neurons and rows.neurons is not None:
             # {address: rows} after the rows' keys: mlp_post [positions,
-            # intermediate_size]; attn_z [positions, heads, head_dim].
+            # intermediate_size]; attn_z, q [positions, heads, head_dim];
+            # k, v [positions, kv_heads, head_dim].
+            heads = self.spec.neuron_heads or [0] * len(self.spec.neurons)
             wide: dict[int | str, torch.Tensor] = {
-                a: t.unflatten(-1, (self.spec.z_heads, -1)) if is_z_address(a) else t
-                for a, t in zip(self.spec.neurons, rows.neurons)
+                a: t.unflatten(-1, (h, -1)) if h else t
+                for a, t, h in zip(self.spec.neurons, rows.neurons, heads)
             }
             states = {**(states or {}), **wide}
         if self.spec.patterns and rows.patterns is not None:

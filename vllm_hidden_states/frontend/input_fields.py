@@ -11,6 +11,7 @@ writes its wire form back. A bad request fails alone with a
 allowed; the engine never sees it.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm_hidden_states.hidden_states_config import (
@@ -23,7 +24,8 @@ from vllm_hidden_states.layers import deepstack_layers, multimodal_prompt_proble
 from vllm_hidden_states.points import (
     MAX_PATTERN_POSITIONS,
     Window,
-    is_z_address,
+    address_kind,
+    is_head_address,
     parse_point,
     window_of,
 )
@@ -113,7 +115,7 @@ def resolve_request(
         probe_actions=list(asked.probe_actions),
         probes_returned=asked.probes_returned,
         returns=asked.returns,
-        z_heads=_z_heads(vllm_config) if any(map(is_z_address, asked.neurons)) else 0,
+        neuron_heads=_neuron_heads(vllm_config, asked.neurons),
     )
     if asked.probe_actions:
         _check_probe_actions(vllm_config, spec)
@@ -272,7 +274,16 @@ def resolve_steering(
     return salted(cache_salt, wire)
 
 
-def _z_heads(vllm_config: "VllmConfig") -> int:
-    """The query heads of the model's attention output projections' input
-    (attn_z): its rows are returned ``[positions, heads, head_dim]``."""
-    return int(vllm_config.model_config.hf_text_config.num_attention_heads)
+def _neuron_heads(vllm_config: "VllmConfig", points: "Sequence[str]") -> list[int]:
+    """The heads of each wide point whose rows are returned per head,
+    ``[positions, heads, head_dim]`` (0: returned flat): the query heads for
+    attn_z and q, the KV heads for k and v (one row per KV head under GQA)."""
+    if not any(map(is_head_address, points)):
+        return []
+    text = vllm_config.model_config.hf_text_config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    return [
+        (kv_heads if address_kind(p) in ("k", "v") else heads) if is_head_address(p) else 0
+        for p in points
+    ]

@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from vllm.logger import init_logger
-from vllm_hidden_states.points import is_neuron_address, is_pattern_address, is_z_address
+from vllm_hidden_states.points import address_kind, is_neuron_address, is_pattern_address
 from vllm_hidden_states.server.encoding import (
     OCTET_STREAM,
     ORJSON_OPTIONS,
@@ -422,12 +422,16 @@ def _check_limits(
 def _row_width(engine_client: Any, request: HiddenStatesRequest) -> int:
     """Values per position of the answer: the hidden size, the MLP's
     intermediate size for an ``mlp_post`` point, heads x head_dim for an
-    ``attn_z`` point."""
+    ``attn_z`` or ``q`` point, KV heads x head_dim for a ``k`` / ``v`` point."""
     model_config = engine_client.model_config
     if request.point is not None and is_neuron_address(request.point):
         return int(model_config.hf_text_config.intermediate_size)
-    if request.point is not None and is_z_address(request.point):
-        heads = int(model_config.hf_text_config.num_attention_heads)
+    kind = None if request.point is None else address_kind(request.point)
+    if kind in ("attn_z", "q", "k", "v"):
+        text = model_config.hf_text_config
+        heads = int(text.num_attention_heads)
+        if kind in ("k", "v"):  # one row per KV head
+            heads = int(getattr(text, "num_key_value_heads", None) or heads)
         return heads * int(model_config.get_head_size())
     return model_config.get_hidden_size()
 

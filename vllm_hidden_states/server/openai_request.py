@@ -22,9 +22,9 @@ import orjson
 from vllm_hidden_states.points import (
     Positions,
     Window,
+    address_kind,
     is_pattern_address,
     is_wide_address,
-    is_z_address,
 )
 from vllm_hidden_states.probe_actions import check_probe_actions
 from vllm_hidden_states.request_fields import (
@@ -63,6 +63,9 @@ from vllm_hidden_states.server.request_checks import (
 )
 from vllm_hidden_states.server.stored_rows import has_store_refs, resolve_store_refs
 from vllm_hidden_states.store import choice_writer
+
+# The response object of each of q, k, v's rows.
+QKV_OBJECTS: dict[str, str] = {"q": "queries", "k": "keys", "v": "values"}
 
 
 @dataclass(frozen=True)
@@ -105,11 +108,20 @@ class HiddenStatesAsk:
     @property
     def wide_objects(self) -> dict[str, tuple[str, ...]]:
         """The response objects of ``neurons``, each with its points in
-        request order: ``neurons`` (mlp_post, intermediate_size wide) and
-        ``head_outputs`` (attn_z, heads * head_dim wide); only those asked."""
-        heads = tuple(p for p in self.neurons if is_z_address(p))
-        mlp = tuple(p for p in self.neurons if p not in heads)
-        return {name: p for name, p in (("neurons", mlp), ("head_outputs", heads)) if p}
+        request order: ``neurons`` (mlp_post, intermediate_size wide),
+        ``head_outputs`` (attn_z, heads * head_dim wide), ``queries`` (q),
+        ``keys`` (k) and ``values`` (v) (one object each: a point's heads are
+        the query heads for q, the KV heads for k and v); only those asked."""
+        kinds = {p: address_kind(p) for p in self.neurons}
+        objects = (
+            ("neurons", tuple(p for p in self.neurons if kinds[p] == "mlp_post")),
+            ("head_outputs", tuple(p for p in self.neurons if kinds[p] == "attn_z")),
+            *(
+                (name, tuple(p for p in self.neurons if kinds[p] == kind))
+                for kind, name in QKV_OBJECTS.items()
+            ),
+        )
+        return {name: points for name, points in objects if points}
 
     @property
     def keys(self) -> tuple[int | str, ...]:
@@ -339,7 +351,8 @@ class PositionPricing:
     spent_positions: int = 0
     heads: int = 0  # query heads: an attention pattern is [heads, queries, keys]
     intermediate: int = 0  # an mlp_post row's width
-    z_width: int = 0  # an attn_z row's width (heads * head_dim)
+    z_width: int = 0  # an attn_z (and q) row's width (heads * head_dim)
+    kv_width: int = 0  # a k / v row's width (kv_heads * head_dim)
     spent_extra_values: int = 0  # attention-pattern weights and MLP neurons
     probe_outputs: int = 0  # probe scores per position
 
@@ -368,7 +381,11 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         pricing.spent_extra_values += pricing.n * per_choice * pricing.probe_outputs
     if pricing.ask.neurons:
         widths = [
-            pricing.z_width if is_z_address(p) else pricing.intermediate
+            pricing.z_width
+            if address_kind(p) in ("attn_z", "q")
+            else pricing.kv_width
+            if address_kind(p) in ("k", "v")
+            else pricing.intermediate
             for p in pricing.ask.neurons
         ]
         pricing.spent_extra_values += pricing.n * per_choice * sum(widths)
@@ -536,6 +553,11 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             heads=int(model_config.hf_text_config.num_attention_heads),
             intermediate=int(getattr(model_config.hf_text_config, "intermediate_size", 0) or 0),
             z_width=int(model_config.hf_text_config.num_attention_heads)
+            * int(model_config.get_head_size()),
+            kv_width=int(
+                getattr(model_config.hf_text_config, "num_key_value_heads", None)
+                or model_config.hf_text_config.num_attention_heads
+            )
             * int(model_config.get_head_size()),
             probe_outputs=probe_outputs(cfg, ask),
         )

@@ -440,6 +440,12 @@ def _attach_to_choices(
                 choice.neurons = wide["neurons"]
             if "head_outputs" in wide:
                 choice.head_outputs = wide["head_outputs"]
+            if "queries" in wide:
+                choice.queries = wide["queries"]
+            if "keys" in wide:
+                choice.keys = wide["keys"]
+            if "values" in wide:
+                choice.values = wide["values"]
         if ask.patterns:
             choice.attention_patterns = encode_choice_patterns(choice_states, ask, start)
         if ask.sae_top_k:

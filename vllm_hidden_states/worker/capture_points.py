@@ -18,7 +18,7 @@ from torch import nn
 from torch._dynamo import mark_dynamic
 
 from vllm.logger import init_logger
-from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, Z_KIND, point_of_id
+from vllm_hidden_states.points import NEURON_KIND, PATTERN_KIND, QKV_KINDS, Z_KIND, point_of_id
 from vllm_hidden_states.worker.capture_op import (
     capture,
     count_readable_on_host,
@@ -26,16 +26,20 @@ from vllm_hidden_states.worker.capture_op import (
     write_route,
 )
 from vllm_hidden_states.worker.taps import (
+    QKV_ARGS,
     Reader,
     Tap,
     arg_reader,
     attention_module,
     find_decoder_layers,
     first_arg,
+    flat_arg_reader,
     heads_out_module,
     is_pp_placeholder,
     neuron_module,
     point_tap,
+    qkv_module,
+    qkv_width,
     stream_tap,
 )
 
@@ -155,6 +159,8 @@ class CapturePoints:
         # per attn_z id.
         self.pattern_modules: dict[int, nn.Module] = {}
         self.neuron_modules: dict[int, nn.Module] = {}
+        # q, k, v ids: their width at vLLM's attention (whose arguments they are).
+        self.neuron_widths: dict[int, int] = {}
         for k in layers:
             point = point_of_id(k, num_layers)
             layer = decoder_layers[k if point is None else point[1]]
@@ -170,6 +176,12 @@ class CapturePoints:
                 out_proj = heads_out_module(layer, f"{Z_KIND}.{point[1]}")
                 self.neuron_modules[k] = out_proj
                 taps[k] = Tap(out_proj, "pre", first_arg(("x", "input_", "input")))
+            elif point is not None and point[0] in QKV_KINDS:
+                # Queries, keys, values: vLLM's attention module's arguments.
+                attn = qkv_module(layer, f"{point[0]}.{point[1]}")
+                self.neuron_modules[k] = attn
+                self.neuron_widths[k] = qkv_width(attn, point[0])
+                taps[k] = Tap(attn, "pre", flat_arg_reader(*QKV_ARGS[point[0]]))
             elif point is not None and point[0] == PATTERN_KIND:
                 attn = attention_module(layer, f"{PATTERN_KIND}.{point[1]}")
                 self.pattern_modules[k] = attn
@@ -237,7 +249,9 @@ class CapturePoints:
                 self.pattern_buffers[k] = (outs[0], outs[1])
                 continue
             width = hidden_size
-            if k in self.neuron_modules:
+            if k in self.neuron_widths:
+                width = self.neuron_widths[k]
+            elif k in self.neuron_modules:
                 down = self.neuron_modules[k]
                 width = int(getattr(down, "input_size_per_partition", 0) or down.in_features)
             out = torch.zeros(max_rows, width, dtype=dtype, device=device)

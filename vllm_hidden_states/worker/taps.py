@@ -343,6 +343,43 @@ def heads_out_module(layer: nn.Module, point: str) -> nn.Module:
     )
 
 
+def flat_arg_reader(i: int, name: str) -> Reader:
+    """The module's argument ``i`` (positional, or keyword ``name``) as
+    ``[tokens, width]``: vLLM's attention takes queries, keys and values flat
+    (``[tokens, heads * head_size]``) or per head (``[tokens, heads,
+    head_size]``), the same values either way."""
+
+    def read(args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, None]:
+        t = args[i] if len(args) > i else kwargs[name]
+        return t.reshape(t.shape[0], -1), None
+
+    return read
+
+
+# The argument of vLLM's ``Attention.forward`` each of q, k, v is.
+QKV_ARGS: dict[str, tuple[int, str]] = {"q": (0, "query"), "k": (1, "key"), "v": (2, "value")}
+
+
+def qkv_module(layer: nn.Module, point: str) -> nn.Module:
+    """vLLM's ``Attention`` of ``layer``, whose query, key and value
+    arguments are the points q, k, v (after the QKV projection, QK-norm and
+    rotary embedding: what its kernel reads)."""
+    known = layer_layout(layer, point)
+    if not known.attention or known.qkv or (known.kinds is not None and Z_KIND not in known.kinds):
+        raise LookupError(f"{point}: {type(layer).__name__} has no queries, keys, values to read")
+    return _path(layer, f"{known.mixer}.attn", point)
+
+
+def qkv_width(attn: nn.Module, kind: str) -> int:
+    """A q / k / v row's width at vLLM attention ``attn``: heads x head
+    size for q, KV heads x head size for k, KV heads x value head size for v."""
+    if kind == "q":
+        return int(attn.num_heads) * int(attn.head_size)
+    if kind == "k":
+        return int(attn.num_kv_heads) * int(attn.head_size)
+    return int(attn.num_kv_heads) * int(getattr(attn, "head_size_v", attn.head_size))
+
+
 def attention_module(layer: nn.Module, point: str) -> nn.Module:
     """vLLM's ``Attention`` of ``layer``, whose query and key arguments give
     its pattern."""

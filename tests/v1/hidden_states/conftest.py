@@ -17,6 +17,7 @@ Every returned vector is compared with HF transformers' ``output_hidden_states``
 on the same token ids.
 """
 
+import contextlib
 import inspect
 import os
 from collections.abc import Iterator
@@ -208,6 +209,50 @@ def point_sites(layer) -> dict[str, tuple]:
     return sites
 
 
+QKV_ATTENTION = "hs_capture_qkv"
+
+
+@contextlib.contextmanager
+def capturing_qkv(model, layer_of: dict[int, int], found: dict[str, torch.Tensor]):
+    """Read each attention layer's query, key and value as HF hands them to
+    its attention function (after the projections, QK-norm and rotary; keys
+    and values per KV head, before repeat_kv): ``found["q.i"]`` ``[seq,
+    heads, head_dim]``, ``"k.i"`` / ``"v.i"`` ``[seq, kv_heads, head_dim]``.
+    A function of HF's attention interface (AttentionInterface) records
+    them, then runs the modeling file's own eager attention; selected only
+    for this forward (the model's own implementation back after). Families
+    whose HF class computes attention inline (GPT-J, Falcon, Bloom) record
+    nothing: the package refuses q / k / v there. The attention and its mask
+    are computed by the implementation the model had (SDPA or eager), so
+    every other point reads the forward it would without this."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = model.config._attn_implementation
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        i = layer_of.get(id(module))
+        if i is not None:
+            for kind, t in (("q", query), ("k", key), ("v", value)):
+                found[f"{kind}.{i}"] = t[0].transpose(0, 1).clone()
+        if before == "eager":  # each modeling file's own eager attention
+            attend = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            attend = ALL_ATTENTION_FUNCTIONS[before]
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(QKV_ATTENTION, capture)
+    AttentionMaskInterface.register(QKV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[before])
+    model.set_attn_implementation(QKV_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 class HFReference:
     """HF transformers forward over exact token ids, float32, on CPU.
 
@@ -268,7 +313,9 @@ class HFReference:
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
+        layer_of: dict[int, int] = {}  # id of a module -> its decoder layer
         for i, layer in enumerate(decoder_layers_of(self.model)):
+            layer_of.update((id(m), i) for m in layer.modules())
             for kind, (module, where, scale) in point_sites(layer).items():
                 if kind == "resid_pre":
                     continue  # HF's own output_hidden_states, below
@@ -277,7 +324,8 @@ class HFReference:
                 else:
                     input_of(f"{kind}.{i}", module)
         try:
-            states = self.states(token_ids, mm)
+            with capturing_qkv(self.model, layer_of, found):
+                states = self.states(token_ids, mm)
         finally:
             for handle in handles:
                 handle.remove()

@@ -24,7 +24,7 @@ from .test_patterns import hf_patterns
 from .test_server import assert_error, decode_rows
 
 MODEL = "tiny-gemma2"
-POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1,mlp_post.0,attn_z.1"
+POINTS_FLAG = "attn_out,mlp_out,resid_mid.1,attn_pattern.1,mlp_post.0,attn_z.1,q.1,k.1,v.1"
 PROMPT = "Once upon a time there was a small robot who loved to count"
 
 
@@ -453,6 +453,33 @@ def test_heads_outputs_come_as_their_own_object_beside_the_neurons(http, hf):
     reference = hf.points(ids)
     assert_close(decode_rows(heads)[0], reference["attn_z.1"], "attn_z.1")
     assert_close(decode_rows(choice["neurons"])[0], reference["mlp_post.0"], "mlp_post.0")
+
+
+def test_queries_keys_values_come_as_one_object_each_per_head(http, hf):
+    """q, k, v (Gemma 2: GQA, QK scale applied in the kernel) in one
+    request: queries ``[points, positions, heads, head_dim]``, keys and
+    values with the KV heads, exact against what HF hands its attention."""
+    r = http.post(
+        "/v1/completions",
+        json=body(
+            hidden_states_points=["blocks.1.attn.hook_rot_q", "k.1", "blocks.1.attn.hook_v"],
+            hidden_states_positions="all",
+            hidden_states_format="base64",
+        ),
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    config = hf.model.config
+    reference = hf.points(ids)
+    for name, kind, heads in (
+        ("queries", "q", config.num_attention_heads),
+        ("keys", "k", config.num_key_value_heads),
+        ("values", "v", config.num_key_value_heads),
+    ):
+        obj = choice[name]
+        assert obj["shape"] == [1, len(ids), heads, config.head_dim], name
+        assert_close(decode_rows(obj)[0], reference[f"{kind}.1"], f"{kind}.1")
 
 
 def test_hidden_states_route_answers_mlp_neurons_of_every_prompt_position(http, hf):
