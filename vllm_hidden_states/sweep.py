@@ -259,46 +259,43 @@ def _token(value: Any, where: str, encode: Callable[[str], list[int]], vocab_siz
 def parse_positions(value: Any, num_tokens: int) -> list[int]:
     """``"all"`` (every prompt position) or a non-empty list of distinct
     positions in ``0..num_tokens-1``."""
-    if value is None or value == "all":
-        return list(range(num_tokens))
-    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(x) for x in value):
-        raise SweepError(
-            "'positions' must be 'all' or a non-empty list of prompt positions "
-            f"(integers in 0..{num_tokens - 1})",
-            "positions",
-        )
-    out = [int(x) for x in value]
-    bad = [p for p in out if not 0 <= p < num_tokens]
-    if bad:
-        raise SweepError(
-            f"'positions' {bad[:8]} out of range: the prompts have {num_tokens} tokens, "
-            f"positions 0..{num_tokens - 1}",
-            "positions",
-        )
-    if len(set(out)) != len(out):
-        raise SweepError("'positions' names a position twice; name each once", "positions")
-    return out
+    return _indices(
+        value,
+        num_tokens,
+        "positions",
+        "'positions' must be 'all' or a non-empty list of prompt positions "
+        f"(integers in 0..{num_tokens - 1})",
+        f"the prompts have {num_tokens} tokens, positions 0..{num_tokens - 1}",
+        "position",
+    )
 
 
 def parse_heads(value: Any, num_heads: int) -> list[int]:
     """``"all"`` (default) or a non-empty list of distinct heads in
     ``0..num_heads-1``."""
+    return _indices(
+        value,
+        num_heads,
+        "heads",
+        f"'heads' must be 'all' or a non-empty list of heads (0..{num_heads - 1})",
+        f"this model has {num_heads} attention heads (0..{num_heads - 1})",
+        "head",
+    )
+
+
+def _indices(value: Any, n: int, field: str, form: str, allowed: str, noun: str) -> list[int]:
+    """``"all"`` / None (``0..n-1``) or a non-empty list of distinct ints in
+    ``0..n-1``; SweepError on ``field`` saying ``form`` or ``allowed``."""
     if value is None or value == "all":
-        return list(range(num_heads))
+        return list(range(n))
     if not isinstance(value, (list, tuple)) or not value or not all(_is_int(x) for x in value):
-        raise SweepError(
-            f"'heads' must be 'all' or a non-empty list of heads (0..{num_heads - 1})", "heads"
-        )
+        raise SweepError(form, field)
     out = [int(x) for x in value]
-    bad = [h for h in out if not 0 <= h < num_heads]
+    bad = [x for x in out if not 0 <= x < n]
     if bad:
-        raise SweepError(
-            f"'heads' {bad[:8]} out of range: this model has {num_heads} attention heads "
-            f"(0..{num_heads - 1})",
-            "heads",
-        )
+        raise SweepError(f"'{field}' {bad[:8]} out of range: {allowed}", field)
     if len(set(out)) != len(out):
-        raise SweepError("'heads' names a head twice; name each once", "heads")
+        raise SweepError(f"'{field}' names a {noun} twice; name each once", field)
     return out
 
 
