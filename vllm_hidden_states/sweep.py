@@ -352,6 +352,33 @@ def check_points(points: Any, hs_cfg: Any, steer_cfg: Any) -> tuple[list[str], l
     return plain, heads
 
 
+@dataclass(frozen=True)
+class SweepEngine:
+    """What :func:`plan` reads of the engine that runs the sweep.
+
+    Attributes:
+        hs_cfg: its HiddenStatesConfig (the points it captures).
+        steer_cfg: its SteeringConfig (the points it writes).
+        vocab_size: token ids are below it.
+        max_model_len: the prompts' length bound, tokens.
+        num_heads: attention heads per layer (the heads axis).
+        encode: a prompt's text to ids, as a completion would tokenize it.
+        encode_token: a metric token's text to ids (no special tokens).
+        max_cells: the cell limit.
+        max_cells_hint: how the limit is set, for the error message.
+    """
+
+    hs_cfg: Any
+    steer_cfg: Any
+    vocab_size: int
+    max_model_len: int
+    num_heads: int
+    encode: Callable[[str], list[int]]
+    encode_token: Callable[[str], list[int]]
+    max_cells: int
+    max_cells_hint: str = MAX_CELLS_FLAG
+
+
 def plan(
     *,
     clean: Any,
@@ -360,25 +387,17 @@ def plan(
     metric: Any,
     positions: Any = "all",
     heads: Any = None,
-    hs_cfg: Any,
-    steer_cfg: Any,
-    encode: Callable[[str], list[int]],
-    encode_token: Callable[[str], list[int]],
-    vocab_size: int,
-    max_model_len: int,
-    num_heads: int,
-    max_cells: int,
-    max_cells_hint: str = MAX_CELLS_FLAG,
+    engine: SweepEngine,
 ) -> SweepPlan:
-    """The sweep checked against the engine, before any engine work; a
-    :class:`SweepError` naming the field and what is allowed. ``encode``:
-    a prompt's text to ids (as a completion would); ``encode_token``: a
-    metric token's text (no special tokens)."""
+    """The sweep checked against ``engine``, before any engine work; a
+    :class:`SweepError` naming the field and what is allowed."""
+    encode, vocab_size, num_heads = engine.encode, engine.vocab_size, engine.num_heads
+    max_cells, max_cells_hint = engine.max_cells, engine.max_cells_hint
     clean_ids = prompt_ids(clean, "clean", encode, vocab_size)
     corrupted_ids = prompt_ids(corrupted, "corrupted", encode, vocab_size)
-    check_lengths(clean_ids, corrupted_ids, max_model_len)
-    the_metric = parse_metric(metric, encode_token, vocab_size)
-    plain, head_points = check_points(points, hs_cfg, steer_cfg)
+    check_lengths(clean_ids, corrupted_ids, engine.max_model_len)
+    the_metric = parse_metric(metric, engine.encode_token, vocab_size)
+    plain, head_points = check_points(points, engine.hs_cfg, engine.steer_cfg)
     the_positions = parse_positions(positions, len(clean_ids))
     if heads is not None and not head_points:
         raise SweepError(
@@ -549,11 +568,13 @@ def patch_sweep(
         metric=metric,
         positions=positions,
         heads=heads,
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens),
-        encode_token=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        max_cells=max_cells,
-        max_cells_hint="max_cells",
-        **engine_facts(llm.llm_engine.vllm_config),
+        engine=SweepEngine(
+            **engine_facts(llm.llm_engine.vllm_config),
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens),
+            encode_token=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            max_cells=max_cells,
+            max_cells_hint="max_cells",
+        ),
     )
     (captured,) = llm.generate(
         [{"prompt_token_ids": sweep.clean_ids}],

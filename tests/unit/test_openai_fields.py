@@ -379,21 +379,26 @@ def test_price_positions_counts_only_the_prompt_for_prompt_positions():
 
 
 def test_sae_features_count_toward_the_response_cap_and_are_named():
-    from vllm_hidden_states.server.limits import SAE_FEATURE_BYTES, Limits, check_response
+    from vllm_hidden_states.server.limits import (
+        SAE_FEATURE_BYTES,
+        Limits,
+        ResponseSize,
+        check_response,
+    )
 
     positions, top_k = 1000, 64
     cap = positions * top_k * SAE_FEATURE_BYTES - 1  # one byte short
     limits = Limits(max_response_bytes=cap, max_batch=8, max_input_chars=1000)
-    check_response(limits, 1, positions, 0, 128, "float", "max_tokens", "advice")  # no features
+
+    def size(positions: int, sae_top_k: int = 0) -> ResponseSize:
+        return ResponseSize(1, positions, 0, 128, sae_top_k=sae_top_k)
+
+    check_response(limits, size(positions), "float", "max_tokens", "advice")  # no features
     with pytest.raises(ApiError) as e:
-        check_response(
-            limits, 1, positions, 0, 128, "float", "max_tokens", "advice", sae_top_k=top_k
-        )
+        check_response(limits, size(positions, top_k), "float", "max_tokens", "advice")
     assert e.value.status == HTTPStatus.BAD_REQUEST
     assert "top-64 SAE features per position" in str(e.value)
-    check_response(
-        limits, 1, positions - 1, 0, 128, "float", "max_tokens", "advice", sae_top_k=top_k
-    )
+    check_response(limits, size(positions - 1, top_k), "float", "max_tokens", "advice")
 
 
 def test_the_store_keeps_heads_outputs_flat_under_canonical_addresses():

@@ -279,8 +279,7 @@ def sae_request(
     return s.append_sae_features(
         request_id,
         model_id="tiny",
-        sae_release="rel",
-        sae_layer=layer,
+        sae=store.SaeSource("rel", layer),
         token_ids=tokens if tokens is not None else list(range(100, 100 + len(ids))),
         feature_ids=ids,
         values=np.asarray(values, dtype=np.float32),
@@ -447,7 +446,8 @@ def test_read_only_directory_warns_and_serves(tmp_path):
         "logging.basicConfig(level=logging.WARNING)\n"
         "from vllm_hidden_states.store.activation_store import ActivationStore\n"
         f"s = ActivationStore({str(root)!r})\n"
-        "ok = s.append_sae_features('r', model_id='m', sae_release='x', sae_layer=1,"
+        "from vllm_hidden_states.store.activation_store import SaeSource\n"
+        "ok = s.append_sae_features('r', model_id='m', sae=SaeSource('x', 1),"
         " token_ids=[1], feature_ids=np.array([[3]]), values=np.array([[1.0]]),"
         " prompt_len=1)\n"
         "s.close()\n"
@@ -587,9 +587,7 @@ def test_an_sae_at_a_capture_point_and_point_states_name_the_point(tmp_path):
     s.append_sae_features(
         "cmpl-p",
         model_id="tiny",
-        sae_release="attn-sae",
-        sae_layer=2,
-        sae_point="attn_out.2",
+        sae=store.SaeSource("attn-sae", 2, "attn_out.2"),
         token_ids=[7],
         feature_ids=np.array([[5]]),
         values=np.array([[1.0]]),

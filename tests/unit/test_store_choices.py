@@ -22,8 +22,7 @@ def two_choices(s: store.ActivationStore, request_id: str = "cmpl-abc"):
         assert s.append_sae_features(
             request_id,
             model_id="tiny",
-            sae_release="rel",
-            sae_layer=3,
+            sae=store.SaeSource("rel", 3),
             token_ids=[100 + choice, 200 + choice],
             feature_ids=np.array([[feature], [feature]]),
             values=np.array([[1.0], [3.0]], np.float32),

@@ -37,13 +37,13 @@ def encode(text: str) -> list[int]:
     return [len(w) for w in text.split()]
 
 
-def plan(**over):
+def plan(max_cells: int = 100, **over):
     kw = dict(clean="aa bbb c", corrupted="dd eee f", points=["resid_pre.1"],
-              metric={"logit_diff": ["aaaa", 7]}, hs_cfg=FakeCaptures(), steer_cfg=steer_cfg(),
-              encode=encode, encode_token=encode, vocab_size=VOCAB, max_model_len=64,
-              num_heads=HEADS, max_cells=100)  # fmt: skip
-    kw.update(over)
-    return sweep.plan(**kw)
+              metric={"logit_diff": ["aaaa", 7]})  # fmt: skip
+    engine = sweep.SweepEngine(hs_cfg=FakeCaptures(), steer_cfg=steer_cfg(), vocab_size=VOCAB,
+                               max_model_len=64, num_heads=HEADS, encode=encode,
+                               encode_token=encode, max_cells=max_cells)  # fmt: skip
+    return sweep.plan(**{**kw, **over}, engine=engine)
 
 
 def test_a_plan_expands_points_by_positions_and_reads_its_metric():

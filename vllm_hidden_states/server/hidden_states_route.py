@@ -40,9 +40,17 @@ from vllm_hidden_states.server.encoding import (
     dtype_name,
     encode_array,
 )
-from vllm_hidden_states.server.errors import ApiError, invalid_request
+from vllm_hidden_states.server.errors import (
+    ApiError,
+    caught,
+    internal_error,
+    invalid_request,
+    json_object,
+    read_json_body,
+)
 from vllm_hidden_states.server.limits import (
     Limits,
+    ResponseSize,
     check_batch,
     check_input_chars,
     check_response,
@@ -58,6 +66,7 @@ from vllm_hidden_states.server.request_checks import (
 from vllm_hidden_states.server.stored_rows import has_store_refs, resolve_store_refs
 
 logger = init_logger(__name__)
+ROUTE = "POST /v1/hidden_states"
 
 # Inputs of one request in the engine at once (tokenized, generated and
 # encoded per slice), so other requests interleave with a large batch.
@@ -219,17 +228,7 @@ def negotiate(request: HiddenStatesRequest, accept: str | None) -> HiddenStatesR
 
 
 def parse_request(body: bytes) -> HiddenStatesRequest:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise invalid_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise invalid_request("the request body must be a JSON object")
-    try:
-        return HiddenStatesRequest.model_validate(data)
-    except ValidationError as e:
-        message, field = _validation_message(e)
-        raise invalid_request(message, field) from None
+    return json_object(body, HiddenStatesRequest, _validation_message)
 
 
 def _check_model(state: Any, name: str):
@@ -268,10 +267,9 @@ def _admit(engine_client: Any, limits: Limits, request: HiddenStatesRequest):
         results = len(texts)
     check_response(
         limits,
-        results,
-        1,
-        1,
-        _row_width(engine_client, request),
+        ResponseSize(
+            results=results, positions=1, layers=1, hidden_size=_row_width(engine_client, request)
+        ),
         request.encoding_format,
         "input",
         "split the batch, or use encoding_format 'base64' or 'bytes'",
@@ -407,10 +405,12 @@ def _check_limits(
             )
     check_response(
         limits,
-        1,
-        sum(len(ids) for ids in inputs),
-        1,
-        _row_width(engine_client, request),
+        ResponseSize(
+            results=1,
+            positions=sum(len(ids) for ids in inputs),
+            layers=1,
+            hidden_size=_row_width(engine_client, request),
+        ),
         request.encoding_format,
         "max_length",
         "lower max_length, split the batch, use encoding_format 'base64' or "
@@ -468,10 +468,8 @@ async def _extract(
         final = output
     states = final.outputs[0].hidden_states if final is not None else None
     if states is None:
-        raise ApiError(
-            "the engine returned no hidden states for this request (see the server log)",
-            HTTPStatus.INTERNAL_SERVER_ERROR,
-            "internal_error",
+        raise internal_error(
+            "the engine returned no hidden states for this request (see the server log)"
         )
     return states[request.layer if request.point is None else request.point]
 
@@ -539,7 +537,6 @@ async def _parse(body: bytes) -> HiddenStatesRequest:
 
 
 async def _serve(body: bytes, raw_request: Request) -> Response:
-    from vllm.exceptions import VLLMValidationError
 
     state = raw_request.app.state
     try:
@@ -584,17 +581,8 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
         else:
             content = objects[0]
         return Response(content, media_type="application/json")
-    except ApiError as e:
-        return e.json_response()
-    except VLLMValidationError as e:
-        return invalid_request(str(e), e.parameter).json_response()
-    except Exception as e:
-        logger.exception("POST /v1/hidden_states failed")
-        return ApiError(
-            f"internal error: {type(e).__name__}: {e}",
-            HTTPStatus.INTERNAL_SERVER_ERROR,
-            "internal_error",
-        ).json_response()
+    except Exception as e:  # noqa: BLE001 - answered as OpenAI error JSON
+        return caught(e, ROUTE).json_response()
 
 
 def _binary_response(
@@ -626,26 +614,11 @@ def _binary_response(
 @router.post("/v1/hidden_states")
 async def create_hidden_states(raw_request: Request):
     """POST /v1/hidden_states (see the module docstring)."""
-    from starlette.requests import ClientDisconnect
-
     from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 
-    content_type = raw_request.headers.get("content-type", "")
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
-        # As /v1/chat/completions and /v1/completions answer (400).
-        return invalid_request(
-            f"unsupported Content-Type {content_type or '(none)'!r}: "
-            "/v1/hidden_states takes a JSON body (Content-Type: "
-            "application/json)",
-            "Content-Type",
-        ).json_response()
-    try:
-        body = await raw_request.body()
-    except ClientDisconnect:
-        # The client left while its body was being read: nobody to answer,
-        # nothing to abort. One line, no traceback.
-        logger.warning("POST /v1/hidden_states: the client disconnected while sending its body")
-        return Response(status_code=499)
+    body = await read_json_body(raw_request, ROUTE)
+    if not isinstance(body, bytes):
+        return body
     # with_cancellation cancels _serve (and so aborts the engine requests) when
     # the client disconnects; it needs the body read first, as done above.
     return await with_cancellation(_serve)(body, raw_request)

@@ -225,39 +225,64 @@ def check_batch(limits: Limits, results: int, param: str, what: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ResponseSize:
+    """What a response would carry, priced before any engine work.
+
+    Attributes:
+        results: choices (or inputs) in the response.
+        positions: positions per result (may be an upper bound).
+        layers: points per position.
+        hidden_size: values per point and position.
+        sae_top_k: SAE features per position (index + value each).
+        pattern_values: attention-pattern weights in all.
+        probe_outputs: probe scores per position (the sum of the probes' k).
+    """
+
+    results: int
+    positions: int
+    layers: int
+    hidden_size: int
+    sae_top_k: int = 0
+    pattern_values: int = 0
+    probe_outputs: int = 0
+
+
 def check_response(
     limits: Limits,
-    results: int,
-    positions: int,
-    layers: int,
-    hidden_size: int,
+    size: ResponseSize,
     encoding_format: str,
     param: str,
     advice: str,
     embed_dtype: str = "float32",
-    sae_top_k: int = 0,
-    pattern_values: int = 0,
-    probe_outputs: int = 0,
 ) -> None:
-    """400 when ``results x positions x layers x hidden`` values, plus
-    ``sae_top_k`` SAE features per position and ``pattern_values``
-    attention-pattern weights, and ``probe_outputs`` probe scores per
-    position (the sum of the probes' k), would make a response over the cap
-    (``positions`` may be an upper bound)."""
+    """400 (on ``param``, ending with ``advice``) when a response of
+    ``size`` in ``encoding_format`` would be over the cap."""
+    results, positions, layers, hidden_size = (
+        size.results,
+        size.positions,
+        size.layers,
+        size.hidden_size,
+    )
+    sae_top_k, pattern_values, probe_outputs = (
+        size.sae_top_k,
+        size.pattern_values,
+        size.probe_outputs,
+    )
     values = results * positions * layers * hidden_size
-    size = (values + pattern_values) * value_bytes(encoding_format, embed_dtype)
+    nbytes = (values + pattern_values) * value_bytes(encoding_format, embed_dtype)
     features = ""
     if sae_top_k:
-        size += results * positions * sae_top_k * SAE_FEATURE_BYTES
+        nbytes += results * positions * sae_top_k * SAE_FEATURE_BYTES
         features = f", plus top-{sae_top_k} SAE features per position"
     if pattern_values:
         features += f", plus {pattern_values} attention-pattern weights"
     if probe_outputs:
-        size += results * positions * probe_outputs * value_bytes(encoding_format, embed_dtype)
+        nbytes += results * positions * probe_outputs * value_bytes(encoding_format, embed_dtype)
         features += f", plus {probe_outputs} probe scores per position"
-    if size > limits.max_response_bytes:
+    if nbytes > limits.max_response_bytes:
         raise invalid_request(
-            f"the response would be about {size / 2**20:.1f} MB ({results} results x "
+            f"the response would be about {nbytes / 2**20:.1f} MB ({results} results x "
             f"{positions} positions x {layers} layers x {hidden_size} values, "
             f"encoding_format={encoding_format!r}{features}), over this server's "
             f"{limits.max_response_mb:g} MB cap ({RESPONSE_FLAG}, or the environment "

@@ -48,6 +48,7 @@ from vllm_hidden_states.server.encoding import ENCODING_FORMATS
 from vllm_hidden_states.server.errors import ApiError, invalid_request
 from vllm_hidden_states.server.limits import (
     Limits,
+    ResponseSize,
     check_batch,
     check_input_chars,
     check_response,
@@ -321,15 +322,17 @@ def validate_ask(serving: Any, request: Any, raw_request: Any = None) -> HiddenS
     # (a lower bound); the exact price follows tokenization (:func:`price`).
     check_response(
         limits,
-        results,
-        1,
-        len(ask.keys),
-        engine_client.model_config.get_hidden_size(),
+        ResponseSize(
+            results=results,
+            positions=1,
+            layers=len(ask.keys),
+            hidden_size=engine_client.model_config.get_hidden_size(),
+            sae_top_k=ask.sae_top_k,
+            probe_outputs=probe_outputs(cfg, ask),
+        ),
         ask.encoding_format,
         "hidden_states_layers",
         "ask for fewer layers or choices or a smaller top_k, or use hidden_states_format 'base64'",
-        sae_top_k=ask.sae_top_k,
-        probe_outputs=probe_outputs(cfg, ask),
     )
     return ask
 
@@ -401,18 +404,20 @@ def price_positions(pricing: PositionPricing, prompt_len: int, max_tokens: int) 
         )
     check_response(
         pricing.limits,
-        1,
-        pricing.spent_positions,
-        len(pricing.ask.keys),
-        pricing.hidden_size,
+        ResponseSize(
+            results=1,
+            positions=pricing.spent_positions,
+            layers=len(pricing.ask.keys),
+            hidden_size=pricing.hidden_size,
+            sae_top_k=pricing.ask.sae_top_k,
+            pattern_values=pricing.spent_extra_values,
+        ),
         pricing.ask.encoding_format,
         "max_tokens",
         f"positions are priced at prompt tokens + max_tokens ({prompt_len} + "
         f"{max_tokens} here) per choice; lower max_tokens, ask for fewer layers "
         "or choices or a smaller top_k, use hidden_states_format 'base64', or "
         "raise the cap",
-        sae_top_k=pricing.ask.sae_top_k,
-        pattern_values=pricing.spent_extra_values,
     )
 
 

@@ -18,7 +18,6 @@ The contract: docs/patching.md, "A sweep in one call".
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from http import HTTPStatus
 from typing import Any, Literal
 
 import orjson
@@ -27,11 +26,18 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from vllm.logger import init_logger
-from vllm_hidden_states.server.errors import ApiError, invalid_request
+from vllm_hidden_states.server.errors import (
+    caught,
+    internal_error,
+    invalid_request,
+    json_object,
+    read_json_body,
+)
 from vllm_hidden_states.server.hidden_states_route import _check_model, _run_in_tokenizer_pool
 from vllm_hidden_states.server.limits import SWEEP_CELLS_FLAG, limits_of
 from vllm_hidden_states.server.request_checks import engine_config, steering_config
 from vllm_hidden_states.sweep import (
+    SweepEngine,
     SweepError,
     SweepPlan,
     assemble,
@@ -44,6 +50,7 @@ from vllm_hidden_states.sweep import (
 )
 
 logger = init_logger(__name__)
+ROUTE = "POST /v1/patch_sweep"
 
 router = APIRouter()
 
@@ -86,25 +93,19 @@ FIELD_HELP = {
 
 
 def parse_request(body: bytes) -> PatchSweepRequest:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise invalid_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise invalid_request("the request body must be a JSON object")
-    try:
-        return PatchSweepRequest.model_validate(data)
-    except ValidationError as e:
-        error = e.errors()[0]
-        loc = error.get("loc") or ()
-        field = str(loc[0]) if loc else None
-        if error["type"] == "missing":
-            message = f"missing required field {field!r}: {FIELD_HELP.get(field or '', '')}"
-        elif error["type"] == "extra_forbidden":
-            message = f"unknown field {field!r}; allowed fields: {', '.join(FIELD_HELP)}"
-        else:
-            message = f"invalid {field!r}: expected {FIELD_HELP.get(field or '', error['msg'])}"
-        raise invalid_request(message, field) from None
+    return json_object(body, PatchSweepRequest, _validation_message)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """The 400's text and field for the request's first validation error."""
+    error = e.errors()[0]
+    loc = error.get("loc") or ()
+    field = str(loc[0]) if loc else None
+    if error["type"] == "missing":
+        return f"missing required field {field!r}: {FIELD_HELP.get(field or '', '')}", field
+    if error["type"] == "extra_forbidden":
+        return f"unknown field {field!r}; allowed fields: {', '.join(FIELD_HELP)}", field
+    return f"invalid {field!r}: expected {FIELD_HELP.get(field or '', error['msg'])}", field
 
 
 async def _plan(raw_request: Request, request: PatchSweepRequest) -> SweepPlan:
@@ -142,15 +143,17 @@ async def _plan(raw_request: Request, request: PatchSweepRequest) -> SweepPlan:
         metric=request.metric,
         positions=request.positions,
         heads=request.heads,
-        hs_cfg=engine_config(engine_client),
-        steer_cfg=steering_config(engine_client),
-        encode=lambda text: by_text[text],
-        encode_token=lambda text: tokens[text],
-        vocab_size=int(model_config.get_vocab_size()),
-        max_model_len=int(model_config.max_model_len),
-        num_heads=int(model_config.hf_text_config.num_attention_heads),
-        max_cells=limits_of(raw_request).max_sweep_cells,
-        max_cells_hint=SWEEP_CELLS_FLAG,
+        engine=SweepEngine(
+            hs_cfg=engine_config(engine_client),
+            steer_cfg=steering_config(engine_client),
+            vocab_size=int(model_config.get_vocab_size()),
+            max_model_len=int(model_config.max_model_len),
+            num_heads=int(model_config.hf_text_config.num_attention_heads),
+            encode=lambda text: by_text[text],
+            encode_token=lambda text: tokens[text],
+            max_cells=limits_of(raw_request).max_sweep_cells,
+            max_cells_hint=SWEEP_CELLS_FLAG,
+        ),
     )
 
 
@@ -165,11 +168,7 @@ async def _final(engine_client: Any, ids: list[int], kwargs: dict, request_id: s
     ):
         final = output
     if final is None:
-        raise ApiError(
-            f"the engine returned nothing for {request_id}",
-            HTTPStatus.INTERNAL_SERVER_ERROR,
-            "internal_error",
-        )
+        raise internal_error(f"the engine returned nothing for {request_id}")
     return final
 
 
@@ -252,7 +251,6 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def _serve(body: bytes, raw_request: Request) -> Response:
-    from vllm.exceptions import VLLMValidationError
 
     state = raw_request.app.state
     try:
@@ -276,23 +274,13 @@ async def _serve(body: bytes, raw_request: Request) -> Response:
             orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY),
             media_type="application/json",
         )
-    except ApiError as e:
-        return e.json_response()
-    except VLLMValidationError as e:
-        return invalid_request(str(e), e.parameter).json_response()
-    except Exception as e:
-        logger.exception("POST /v1/patch_sweep failed")
-        return ApiError(
-            f"internal error: {type(e).__name__}: {e}",
-            HTTPStatus.INTERNAL_SERVER_ERROR,
-            "internal_error",
-        ).json_response()
+    except Exception as e:  # noqa: BLE001 - answered as OpenAI error JSON
+        return caught(e, ROUTE).json_response()
 
 
 async def _stream(engine_client: Any, sweep: SweepPlan, lora, model: str) -> AsyncIterator[bytes]:
     """The SSE body: the row events, the answer, ``[DONE]``; a failure after
     the head is sent is an error event (vLLM's streams do the same)."""
-    from vllm.exceptions import VLLMValidationError
 
     try:
         async for event in _events(engine_client, sweep, lora):
@@ -300,40 +288,19 @@ async def _stream(engine_client: Any, sweep: SweepPlan, lora, model: str) -> Asy
                 yield _sse({**event["answer"].as_json(), "model": model})
             else:
                 yield _sse(event)
-    except ApiError as e:
-        yield _sse(e.body())
-    except VLLMValidationError as e:
-        yield _sse(invalid_request(str(e), e.parameter).body())
-    except Exception as e:
-        logger.exception("POST /v1/patch_sweep (stream) failed")
-        error = ApiError(
-            f"internal error: {type(e).__name__}: {e}",
-            HTTPStatus.INTERNAL_SERVER_ERROR,
-            "internal_error",
-        )
-        yield _sse(error.body())
+    except Exception as e:  # noqa: BLE001 - an error event, as vLLM's streams send
+        yield _sse(caught(e, ROUTE + " (stream)").body())
     yield b"data: [DONE]\n\n"
 
 
 @router.post("/v1/patch_sweep")
 async def create_patch_sweep(raw_request: Request):
     """POST /v1/patch_sweep (see the module docstring)."""
-    from starlette.requests import ClientDisconnect
-
     from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 
-    content_type = raw_request.headers.get("content-type", "")
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
-        return invalid_request(
-            f"unsupported Content-Type {content_type or '(none)'!r}: /v1/patch_sweep "
-            "takes a JSON body (Content-Type: application/json)",
-            "Content-Type",
-        ).json_response()
-    try:
-        body = await raw_request.body()
-    except ClientDisconnect:
-        logger.warning("POST /v1/patch_sweep: the client disconnected while sending its body")
-        return Response(status_code=499)
+    body = await read_json_body(raw_request, ROUTE)
+    if not isinstance(body, bytes):
+        return body
     # with_cancellation cancels _serve (and so every run of the sweep) when
     # the client leaves; a stream's runs end with its body's generator.
     return await with_cancellation(_serve)(body, raw_request)

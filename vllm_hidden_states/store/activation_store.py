@@ -141,6 +141,22 @@ class StoreStats:
     partitions_pruned: int = 0
 
 
+@dataclass(frozen=True)
+class SaeSource:
+    """The SAE that encoded a request's features.
+
+    Attributes:
+        release: its name (the ``--sae`` directory's), the ``sae_release`` column.
+        layer: the decoder layer it reads (that of ``point`` when set).
+        point: the capture point it reads (e.g. ``"attn_out.2"``); None for
+            the residual stream at ``layer``.
+    """
+
+    release: str
+    layer: int
+    point: str | None = None
+
+
 @dataclass
 class _SaeItem:
     request_id: str
@@ -455,8 +471,7 @@ class ActivationStore:
         request_id: str,
         *,
         model_id: str,
-        sae_release: str,
-        sae_layer: int,
+        sae: SaeSource,
         token_ids: Sequence[int] | np.ndarray,
         feature_ids: np.ndarray,
         values: np.ndarray,
@@ -464,10 +479,8 @@ class ActivationStore:
         positions: Sequence[int] | np.ndarray | None = None,
         source_mode: str = "inline",
         choice_index: int = 0,
-        sae_point: str | None = None,
     ) -> bool:
-        """Queue one request's top-k features (``sae_point``: the capture
-        point the SAE reads, ``sae_layer`` then its decoder layer); ``feature_ids``/``values`` are
+        """Queue one request's top-k features of ``sae``; ``feature_ids``/``values`` are
         ``[n, k]`` (int, float) for the positions ``positions`` (default
         ``0..n-1``) whose tokens are ``token_ids`` ``[n]``. ``request_id``:
         the response's id; ``choice_index``: the choice's index in it.
@@ -479,8 +492,8 @@ class ActivationStore:
                 request_id,
                 int(choice_index),
                 model_id,
-                sae_release,
-                int(sae_layer),
+                sae.release,
+                int(sae.layer),
                 np.asarray(token_ids),
                 np.arange(n) if positions is None else np.asarray(positions),
                 int(prompt_len),
@@ -488,7 +501,7 @@ class ActivationStore:
                 np.asarray(values),
                 source_mode,
                 self._clock(),
-                sae_point,
+                sae.point,
             )
             if (
                 item.feature_ids.shape != item.values.shape

@@ -149,15 +149,21 @@ class StoredChoice:
             ids = torch.cat([p["ids"] for p in parts])[-len(positions) :]
             values = torch.cat([p["values"] for p in parts])[-len(positions) :]
             if ids.shape[0] == len(positions):
+                from vllm_hidden_states.store.activation_store import SaeSource
+
                 point = parts[0].get("point")
                 store.append_sae_features(
                     self.request_id,
                     model_id=model,
-                    sae_release=self.sae_name,
-                    sae_layer=(
-                        parts[0]["layer"] if point is None else parse_point(point, num_layers)[1]
+                    sae=SaeSource(
+                        release=self.sae_name,
+                        layer=(
+                            parts[0]["layer"]
+                            if point is None
+                            else parse_point(point, num_layers)[1]
+                        ),
+                        point=point,
                     ),
-                    sae_point=point,
                     token_ids=tokens[positions],
                     feature_ids=ids.numpy(),
                     values=values.numpy(),
