@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine tier's files in longest-first order.
+"""The engine tier's files in longest-first order, and no vLLM step deadline.
 
 ``make test`` hands whole files to its workers (``--dist loadfile``) in
 collection order. Collected alphabetically, the benchmark and example files
@@ -7,9 +7,19 @@ and the wheel install (several minutes each) came last, and one worker ran
 them alone while the other sat idle. The files named here go first, longest
 first; every other file keeps its place after them, and no test moves
 inside its file.
+
+vLLM gives a worker 300 s per step (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``)
+and then kills the engine; a 1000-token prefill on a loaded 2-core box went
+past that once. Tests wait on conditions, never on the machine's speed, so
+every engine and server they start (the environment is inherited) gets an
+hour.
 """
 
+import os
+
 import pytest
+
+os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
 
 # Longest first, from `make test DURATIONS=0` on the 2-core box.
 LONGEST_FIRST = (
