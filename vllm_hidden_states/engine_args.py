@@ -376,10 +376,10 @@ def sharded_problems(cfg: HiddenStatesConfig, vllm_config: "VllmConfig") -> list
     if kv and kv_heads % tp:
         problems.append(
             f"keys and values (k, v in --hidden-states-points) cannot be captured with "
-            f"tensor_parallel_size={tp}: the model has {kv_heads} KV heads, not a "
-            "multiple of the ranks, so vLLM replicates them across ranks and the "
-            "ranks' slices are not the KV heads in order (q, attn_z and mlp_post are "
-            f"gathered); {ROW_KINDS_HINT}"
+            f"tensor_parallel_size={tp}: the model's num_key_value_heads={kv_heads} is "
+            "not a multiple of the ranks, so vLLM replicates its KV heads across them "
+            "and the ranks' slices are not the KV heads in order (q, attn_z and "
+            f"mlp_post are gathered); {ROW_KINDS_HINT}"
         )
     return problems
 
