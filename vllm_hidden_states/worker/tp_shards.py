@@ -19,14 +19,12 @@ def tp_rank_and_size() -> tuple[int, int]:
     """``(rank, world size)`` of this worker in its tensor-parallel group;
     ``(0, 1)`` where vLLM's model parallelism is not initialized (one
     process, nothing sharded)."""
-    from vllm.distributed import parallel_state
+    from vllm.distributed import get_tp_group, model_parallel_is_initialized
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not model_parallel_is_initialized():
         return 0, 1
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-    )
+    group = get_tp_group()
+    return group.rank_in_group, group.world_size
 
 
 def gather_columns(rows: torch.Tensor) -> torch.Tensor:
