@@ -191,6 +191,76 @@ def test_tensor_parallel_2_reads_back_a_patched_head_bit_for_bit(llm_tp2, hf_qwe
     assert_close(got[:, 0], own[:, 0], "TP=2 head 0 of attn_z.2 beside the patch")
 
 
+@pytest.fixture(scope="module")
+def small_llama_dir():
+    """Llama, 5 layers, 4 query heads sharing 2 KV heads (GQA): with two
+    ranks each holds 2 query heads and a KV head of its own."""
+    from vllm_hidden_states.tools.tiny_models import build_tiny_model
+
+    from .conftest import MODELS
+
+    return build_tiny_model(
+        MODELS / "small-llama", arch="llama", num_layers=5, hidden_size=256, vocab_size=512
+    )
+
+
+@pytest.fixture(scope="module")
+def llm_tp2_gqa(small_llama_dir):
+    import vllm.envs as envs
+    from vllm import LLM
+
+    envs.disable_envs_cache()
+    with env_set("VLLM_CPU_OMP_THREADS_BIND", "0|1"):
+        engine = LLM(
+            model=str(small_llama_dir),
+            enable_hidden_states=True,
+            hidden_states_points=",".join(GQA_KINDS),
+            enforce_eager=True,
+            tensor_parallel_size=2,
+            max_model_len=512,
+            **COMMON_ENGINE_ARGS,
+        )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+# Queries, keys, values and heads' outputs of a GQA model: each rank holds
+# whole KV heads, so keys and values gather like the query heads.
+GQA_KINDS = ["q", "k", "v", "attn_z"]
+
+
+@pytest.mark.parametrize("kind", GQA_KINDS)
+def test_tensor_parallel_2_returns_grouped_query_heads_in_head_order(
+    llm_tp2_gqa, small_llama_dir, kind
+):
+    """Under GQA (4 query heads, 2 KV heads, one per rank): q and attn_z
+    ``[positions, 4, head_dim]``, k and v ``[positions, 2, head_dim]`` at
+    every layer equal HF's attention arguments / o_proj input."""
+    from .conftest import HFReference
+
+    hf = HFReference(small_llama_dir)
+    points = [f"{kind}.{i}" for i in range(hf.num_layers)]
+    params_ = SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        return_hidden_states=True,
+        hidden_states_points=points,
+        hidden_states_positions="all",
+    )
+    (out,) = llm_tp2_gqa.generate([PROMPT], params_, use_tqdm=False)
+    states = out.outputs[0].hidden_states
+    assert list(states) == points
+    ref = hf.points(token_ids_of(out))
+    for address, tensor in states.items():
+        assert tensor.shape == ref[address].shape, address
+        assert_close(tensor, ref[address], f"TP=2 GQA {address}")
+
+
+def test_keys_and_values_of_distinct_kv_heads_are_accepted_at_start_with_tp(small_llama_dir):
+    config = _config(small_llama_dir, hidden_states_points="k.1,v.1", tensor_parallel_size=2)
+    assert config.model_config.get_total_num_kv_heads() == 2
+
+
 def _config(qwen3_dir, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
