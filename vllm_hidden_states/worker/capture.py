@@ -34,7 +34,7 @@ from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 from vllm_hidden_states.worker.stage_carry import StageCarry
 from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
-from vllm_hidden_states.worker.tp_shards import gather_columns, tp_rank_and_size
+from vllm_hidden_states.worker.tp_shards import gather_columns, sharded_ids, tp_rank_and_size
 
 if TYPE_CHECKING:
     from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
@@ -114,7 +114,12 @@ class HiddenStatesCapture:
         # Tensor parallelism: each rank holds only its columns of the wide
         # points (heads, neurons); this step's rows of each, gathered across
         # the ranks in head order once per step, [count, full width].
-        self.tp_size = tp_rank_and_size()[1]
+        # Ids a module vLLM does not shard holds whole on every rank.
+        self._sharded: set[int] = set()
+        if tp_rank_and_size()[1] > 1 and self.points is not None:
+            self._sharded = sharded_ids(
+                self.points, config.num_layers, runner.vllm_config.model_config
+            )
         self._gathered: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -404,12 +409,13 @@ class HiddenStatesCapture:
         """This step's device rows of wide id ``k`` (mlp_post, attn_z, q, k,
         v: ``[rows, width]``, from the capture buffers), every head's.
 
-        Under tensor parallelism each rank's buffer holds its heads only:
-        the first read of ``k`` in a step gathers the whole buffer across
-        the ranks (every rank reads the same ids in the same order: they
-        run the same plan), in head order, the full width as with one rank."""
+        Under tensor parallelism each rank's buffer of a sharded id holds its
+        heads (neurons) only: the first read of ``k`` in a step gathers the
+        whole buffer across the ranks (every rank reads the same ids in the
+        same order: they run the same plan), in head order, the full width
+        as with one rank."""
         assert self.points is not None  # mlp_post ids have capture points
-        if self.tp_size == 1:
+        if k not in self._sharded:
             return self.points.read_neurons(k)[inner]
         rows = self._gathered.get(k)
         if rows is None:

@@ -44,7 +44,12 @@ from vllm_hidden_states.worker.step_batch import StepBatch, expand_stretches
 from vllm_hidden_states.worker.taps import (
     find_decoder_layers,
 )
-from vllm_hidden_states.worker.tp_shards import rank_columns, tp_rank_and_size
+from vllm_hidden_states.worker.tp_shards import (
+    is_share,
+    linear_full_width,
+    linear_local_width,
+    rank_columns,
+)
 
 logger = init_logger(__name__)
 
@@ -84,7 +89,10 @@ class Steering:
         self.widths = {
             k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
         }
-        self.columns = {k: rank_columns(width) for k, width in self.widths.items()}
+        self.columns = {
+            k: rank_columns(width) if self._z_sharded(config, k, taps[k].module) else slice(None)
+            for k, width in self.widths.items()
+        }
         self.index_of = {k: i for i, k in enumerate(config.ids)}
         num_points = max(len(config.ids), 1)
         self.max_tokens = max_tokens
@@ -244,21 +252,28 @@ class Steering:
     def _z_width(config: SteeringConfig, capture_id: int, module: nn.Module) -> int:
         """The full width of attn_z id ``capture_id`` (every head's: heads *
         head_dim, as the front-end checks rows), read at its output
-        projection ``module``, which under tensor parallelism takes one
-        rank's share (``heads * head_dim / tp``); ValueError where it is not
-        that."""
+        projection ``module`` (over every tensor-parallel rank); ValueError
+        where it is not the config's."""
         point = point_of_id(capture_id, config.num_layers)
         assert point is not None
-        width = int(getattr(module, "input_size_per_partition", 0) or module.in_features)
+        width = linear_full_width(module)
         heads, head_dim = config.z_shapes[point[1]]
-        tp = tp_rank_and_size()[1]
-        if width * tp != heads * head_dim:
+        if width != heads * head_dim:
             raise ValueError(
                 f"attn_z.{point[1]}: {type(module).__name__} takes {width} values per token "
-                f"on each of {tp} tensor-parallel rank(s), not {heads} heads x {head_dim} "
-                "(the config's) between them; leave attn_z out of --steering-points"
+                f"(over every tensor-parallel rank), not {heads} heads x {head_dim} (the "
+                "config's); leave attn_z out of --steering-points"
             )
-        return heads * head_dim
+        return width
+
+    @staticmethod
+    def _z_sharded(config: SteeringConfig, capture_id: int, module: nn.Module) -> bool:
+        """Whether this rank's output projection ``module`` of attn_z id
+        ``capture_id`` reads only its heads (a ``1 / tp`` share)."""
+        point = point_of_id(capture_id, config.num_layers)
+        assert point is not None
+        what = f"attn_z.{point[1]}"
+        return is_share(linear_local_width(module), linear_full_width(module), what)
 
     @staticmethod
     def _splices(config: SteeringConfig, sae: Any) -> bool:

@@ -12,7 +12,13 @@ tensor-parallel group; rows written into such a point (patch rows,
 ablate_heads) are cut to the rank's columns before they reach its table.
 """
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from vllm_hidden_states.worker.capture_points import CapturePoints
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -43,3 +49,62 @@ def rank_columns(full_width: int) -> slice:
     rank, size = tp_rank_and_size()
     local = full_width // size
     return slice(rank * local, (rank + 1) * local)
+
+
+def is_share(local_width: int, full_width: int, what: str) -> bool:
+    """Whether this rank holds a ``1 / tp`` share of a point ``full_width``
+    wide (its heads or neurons: True) or all of it (a module vLLM does not
+    shard: False); RuntimeError for anything else, which no gather or cut
+    would put right."""
+    tp = tp_rank_and_size()[1]
+    if tp > 1 and local_width * tp == full_width:
+        return True
+    if local_width == full_width:
+        return False
+    raise RuntimeError(
+        f"vllm-hidden-states: {what} is {local_width} wide on this rank, neither all "
+        f"{full_width} of it nor a 1/{tp} share; it cannot be captured or written "
+        "under this tensor parallelism (leave it out of --hidden-states-points / "
+        "--steering-points)"
+    )
+
+
+def linear_local_width(module: nn.Module) -> int:
+    """The input width of a vLLM linear layer on this rank
+    (``input_size_per_partition``; a plain ``nn.Linear``'s ``in_features``)."""
+    return int(getattr(module, "input_size_per_partition", 0) or module.in_features)
+
+
+def linear_full_width(module: nn.Module) -> int:
+    """The input width of a vLLM linear layer over every rank (``input_size``;
+    a plain ``nn.Linear``'s ``in_features``)."""
+    return int(getattr(module, "input_size", 0) or module.in_features)
+
+
+def sharded_ids(points: "CapturePoints", num_layers: int, model_config: Any) -> set[int]:
+    """The wide ids whose rows this rank holds a share of (to gather after
+    the forward), of ``points``' ids past ``num_layers``: mlp_post / attn_z
+    at the down / output projection (its ``input_size`` over every rank),
+    q / k / v at vLLM's ``Attention`` (the layer's query heads, or the
+    model's KV heads, from ``model_config``, times the head size)."""
+    from vllm_hidden_states.points import point_of_id
+    from vllm_hidden_states.steering_config import z_shapes_of
+
+    shapes = z_shapes_of(model_config, num_layers)
+    kv_heads = int(model_config.get_total_num_kv_heads())
+    out = set()
+    for k, module in points.neuron_modules.items():
+        point = point_of_id(k, num_layers)
+        assert point is not None  # wide ids lie past L
+        kind, layer = point
+        if kind == "q":
+            full = shapes[layer][0] * int(module.head_size)
+        elif kind == "k":
+            full = kv_heads * int(module.head_size)
+        elif kind == "v":
+            full = kv_heads * int(getattr(module, "head_size_v", module.head_size))
+        else:
+            full = linear_full_width(module)
+        if is_share(points.neuron_buffers[k].shape[-1], full, f"{kind}.{layer}"):
+            out.add(k)
+    return out
