@@ -90,7 +90,9 @@ class Steering:
             k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
         }
         self.columns = {
-            k: rank_columns(width) if self._z_sharded(config, k, taps[k].module) else slice(None)
+            k: rank_columns(width)
+            if self._z_sharded(config, k, taps[k].module)
+            else slice(0, width)
             for k, width in self.widths.items()
         }
         self.index_of = {k: i for i, k in enumerate(config.ids)}
