@@ -16,6 +16,7 @@ from .test_activation_patching import (
     DONOR,
     PROMPT,
     assert_like_hf,
+    head_dim_of,
     head_reference,
     head_rows,
     params,
@@ -143,7 +144,7 @@ def test_tensor_parallel_2_returns_sharded_points_in_head_order(llm_tp2, hf_qwen
         assert_close(tensor, ref[address], f"TP=2 {address}")
 
 
-def _donor_z(llm, hf) -> dict:
+def _donor_points(llm, hf) -> dict:
     return hf.points(llm.get_tokenizer()(DONOR)["input_ids"])
 
 
@@ -151,7 +152,7 @@ def test_tensor_parallel_2_patches_a_head_of_the_second_rank_like_hf_hooks(llm_t
     """Head 1 of attn_z.2 (rank 1's) over positions 2..5 from a donor: rank
     1 writes it, rank 0 keeps head 0; every layer equals HF pre-hooks on
     o_proj replacing those columns."""
-    donor = _donor_z(llm_tp2, hf_qwen3)
+    donor = _donor_points(llm_tp2, hf_qwen3)
     item = {"point": "attn_z.2", "op": "patch", "heads": [1],
             "rows": head_rows(donor["attn_z.2"][2:6], [1]).numpy(),
             "positions": {"start": 2, "end": 6}}  # fmt: skip
@@ -169,7 +170,7 @@ def test_tensor_parallel_2_ablates_a_head_of_the_first_rank_like_hf_hooks(llm_tp
 def test_tensor_parallel_2_patches_every_head_across_both_ranks_like_hf_hooks(llm_tp2, hf_qwen3):
     """A plain patch of attn_z.3 (every head, rows [n, heads, head_dim]):
     each rank writes its half of the columns."""
-    donor = _donor_z(llm_tp2, hf_qwen3)
+    donor = _donor_points(llm_tp2, hf_qwen3)
     item = patch("attn_z.3", donor["attn_z.3"][3:5].float(), 3)
     (out,) = llm_tp2.generate([PROMPT], params([item]), use_tqdm=False)
     assert_like_hf(out, hf_qwen3, [reference_item(item)], "TP=2 patch every head")
@@ -179,7 +180,8 @@ def test_tensor_parallel_2_reads_back_a_patched_head_bit_for_bit(llm_tp2, hf_qwe
     """attn_z.2 captured after a patch of head 1 over positions 2..5: head
     1's columns are the given rows exactly there (written on rank 1,
     gathered); head 0's are the model's own (HF's)."""
-    rows = np.random.default_rng(5).standard_normal((4, 1, 64)).astype(np.float32)
+    d = head_dim_of(hf_qwen3)
+    rows = np.random.default_rng(5).standard_normal((4, 1, d)).astype(np.float32)
     item = {"point": "attn_z.2", "op": "patch", "heads": [1], "rows": rows,
             "positions": {"start": 2, "end": 6}}  # fmt: skip
     (out,) = llm_tp2.generate(
