@@ -9,7 +9,7 @@ from vllm_hidden_states.hidden_states_config import (
     DEFAULT_MAX_ROWS,
     HiddenStatesConfig,
 )
-from vllm_hidden_states.points import is_pattern_id, is_wide_id, parse_point
+from vllm_hidden_states.points import is_pattern_id, is_wide_id, parse_point, point_of_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -322,18 +322,7 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         problems.append(
             f"runner {vllm_config.model_config.runner_type!r}: hidden states need a generate model"
         )
-    sharded = [
-        k for k in cfg.layers if is_pattern_id(k, cfg.num_layers) or is_wide_id(k, cfg.num_layers)
-    ]
-    if sharded and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
-        problems.append(
-            "attention patterns, MLP neurons and heads' outputs (attn_pattern, "
-            "mlp_post, attn_z in --hidden-states-points) are not supported with "
-            "tensor or pipeline parallelism yet (each rank holds only its heads / "
-            "neurons / layers); "
-            "name the other kinds instead of 'all', e.g. --hidden-states-points "
-            "attn_out,resid_mid,mlp_out,resid_post"
-        )
+    problems += sharded_problems(cfg, vllm_config)
     problems += sae_problems(cfg, vllm_config.model_config.get_hidden_size())
     problems += probe_problems(cfg, vllm_config.model_config.get_hidden_size())
     problems += steering_problems(vllm_config)
@@ -341,6 +330,58 @@ def validate_engine_config(vllm_config: "VllmConfig") -> None:
         raise ValueError(
             "--enable-hidden-states cannot be used with this configuration: " + "; ".join(problems)
         )
+
+
+# The points every rank holds whole (read after their all-reduce), named where
+# a sharded point is refused.
+ROW_KINDS_HINT = (
+    "name the other kinds instead of 'all', e.g. --hidden-states-points "
+    "attn_out,resid_mid,mlp_out,resid_post"
+)
+
+
+def sharded_problems(cfg: HiddenStatesConfig, vllm_config: "VllmConfig") -> list[str]:
+    """Why the points each rank holds only a slice of cannot be captured
+    with this engine's parallelism (empty: they can).
+
+    Tensor parallelism: mlp_post, attn_z, q, k and v are gathered across
+    the ranks after the forward, in head (neuron) order; k and v only where
+    each rank holds KV heads of its own (``num_key_value_heads`` divisible by
+    ``tensor_parallel_size``), not where vLLM replicates them. Attention
+    patterns stay refused. Pipeline parallelism refuses all of them."""
+    n = cfg.num_layers
+    parallel = vllm_config.parallel_config
+    patterns = [k for k in cfg.layers if is_pattern_id(k, n)]
+    wide = [k for k in cfg.layers if is_wide_id(k, n)]
+    if (patterns or wide) and parallel.pipeline_parallel_size > 1:
+        return [
+            "attention patterns, MLP neurons, heads' outputs, queries, keys and values "
+            "(attn_pattern, mlp_post, attn_z, q, k, v in --hidden-states-points) are "
+            "not supported with pipeline parallelism yet (the stages hand on only "
+            f"rows of hidden_size); {ROW_KINDS_HINT}"
+        ]
+    tp = parallel.tensor_parallel_size
+    if tp <= 1:
+        return []
+    problems = []
+    if patterns:
+        problems.append(
+            "attention patterns (attn_pattern in --hidden-states-points) are not "
+            f"supported with tensor parallelism (tensor_parallel_size={tp}) yet: each "
+            "rank holds only its heads' queries and keys (mlp_post, attn_z, q, k, v "
+            f"are gathered across the ranks); {ROW_KINDS_HINT}"
+        )
+    kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    kv = [k for k in wide if (point_of_id(k, n) or ("",))[0] in ("k", "v")]
+    if kv and kv_heads % tp:
+        problems.append(
+            f"keys and values (k, v in --hidden-states-points) cannot be captured with "
+            f"tensor_parallel_size={tp}: the model's num_key_value_heads={kv_heads} is "
+            "not a multiple of the ranks, so vLLM replicates its KV heads across them "
+            "and the ranks' slices are not the KV heads in order (q, attn_z and "
+            f"mlp_post are gathered); {ROW_KINDS_HINT}"
+        )
+    return problems
 
 
 def steering_problems(vllm_config: "VllmConfig") -> list[str]:

@@ -255,19 +255,17 @@ def steerable_ids(
     items: list[str],
     num_layers: int,
     architecture: "str | ModelLayers | None",
-    heads: bool = True,
 ) -> tuple[int, ...]:
     """Capture ids of ``--steering-points`` (``"all"``: every writable kind
     at every layer where it is exact, attn_z included where the layer
     attends; a kind alone: every layer where it is exact; addresses);
-    ValueError naming what is allowed. ``heads`` False (tensor parallelism:
-    each rank holds only its heads): attn_z is left out of "all" and
-    refused by name."""
+    ValueError naming what is allowed. Under tensor parallelism attn_z is
+    writable too: each rank writes its own heads' columns of the rows
+    (worker/steering_tables.py)."""
     model = model_layers_for(architecture, num_layers)
-    writable = WRITABLE_KINDS if heads else STEERABLE_KINDS
 
     def kinds_at(i: int) -> list[str]:
-        return [k for k in model.kinds_at(i) if k in writable]
+        return [k for k in model.kinds_at(i) if k in WRITABLE_KINDS]
 
     ids: set[int] = set()
     wanted: list[tuple[str, int]]
@@ -276,8 +274,6 @@ def steerable_ids(
             wanted = [(k, i) for i in range(num_layers) for k in kinds_at(i)]
         elif item in WRITABLE_KINDS:
             wanted = [(item, i) for i in range(num_layers) if item in kinds_at(i)]
-            if not wanted and item in HEAD_KINDS and not heads:
-                raise ValueError(_HEADS_SHARDED.format(item=item))
             if not wanted:
                 raise ValueError(
                     f"--steering-points {item!r}: no decoder layer of this model has it "
@@ -298,8 +294,6 @@ def steerable_ids(
                     f"kinds: {list(STEERABLE_KINDS)}, and {list(HEAD_KINDS)} for "
                     f"{list(HEAD_OPS)}"
                 )
-            if kind in HEAD_KINDS and not heads:
-                raise ValueError(_HEADS_SHARDED.format(item=item))
             if kind not in kinds_at(layer):
                 raise ValueError(
                     f"--steering-points {item!r}: {kind} cannot be steered there: "
@@ -307,12 +301,6 @@ def steerable_ids(
                 )
             ids.add(point_id(kind, layer, num_layers))  # type: ignore[arg-type]
     return tuple(sorted(ids))
-
-
-_HEADS_SHARDED = (
-    "--steering-points {item!r}: the heads' outputs (attn_z) cannot be written with "
-    "tensor parallelism (each rank holds only its heads); name the other kinds"
-)
 
 
 def z_shapes_of(model_config: Any, num_layers: int) -> tuple[tuple[int, int], ...]:
@@ -395,11 +383,9 @@ class SteeringConfig:
         architecture = (vllm_config.model_config.architectures or [None])[0]
         model = ModelLayers.of(vllm_config.model_config, n)
         sae = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY].get("sae")
-        parallel = getattr(vllm_config, "parallel_config", None)
-        sharded = int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1
         return cls(
             n,
-            steerable_ids(entry["points"], n, model, heads=not sharded),
+            steerable_ids(entry["points"], n, model),
             tuple(entry["points"]),
             int(entry["max_interventions"]),
             dict(entry.get("vectors") or {}),

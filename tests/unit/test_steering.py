@@ -1103,11 +1103,25 @@ def test_attn_z_at_a_mamba_layer_is_refused_naming_the_attention_layers():
         check_steering([item], cfg, H, PROMPT, REACH)
 
 
-def test_with_tensor_parallelism_all_leaves_attn_z_out_and_naming_it_is_refused():
-    ids = steerable_ids(["all"], L, ARCH, heads=False)
-    assert not any(point_id("attn_z", i, L) in ids for i in range(L))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        steerable_ids(["attn_z.1"], L, ARCH, heads=False)
+def test_a_tensor_parallel_rank_keeps_only_its_heads_columns_of_patch_rows():
+    """Rank 1 of 2 holds heads 2..3 of attn_z.2: its table rows are those
+    heads' columns of the full-width rows (NaN: keep), padded to the table."""
+    cfg = heads_config()
+    z = point_id("attn_z", 2, L)
+    index_of = {k: i for i, k in enumerate(cfg.ids)}
+    rows = np.arange(2 * H, dtype=np.float32).reshape(2, HEADS, HEAD_DIM)
+    items = [
+        {"point": "attn_z.2", "op": "patch", "heads": [0, 3], "rows": rows[:, [0, 3]],
+         "positions": {"start": 1, "end": 3}},
+    ]  # fmt: skip
+    wire = check_steering(items, cfg, H, PROMPT, REACH)
+    half = slice(H // 2, H)
+    request = RequestSteering(wire, NamedVectors(None), index_of, H, {z: H}, H, {z: half})
+    table = request.patch_rows
+    assert table.shape == (2, H)
+    assert np.isnan(table[:, :HEAD_DIM]).all()  # head 2: kept
+    assert np.array_equal(table[:, HEAD_DIM : 2 * HEAD_DIM], rows[:, 3])  # head 3: written
+    assert (table[:, 2 * HEAD_DIM :] == 0).all()  # padding past this rank's width
 
 
 def test_the_worker_pads_rows_to_the_table_and_spans_an_ablation_with_one_row():

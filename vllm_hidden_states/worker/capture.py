@@ -34,6 +34,7 @@ from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
 from vllm_hidden_states.worker.stage_carry import StageCarry
 from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
+from vllm_hidden_states.worker.tp_shards import gather_columns, sharded_ids, tp_rank_and_size
 
 if TYPE_CHECKING:
     from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
@@ -110,6 +111,16 @@ class HiddenStatesCapture:
             self.carry = StageCarry(placed[1], placed[2])
         self.steering = make_steering(config, runner, self.sae)
         self._scheduled: dict[str, int] = {}
+        # Tensor parallelism: each rank holds only its columns of the wide
+        # points (heads, neurons); this step's rows of each, gathered across
+        # the ranks in head order once per step, [count, full width].
+        # Ids a module vLLM does not shard holds whole on every rank.
+        self._sharded: set[int] = set()
+        if tp_rank_and_size()[1] > 1 and self.points is not None:
+            self._sharded = sharded_ids(
+                self.points, config.num_layers, runner.vllm_config.model_config
+            )
+        self._gathered: dict[int, torch.Tensor] = {}
 
     @classmethod
     def for_runner(cls, runner: Any) -> "HiddenStatesCapture | None":
@@ -332,6 +343,7 @@ class HiddenStatesCapture:
         return None
 
     def _done_with_step(self) -> None:
+        self._gathered.clear()
         self._armed = []
         self._group = None
         self._rows = None
@@ -394,10 +406,21 @@ class HiddenStatesCapture:
         self._done_with_step()
 
     def _neuron_rows(self, k: int, inner: slice) -> torch.Tensor:
-        """This step's device rows of mlp_post id ``k`` (``[rows,
-        intermediate_size]``, from the capture buffers)."""
+        """This step's device rows of wide id ``k`` (mlp_post, attn_z, q, k,
+        v: ``[rows, width]``, from the capture buffers), every head's.
+
+        Under tensor parallelism each rank's buffer of a sharded id holds its
+        heads (neurons) only: the first read of ``k`` in a step gathers the
+        whole buffer across the ranks (every rank reads the same ids in the
+        same order: they run the same plan), in head order, the full width
+        as with one rank."""
         assert self.points is not None  # mlp_post ids have capture points
-        return self.points.read_neurons(k)[inner]
+        if k not in self._sharded:
+            return self.points.read_neurons(k)[inner]
+        rows = self._gathered.get(k)
+        if rows is None:
+            rows = self._gathered[k] = gather_columns(self.points.read_neurons(k))
+        return rows[inner]
 
     def _keep_pattern_rows(self, armed: _Armed, inner: slice) -> None:
         """A pattern capture's queries and keys of this forward into its

@@ -221,7 +221,8 @@ class CapturePoints:
         # Pattern ids: their queries and keys, [max_rows, heads x head_size].
         self.pattern_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # mlp_post ids: [max_rows, intermediate_size]; attn_z ids: [max_rows,
-        # heads * head_dim] (this rank's: tensor parallelism is refused).
+        # heads * head_dim]; under tensor parallelism this rank's share of
+        # either (its neurons / heads; gathered after the forward, capture.py).
         self.neuron_buffers: dict[int, torch.Tensor] = {}
         for index, (k, tap) in enumerate(taps.items()):
             module = tap.module

@@ -46,10 +46,13 @@ class RequestSteering:
         hidden_size: int,
         widths: dict[int, int] | None = None,
         table_width: int | None = None,
+        columns: dict[int, slice] | None = None,
     ):
         """``widths``: the width of each point not ``hidden_size`` wide (attn_z
-        ids); ``table_width``: the patch table's (default ``hidden_size``),
-        to which patch rows are padded."""
+        ids: every head's, as the rows come); ``table_width``: the patch
+        table's (default ``hidden_size``), to which patch rows are padded;
+        ``columns``: of such a point, the columns this tensor-parallel rank
+        holds (its heads), to which its rows are cut (absent: all)."""
         by_point: dict[int, list[dict[str, Any]]] = {}
         for item in wire:
             by_point.setdefault(int(item["id"]), []).append(item)
@@ -70,8 +73,9 @@ class RequestSteering:
         for capture_id, items in by_point.items():
             if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
                 width = (widths or {}).get(capture_id, hidden_size)
+                keep = (columns or {}).get(capture_id, slice(None))
                 for item in items:
-                    self._rewrite(item, index_of[capture_id], vectors, width, patch_rows)
+                    self._rewrite(item, index_of[capture_id], vectors, width, patch_rows, keep)
                 continue
             bounds = sorted(
                 {int(x["start"]) for x in items}
@@ -113,7 +117,10 @@ class RequestSteering:
         vectors: "NamedVectors",
         hidden_size: int,
         patch_rows: list[np.ndarray],
+        columns: slice,
     ) -> None:
+        """One rewrite's stretches; a patch's rows (``[n, hidden_size]``, NaN
+        keeping a value) cut to ``columns`` into ``patch_rows``."""
         start = int(item["start"])
         if item["op"] == "sae_splice":
             end = None if item["end"] is None else int(item["end"])
@@ -125,6 +132,7 @@ class RequestSteering:
             if item["rows"] is not None
             else vectors.matrix(item["name"])
         )
+        rows = rows[:, columns]
         patch_rows.append(rows)
         if item["op"] == "ablate_heads":  # one row over the whole span
             end = None if item["end"] is None else int(item["end"])

@@ -44,6 +44,12 @@ from vllm_hidden_states.worker.step_batch import StepBatch, expand_stretches
 from vllm_hidden_states.worker.taps import (
     find_decoder_layers,
 )
+from vllm_hidden_states.worker.tp_shards import (
+    is_share,
+    linear_full_width,
+    linear_local_width,
+    rank_columns,
+)
 
 logger = init_logger(__name__)
 
@@ -77,9 +83,17 @@ class Steering:
                 continue  # another pipeline stage owns it
             taps[k] = steer_tap(layer, k, n, layout)
         # attn_z ids: their width (heads * head_dim, the output projection's
-        # input), as the front-end reads it from the config.
+        # input), as the front-end reads it from the config and sends rows.
+        # Under tensor parallelism this rank's projection reads only its
+        # heads: ``columns`` are its columns of those rows (cut at upload).
         self.widths = {
             k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
+        }
+        self.columns = {
+            k: rank_columns(width)
+            if self._z_sharded(config, k, taps[k].module)
+            else slice(0, width)
+            for k, width in self.widths.items()
         }
         self.index_of = {k: i for i, k in enumerate(config.ids)}
         num_points = max(len(config.ids), 1)
@@ -124,7 +138,7 @@ class Steering:
         self.rw_counts_host = torch.zeros(num_points + 1, dtype=torch.int64)
         # The patch table: float32 [max_patch_rows + 1, width] (row 0 unused),
         # width the widest patchable point (attn_z may be wider than hidden).
-        self.table_width = max([hidden_size, *self.widths.values()])
+        self.table_width = max([hidden_size, *(c.stop - c.start for c in self.columns.values())])
         self.patch_table = torch.zeros(
             config.max_patch_rows + 1 if config.max_patch_rows else 1,
             self.table_width,
@@ -238,20 +252,30 @@ class Steering:
 
     @staticmethod
     def _z_width(config: SteeringConfig, capture_id: int, module: nn.Module) -> int:
-        """The width of attn_z id ``capture_id`` at its output projection
-        ``module``; ValueError where it is not the config's heads * head_dim
-        (the front-end checks rows against that)."""
+        """The full width of attn_z id ``capture_id`` (every head's: heads *
+        head_dim, as the front-end checks rows), read at its output
+        projection ``module`` (over every tensor-parallel rank); ValueError
+        where it is not the config's."""
         point = point_of_id(capture_id, config.num_layers)
         assert point is not None
-        width = int(getattr(module, "input_size_per_partition", 0) or module.in_features)
+        width = linear_full_width(module)
         heads, head_dim = config.z_shapes[point[1]]
         if width != heads * head_dim:
             raise ValueError(
-                f"attn_z.{point[1]}: {type(module).__name__} takes {width} values per token, "
-                f"not {heads} heads x {head_dim} (the config's); leave attn_z out of "
-                "--steering-points"
+                f"attn_z.{point[1]}: {type(module).__name__} takes {width} values per token "
+                f"(over every tensor-parallel rank), not {heads} heads x {head_dim} (the "
+                "config's); leave attn_z out of --steering-points"
             )
         return width
+
+    @staticmethod
+    def _z_sharded(config: SteeringConfig, capture_id: int, module: nn.Module) -> bool:
+        """Whether this rank's output projection ``module`` of attn_z id
+        ``capture_id`` reads only its heads (a ``1 / tp`` share)."""
+        point = point_of_id(capture_id, config.num_layers)
+        assert point is not None
+        what = f"attn_z.{point[1]}"
+        return is_share(linear_local_width(module), linear_full_width(module), what)
 
     @staticmethod
     def _splices(config: SteeringConfig, sae: Any) -> bool:
@@ -296,6 +320,7 @@ class Steering:
                     self.hidden_size,
                     self.widths,
                     self.table_width,
+                    self.columns,
                 )
                 self._stretches = None
         if self.requests and scheduler_output.finished_req_ids:
