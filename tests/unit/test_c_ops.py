@@ -146,9 +146,8 @@ def test_steer_writes_bit_for_bit_what_the_python_body_writes(
     other = _stream(dtype, 1) if with_other else None
     expected = target.clone()
     with python_body():
-        steering_op._steer(
-            expected, other, rows, slots, counts, 1, adds, dirs, scale, enc, dec, par
-        )
+        vectors = [adds, dirs] if enc is None else [adds, dirs, enc, dec, par]
+        steering_op._steer(expected, other, [rows, slots, counts], 1, vectors, scale)
     got = target.clone()
     c.steer(got, other, rows, slots, counts, 1, adds, dirs, scale, enc, dec, par)
     assert torch.equal(got, expected)
@@ -211,7 +210,8 @@ def test_compiled_steer_traces_the_op_and_steers_as_eager(c, dtype):
     assert any("vllm_hidden_states.steer" in t for t in _graph_targets(forward, _stream(dtype)))
     expected = _stream(dtype) * 2.0
     with python_body():
-        steering_op._steer(expected, other, rows, slots, counts, 1, adds, dirs, 0.37, enc, dec, par)
+        vectors = [adds, dirs] if enc is None else [adds, dirs, enc, dec, par]
+        steering_op._steer(expected, other, [rows, slots, counts], 1, vectors, 0.37)
     got = torch.compile(forward, backend="aot_eager", fullgraph=True)(_stream(dtype))
     assert torch.equal(got, expected + 1.0)
 

@@ -142,10 +142,8 @@ def test_a_splice_is_decode_of_the_edited_encoding_plus_the_error_term_if_kept(
     edits = [(1, "set", 2.5), (4, "scale", 3.0)]
     ids, mode, vals, keep = edit_tables(12, edits, keep_error)
     s = torch.ones(5, dtype=torch.int64)
-    got = spliced(
-        x, s, w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], w["threshold"], code, k, True,
-        ids, mode, vals, keep,
-    )  # fmt: skip
+    tables = [w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], w["threshold"]]
+    got = spliced(x, s, tables, [code, k, True], [ids, mode, vals, keep])
     expected = reference_splice(x, w, arch, k, edits, keep_error)
     assert (got.double() - expected).abs().max() / expected.abs().max() < 1e-5
 
@@ -155,10 +153,8 @@ def test_a_splice_without_edits_keeping_the_error_gives_back_the_stream():
     x = torch.randn(4, H)
     ids, mode, vals, keep = edit_tables(12, [], True)
     s = torch.ones(4, dtype=torch.int64)
-    got = spliced(
-        x, s, w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], None, 0, 0, True,
-        ids, mode, vals, keep,
-    )  # fmt: skip
+    tables = [w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"]]
+    got = spliced(x, s, tables, [0, 0, True], [ids, mode, vals, keep])
     assert torch.allclose(got, x, atol=1e-5)
 
 
@@ -169,10 +165,10 @@ def test_the_splice_op_rewrites_only_its_armed_rows():
     target, other = torch.randn(T, H), torch.randn(T, H)
     x = (target[3] + other[3]).clone()
     before_t, before_o = target.clone(), other.clone()
+    tables = [w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"]]
     _splice(
-        target, other, rows, slots, counts, 0, 1.0, w["W_enc"], w["b_enc"], w["W_dec"],
-        w["b_dec"], None, 0, 0, True, ids, mode, vals, keep,
-    )  # fmt: skip
+        target, other, [rows, slots, counts], 0, 1.0, tables, [0, 0, True], [ids, mode, vals, keep]
+    )
     expected = reference_splice(x[None], w, "standard", 0, [(2, "set", 1.0)], False)[0]
     assert torch.equal(other, before_o)
     assert ((target[3] + other[3]).double() - expected).abs().max() < 1e-5

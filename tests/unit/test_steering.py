@@ -779,9 +779,9 @@ def test_the_adds_only_path_equals_the_general_formula_bitwise(scale):
     entries = [(0, 1), (2, 2), (3, 1)]
     general, fast = stream(), stream()
     arm(rows, slots, counts, 0, entries, projects=True)
-    _steer(general, None, rows, slots, counts, 0, adds, dirs, scale)
+    _steer(general, None, [rows, slots, counts], 0, [adds, dirs], scale)
     arm(rows, slots, counts, 0, entries, projects=False)
-    _steer(fast, None, rows, slots, counts, 0, adds, dirs, scale)
+    _steer(fast, None, [rows, slots, counts], 0, [adds, dirs], scale)
     assert torch.equal(general, fast)
     assert not torch.equal(fast, stream())
 
@@ -797,7 +797,7 @@ def test_an_unarmed_point_changes_nothing():
     arm(rows, slots, counts, 0, [(0, 1), (1, 2)])  # armed at point 0, not at point 1
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 1, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 1, [adds, dirs], 1.0)
     assert torch.equal(target, before)
 
 
@@ -808,7 +808,7 @@ def test_add_changes_only_the_armed_rows_by_exactly_the_vector():
     arm(rows, slots, counts, 1, [(1, 1), (3, 2), (4, 1)])
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 1, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 1, [adds, dirs], 1.0)
     assert torch.equal(target[1], before[1] + adds[1])
     assert torch.equal(target[3], before[3] + adds[2])
     assert torch.equal(target[4], before[4] + adds[1])
@@ -822,7 +822,7 @@ def test_ablate_leaves_the_armed_rows_orthogonal_to_the_direction():
     arm(rows, slots, counts, 0, [(0, 3), (2, 3)])
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 0, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 0, [adds, dirs], 1.0)
     assert torch.allclose(target[[0, 2]] @ dirs[3], torch.zeros(2), atol=1e-5)
     assert not torch.equal(target[0], before[0])
     assert torch.equal(target[[1, 3, 4]], before[[1, 3, 4]])
@@ -836,7 +836,7 @@ def test_a_composed_pair_on_a_row_matches_compose():
     arm(rows, slots, counts, 0, [(2, 1)])
     target = stream()
     x = target[2].double().numpy()
-    _steer(target, None, rows, slots, counts, 0, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 0, [adds, dirs], 1.0)
     expected = x + 2.0 * v
     expected -= (expected @ unit(u)) * unit(u)
     np.testing.assert_allclose(target[2].double().numpy(), expected, atol=1e-5)
@@ -850,7 +850,7 @@ def test_with_other_the_stream_is_their_sum_and_only_target_is_written():
     arm(rows, slots, counts, 0, [(1, 1), (3, 2)])
     residual, hidden = stream(), stream() * 2 + 1
     hidden_before, residual_before = hidden.clone(), residual.clone()
-    _steer(residual, hidden, rows, slots, counts, 0, adds, dirs, 1.0)
+    _steer(residual, hidden, [rows, slots, counts], 0, [adds, dirs], 1.0)
     assert torch.equal(hidden, hidden_before)
     assert abs(float((residual[1] + hidden[1]) @ dirs[1])) < 1e-5
     assert float(residual_before[1] @ dirs[1]) != pytest.approx(float(residual[1] @ dirs[1]))
@@ -867,7 +867,7 @@ def test_with_a_scale_the_scaled_stream_gets_exactly_the_delta(scale):
     arm(rows, slots, counts, 0, [(0, 1), (4, 2)])
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 0, adds, dirs, scale)
+    _steer(target, None, [rows, slots, counts], 0, [adds, dirs], scale)
     assert torch.allclose(target[0] * scale, before[0] * scale + adds[1], atol=1e-6)
     assert abs(float((target[4] * scale) @ dirs[2])) < 1e-5
     assert torch.equal(target[1:4], before[1:4])
@@ -886,7 +886,7 @@ def test_without_a_count_read_a_disarmed_index_is_a_zero_delta():
     dirs[2] = 1.0 / H**0.5
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 0, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 0, [adds, dirs], 1.0)
     assert torch.equal(target, before)
 
 
@@ -897,7 +897,7 @@ def test_without_a_count_read_the_armed_entries_still_apply_once():
     arm(rows, slots, counts, 0, [(0, 1), (3, 1)])  # entries past the count: row 0, slot 0
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 0, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 0, [adds, dirs], 1.0)
     assert torch.equal(target[0], before[0] + adds[1])
     assert torch.equal(target[3], before[3] + adds[1])
     assert torch.equal(target[[1, 2, 4]], before[[1, 2, 4]])
@@ -910,7 +910,7 @@ def test_without_a_count_read_entries_past_the_count_are_applied_so_disarm_must_
     rows[0, 2], slots[0, 2] = 4, 1  # left armed, count 0
     target = stream()
     before = target.clone()
-    _steer(target, None, rows, slots, counts, 0, adds, dirs, 1.0)
+    _steer(target, None, [rows, slots, counts], 0, [adds, dirs], 1.0)
     assert torch.equal(target[4], before[4] + 1.0)
 
 
@@ -944,9 +944,9 @@ def check(dtype_name, other_kind, scale_text, clamp_kind):
     slots = torch.tensor([[1, 2, 3, 4 if clamp else 1, 0, 0, 0]])
     counts = torch.tensor([4, 1])
     expected = target.clone()
-    _steer(expected, other, rows, slots, counts, 0, adds, dirs, scale, enc, dec, par)
+    _steer(expected, other, [rows, slots, counts], 0, [adds, dirs, enc, dec, par], scale)
     got = target.clone()
-    steer_kernel.steer(got, other, rows[0], slots[0], T, adds, dirs, scale, enc, dec, par)
+    steer_kernel.steer(got, other, rows[0], slots[0], T, [adds, dirs, enc, dec, par], scale)
     untouched = [r for r in range(T) if r not in (2, 0, 5, 6)]
     assert torch.equal(got[untouched], target[untouched]), "rows with slot 0 changed"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -1000,7 +1000,7 @@ def test_compiled_on_cpu_a_steerable_point_is_aten_ops_in_the_graph_and_steers_a
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x = x * 2.0  # steer an intermediate, as in a model
-        steer(x, None, rows, slots, counts, 0, adds, dirs, 1.0, token_slots=token_slots)
+        steer(x, None, [rows, slots, counts], 0, [adds, dirs], 1.0, token_slots=token_slots)
         return x + 1.0
 
     with torch.inference_mode():

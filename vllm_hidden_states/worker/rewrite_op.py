@@ -107,26 +107,24 @@ def sae_encode(
 def spliced(
     x: torch.Tensor,
     s: torch.Tensor,
-    w_enc: torch.Tensor,
-    b_enc: torch.Tensor,
-    w_dec: torch.Tensor,
-    b_dec: torch.Tensor,
-    threshold: torch.Tensor | None,
-    arch: int,
-    k: int,
-    b_dec_to_input: bool,
-    edit_ids: torch.Tensor,
-    edit_mode: torch.Tensor,
-    edit_vals: torch.Tensor,
-    keep: torch.Tensor,
+    sae: list[torch.Tensor],
+    sae_arch: list[int],
+    edits: list[torch.Tensor],
 ) -> torch.Tensor:
     """The splice of rows ``x`` float32 ``[n, d_in]`` with slots ``s`` int64
     ``[n]``: ``decode(edit(f)) + keep * (x - decode(f))``, ``f =
-    encode(x)``. Per slot, ``edit_ids`` int64 ``[slots, E]`` (``d_sae`` where
-    unused: an extra column, dropped), ``edit_mode`` float32 (1 sets, 0
-    scales), ``edit_vals`` float32, ``keep`` float32 ``[slots]`` (1: the
-    error term added back). Returns float32 ``[n, d_in]``."""
-    f = sae_encode(x, w_enc, b_enc, b_dec, threshold, arch, k, b_dec_to_input)
+    encode(x)``. ``sae``: ``[W_enc, b_enc, W_dec, b_dec]``, plus
+    ``threshold`` for a JumpReLU SAE; ``sae_arch``: ``[architecture code
+    (SAE_ARCH_CODES), k, apply_b_dec_to_input]``; ``edits``: per slot,
+    ``edit_ids`` int64 ``[slots, E]`` (``d_sae`` where unused: an extra
+    column, dropped), ``edit_mode`` float32 (1 sets, 0 scales),
+    ``edit_vals`` float32, ``keep`` float32 ``[slots]`` (1: the error term
+    added back). Returns float32 ``[n, d_in]``."""
+    w_enc, b_enc, w_dec, b_dec = sae[:4]
+    threshold = sae[4] if len(sae) > 4 else None
+    arch, k, b_dec_to_input = sae_arch
+    edit_ids, edit_mode, edit_vals, keep = edits
+    f = sae_encode(x, w_enc, b_enc, b_dec, threshold, arch, k, bool(b_dec_to_input))
     ids = edit_ids.index_select(0, s)
     mode = edit_mode.index_select(0, s)
     vals = edit_vals.index_select(0, s)
@@ -143,29 +141,20 @@ def spliced(
 def _splice(
     target: torch.Tensor,
     other: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
+    tables: list[torch.Tensor],
     index: int,
     scale: float,
-    w_enc: torch.Tensor,
-    b_enc: torch.Tensor,
-    w_dec: torch.Tensor,
-    b_dec: torch.Tensor,
-    threshold: torch.Tensor | None,
-    arch: int,
-    k: int,
-    b_dec_to_input: bool,
-    edit_ids: torch.Tensor,
-    edit_mode: torch.Tensor,
-    edit_vals: torch.Tensor,
-    keep: torch.Tensor,
+    sae: list[torch.Tensor],
+    sae_arch: list[int],
+    edits: list[torch.Tensor],
 ) -> None:
     """The point's value at the armed rows replaced by its splice
     (:func:`spliced`): ``target[r] = out / scale - other[r]``. On CPU
     the count is read on the host (nobody splices: that read is the cost);
     elsewhere every entry is computed and the unarmed ones (slot 0) add a
-    zero delta, so no host sync is needed."""
+    zero delta, so no host sync is needed. ``tables``: ``[rows, slots,
+    counts]``; ``sae``, ``sae_arch``, ``edits``: as :func:`spliced`."""
+    rows, slots, counts = tables
     flat = target.view(-1, target.shape[-1])
     other_flat = None if other is None else other.view(-1, other.shape[-1])
     if count_readable_on_host(counts.device):
@@ -181,10 +170,7 @@ def _splice(
         x = x + other_flat.index_select(0, r).float()
     if scale != 1.0:
         x = x * scale
-    out = spliced(
-        x, s, w_enc, b_enc, w_dec, b_dec, threshold, arch, k, b_dec_to_input,
-        edit_ids, edit_mode, edit_vals, keep,
-    )  # fmt: skip
+    out = spliced(x, s, sae, sae_arch, edits)
     if scale != 1.0:
         out = out / scale
     if other_flat is not None:
@@ -202,23 +188,12 @@ def _splice(
 def _splice_fake(
     target: torch.Tensor,
     other: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
+    tables: list[torch.Tensor],
     index: int,
     scale: float,
-    w_enc: torch.Tensor,
-    b_enc: torch.Tensor,
-    w_dec: torch.Tensor,
-    b_dec: torch.Tensor,
-    threshold: torch.Tensor | None,
-    arch: int,
-    k: int,
-    b_dec_to_input: bool,
-    edit_ids: torch.Tensor,
-    edit_mode: torch.Tensor,
-    edit_vals: torch.Tensor,
-    keep: torch.Tensor,
+    sae: list[torch.Tensor],
+    sae_arch: list[int],
+    edits: list[torch.Tensor],
 ) -> None:
     return None
 
@@ -289,27 +264,18 @@ def splice_rows(
 ) -> None:
     """The splice at the SAE's point, reading the SAE and the edit tables
     registered on ``module`` (``steering_tables.Steering._splice_buffers``)."""
-    arch, k, b_dec_to_input = module._hs_sae_arch
+    sae = [module._hs_sae_w_enc, module._hs_sae_b_enc, module._hs_sae_w_dec, module._hs_sae_b_dec]
+    if hasattr(module, "_hs_sae_threshold"):
+        sae.append(module._hs_sae_threshold)
     args = (
         target,
         other,
-        module._hs_rw_rows,
-        module._hs_rw_slots,
-        module._hs_rw_counts,
+        [module._hs_rw_rows, module._hs_rw_slots, module._hs_rw_counts],
         index,
         scale,
-        module._hs_sae_w_enc,
-        module._hs_sae_b_enc,
-        module._hs_sae_w_dec,
-        module._hs_sae_b_dec,
-        getattr(module, "_hs_sae_threshold", None),
-        arch,
-        k,
-        b_dec_to_input,
-        module._hs_edit_ids,
-        module._hs_edit_mode,
-        module._hs_edit_vals,
-        module._hs_keep,
+        sae,
+        [int(v) for v in module._hs_sae_arch],
+        [module._hs_edit_ids, module._hs_edit_mode, module._hs_edit_vals, module._hs_keep],
     )
     if count_readable_on_host(target.device) and not torch.compiler.is_compiling():
         _splice(*args)

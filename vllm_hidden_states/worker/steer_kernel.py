@@ -82,19 +82,18 @@ def steer(
     rows: torch.Tensor,
     slots: torch.Tensor,
     n: int,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
+    vectors: list[torch.Tensor],
     scale: float,
-    enc: torch.Tensor | None,
-    dec: torch.Tensor | None,
-    par: torch.Tensor | None,
 ) -> None:
     """Launch the kernel over entries ``0 .. n-1`` of ``rows``/``slots``
     (int64 ``[n_max]``, one point's); ``target``/``other`` ``[tokens,
-    hidden]`` with unit stride along ``hidden``; tables float32 ``[slots,
-    hidden]`` (``par`` ``[slots, 3]``), contiguous."""
+    hidden]`` with unit stride along ``hidden``; ``vectors``: ``[adds,
+    dirs]``, float32 ``[slots, hidden]``, plus ``enc, dec`` (same) and
+    ``par`` (``[slots, 3]``) with the clamp tables; contiguous."""
     if n == 0:
         return
+    adds, dirs = vectors[0], vectors[1]
+    enc, dec, par = vectors[2:] if len(vectors) == 5 else (None, None, None)
     hidden = target.shape[-1]
     flat = target.view(-1, hidden)
     clamp = enc is not None and dec is not None and par is not None

@@ -40,25 +40,34 @@ logger = init_logger(__name__)
 OP_NAME = "hidden_states_steer"
 
 
+def _tables(vectors: list[torch.Tensor]) -> tuple:
+    """``(adds, dirs, enc, dec, par)`` from a point's vector tables:
+    ``[adds, dirs]``, or ``[adds, dirs, enc, dec, par]`` on an engine with
+    an SAE (the clamp tables; None without)."""
+    if len(vectors) == 5:
+        return tuple(vectors)
+    adds, dirs = vectors
+    return adds, dirs, None, None, None
+
+
 def _steer(
     target: torch.Tensor,
     other: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
+    tables: list[torch.Tensor],
     index: int,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
+    vectors: list[torch.Tensor],
     scale: float,
-    enc: torch.Tensor | None = None,
-    dec: torch.Tensor | None = None,
-    par: torch.Tensor | None = None,
 ) -> None:
     """``target[r] += (adds[s] - (x[r] . dirs[s]) dirs[s]) / scale`` for the
-    armed entries (see module doc); with the clamp tables (an engine with an
-    SAE), also ``+ (value - act(x[r] . enc[s] + bias)) dec[s] / scale``,
-    ``par[s] = (bias, threshold, value)``, ``act(p) = relu(p) * (p >
-    threshold)`` (all zero in slots that do not clamp: a zero term)."""
+    armed entries of point ``index`` (see module doc); ``tables``: ``[rows,
+    slots, counts]`` (int64 ``[points, max_tokens]`` twice, then
+    ``[2 * points]``); ``vectors``: ``[adds, dirs]`` float32 ``[slots,
+    width]``, plus the clamp tables ``enc, dec`` (same shape) and ``par``
+    (``[slots, 3]``: bias, threshold, value) on an engine with an SAE, which
+    add ``(value - act(x[r] . enc[s] + bias)) dec[s] / scale``, ``act(p) =
+    relu(p) * (p > threshold)`` (all zero in slots that do not clamp)."""
+    rows, slots, counts = tables
+    adds, dirs, enc, dec, par = _tables(vectors)
     if count_readable_on_host(counts.device):
         host = counts_on_host(counts)
         n = int(host[index])
@@ -77,7 +86,7 @@ def _steer(
                 delta = delta / scale
             flat.index_add_(0, rows[index, :n], delta.to(flat.dtype))
             return
-        _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
+        _apply(target, other, rows[index, :n], slots[index, :n], vectors, scale)
         return
     # No host sync: every entry a forward of this many tokens can have; those
     # past the count are row 0, slot 0 (a zero delta).
@@ -86,27 +95,20 @@ def _steer(
         # One kernel per point, whose programs return at once on slot 0.
         from vllm_hidden_states.worker import steer_kernel
 
-        steer_kernel.steer(
-            target, other, rows[index], slots[index], n, adds, dirs, scale, enc, dec, par
-        )
+        steer_kernel.steer(target, other, rows[index], slots[index], n, vectors, scale)
         return
-    _apply(target, other, rows[index, :n], slots[index, :n], adds, dirs, scale, enc, dec, par)
+    _apply(target, other, rows[index, :n], slots[index, :n], vectors, scale)
 
 
 def _delta(
-    x: torch.Tensor,
-    s: torch.Tensor,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
-    scale: float,
-    enc: torch.Tensor | None,
-    dec: torch.Tensor | None,
-    par: torch.Tensor | None,
+    x: torch.Tensor, s: torch.Tensor, vectors: list[torch.Tensor], scale: float
 ) -> torch.Tensor:
     """What the general formula (module doc) adds to the tensor that carries
     the point: ``x`` float32 ``[n, hidden]``, the point's value at ``n``
-    rows; ``s`` int64 ``[n]``, their slots. Returns float32 ``[n, hidden]``,
-    already divided by ``scale``."""
+    rows; ``s`` int64 ``[n]``, their slots; ``vectors`` as :func:`_steer`
+    reads them. Returns float32 ``[n, hidden]``, already divided by
+    ``scale``."""
+    adds, dirs, enc, dec, par = _tables(vectors)
     d = dirs.index_select(0, s)
     delta = adds.index_select(0, s) - (x * d).sum(-1, keepdim=True) * d
     if enc is not None and dec is not None and par is not None:
@@ -124,12 +126,8 @@ def _steer_every_token(
     other: torch.Tensor | None,
     token_slots: torch.Tensor,
     index: int,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
+    vectors: list[torch.Tensor],
     scale: float,
-    enc: torch.Tensor | None,
-    dec: torch.Tensor | None,
-    par: torch.Tensor | None,
 ) -> None:
     """The formula at every token of the forward, its slot ``token_slots[index,
     t]`` (slot 0, all zeros, where nobody steers: a zero delta, ``x + 0`` is
@@ -144,8 +142,7 @@ def _steer_every_token(
         x = x + other.reshape(-1, other.shape[-1]).float()
     if scale != 1.0:
         x = x * scale
-    delta = _delta(x, s, adds, dirs, scale, enc, dec, par)
-    flat.add_(delta.to(flat.dtype))
+    flat.add_(_delta(x, s, vectors, scale).to(flat.dtype))
 
 
 def _apply(
@@ -153,12 +150,8 @@ def _apply(
     other: torch.Tensor | None,
     r: torch.Tensor,
     s: torch.Tensor,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
+    vectors: list[torch.Tensor],
     scale: float,
-    enc: torch.Tensor | None,
-    dec: torch.Tensor | None,
-    par: torch.Tensor | None,
 ) -> None:
     """The general formula (module doc) at rows ``r`` with slots ``s`` (int64
     ``[n]`` each), added into ``target`` in place."""
@@ -168,60 +161,50 @@ def _apply(
         x = x + other.reshape(-1, other.shape[-1]).index_select(0, r).float()
     if scale != 1.0:
         x = x * scale
-    delta = _delta(x, s, adds, dirs, scale, enc, dec, par)
-    flat.index_add_(0, r, delta.to(flat.dtype))
+    flat.index_add_(0, r, _delta(x, s, vectors, scale).to(flat.dtype))
 
 
 def steer(
     target: torch.Tensor,
     other: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
+    tables: list[torch.Tensor],
     index: int,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
+    vectors: list[torch.Tensor],
     scale: float,
-    enc: torch.Tensor | None = None,
-    dec: torch.Tensor | None = None,
-    par: torch.Tensor | None = None,
     token_slots: torch.Tensor | None = None,
 ) -> None:
-    """One steerable point's write, by the route that costs least where the
-    forward runs, as :func:`~.capture_points.capture` chooses for a capture:
-    off CPU the opaque op (replayed inside CUDA graphs); on CPU under
-    torch.compile the formula at every token as aten ops in the graph, each
-    token's slot read from the dense map ``token_slots`` (int64 ``[points,
-    max_tokens]``, 0 where nobody steers; :func:`_steer_every_token`), since
-    an opaque call would be a Python dispatch per point on every forward,
-    steered or not; on CPU in eager mode the op's body, which reads the
-    count."""
-    if not count_readable_on_host(counts.device):
-        # Triton (the op's body) unless the off-CPU route was set to _C's
-        # CUDA kernel (capture_points.use_off_cpu_route, for the benchmarks).
-        op = torch.ops.vllm_hidden_states.steer if off_cpu_route() == "c" else None
-        if op is None:
-            op = torch.ops.vllm.hidden_states_steer
-        op(target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par)
+    """One steerable point's write (arguments as :func:`_steer`), by the
+    route that costs least where the forward runs, as
+    :func:`~.capture_points.capture` chooses for a capture: off CPU the
+    opaque op (replayed inside CUDA graphs); on CPU under torch.compile the
+    formula at every token as aten ops in the graph, each token's slot read
+    from the dense map ``token_slots`` (int64 ``[points, max_tokens]``, 0
+    where nobody steers; :func:`_steer_every_token`), since an opaque call
+    would be a Python dispatch per point on every forward, steered or not;
+    on CPU in eager mode the op's body, which reads the count."""
+    if not count_readable_on_host(tables[2].device):
+        if off_cpu_route() == "c":
+            # _C's CUDA kernel (capture_points.use_off_cpu_route, for the
+            # benchmarks): its own schema, the tables one by one.
+            adds, dirs, enc, dec, par = _tables(vectors)
+            torch.ops.vllm_hidden_states.steer(
+                target, other, *tables, index, adds, dirs, scale, enc, dec, par
+            )
+        else:  # Triton (the op's body)
+            torch.ops.vllm.hidden_states_steer(target, other, tables, index, vectors, scale)
     elif torch.compiler.is_compiling() and token_slots is not None:
-        _steer_every_token(target, other, token_slots, index, adds, dirs, scale, enc, dec, par)
+        _steer_every_token(target, other, token_slots, index, vectors, scale)
     else:
-        _steer(target, other, rows, slots, counts, index, adds, dirs, scale, enc, dec, par)
+        _steer(target, other, tables, index, vectors, scale)
 
 
 def _steer_fake(
     target: torch.Tensor,
     other: torch.Tensor | None,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
+    tables: list[torch.Tensor],
     index: int,
-    adds: torch.Tensor,
-    dirs: torch.Tensor,
+    vectors: list[torch.Tensor],
     scale: float,
-    enc: torch.Tensor | None = None,
-    dec: torch.Tensor | None = None,
-    par: torch.Tensor | None = None,
 ) -> None:
     return None
 
@@ -339,17 +322,10 @@ def steer_hook(
                 steer(
                     target,
                     other,
-                    module._hs_steer_rows,
-                    module._hs_steer_slots,
-                    module._hs_steer_counts,
+                    [module._hs_steer_rows, module._hs_steer_slots, module._hs_steer_counts],
                     index,
-                    module._hs_steer_adds,
-                    module._hs_steer_dirs,
+                    _vectors_of(module),
                     scale,
-                    # Registered only on an engine with an SAE (static per graph).
-                    getattr(module, "_hs_steer_enc", None),
-                    getattr(module, "_hs_steer_dec", None),
-                    getattr(module, "_hs_steer_par", None),
                     # Registered only on CPU (the compiled route's slot map).
                     getattr(module, "_hs_steer_token_slots", None),
                 )
@@ -378,6 +354,15 @@ def steer_hook(
         steer_points(module, args, kwargs)
 
     return steer_points_pre
+
+
+def _vectors_of(module: nn.Module) -> list[torch.Tensor]:
+    """The vector tables registered on ``module``: the clamp tables only on
+    an engine with an SAE (static per graph)."""
+    vectors = [module._hs_steer_adds, module._hs_steer_dirs]
+    if hasattr(module, "_hs_steer_enc"):
+        vectors += [module._hs_steer_enc, module._hs_steer_dec, module._hs_steer_par]
+    return vectors
 
 
 # -- per request ---------------------------------------------------------------
