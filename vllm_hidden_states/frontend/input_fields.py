@@ -119,10 +119,11 @@ def resolve_request(
         returns=asked.returns,
         neuron_heads=_neuron_heads(vllm_config, asked.neurons),
     )
+    gated: list[dict] = []
     if asked.probe_actions:
         _check_probe_actions(vllm_config, spec)
         if any(a.then == STEER for a in spec.probe_actions):
-            _gate_steering(vllm_config, params, spec, prompt_len)
+            gated = _gate_steering(vllm_config, spec, prompt_len)
 
     if asked.patterns:
         _check_pattern_budget(params, prompt_len)
@@ -151,6 +152,11 @@ def resolve_request(
         reach = prompt_len + (room if params.max_tokens is None else params.max_tokens)
         if (problem := window_problem(window, prompt_len, reach)) is not None:
             raise VLLMValidationError(problem, parameter="hidden_states_positions")
+    if gated:
+        # Every check passed: resolve_steering, called next, takes them in.
+        if params.steering is None:
+            params.steering = []
+        _GATED[id(params)] = (params, gated)
     return spec
 
 
@@ -220,18 +226,21 @@ def _check_probe_actions(vllm_config: "VllmConfig", spec: HiddenStatesSpec) -> N
 
 # The gated steering of a request being processed, from resolve_request to
 # resolve_steering (called right after it on the same SamplingParams, patch
-# 0004), by id(params): wire entries no client can write itself.
-_GATED: dict[int, list[dict]] = {}
+# 0004, when steering is not None, which resolve_request makes it), by
+# id(params) with the params themselves (no id reuse while held): wire
+# entries no client can write itself.
+_GATED: dict[int, tuple["SamplingParams", list[dict]]] = {}
 
 
 def _gate_steering(
-    vllm_config: "VllmConfig", params: "SamplingParams", spec: HiddenStatesSpec, prompt_len: int
-) -> None:
+    vllm_config: "VllmConfig", spec: HiddenStatesSpec, prompt_len: int
+) -> list[dict]:
     """The interventions of the request's steer actions in wire form, each
     entry gated (``"gate"``: [action index, score column, threshold, above,
     for]) and on from the first generated position; they join the
     request's ``steering`` in :func:`resolve_steering` (which salts the
-    cache with them). Refused without steering on this engine."""
+    cache with them). Refused without steering on this engine, or where
+    check_steering refuses an intervention."""
     from vllm.exceptions import VLLMValidationError
 
     cfg = built_once(SteeringConfig, vllm_config)
@@ -259,9 +268,7 @@ def _gate_steering(
         gate = [i, column, action.threshold, int(action.above), action.consecutive]
         for item in wire:
             gated.append({**item, "start": prompt_len, "end": None, "gate": gate})
-    if params.steering is None:
-        params.steering = []  # resolve_steering takes the gated entries in
-    _GATED[id(params)] = gated
+    return gated
 
 
 def _is_post(address: str, num_layers: int) -> bool:
@@ -300,7 +307,8 @@ def resolve_steering(
     request never shares KV blocks with one steered otherwise."""
     from vllm.exceptions import VLLMValidationError
 
-    gated = _GATED.pop(id(params), [])
+    held = _GATED.pop(id(params), None)
+    gated = held[1] if held is not None and held[0] is params else []
     cfg = built_once(SteeringConfig, vllm_config)
     if cfg is None:
         raise VLLMValidationError(STEERING_OFF, parameter="steering")

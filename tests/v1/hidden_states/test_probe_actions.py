@@ -457,3 +457,23 @@ def test_a_point_steered_by_the_request_and_its_steer_action_is_refused(steer_ll
     with pytest.raises(VLLMValidationError, match="steers that point too") as e:
         steer_llm.generate([PROMPT], ask, use_tqdm=False)
     assert e.value.parameter == "probe_actions"
+
+
+def test_a_steer_firing_in_the_prompt_steers_from_the_first_generated_position(
+    steer_llm, reference, hf_qwen3, steer_free_run, honesty
+):
+    ids = token_ids_of(steer_free_run)
+    n_prompt = len(steer_free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, FINAL)
+    threshold = threshold_between(scores[:n_prompt], 0)
+    fired = first_crossing(scores, threshold, 0)
+    assert fired < n_prompt - 1  # prompt positions after it stay unsteered
+    want, _ = hf_steered_greedy(
+        hf_qwen3, steer_free_run.prompt_token_ids, "resid_pre.1", honesty, n_prompt, MAX_TOKENS
+    )
+    actions = [{"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")}]
+    (out,) = steer_llm.generate(
+        [PROMPT], params(actions, hidden_states_positions="all"), use_tqdm=False
+    )
+    assert token_ids_of(out) == want
+    assert [f.position for f in out.outputs[0].op_results.firings] == [fired]
