@@ -251,6 +251,14 @@ def _gate_steering(
             f"{STEERING_OFF}; or use 'then': 'stop' or 'flag'",
             parameter="probe_actions",
         )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        # The gate is moved where the probes are scored (the last stage); the
+        # steered points of the other stages would never see it.
+        raise VLLMValidationError(
+            f"probe_actions[{steers[0][0]}]: 'then': {{'steer': ...}} is not supported with "
+            "pipeline parallelism yet; use 'then': 'stop' or 'flag', or one pipeline stage",
+            parameter="probe_actions",
+        )
     hidden_size = vllm_config.model_config.get_hidden_size()
     starts = [0]
     for width in spec.probe_widths:
