@@ -188,3 +188,28 @@ def action_probes(actions: list[ProbeAction], asked: tuple[str, ...]) -> tuple[s
     actions read (each once, in first-seen order)."""
     extra = [a.probe for a in actions if a.probe not in asked]
     return (*asked, *dict.fromkeys(extra))
+
+
+def steered_from(steering: list[dict[str, Any]], fired: dict[int, int]) -> list[dict[str, Any]]:
+    """A request's steering (wire form) once steer actions fired: ``fired``
+    maps an action's index to its firing position; that action's gated
+    entries become plain ones from the position after it (and not before
+    their own start, the first generated position)."""
+    return [
+        {**item, "gate": None, "start": max(fired[int(item["gate"][0])] + 1, int(item["start"]))}
+        if item.get("gate") is not None and int(item["gate"][0]) in fired
+        else item
+        for item in steering
+    ]
+
+
+def steer_action_of(actions: list[ProbeAction], firing: Any, taken: set[int]) -> int | None:
+    """The index of the steer action in ``actions`` that ``firing`` (a
+    :class:`~vllm_hidden_states.contract.ProbeFiring`) reports: the first
+    not in ``taken`` with its label whose condition holds at its score."""
+    for i, a in enumerate(actions):
+        if i in taken or a.then != STEER or a.label != firing.label:
+            continue
+        if (firing.score > a.threshold) if a.above else (firing.score < a.threshold):
+            return i
+    return None

@@ -137,6 +137,31 @@ def test_a_steer_action_is_reported_once_at_its_first_firing():
     assert w.new_steers == [(0, 1)]
 
 
+def test_a_fired_steer_action_turns_its_gated_entries_plain_from_the_next_position():
+    from vllm_hidden_states.probe_actions import steered_from
+
+    plain = {"id": 3, "start": 0, "end": None}
+    gated = [{"id": 5, "start": 7, "end": None, "gate": [g, 0, 0.5, 1, 1]} for g in (0, 1)]
+    out = steered_from([plain, *gated], {0: 9})
+    assert out == [plain, {**gated[0], "gate": None, "start": 10}, gated[1]]
+    # A firing in the prompt: from the entry's own start, the first generated position.
+    assert steered_from(gated[:1], {0: 2})[0]["start"] == 7
+
+
+def test_a_steer_firing_is_matched_to_its_action_by_label_and_condition():
+    from vllm_hidden_states.contract import ProbeFiring
+    from vllm_hidden_states.probe_actions import steer_action_of
+
+    actions = [
+        ProbeAction(label="h", probe="h", threshold=0.5, then="flag"),
+        ProbeAction(label="h", probe="h", threshold=0.9, then="steer", steer=STEER),
+        ProbeAction(label="h", probe="h", threshold=0.2, then="steer", steer=STEER),
+    ]
+    firing = ProbeFiring(label="h", position=4, score=0.3, then="steer")
+    assert steer_action_of(actions, firing, set()) == 2
+    assert steer_action_of(actions, firing, {2}) is None
+
+
 # -- the worker's device gate (worker/probe_gates.py), on CPU tensors ------------
 
 

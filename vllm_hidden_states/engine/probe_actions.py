@@ -33,7 +33,7 @@ import numpy as np
 
 from vllm.logger import init_logger
 from vllm_hidden_states.contract import CapturedRows, OpResults, ProbeAction, ProbeFiring
-from vllm_hidden_states.probe_actions import STEER
+from vllm_hidden_states.probe_actions import STEER, steered_from
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -221,15 +221,9 @@ def _steer_from(scheduler: "Scheduler", req_id: str, steers: list[tuple[int, int
     until then it keeps its own device gate, which fired in the same step."""
     request = scheduler.requests.get(req_id)
     params = None if request is None else request.sampling_params
-    if request is None or params is None or not params.steering:
+    if params is None or not params.steering:
         return
-    starts = {i: max(p + 1, request.num_prompt_tokens) for i, p in steers}
-    params.steering = [
-        {**item, "gate": None, "start": starts[int(item["gate"][0])]}
-        if item.get("gate") is not None and int(item["gate"][0]) in starts
-        else item
-        for item in params.steering
-    ]
+    params.steering = steered_from(params.steering, dict(steers))
 
 
 def _stop(

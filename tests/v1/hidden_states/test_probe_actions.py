@@ -477,3 +477,35 @@ def test_a_steer_firing_in_the_prompt_steers_from_the_first_generated_position(
     )
     assert token_ids_of(out) == want
     assert [f.position for f in out.outputs[0].op_results.firings] == [fired]
+
+
+def test_a_stop_after_a_steer_returns_the_steered_states_and_tokens(
+    steer_llm, reference, hf_qwen3, steer_free_run, honesty
+):
+    n_prompt = len(steer_free_run.prompt_token_ids)
+    threshold, fired = steer_case(reference, steer_free_run, FINAL, 0)
+    want, item = hf_steered_greedy(
+        hf_qwen3, steer_free_run.prompt_token_ids, "resid_pre.1", honesty, fired + 1, MAX_TOKENS
+    )
+    # The stop reads the steered stream (resid_post.1 is after resid_pre.1).
+    stop_probe = reference.probes[PROBE]
+    steered_rows = hf_qwen3.steered_points(want, [item])[stop_probe.point].double().numpy()
+    stop_scores = score_numpy(steered_rows, stop_probe)[:, 1]
+    stop_threshold = threshold_between(stop_scores[fired + 2 : -1], 0)
+    stop_at = first_crossing(stop_scores[:-1], stop_threshold, n_prompt)
+    assert stop_at is not None and fired + 1 < stop_at < len(want) - 2
+    actions = [
+        {"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")},
+        {"probe": PROBE, "output": 1, "above": stop_threshold, "then": "stop"},
+    ]
+    (out,) = steer_llm.generate([PROMPT], params(actions, probes=[FINAL, PROBE]), use_tqdm=False)
+    completion = out.outputs[0]
+    assert token_ids_of(out) == want[: stop_at + 1]
+    assert [(f.position, f.then) for f in completion.op_results.firings] == [
+        (fired, "steer"),
+        (stop_at, "stop"),
+    ]
+    states = hf_qwen3.steered_states(want[: stop_at + 1], [item])
+    expect = score_numpy(states[-1].double().numpy(), reference.probes[FINAL])[n_prompt:]
+    got = completion.probe_scores[FINAL].numpy()
+    np.testing.assert_allclose(got, expect, atol=1e-4 * max(np.abs(expect).max(), 1e-3), rtol=0)
