@@ -491,12 +491,18 @@ def test_a_stop_after_a_steer_returns_the_steered_states_and_tokens(
     stop_probe = reference.probes[PROBE]
     steered_rows = hf_qwen3.steered_points(want, [item])[stop_probe.point].double().numpy()
     stop_scores = score_numpy(steered_rows, stop_probe)[:, 1]
-    stop_threshold = threshold_between(stop_scores[fired + 2 : -1], 0)
-    stop_at = first_crossing(stop_scores[:-1], stop_threshold, n_prompt)
-    assert stop_at is not None and fired + 1 < stop_at < len(want) - 2
+    # A threshold no position up to fired + 1 crosses and a later one does.
+    early, late = stop_scores[n_prompt : fired + 2], stop_scores[fired + 2 : -1]
+    above = late.max() - early.max() > early.min() - late.min()
+    stop_threshold = float(
+        (early.max() + late.max()) / 2 if above else (early.min() + late.min()) / 2
+    )
+    stop_at = first_crossing(stop_scores[:-1], stop_threshold, n_prompt, above=above)
+    assert stop_at is not None and fired + 1 < stop_at < len(want) - 1
+    side = "above" if above else "below"
     actions = [
         {"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")},
-        {"probe": PROBE, "output": 1, "above": stop_threshold, "then": "stop"},
+        {"probe": PROBE, "output": 1, side: stop_threshold, "then": "stop"},
     ]
     (out,) = steer_llm.generate([PROMPT], params(actions, probes=[FINAL, PROBE]), use_tqdm=False)
     completion = out.outputs[0]
