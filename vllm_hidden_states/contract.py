@@ -41,6 +41,9 @@ class ProbeAction(
     """One probe action, checked (vllm_hidden_states.actions): when output
     ``column`` of probe ``probe`` is above (``above``) or below ``threshold``
     at ``consecutive`` positions in a row, ``then`` ("stop" or "flag").
+    ``then`` "steer": ``steer`` holds its interventions (the request form of
+    ``steering`` entries, form-checked; the front-end resolves them against
+    the engine's steerable points).
     ``label``: how responses, logs and metrics name it (``probe_actions[i]``
     for a request's own, the monitor's name for a server monitor)."""
 
@@ -52,6 +55,7 @@ class ProbeAction(
     consecutive: int = 1
     then: str = "stop"
     monitor: bool = False
+    steer: list[dict[str, Any]] = []
 
 
 class ProbeFiring(

@@ -6,6 +6,8 @@ in Python) is a list of objects::
 
     {"probe": "harm", "above": 0.8, "for": 2, "then": "stop"}
     {"probe": "topic", "below": -1.5, "output": 1, "then": "flag"}
+    {"probe": "harm", "above": 0.8, "then": {"steer": [
+        {"point": "resid_pre.3", "op": "add", "name": "calm", "strength": 4}]}}
 
 The engine scores the probe at every position the request's positions
 cover, in the step that computes it, and decides there
@@ -28,13 +30,19 @@ from vllm_hidden_states.contract import ProbeAction
 FIELD = "probe_actions"
 MONITORS_FIELD = "probe_monitors"
 THENS: tuple[str, ...] = ("stop", "flag")
+STEER = "steer"
+# The ops a steer action may turn on: additive ones, whose table row can be
+# switched on in the worker without re-arming anything else.
+GATED_OPS: tuple[str, ...] = ("add",)
+THEN_FORM = '"stop", "flag" or {"steer": [interventions]}'
 KEYS: frozenset[str] = frozenset({"probe", "above", "below", "for", "output", "then"})
 MAX_ACTIONS = 16
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 FORM = (
     'each action is {"probe": NAME, "above" or "below": a finite number, '
     '"for": n consecutive positions (optional, default 1), "output": the probe '
-    'output to read (needed when the probe has several), "then": "stop" or "flag"}'
+    'output to read (needed when the probe has several), "then": "stop", "flag" or '
+    '{"steer": [interventions as in steering, op "add", no "positions"]}}'
 )
 
 
@@ -63,6 +71,12 @@ def check_monitors(value: Any, probes: dict[str, dict[str, Any]]) -> list[ProbeA
             )
     if len(set(names)) != len(names):
         raise ValueError(f"monitor names must be distinct, got {names}")
+    for item, name in zip(value, names):
+        if isinstance(item, dict) and isinstance(item.get("then"), dict):
+            raise ValueError(
+                f"monitor {name!r}: 'then' must be one of {list(THENS)}; a steer action "
+                "is a request's own (its probe_actions), not a server monitor's"
+            )
     return [
         msgspec.structs.replace(
             _check_one(
@@ -116,13 +130,12 @@ def _check_one(
     if not _is_int(consecutive) or consecutive < 1:
         raise ValueError(f"{where}: 'for' must be an integer >= 1, got {consecutive!r}")
     then = item.get("then", "stop")
-    if isinstance(then, dict) and "steer" in then:
-        raise ValueError(
-            f"{where}: 'then': {{'steer': ...}} is not supported yet; 'then' must be "
-            f"one of {list(THENS)}"
-        )
-    if then not in THENS:
-        raise ValueError(f"{where}: 'then' must be one of {list(THENS)}, got {then!r}")
+    steer: list[dict[str, Any]] = []
+    if isinstance(then, dict):
+        steer = _check_steer(then, where)
+        then = STEER
+    elif then not in THENS:
+        raise ValueError(f"{where}: 'then' must be {THEN_FORM}, got {then!r}")
     return ProbeAction(
         label=name,
         probe=name,
@@ -131,7 +144,39 @@ def _check_one(
         column=int(column),
         consecutive=consecutive,
         then=then,
+        steer=steer,
     )
+
+
+def _check_steer(then: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The interventions of ``{"steer": [...]}``, form-checked: what can be
+    told without the engine's steering (points, vectors and strengths are
+    checked against it by the front-end, as ``steering`` entries)."""
+    if set(then) != {STEER}:
+        raise ValueError(f"{where}: 'then' must be {THEN_FORM}, got an object with {sorted(then)}")
+    items = then[STEER]
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(
+            f"{where}: 'then.steer' must be a non-empty list of interventions such as "
+            '{"point": "resid_pre.3", "op": "add", "name": "calm", "strength": 4}'
+        )
+    for j, x in enumerate(items):
+        if not isinstance(x, dict):
+            raise ValueError(f"{where}: then.steer[{j}] must be an object (a steering entry)")
+        if "positions" in x:
+            raise ValueError(
+                f"{where}: then.steer[{j}]: 'positions' is not allowed in a steer action: "
+                "its interventions apply from the generated position after the firing "
+                "one to the end of the request"
+            )
+        op = x.get("op", "add")
+        if op not in GATED_OPS:
+            raise ValueError(
+                f"{where}: then.steer[{j}]: op {op!r} cannot be turned on by a probe "
+                f"action; allowed: {list(GATED_OPS)} (additive steering vectors, by "
+                "name, inline or sae_feature)"
+            )
+    return [dict(x) for x in items]
 
 
 def _is_int(value: Any) -> bool:
@@ -143,3 +188,28 @@ def action_probes(actions: list[ProbeAction], asked: tuple[str, ...]) -> tuple[s
     actions read (each once, in first-seen order)."""
     extra = [a.probe for a in actions if a.probe not in asked]
     return (*asked, *dict.fromkeys(extra))
+
+
+def steered_from(steering: list[dict[str, Any]], fired: dict[int, int]) -> list[dict[str, Any]]:
+    """A request's steering (wire form) once steer actions fired: ``fired``
+    maps an action's index to its firing position; that action's gated
+    entries become plain ones from the position after it (and not before
+    their own start, the first generated position)."""
+    return [
+        {**item, "gate": None, "start": max(fired[int(item["gate"][0])] + 1, int(item["start"]))}
+        if item.get("gate") is not None and int(item["gate"][0]) in fired
+        else item
+        for item in steering
+    ]
+
+
+def steer_action_of(actions: list[ProbeAction], firing: Any, taken: set[int]) -> int | None:
+    """The index of the steer action in ``actions`` that ``firing`` (a
+    :class:`~vllm_hidden_states.contract.ProbeFiring`) reports: the first
+    not in ``taken`` with its label whose condition holds at its score."""
+    for i, a in enumerate(actions):
+        if i in taken or a.then != STEER or a.label != firing.label:
+            continue
+        if (firing.score > a.threshold) if a.above else (firing.score < a.threshold):
+            return i
+    return None

@@ -7,7 +7,7 @@ import pytest
 
 from vllm_hidden_states.contract import ProbeAction
 from vllm_hidden_states.engine.probe_actions import _evaluate, _Watched
-from vllm_hidden_states.probe_actions import action_probes, check_probe_actions
+from vllm_hidden_states.probe_actions import action_probes, check_monitors, check_probe_actions
 
 PROBES = {"harm": {"k": 1}, "topic": {"k": 3}}
 
@@ -50,6 +50,46 @@ def test_a_bad_action_says_what_was_wrong_and_what_is_allowed(item, says):
         check_probe_actions([item], PROBES)
 
 
+STEER = [{"point": "resid_pre.1", "op": "add", "name": "calm", "strength": 2}]
+
+
+def test_a_steer_action_keeps_its_interventions_for_the_front_end():
+    (action,) = check_probe_actions(
+        [{"probe": "harm", "above": 0.5, "then": {"steer": STEER}}], PROBES
+    )
+    assert (action.then, action.steer) == ("steer", STEER)
+
+
+@pytest.mark.parametrize(
+    "then, says",
+    [
+        ({"steer": []}, "'then.steer' must be a non-empty list of interventions"),
+        ({"steer": STEER, "stop": 1}, r'"stop", "flag" or \{"steer"'),
+        ({"steer": ["x"]}, r"then.steer\[0\] must be an object"),
+        (
+            {"steer": [{**STEER[0], "positions": "all"}]},
+            r"'positions' is not allowed in a steer action: its interventions apply "
+            "from the generated position after the firing one",
+        ),
+        (
+            {"steer": [{**STEER[0], "op": "ablate"}]},
+            r"op 'ablate' cannot be turned on by a probe action; allowed: \['add'\]",
+        ),
+        ("explode", r'\'then\' must be "stop", "flag" or \{"steer"'),
+    ],
+)
+def test_a_bad_steer_action_says_what_is_allowed(then, says):
+    with pytest.raises(ValueError, match=says):
+        check_probe_actions([{"probe": "harm", "above": 0, "then": then}], PROBES)
+
+
+def test_a_monitor_cannot_steer():
+    with pytest.raises(ValueError, match="a steer action is a request's own"):
+        check_monitors(
+            [{"name": "m", "probe": "harm", "above": 0, "then": {"steer": STEER}}], PROBES
+        )
+
+
 def test_an_engine_without_probes_says_how_to_load_them():
     with pytest.raises(ValueError, match="--probes DIR"):
         check_probe_actions([{"probe": "harm", "above": 0}], {})
@@ -86,6 +126,78 @@ def test_a_flag_reports_every_row_where_it_holds_and_a_stop_beside_it_ends_them(
     w = watched(flag, stop, position=0)
     firings = _evaluate(w, np.array([[0.5], [-1.0], [0.9], [0.95]], np.float32))
     assert [(f.label, f.position) for f in firings] == [("f", 0), ("f", 2), ("s", 2)]
+
+
+def test_a_steer_action_is_reported_once_at_its_first_firing():
+    steer = ProbeAction(label="s", probe="h", threshold=0.5, then="steer", steer=STEER)
+    w = watched(steer, position=0)
+    (firing,) = _evaluate(w, np.array([[0.1], [0.7], [0.9]], np.float32))
+    assert (firing.position, firing.then) == (1, "steer")
+    assert _evaluate(w, np.array([[0.8]], np.float32)) == []
+    assert w.new_steers == [(0, 1)]
+
+
+def test_a_fired_steer_action_turns_its_gated_entries_plain_from_the_next_position():
+    from vllm_hidden_states.probe_actions import steered_from
+
+    plain = {"id": 3, "start": 0, "end": None}
+    gated = [{"id": 5, "start": 7, "end": None, "gate": [g, 0, 0.5, 1, 1]} for g in (0, 1)]
+    out = steered_from([plain, *gated], {0: 9})
+    assert out == [plain, {**gated[0], "gate": None, "start": 10}, gated[1]]
+    # A firing in the prompt: from the entry's own start, the first generated position.
+    assert steered_from(gated[:1], {0: 2})[0]["start"] == 7
+
+
+def test_a_steer_firing_is_matched_to_its_action_by_label_and_condition():
+    from vllm_hidden_states.contract import ProbeFiring
+    from vllm_hidden_states.probe_actions import steer_action_of
+
+    actions = [
+        ProbeAction(label="h", probe="h", threshold=0.5, then="flag"),
+        ProbeAction(label="h", probe="h", threshold=0.9, then="steer", steer=STEER),
+        ProbeAction(label="h", probe="h", threshold=0.2, then="steer", steer=STEER),
+    ]
+    firing = ProbeFiring(label="h", position=4, score=0.3, then="steer")
+    assert steer_action_of(actions, firing, set()) == 2
+    assert steer_action_of(actions, firing, {2}) is None
+
+
+# -- the worker's device gate (worker/probe_gates.py), on CPU tensors ------------
+
+
+def gate_of(threshold: float, above: bool, run: int, column: int = 0):
+    import torch
+
+    from vllm_hidden_states.worker.probe_gates import RequestGates
+
+    gates = RequestGates([0], [[0, column, threshold, int(above), run]], torch.device("cpu"))
+    gates.slots = torch.tensor([1])
+    return gates
+
+
+def test_the_gate_fires_on_the_first_run_long_enough_across_steps():
+    import torch
+
+    gates = gate_of(0.0, above=False, run=3, column=1)
+    gates.update(torch.tensor([[9.0, -1.0], [9.0, 1.0], [9.0, -1.0]]))
+    gates.update(torch.tensor([[9.0, -2.0]]))
+    assert not bool(gates.fired[0])  # a run of 2 so far
+    gates.update(torch.tensor([[9.0, -2.0], [9.0, 5.0]]))
+    assert bool(gates.fired[0]) and int(gates.runs[0]) == 0
+
+
+def test_the_gated_row_holds_zero_until_fired_then_the_vector():
+    import torch
+
+    gates = gate_of(0.5, above=True, run=1)
+    adds, armed = torch.zeros(3, 4), torch.zeros(3, 4)
+    armed[1] = torch.arange(4.0)
+    gates.update(torch.tensor([[0.2]]))
+    gates.apply(adds, armed)
+    assert not adds.any()
+    gates.update(torch.tensor([[0.2], [0.6], [0.1]]))
+    gates.apply(adds, armed)
+    assert torch.equal(adds[1], armed[1]) and not adds[0].any() and not adds[2].any()
 
 
 # -- server monitors (--monitors FILE) ------------------------------------------

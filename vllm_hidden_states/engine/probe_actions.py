@@ -13,6 +13,13 @@ requests that carry actions, and:
   ``stop_reason`` the action's label (the probe's name). A firing at a prompt
   position stops the request before its first token.
 * ``"flag"``: the position is reported, the request goes on.
+* ``{"steer": [...]}``: decided in the worker, on the device, in the step
+  that scored the position (``worker/probe_gates.py``), from the same
+  float32 scores; here the first firing is reported once (position, score)
+  and the request goes on. The firing is also written into the request's
+  ``steering`` (its gated entries become plain ones from the next
+  position), so a request recomputed after preemption is steered from the
+  same position on.
 
 Each firing travels to the front-end as a one-request group carrying
 :class:`~vllm_hidden_states.contract.OpResults` only. Requests without
@@ -26,6 +33,7 @@ import numpy as np
 
 from vllm.logger import init_logger
 from vllm_hidden_states.contract import CapturedRows, OpResults, ProbeAction, ProbeFiring
+from vllm_hidden_states.probe_actions import STEER, steered_from
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -52,6 +60,9 @@ class _Watched:
     position: int
     runs: list[int] = field(default_factory=list)
     flagged: set[str] = field(default_factory=set)  # actions whose first flag was logged
+    steered: set[int] = field(default_factory=set)  # steer actions that fired
+    # (action index, position) of steer firings not yet written to the request
+    new_steers: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ActionWatch:
@@ -119,6 +130,11 @@ class ActionWatch:
                 offset += count
         if not fired:
             return
+        for req_id in fired:
+            watched = self.watched.get(req_id)
+            if watched is not None and watched.new_steers:
+                _steer_from(scheduler, req_id, watched.new_steers)
+                watched.new_steers.clear()
         outputs_of = {
             eco.request_id: (eco, outs)
             for outs in engine_core_outputs.values()
@@ -177,7 +193,12 @@ def _evaluate(watched: _Watched, scores: np.ndarray) -> list[ProbeFiring]:
     for row in range(scores.shape[0]):
         for i, action in enumerate(watched.actions):
             watched.runs[i] = watched.runs[i] + 1 if held[i][row] else 0
+            if i in watched.steered:
+                continue  # on already: reported once
             if watched.runs[i] >= action.consecutive:
+                if action.then == STEER:
+                    watched.steered.add(i)
+                    watched.new_steers.append((i, first + row))
                 firings.append(
                     ProbeFiring(
                         label=action.label,
@@ -190,6 +211,19 @@ def _evaluate(watched: _Watched, scores: np.ndarray) -> list[ProbeFiring]:
         if any(f.then == "stop" and f.position == first + row for f in firings):
             break
     return firings
+
+
+def _steer_from(scheduler: "Scheduler", req_id: str, steers: list[tuple[int, int]]) -> None:
+    """Steer actions fired (``(action index, position)``): their gated
+    entries in the request's ``steering`` become plain entries from the
+    generated position after the firing one. The worker reads them when the
+    request comes back as new (recomputed after preemption) or is extracted;
+    until then it keeps its own device gate, which fired in the same step."""
+    request = scheduler.requests.get(req_id)
+    params = None if request is None else request.sampling_params
+    if params is None or not params.steering:
+        return
+    params.steering = steered_from(params.steering, dict(steers))
 
 
 def _stop(

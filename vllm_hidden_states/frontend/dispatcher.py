@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
 from vllm_hidden_states.contract import OpResults, ProbeFiring
 from vllm_hidden_states.frontend.firings import record_firings
+from vllm_hidden_states.probe_actions import STEER, steer_action_of, steered_from
 from vllm_hidden_states.wire import (
     CapturedRows,
     HiddenStatesExtractRequest,
@@ -78,6 +79,7 @@ class HiddenStatesTracker:
     request_id: str = ""
     firings: list[ProbeFiring] = field(default_factory=list)
     _emitted_firings: int = 0
+    _steered: set[int] = field(default_factory=set)  # steer actions that fired
     _emitted_chunks: int = 0  # DELTA: chunks already given to outputs
     _emitted_rows: int = 0
 
@@ -128,12 +130,29 @@ class HiddenStatesTracker:
             return "no probe scores"
         return None
 
+    def _steer_from(self, firings: list[ProbeFiring]) -> None:
+        """Steer actions that fired: the steering an extract replays is on
+        from the position after each firing (as the worker's was)."""
+        if not self.steering:
+            return
+        fired: dict[int, int] = {}
+        for firing in firings:
+            if firing.then != STEER:
+                continue
+            i = steer_action_of(self.spec.probe_actions, firing, set(fired) | self._steered)
+            if i is not None:
+                fired[i] = firing.position
+        if fired:
+            self._steered |= set(fired)
+            self.steering = steered_from(self.steering, fired)
+
     def receive(self, rows: CapturedRows) -> None:
         """Rows that rode on one of the request's own outputs (and what its
         ops decided in that step)."""
         if rows.op_results is not None:
             self.firings.extend(rows.op_results.firings)
             record_firings(self.request_id, rows.op_results.firings)
+            self._steer_from(rows.op_results.firings)
             if not has_rows(rows):
                 return
         if self.spec.inline:

@@ -11,6 +11,7 @@ writes its wire form back. A bad request fails alone with a
 allowed; the engine never sees it.
 """
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from vllm_hidden_states.points import (
     parse_point,
     window_of,
 )
+from vllm_hidden_states.probe_actions import STEER
 from vllm_hidden_states.request_fields import (
     AskedStates,
     FieldError,
@@ -117,8 +119,11 @@ def resolve_request(
         returns=asked.returns,
         neuron_heads=_neuron_heads(vllm_config, asked.neurons),
     )
+    gated: list[dict] = []
     if asked.probe_actions:
         _check_probe_actions(vllm_config, spec)
+        if any(a.then == STEER for a in spec.probe_actions):
+            gated = _gate_steering(vllm_config, spec, prompt_len)
 
     if asked.patterns:
         _check_pattern_budget(params, prompt_len)
@@ -147,6 +152,11 @@ def resolve_request(
         reach = prompt_len + (room if params.max_tokens is None else params.max_tokens)
         if (problem := window_problem(window, prompt_len, reach)) is not None:
             raise VLLMValidationError(problem, parameter="hidden_states_positions")
+    if gated:
+        # Every check passed: resolve_steering, called next, takes them in.
+        if params.steering is None:
+            params.steering = []
+        _GATED[id(params)] = (params, gated)
     return spec
 
 
@@ -214,6 +224,61 @@ def _check_probe_actions(vllm_config: "VllmConfig", spec: HiddenStatesSpec) -> N
         )
 
 
+# The gated steering of a request being processed, from resolve_request to
+# resolve_steering (called right after it on the same SamplingParams, patch
+# 0004, when steering is not None, which resolve_request makes it), by
+# id(params) with the params themselves (no id reuse while held): wire
+# entries no client can write itself.
+_GATED: dict[int, tuple["SamplingParams", list[dict]]] = {}
+
+
+def _gate_steering(
+    vllm_config: "VllmConfig", spec: HiddenStatesSpec, prompt_len: int
+) -> list[dict]:
+    """The interventions of the request's steer actions in wire form, each
+    entry gated (``"gate"``: [action index, score column, threshold, above,
+    for]) and on from the first generated position; they join the
+    request's ``steering`` in :func:`resolve_steering` (which salts the
+    cache with them). Refused without steering on this engine, or where
+    check_steering refuses an intervention."""
+    from vllm.exceptions import VLLMValidationError
+
+    cfg = built_once(SteeringConfig, vllm_config)
+    steers = [(i, a) for i, a in enumerate(spec.probe_actions) if a.then == STEER]
+    if cfg is None:
+        raise VLLMValidationError(
+            f"probe_actions[{steers[0][0]}]: 'then': {{'steer': ...}} needs steering; "
+            f"{STEERING_OFF}; or use 'then': 'stop' or 'flag'",
+            parameter="probe_actions",
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        # The gate is moved where the probes are scored (the last stage); the
+        # steered points of the other stages would never see it.
+        raise VLLMValidationError(
+            f"probe_actions[{steers[0][0]}]: 'then': {{'steer': ...}} is not supported with "
+            "pipeline parallelism yet; use 'then': 'stop' or 'flag', or one pipeline stage",
+            parameter="probe_actions",
+        )
+    hidden_size = vllm_config.model_config.get_hidden_size()
+    starts = [0]
+    for width in spec.probe_widths:
+        starts.append(starts[-1] + width)
+    gated: list[dict] = []
+    for i, action in steers:
+        try:
+            wire = check_steering(action.steer, cfg, hidden_size, prompt_len, sys.maxsize)
+        except ValueError as e:
+            message = str(e).replace("steering[", "then.steer[")
+            raise VLLMValidationError(
+                f"probe_actions[{i}]: {message}", parameter="probe_actions"
+            ) from None
+        column = starts[spec.probes.index(action.probe)] + action.column
+        gate = [i, column, action.threshold, int(action.above), action.consecutive]
+        for item in wire:
+            gated.append({**item, "start": prompt_len, "end": None, "gate": gate})
+    return gated
+
+
 def _is_post(address: str, num_layers: int) -> bool:
     try:
         return parse_point(address, num_layers)[0] == "resid_post"
@@ -250,18 +315,25 @@ def resolve_steering(
     request never shares KV blocks with one steered otherwise."""
     from vllm.exceptions import VLLMValidationError
 
+    held = _GATED.pop(id(params), None)
+    gated = held[1] if held is not None and held[0] is params else []
     cfg = built_once(SteeringConfig, vllm_config)
     if cfg is None:
         raise VLLMValidationError(STEERING_OFF, parameter="steering")
     max_model_len = vllm_config.model_config.max_model_len
     max_tokens = params.max_tokens
     reach = max_model_len if max_tokens is None else min(max_model_len, prompt_len + max_tokens)
-    try:
-        wire = check_steering(
-            params.steering, cfg, vllm_config.model_config.get_hidden_size(), prompt_len, reach
-        )
-    except ValueError as e:
-        raise VLLMValidationError(str(e), parameter="steering") from None
+    wire: list[dict] = []
+    if params.steering or not gated:
+        try:
+            wire = check_steering(
+                params.steering, cfg, vllm_config.model_config.get_hidden_size(), prompt_len, reach
+            )
+        except ValueError as e:
+            raise VLLMValidationError(str(e), parameter="steering") from None
+    if gated:
+        _check_gated(wire, gated, cfg)
+        wire = [*wire, *gated]
     hidden_states = built_once(HiddenStatesConfig, vllm_config)
     sae_hook = ((hidden_states and hidden_states.sae) or {}).get("hook_name")
     points = params.hidden_states_points if params.return_hidden_states else None
@@ -272,6 +344,31 @@ def resolve_steering(
         raise VLLMValidationError(problem, parameter="steering")
     params.steering = wire
     return salted(cache_salt, wire)
+
+
+def _check_gated(wire: list[dict], gated: list[dict], cfg: SteeringConfig) -> None:
+    """A steer action's point is steered by that action alone (its table
+    row is switched on as a whole), and all the request's interventions fit
+    --max-steering."""
+    from vllm.exceptions import VLLMValidationError
+
+    owner: dict[int, str] = {item["id"]: "the request's steering" for item in wire}
+    for item in gated:
+        mine = f"probe_actions[{item['gate'][0]}]"
+        other = owner.setdefault(item["id"], mine)
+        if other != mine:
+            raise VLLMValidationError(
+                f"{mine}: then.steer at {item['point']!r}: {other} steers that point too; "
+                "a steer action's points must be steered by it alone",
+                parameter="probe_actions",
+            )
+    total = len(wire) + len(gated)
+    if total > cfg.max_interventions:
+        raise VLLMValidationError(
+            f"probe_actions: steering and steer actions hold {total} interventions; this "
+            f"engine allows at most {cfg.max_interventions} per request (--max-steering)",
+            parameter="probe_actions",
+        )
 
 
 def _neuron_heads(vllm_config: "VllmConfig", points: "Sequence[str]") -> list[int]:

@@ -319,6 +319,8 @@ class HiddenStatesCapture:
                 # On the device; only k floats per probe and row leave it.
                 assert self.probes is not None  # asked only of an engine with probes
                 scores = self.probes.score(step.probes, rows_of)
+                if self.steering is not None and self.steering.gates:
+                    self.steering.gate(armed.req_id, scores)  # steer actions
             if step.positions == "all" and step.start == 0:
                 self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
             rows = self._partial.get(armed.req_id)
@@ -395,7 +397,15 @@ class HiddenStatesCapture:
         scores = None
         if group.probes:
             assert self.probes is not None  # asked only of an engine with probes
-            scores = self.copies.to_host(self.probes.score(group.probes, rows_of))
+            device_scores = self.probes.score(group.probes, rows_of)
+            if self.steering is not None and self.steering.gates:
+                # Steer actions: each gated request's rows, on the device.
+                offset = 0
+                for req_id, count in zip(group.req_ids, group.counts):
+                    if req_id in self.steering.gates:
+                        self.steering.gate(req_id, device_scores[offset : offset + count])
+                    offset += count
+            scores = self.copies.to_host(device_scores)
         rows = CapturedRows(
             hidden=host, probe_scores=scores, req_ids=group.req_ids, counts=group.counts
         )

@@ -53,10 +53,18 @@ class RequestSteering:
         table's (default ``hidden_size``), to which patch rows are padded;
         ``columns``: of such a point, the columns this tensor-parallel rank
         holds (its heads), to which its rows are cut (absent: all)."""
-        by_point: dict[int, list[dict[str, Any]]] = {}
+        # A steer action's entries (``"gate"`` set) are a point's only ones
+        # (front-end rule): grouped apart, their stretches gated.
+        by_point: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for item in wire:
-            by_point.setdefault(int(item["id"]), []).append(item)
+            gate = item.get("gate")
+            by_point.setdefault((int(item["id"]), -1 if gate is None else int(gate[0])), []).append(
+                item
+            )
         self.stretches: list[Stretch] = []
+        # Per stretch: the gate of the steer action that turns it on
+        # ([action, score column, threshold, above, for]), or None.
+        self.gates: list[list[float] | None] = []
         self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
         # Per stretch: (encoder column, bias, threshold, value, decoder row)
         # of its clamp, or None (a clamp is alone at its point).
@@ -70,7 +78,7 @@ class RequestSteering:
         patch_rows: list[np.ndarray] = []
         # The splice: (stretch, edits [[feature, mode, value]], keep_error).
         self.splice: tuple[Stretch, list[list[float]], bool] | None = None
-        for capture_id, items in by_point.items():
+        for (capture_id, _), items in by_point.items():
             if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
                 width = (widths or {}).get(capture_id, hidden_size)
                 keep = (columns or {}).get(capture_id, slice(None))
@@ -91,6 +99,7 @@ class RequestSteering:
                 if not active:
                     continue
                 self.stretches.append(Stretch(index_of[capture_id], lo, hi, 0))
+                self.gates.append(active[0].get("gate"))
                 if active[0]["op"] == "clamp_sae_feature":
                     column, bias, threshold, row = vectors.sae_columns(active[0]["sae_feature"])
                     zero = np.zeros_like(row)

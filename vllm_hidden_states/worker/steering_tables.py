@@ -25,6 +25,7 @@ from vllm_hidden_states.worker.capture_op import (
     count_readable_on_host,
     off_cpu_route,
 )
+from vllm_hidden_states.worker.probe_gates import RequestGates
 from vllm_hidden_states.worker.rewrite_op import SAE_ARCH_CODES, register_ops
 from vllm_hidden_states.worker.slot_pool import SlotPool
 from vllm_hidden_states.worker.steering_op import (
@@ -115,6 +116,10 @@ class Steering:
         num_slots = config.table_slots(max_num_seqs)
         self.adds = torch.zeros(num_slots, hidden_size, dtype=torch.float32, device=device)
         self.dirs = torch.zeros_like(self.adds)
+        # Steer actions (probe_gates.py): the vectors of gated slots, which
+        # ``adds`` holds only once their gate fired; each gated request's gates.
+        self.armed_adds = torch.zeros_like(self.adds)
+        self.gates: dict[str, RequestGates] = {}
         # clamp_sae_feature (an engine with an SAE): encoder columns, decoder
         # rows and (bias, threshold, value) per slot; zero where no clamp.
         self.enc = self.dec = self.par = None
@@ -313,7 +318,7 @@ class Steering:
             if params is not None and params.steering:
                 # A preempted request comes back as new: its old slots go back.
                 self._give_back(new.req_id)
-                self.requests[new.req_id] = RequestSteering(
+                request = RequestSteering(
                     params.steering,
                     self.vectors,
                     self.index_of,
@@ -322,12 +327,32 @@ class Steering:
                     self.table_width,
                     self.columns,
                 )
+                self.requests[new.req_id] = request
+                self.gates.pop(new.req_id, None)
+                gated = [k for k, gate in enumerate(request.gates) if gate is not None]
+                if gated:
+                    self.gates[new.req_id] = RequestGates(
+                        gated, [request.gates[k] for k in gated], self.device
+                    )
                 self._stretches = None
         if self.requests and scheduler_output.finished_req_ids:
             for req_id in scheduler_output.finished_req_ids:
                 if self.requests.pop(req_id, None) is not None:
+                    self.gates.pop(req_id, None)
                     self._give_back(req_id)
                     self._stretches = None
+
+    def gate(self, req_id: str, scores: torch.Tensor) -> None:
+        """After the forward: ``req_id``'s probe scores of this step (device
+        ``[rows, sum of k]``) move its steer actions' gates, and its gated
+        table rows follow them (probe_gates.py). Device ops only."""
+        gates = self.gates.get(req_id)
+        if gates is None:
+            return
+        gates.update(scores)
+        if self.table.rows_of(req_id) is None:
+            gates.slots = None  # evicted: the rows are written again on upload
+        gates.apply(self.adds, self.armed_adds)
 
     def _give_back(self, req_id: str) -> None:
         """Every table row ``req_id`` holds goes back."""
@@ -478,6 +503,15 @@ class Steering:
             slots = self.table.lend(req_id, len(request.pairs), batch)
             if slots:
                 self._upload_pairs(request, slots)
+                gates = self.gates.get(req_id)
+                if gates is not None:
+                    # The vectors wait in armed_adds; adds holds them once fired.
+                    index = torch.tensor(
+                        [slots[k] for k in gates.stretches], dtype=torch.int64, device=self.device
+                    )
+                    self.armed_adds.index_copy_(0, index, self.adds.index_select(0, index))
+                    gates.slots = index
+                    gates.apply(self.adds, self.armed_adds)
         if request.patch_stretches and self.patch_pool.rows_of(req_id) is None:
             rows = self.patch_pool.lend(req_id, len(request.patch_stretches), batch)
             index = torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -545,4 +579,5 @@ class Steering:
             if req_id in self.requests:
                 self._give_back(req_id)
                 del self.requests[req_id]
+                self.gates.pop(req_id, None)
                 self._stretches = None

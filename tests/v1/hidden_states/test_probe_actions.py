@@ -244,12 +244,12 @@ def test_streamed_deltas_carry_each_firing_once(action_llm, reference, free_run)
         ),
         (
             [{"probe": FINAL, "above": 0.5, "then": "explode"}],
-            r"one of \['stop', 'flag'\]",
+            r'must be "stop", "flag" or \{"steer"',
             "probe_actions",
         ),
         (
             [{"probe": FINAL, "above": 0.5, "then": {"steer": []}}],
-            "not supported yet",
+            "'then.steer' must be a non-empty list",
             "probe_actions",
         ),
         ([], "non-empty list of actions", "probe_actions"),
@@ -271,3 +271,247 @@ def test_actions_over_the_prompt_only_are_refused(action_llm):
             use_tqdm=False,
         )
     assert info.value.parameter == "hidden_states_positions"
+
+
+# -- "then": {"steer": [...]}: steering turned on by a probe, in the worker ------
+
+STEER_STRENGTH = 6.0
+# (probe, output, steered point): the probe's point before the steered one
+# (resid_post.1 < resid_pre.3), and after it (the final layer > resid_pre.1).
+ORDERS = [(PROBE, 1, "resid_pre.3"), (FINAL, 0, "resid_pre.1")]
+
+
+@pytest.fixture(scope="module")
+def steer_llm(qwen3_dir, probes_dir, steering_vectors_dir):
+    """Probes and steering at every steerable point (the named vector
+    :data:`~.conftest.STEERING_VECTOR`)."""
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(qwen3_dir),
+        probes=str(probes_dir),
+        enable_steering=True,
+        steering_points="all",
+        steering_vectors=str(steering_vectors_dir),
+        enforce_eager=True,
+        max_model_len=256,
+        **COMMON_ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def steer_free_run(steer_llm):
+    (out,) = steer_llm.generate([PROMPT], params(), use_tqdm=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def honesty(steering_vectors_dir):
+    from safetensors.torch import load_file
+
+    from .conftest import STEERING_VECTOR
+
+    return load_file(str(steering_vectors_dir / f"{STEERING_VECTOR}.safetensors"))["v"]
+
+
+def steer_then(point: str) -> dict:
+    from .conftest import STEERING_VECTOR
+
+    return {"steer": [{"point": point, "name": STEERING_VECTOR, "strength": STEER_STRENGTH}]}
+
+
+def hf_steered_greedy(hf, prompt_ids, point, vector, start, max_tokens):
+    """HF's greedy tokens with ``vector`` added at ``point`` at positions
+    ``start`` on (a full forward per token: positions are absolute)."""
+    import torch
+
+    item = {
+        "point": point,
+        "op": "add",
+        "vector": vector,
+        "strength": STEER_STRENGTH,
+        "start": start,
+        "end": None,
+    }
+    ids = list(prompt_ids)
+    with torch.inference_mode(), hf.steering([item]):
+        for _ in range(max_tokens):
+            logits = hf.model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids, item
+
+
+def steer_case(reference, free_run, probe, column, rank=3):
+    """The threshold of a steer action on ``probe`` and the first generated
+    position where it fires on the unsteered run (HF scores)."""
+    ids = token_ids_of(free_run)
+    n_prompt = len(free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, probe, column)
+    threshold = threshold_between(scores[n_prompt:-1], rank)
+    fired = first_crossing(scores[:-1], threshold, n_prompt)
+    assert fired is not None and fired < len(ids) - 3  # room to steer after it
+    return threshold, fired
+
+
+@pytest.mark.four_modes
+@pytest.mark.parametrize("probe, column, point", ORDERS, ids=["probe-before", "probe-after"])
+def test_steer_turns_the_vector_on_from_the_position_after_the_firing_one(
+    steer_llm, reference, hf_qwen3, steer_free_run, honesty, probe, column, point
+):
+    n_prompt = len(steer_free_run.prompt_token_ids)
+    threshold, fired = steer_case(reference, steer_free_run, probe, column)
+    want, item = hf_steered_greedy(
+        hf_qwen3, steer_free_run.prompt_token_ids, point, honesty, fired + 1, MAX_TOKENS
+    )
+    assert want != token_ids_of(steer_free_run)  # the steering shows in the tokens
+    actions = [{"probe": probe, "output": column, "above": threshold, "then": steer_then(point)}]
+    (out,) = steer_llm.generate([PROMPT], params(actions, probes=[FINAL, PROBE]), use_tqdm=False)
+    completion = out.outputs[0]
+    assert token_ids_of(out) == want
+    assert completion.finish_reason == "length"
+    (firing,) = completion.op_results.firings
+    assert (firing.label, firing.position, firing.then) == (probe, fired, "steer")
+    # The states the engine scored are HF's with the vector from fired + 1 on.
+    states = hf_qwen3.steered_states(want, [item])
+    points = hf_qwen3.steered_points(want, [item])
+    for name in (FINAL, PROBE):
+        p = reference.probes[name]
+        rows = states[int(p.point)] if p.point.lstrip("-").isdigit() else points[p.point]
+        expect = score_numpy(rows.double().numpy(), p)[n_prompt:]
+        got = completion.probe_scores[name].numpy()
+        scale = max(np.abs(expect).max(), 1e-3)
+        np.testing.assert_allclose(got, expect, atol=1e-4 * scale, rtol=0, err_msg=name)
+
+
+def test_steer_that_never_fires_leaves_the_output_unsteered(steer_llm, reference, steer_free_run):
+    ids = token_ids_of(steer_free_run)
+    top = float(ref_scores(reference, ids, FINAL).max())
+    actions = [{"probe": FINAL, "above": top + 1.0, "then": steer_then("resid_pre.1")}]
+    (out,) = steer_llm.generate([PROMPT], params(actions), use_tqdm=False)
+    assert token_ids_of(out) == ids
+    assert out.outputs[0].op_results is None
+
+
+def test_steer_stop_and_plain_requests_share_a_batch_each_exact(
+    steer_llm, reference, hf_qwen3, steer_free_run, honesty
+):
+    ids = token_ids_of(steer_free_run)
+    n_prompt = len(steer_free_run.prompt_token_ids)
+    threshold, fired = steer_case(reference, steer_free_run, FINAL, 0)
+    want, _ = hf_steered_greedy(
+        hf_qwen3, steer_free_run.prompt_token_ids, "resid_pre.1", honesty, fired + 1, MAX_TOKENS
+    )
+    scores = ref_scores(reference, ids, PROBE, 1)
+    stop_threshold = threshold_between(scores[n_prompt:-1], 3)
+    stop_at = first_crossing(scores[:-1], stop_threshold, n_prompt)
+    steer = [{"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")}]
+    stop = [{"probe": PROBE, "output": 1, "above": stop_threshold, "then": "stop"}]
+    asks = [params(steer), params(stop), params(), params(steer)]
+    outs = steer_llm.generate([PROMPT] * 4, asks, use_tqdm=False)
+    assert token_ids_of(outs[0]) == want and token_ids_of(outs[3]) == want
+    assert [f.position for f in outs[0].outputs[0].op_results.firings] == [fired]
+    assert list(outs[1].outputs[0].token_ids) == ids[n_prompt : stop_at + 1]
+    assert token_ids_of(outs[2]) == ids
+
+
+def test_steer_on_an_engine_without_steering_is_refused_naming_the_flag(action_llm):
+    actions = [{"probe": FINAL, "above": 0.5, "then": steer_then("resid_pre.1")}]
+    with pytest.raises(VLLMValidationError, match=r"probe_actions\[0\]: .*needs steering") as e:
+        action_llm.generate([PROMPT], params(actions, max_tokens=2), use_tqdm=False)
+    assert e.value.parameter == "probe_actions"
+
+
+@pytest.mark.parametrize(
+    "then, says",
+    [
+        (
+            {"steer": [{"point": "resid_pre.9", "vector": [1.0]}]},
+            r"probe_actions\[0\]: then.steer\[0\].point: .resid_pre.9.: layer 9 is out of range",
+        ),
+        (
+            {"steer": [{"point": "resid_pre.1", "name": "honesty", "positions": "all"}]},
+            "'positions' is not allowed in a steer action",
+        ),
+        (
+            {"steer": [{"point": "resid_pre.1", "op": "ablate", "name": "honesty"}]},
+            r"cannot be turned on by a probe action; allowed: \['add'\]",
+        ),
+    ],
+    ids=["unknown-point", "positions", "ablate"],
+)
+def test_a_bad_steer_action_fails_alone_naming_what_is_allowed(steer_llm, then, says):
+    actions = [{"probe": FINAL, "above": 0.5, "then": then}]
+    with pytest.raises(VLLMValidationError, match=says) as e:
+        steer_llm.generate([PROMPT], params(actions, max_tokens=2), use_tqdm=False)
+    assert e.value.parameter == "probe_actions"
+    (out,) = steer_llm.generate([PROMPT], params(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_a_point_steered_by_the_request_and_its_steer_action_is_refused(steer_llm):
+    actions = [{"probe": FINAL, "above": 0.5, "then": steer_then("resid_pre.1")}]
+    ask = params(actions, max_tokens=2)
+    ask.steering = [{"point": "resid_pre.1", "name": "honesty"}]
+    with pytest.raises(VLLMValidationError, match="steers that point too") as e:
+        steer_llm.generate([PROMPT], ask, use_tqdm=False)
+    assert e.value.parameter == "probe_actions"
+
+
+def test_a_steer_firing_in_the_prompt_steers_from_the_first_generated_position(
+    steer_llm, reference, hf_qwen3, steer_free_run, honesty
+):
+    ids = token_ids_of(steer_free_run)
+    n_prompt = len(steer_free_run.prompt_token_ids)
+    scores = ref_scores(reference, ids, FINAL)
+    threshold = threshold_between(scores[:n_prompt], 0)
+    fired = first_crossing(scores, threshold, 0)
+    assert fired < n_prompt - 1  # prompt positions after it stay unsteered
+    want, _ = hf_steered_greedy(
+        hf_qwen3, steer_free_run.prompt_token_ids, "resid_pre.1", honesty, n_prompt, MAX_TOKENS
+    )
+    actions = [{"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")}]
+    (out,) = steer_llm.generate(
+        [PROMPT], params(actions, hidden_states_positions="all"), use_tqdm=False
+    )
+    assert token_ids_of(out) == want
+    assert [f.position for f in out.outputs[0].op_results.firings] == [fired]
+
+
+def test_a_stop_after_a_steer_returns_the_steered_states_and_tokens(
+    steer_llm, reference, hf_qwen3, steer_free_run, honesty
+):
+    n_prompt = len(steer_free_run.prompt_token_ids)
+    threshold, fired = steer_case(reference, steer_free_run, FINAL, 0)
+    want, item = hf_steered_greedy(
+        hf_qwen3, steer_free_run.prompt_token_ids, "resid_pre.1", honesty, fired + 1, MAX_TOKENS
+    )
+    # The stop reads the steered stream (resid_post.1 is after resid_pre.1).
+    stop_probe = reference.probes[PROBE]
+    steered_rows = hf_qwen3.steered_points(want, [item])[stop_probe.point].double().numpy()
+    stop_scores = score_numpy(steered_rows, stop_probe)[:, 1]
+    # A threshold no position up to fired + 1 crosses and a later one does.
+    early, late = stop_scores[n_prompt : fired + 2], stop_scores[fired + 2 : -1]
+    above = late.max() - early.max() > early.min() - late.min()
+    stop_threshold = float(
+        (early.max() + late.max()) / 2 if above else (early.min() + late.min()) / 2
+    )
+    stop_at = first_crossing(stop_scores[:-1], stop_threshold, n_prompt, above=above)
+    assert stop_at is not None and fired + 1 < stop_at < len(want) - 1
+    side = "above" if above else "below"
+    actions = [
+        {"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")},
+        {"probe": PROBE, "output": 1, side: stop_threshold, "then": "stop"},
+    ]
+    (out,) = steer_llm.generate([PROMPT], params(actions, probes=[FINAL, PROBE]), use_tqdm=False)
+    completion = out.outputs[0]
+    assert token_ids_of(out) == want[: stop_at + 1]
+    assert [(f.position, f.then) for f in completion.op_results.firings] == [
+        (fired, "steer"),
+        (stop_at, "stop"),
+    ]
+    states = hf_qwen3.steered_states(want[: stop_at + 1], [item])
+    expect = score_numpy(states[-1].double().numpy(), reference.probes[FINAL])[n_prompt:]
+    got = completion.probe_scores[FINAL].numpy()
+    np.testing.assert_allclose(got, expect, atol=1e-4 * max(np.abs(expect).max(), 1e-3), rtol=0)

@@ -311,7 +311,10 @@ def test_a_streamed_chat_ends_with_the_stop_and_its_firing_on_the_final_chunk(oa
     [
         ([{"probe": "nope", "above": 0.5}], "probe 'nope' is not loaded"),
         ([{"probe": "final", "above": "high"}], "'above' must be a number"),
-        ([{"probe": "final", "above": 0.5, "then": {"steer": []}}], "not supported yet"),
+        (
+            [{"probe": "final", "above": 0.5, "then": {"steer": []}}],
+            "'then.steer' must be a non-empty list",
+        ),
         ("final", "non-empty list of actions"),
     ],
 )

@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Steer actions decided in the worker, on the device, in the step that
+scored their probe.
+
+A request's ``probe_actions`` entry with ``"then": {"steer": [...]}`` reaches
+the worker as gated entries of its ``steering`` (``"gate"``: [action index,
+score column, threshold, above, for]): their stretches hold table slots like
+any other, uploaded with a zero vector, the vector itself kept in
+``armed_adds``. After the forward, once the step's probe scores are on the
+device, :meth:`RequestGates.update` carries each gate's run of consecutive
+rows where the condition held and its ``fired`` flag (device tensors), and
+:meth:`RequestGates.apply` writes ``adds[slot] = fired ? armed : 0`` into the
+table. The next forward, stream-ordered after, adds the vector: no host sync,
+so the decision is the same step's whatever the engine process learns later
+(async scheduling). The engine process decides the same from the same
+float32 scores and reports the firing (``engine/probe_actions.py``).
+"""
+
+import torch
+
+
+class RequestGates:
+    """The gated stretches of one request: each one's gate and device state
+    (kept while the request lives, whatever its table slots)."""
+
+    def __init__(self, stretches: list[int], gates: list[list[float]], device: torch.device):
+        """``stretches``: the gated stretches' indices in the request's
+        stretches; ``gates``: their gates, same order."""
+        self.stretches = stretches
+        self.columns = torch.tensor([int(g[1]) for g in gates], dtype=torch.int64, device=device)
+        self.thresholds = torch.tensor(
+            [float(g[2]) for g in gates], dtype=torch.float32, device=device
+        )
+        self.above = torch.tensor([bool(g[3]) for g in gates], dtype=torch.bool, device=device)
+        self.need = torch.tensor([int(g[4]) for g in gates], dtype=torch.int64, device=device)
+        self.runs = torch.zeros(len(gates), dtype=torch.int64, device=device)
+        self.fired = torch.zeros(len(gates), dtype=torch.bool, device=device)
+        self.slots: torch.Tensor | None = None  # the stretches' table slots, once lent
+
+    def update(self, scores: torch.Tensor) -> None:
+        """Read this step's scores of the request (float32 ``[rows, sum of
+        k]`` on the device, in position order): runs and fired flags carry
+        on over them. Device ops only."""
+        rows = scores.shape[0]
+        if rows == 0:
+            return
+        values = scores.index_select(1, self.columns)  # [rows, gates]
+        held = torch.where(self.above, values > self.thresholds, values < self.thresholds)
+        at = torch.arange(rows, device=scores.device).unsqueeze(1)
+        # The last row (so far) where the condition broke, -1 where none did.
+        broke = torch.cummax(torch.where(held, -1, at), dim=0).values
+        run = torch.where(broke >= 0, at - broke, self.runs + at + 1)
+        self.fired = self.fired | (run >= self.need).any(dim=0)
+        self.runs = run[-1]
+
+    def apply(self, adds: torch.Tensor, armed_adds: torch.Tensor) -> None:
+        """The gated slots' rows of ``adds``: their vector where fired, zero
+        before."""
+        if self.slots is None:
+            return
+        rows = armed_adds.index_select(0, self.slots)
+        adds.index_copy_(0, self.slots, torch.where(self.fired.unsqueeze(1), rows, 0.0))
