@@ -329,10 +329,10 @@ class Steering:
                 )
                 self.requests[new.req_id] = request
                 self.gates.pop(new.req_id, None)
-                gated = [k for k, gate in enumerate(request.gates) if gate is not None]
+                gated = [(k, gate) for k, gate in enumerate(request.gates) if gate is not None]
                 if gated:
                     self.gates[new.req_id] = RequestGates(
-                        gated, [request.gates[k] for k in gated], self.device
+                        [k for k, _ in gated], [gate for _, gate in gated], self.device
                     )
                 self._stretches = None
         if self.requests and scheduler_output.finished_req_ids:
