@@ -35,7 +35,10 @@ Attribution, from the profile's call edges:
   steps) saw only inside the model forward are left out and reported apart
   ("in forward"): on a GPU they are in the captured graph or device work. An
   entry the pass saw only inside another package entry is left out too (it is
-  in its caller's time already).
+  in its caller's time already). On the compiled model the pass finds no
+  package function inside the forward (the capture and probe taps are ops in
+  the compiled graph), so "in forward" reads 0; the eager engines of
+  ``--tiny`` show the capture points' Python there.
 * model forward = the cumulative time of the runner's ``_model_forward``
   (``GPUModelRunner._model_forward``, which the CPU runner inherits): device
   time on a GPU.
@@ -51,8 +54,13 @@ Clock: CPU time of this thread (``time.thread_time``, the profiler's timer
 too). In process, with vLLM's CPU worker on one OpenMP thread (its ``auto``
 binding on a 2-core box), the engine core, the runner, the forward and the
 front-end all run on the calling thread, so its CPU time is the step's host
-work, and the other load of a shared machine (preemption) stays out of it;
-a wall clock there measured steps ~50 x longer than on a quiet box.
+work, and the other load of a shared machine (preemption) stays out of it:
+at a load average of 10-40 on the 2-core box a wall clock measured
+decode steps of ~0.5 s at batch 16, ~50 x a quiet box's. What load still
+does to CPU time (caches, memory bandwidth, a shared core) shows most in
+the forward and in vLLM's tensor work, less in the overlay's Python: its µs
+repeat within a few percent from round to round where vLLM's host µs move by
+up to 2 x, so read the shares of a loaded run as indicative.
 
 Profiler inflation: ``cProfile`` adds a roughly fixed cost to every Python
 call it sees, so the profiled step is longer than an unprofiled one (the
@@ -456,8 +464,9 @@ def plot(results: list[HostTime], path: Path) -> Path:
         ax.bar(x, host, color="#4c72b0", label="vLLM host")
         ax.bar(x, overlay, bottom=host, color="#dd8452", label="overlay")
         for i, (h, o) in enumerate(zip(host, overlay)):
-            if o > 0:
-                ax.text(i, h + o, f"{100 * o / h:.1f}%", ha="center", va="bottom", fontsize=7)
+            if o > 0:  # the median of the per-round shares, as in the table
+                share = 100 * result.value(names[i], "share")
+                ax.text(i, h + o, f"{share:.1f}%", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), [n.replace("overlay, ", "") for n in names], rotation=35, ha="right")
         ax.tick_params(axis="x", labelsize=7)
         ax.set_title(f"batch {result.batch}")
