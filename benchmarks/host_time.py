@@ -154,9 +154,10 @@ def code_key(code) -> Key:
 
 def classify_entries(step) -> dict[tuple[Key, Key], set[str]]:
     """Run ``step()`` under a stack-aware ``sys.setprofile`` hook: for each
-    call edge into the package from outside it, where it was seen: "forward"
-    (the runner's ``_model_forward`` on the stack), "nested" (another package
-    entry on the stack) or "top". Slow (a Python callback per call): a few
+    call edge into a package function, where it was seen: "forward" (the
+    runner's ``_model_forward`` on the stack); else, for an entry from
+    outside the package, "nested" (another package entry on the stack) or
+    "top", and for a call inside the package, "inside". Slow (a Python callback per call): a few
     steps only."""
     seen: dict[tuple[Key, Key], set[str]] = {}
     stack: list[tuple[bool, bool]] = []  # (in forward, in a package entry) per Python frame
@@ -168,10 +169,12 @@ def classify_entries(step) -> dict[tuple[Key, Key], set[str]]:
             outer_forward, outer_package = stack[-1] if stack else (False, False)
             if in_package(key) and caller is not None:
                 caller_key = code_key(caller.f_code)
-                if not in_package(caller_key):
+                if in_package(caller_key):  # a call inside the package: only where
+                    where = "forward" if outer_forward else "inside"
+                else:
                     where = "forward" if outer_forward else "nested" if outer_package else "top"
-                    seen.setdefault((caller_key, key), set()).add(where)
                     outer_package = True
+                seen.setdefault((caller_key, key), set()).add(where)
             stack.append((outer_forward or is_forward(key), outer_package))
         elif event == "return" and stack:
             stack.pop()
@@ -214,8 +217,9 @@ def attribute(stats: dict, excluded: set[tuple[Key, Key]], in_forward: set[tuple
             continue
         for caller, (_, nc, tt, ct) in callers.items():
             edge = (caller, key)
-            if edge in in_forward:
-                in_forward_s += ct
+            if edge in in_forward:  # not the overlay's host time, nor in its table
+                if not in_package(caller):
+                    in_forward_s += ct
                 continue
             row = functions.setdefault(short(key), [0.0, 0.0, 0])
             row[0] += ct

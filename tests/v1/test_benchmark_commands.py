@@ -188,7 +188,7 @@ def test_probes_runs_its_variants_and_writes_its_record(make_bench):
 
 
 def test_host_time_profiles_each_variant_and_writes_its_record(tmp_path):
-    """``python -m benchmarks.host_time`` (its own process: ~3 minutes at
+    """``python -m benchmarks.host_time`` (its own process: ~2 minutes at
     its tiny size on the loaded 2-core box, too long for ``make bench``'s
     shared run above): each batch's record has every variant, a decode
     phase's steps, the plain engine adding nothing of the overlay's, the
