@@ -18,7 +18,9 @@ scale_out (DP=2 vs DP=1 with "last" on every request, beside plain vLLM's own
 DP=2 vs DP=1), capture_op (the capture op alone on a layer stack, 0/1/64/1024
 rows, with and without the host copy: the GPU micro-benchmark, a smoke test on
 CPU), small_model (a 5 x 256 Llama where the per-step host work shows: nobody
-asks, "last", "all" vs plain vLLM), small_model_modes (the same in each of
+asks, "last", "all" vs plain vLLM), host_time (the overlay's host time per
+decode step, profiled, in µs and as a share of vLLM's own host time per step,
+at batch 1, 16 and 64 on the same Llama), small_model_modes (the same in each of
 vLLM's engine modes, V1/V2 x sync/async, against plain vLLM in that mode),
 points (every capture point capturable: nobody asks, "last" at one point of
 each kind, an attention pattern, on the 5 x 256 Llama), points_wide (the
@@ -46,6 +48,7 @@ SECTIONS = (
     "payload",
     "capture_op",
     "small_model",
+    "host_time",
     "small_model_modes",
     "points",
     "points_wide",
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--tiny",
         action="store_true",
         help="a smoke test's size, in the sections that have one (capture_op, small_model, "
-        "small_model_modes, harvest, scale_out); its figures mean nothing",
+        "small_model_modes, host_time, harvest, scale_out); its figures mean nothing",
     )
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--model", type=Path, default=None)
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "offline": "benchmarks.offline",
                         "server": "benchmarks.server_throughput",
                         "small_model": "benchmarks.small_model",
+                        "host_time": "benchmarks.host_time",
                         "small_model_modes": "benchmarks.small_model_modes",
                         "points": "benchmarks.points",
                         "points_wide": "benchmarks.points_wide",

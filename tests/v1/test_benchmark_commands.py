@@ -185,3 +185,22 @@ def test_probes_runs_its_variants_and_writes_its_record(make_bench):
     comparison(payload, {"hidden_states", "probe_scores"})
     sizes = {name: figure["median"] for name, figure in payload["variants"].items()}
     assert sizes["probe_scores"] == 4.0  # k = 1 float32 per position
+
+
+def test_host_time_profiles_each_variant_and_writes_its_record(tmp_path):
+    """``python -m benchmarks.host_time`` (its own process: ~2 minutes at
+    its tiny size on the loaded 2-core box, too long for ``make bench``'s
+    shared run above): each batch's record has every variant, a decode
+    phase's steps, the plain engine adding nothing of the overlay's, the
+    askers' overlay time and its top functions, and the stacked-bar plot."""
+    bench(tmp_path, "benchmarks.host_time", "--tiny", "--rounds", "1")
+    records = json.loads((tmp_path / "host_time.json").read_text())["host_time"]
+    assert [r["batch"] for r in records] == [1, 4]
+    assert (tmp_path / "host_time.png").stat().st_size > 0
+    for record in records:
+        variants = record["variants"]
+        assert len(variants) == 5 and variants["plain vLLM"]["median"] == 0.0, record["name"]
+        for name, figure in variants.items():
+            assert figure["steps"] >= 3 and figure["vllm_host_us"] > 0, (record["name"], name)
+        for name in ('overlay, "generated" layer -1', "overlay, probe every token"):
+            assert variants[name]["median"] > 0 and variants[name]["top_functions"], name
