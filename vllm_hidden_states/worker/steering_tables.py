@@ -20,18 +20,15 @@ from vllm_hidden_states.steering_config import (
     MAX_SAE_EDITS,
     SteeringConfig,
 )
-from vllm_hidden_states.worker import c_ops
 from vllm_hidden_states.worker.capture_op import (
     count_readable_on_host,
-    off_cpu_route,
 )
 from vllm_hidden_states.worker.probe_gates import RequestGates
-from vllm_hidden_states.worker.rewrite_op import SAE_ARCH_CODES, register_ops
 from vllm_hidden_states.worker.slot_pool import SlotPool
+from vllm_hidden_states.worker.steering_hooks import install_hooks, splices
 from vllm_hidden_states.worker.steering_op import (
     SteerTap,
     register_op,
-    steer_hook,
     steer_tap,
 )
 from vllm_hidden_states.worker.steering_requests import (
@@ -135,7 +132,7 @@ class Steering:
         self.hidden_size = hidden_size
         # Rewrites (patch, sae_splice): their own entries per point, the
         # splice's at index num_points; counts int64 [num_points + 1].
-        self.rewrites = config.max_patch_rows > 0 or self._splices(config, sae)
+        self.rewrites = config.max_patch_rows > 0 or splices(config, sae)
         self.splice_index = num_points
         self.rw_rows = torch.zeros(num_points + 1, max_tokens, dtype=torch.int64, device=device)
         self.rw_slots = torch.zeros_like(self.rw_rows)
@@ -161,7 +158,7 @@ class Steering:
             self.patch_token_slots = torch.zeros(num_points + 1, max_tokens, dtype=torch.int64)
             self._patch_token_slots_np = self.patch_token_slots.numpy()
         # The splice's edit tables, a slot per resident splicing request.
-        splice_slots = max_num_seqs + 1 if self._splices(config, sae) else 1
+        splice_slots = max_num_seqs + 1 if splices(config, sae) else 1
         self.edit_ids = torch.full(
             (splice_slots, MAX_SAE_EDITS),
             sae.d_sae if sae is not None else 0,
@@ -180,80 +177,7 @@ class Steering:
         # rebuilt when a request comes, goes or gets slots.
         self._stretches: tuple | None = None
         self.armed = False
-        hooks: dict[tuple[int, str], list[tuple[SteerTap, int]]] = {}
-        modules: dict[int, nn.Module] = {}
-        if self.rewrites:
-            register_ops()
-        for k, tap in taps.items():
-            module = tap.module
-            if self.rewrites and not hasattr(module, "_hs_rw_rows"):
-                module.register_buffer("_hs_rw_rows", self.rw_rows, persistent=False)
-                module.register_buffer("_hs_rw_slots", self.rw_slots, persistent=False)
-                module.register_buffer("_hs_rw_counts", self.rw_counts, persistent=False)
-                module.register_buffer("_hs_patch_table", self.patch_table, persistent=False)
-                if self.patch_token_slots is not None:
-                    module.register_buffer(
-                        "_hs_patch_token_slots", self.patch_token_slots, persistent=False
-                    )
-            if self._splices(config, sae) and k == config.sae_id:
-                self._splice_buffers(module, sae)
-            if not hasattr(module, "_hs_steer_rows"):
-                module.register_buffer("_hs_steer_rows", self.rows, persistent=False)
-                module.register_buffer("_hs_steer_slots", self.slots, persistent=False)
-                module.register_buffer("_hs_steer_counts", self.counts, persistent=False)
-                module.register_buffer("_hs_steer_adds", self.adds, persistent=False)
-                module.register_buffer("_hs_steer_dirs", self.dirs, persistent=False)
-                if self.token_slots is not None:
-                    module.register_buffer(
-                        "_hs_steer_token_slots", self.token_slots, persistent=False
-                    )
-                if self.enc is not None:
-                    module.register_buffer("_hs_steer_enc", self.enc, persistent=False)
-                    module.register_buffer("_hs_steer_dec", self.dec, persistent=False)
-                    module.register_buffer("_hs_steer_par", self.par, persistent=False)
-            hooks.setdefault((id(module), tap.when), []).append((tap, self.index_of[k]))
-            modules[id(module)] = module
-        for (module_id, when), entries in hooks.items():
-            entries.sort(key=lambda e: e[0].order)
-            host_counts = self.counts.numpy() if count_readable_on_host(device) else None
-            rw_host_counts = (
-                self.rw_counts.numpy() if self.rewrites and count_readable_on_host(device) else None
-            )
-            sae_index = (
-                self.index_of.get(config.sae_id)
-                if config.sae_id is not None and self._splices(config, sae)
-                else None
-            )
-            hook = steer_hook(
-                [(t.pair, i, t.scale, t.heads) for t, i in entries],
-                when == "post",
-                host_counts,
-                rewrites=self.rewrites,
-                rw_host_counts=rw_host_counts,
-                splice=(sae_index, self.splice_index) if sae_index is not None else None,
-            )
-            module = modules[module_id]
-            # prepend: steer before any capture hook at the same module.
-            if when == "pre":
-                module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-            else:
-                module.register_forward_hook(hook, with_kwargs=True, prepend=True)
-        if count_readable_on_host(device):
-            route = "eager: " + (
-                "vllm_hidden_states._C (C++)"
-                if c_ops.load()
-                else f"the op's Python body ({c_ops.why_not()})"
-            )
-        else:
-            route = "vllm_hidden_states._C CUDA" if off_cpu_route() == "c" else "Triton"
-        logger.info(
-            "vllm-hidden-states: %d steerable points (%s), %d vector slots of %d; writes: %s",
-            len(taps),
-            config.describe_points(),
-            num_slots,
-            hidden_size,
-            route,
-        )
+        install_hooks(self, taps, sae)
 
     @staticmethod
     def _z_width(config: SteeringConfig, capture_id: int, module: nn.Module) -> int:
@@ -281,32 +205,6 @@ class Steering:
         assert point is not None
         what = f"attn_z.{point[1]}"
         return is_share(linear_local_width(module), linear_full_width(module), what)
-
-    @staticmethod
-    def _splices(config: SteeringConfig, sae: Any) -> bool:
-        """Whether requests may splice the engine's SAE here."""
-        return (
-            sae is not None and config.sae_splice_problem is None and (config.sae_id in config.ids)
-        )
-
-    def _splice_buffers(self, module: nn.Module, sae: Any) -> None:
-        """The SAE's weights and the edit tables, where the splice op reads
-        them (its point's module)."""
-        module.register_buffer("_hs_sae_w_enc", sae.W_enc, persistent=False)
-        module.register_buffer("_hs_sae_b_enc", sae.b_enc, persistent=False)
-        module.register_buffer("_hs_sae_w_dec", sae.W_dec, persistent=False)
-        module.register_buffer("_hs_sae_b_dec", sae.b_dec, persistent=False)
-        if sae.threshold is not None:
-            module.register_buffer("_hs_sae_threshold", sae.threshold, persistent=False)
-        module.register_buffer("_hs_edit_ids", self.edit_ids, persistent=False)
-        module.register_buffer("_hs_edit_mode", self.edit_mode, persistent=False)
-        module.register_buffer("_hs_edit_vals", self.edit_vals, persistent=False)
-        module.register_buffer("_hs_keep", self.keep, persistent=False)
-        module._hs_sae_arch = (
-            SAE_ARCH_CODES[sae.architecture],
-            int(sae.k or 0),
-            bool(sae.apply_b_dec_to_input),
-        )
 
     # -- per step --------------------------------------------------------------
 
