@@ -31,7 +31,7 @@ from vllm_hidden_states.worker.capture_setup import (
     place_points,
 )
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
-from vllm_hidden_states.worker.patterns import PatternHistory, attention_pattern
+from vllm_hidden_states.worker.patterns import PatternHistory
 from vllm_hidden_states.worker.stage_carry import StageCarry
 from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
 from vllm_hidden_states.worker.tp_shards import gather_columns, sharded_ids, tp_rank_and_size
@@ -450,17 +450,7 @@ class HiddenStatesCapture:
         n = step.num_tokens
         lo = step.query_start
         hi = n if step.query_stop is None else min(step.query_stop, n)
-        patterns = torch.stack(
-            [
-                attention_pattern(
-                    history.queries[k][lo:hi],
-                    history.keys[k],
-                    self.points.pattern_modules[k],
-                    lo,
-                )
-                for k in step.patterns
-            ]
-        )
+        patterns = history.weights(step.patterns, self.points.pattern_modules, lo, hi)
         host = self.copies.empty(tuple(patterns.shape), patterns.dtype)
         self.copies.copy(host, patterns)
         self._ready_patterns[armed.req_id] = (host, lo, hi)  # positions

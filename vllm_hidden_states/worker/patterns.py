@@ -11,6 +11,7 @@ soft-capping, causal and sliding-window masks, attention sinks). Only the query 
 leave the device: ``[heads, queries, keys]`` float32.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,16 @@ class PatternHistory:
             self.keys[capture_id] = k.new_empty((self.num_tokens, k.shape[-1]))
         self.queries[capture_id][first : first + q.shape[0]].copy_(q)
         self.keys[capture_id][first : first + k.shape[0]].copy_(k)
+
+    def weights(
+        self, ids: Sequence[int], modules: dict[int, nn.Module], lo: int, hi: int
+    ) -> torch.Tensor:
+        """The patterns of query positions ``lo .. hi - 1`` at each of
+        ``ids`` (their ``Attention`` modules in ``modules``): float32
+        ``[len(ids), heads, hi - lo, num_tokens]``."""
+        return torch.stack(
+            [attention_pattern(self.queries[k][lo:hi], self.keys[k], modules[k], lo) for k in ids]
+        )
 
 
 def attention_pattern(
