@@ -143,12 +143,17 @@ def test_streamed_chat_carries_the_scores_of_each_generated_token(oai, reference
     for chunk in stream:
         prompt = prompt or chunk.model_extra.get("prompt_token_ids")
         for choice in chunk.choices:
-            tokens += getattr(choice, "token_ids", None) or []
+            new_tokens = getattr(choice, "token_ids", None) or []
+            tokens += new_tokens
             obj = (choice.model_extra or {}).get("probe_scores")
             if obj:
                 parts.append(scores_of(obj))
-    assert len(parts) >= 5  # one chunk per generated token, the last with the final one
-    assert all(p["final"].shape[0] <= 2 for p in parts)
+                # A chunk carries the rows its own tokens' steps computed,
+                # the last one the final position's too. How many tokens a
+                # chunk holds is the server's pace (vLLM merges the deltas a
+                # slow reader has not taken yet), so only this bound holds.
+                assert parts[-1]["final"].shape[0] <= len(new_tokens) + 1
+    assert parts, "no chunk carried probe_scores"
     joined = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     ids = list(prompt) + tokens
     reference.check(joined, ids, slice(len(prompt), None), "streamed generated")
