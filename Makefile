@@ -66,11 +66,11 @@ DURATIONS ?= 30
 # again in each (tests/support/modes).
 OTHER_MODES ?= v1-async v2-sync v2-async
 test: unit
-	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --durations=$(DURATIONS) tests/v1 tests/install tests/gpu
+	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) tests/v1 tests/install tests/gpu
 	for mode in $(OTHER_MODES); do \
 	  echo "== the four-mode core in $$mode"; \
 	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$(CURDIR)/tests/support/modes \
-	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
+	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m four_modes tests/v1 || exit 1; \
 	done
 
 # The GPU tier and the paired CUDA benchmark in one budgeted run, on a machine
@@ -116,9 +116,9 @@ OVERLAY_MODES ?=
 test-overlay: setup
 	dir=$$($(PY) -m tests.support.cpu_overlay $(OVERLAY_VERSION)) || exit 1; \
 	PYTHONPATH=$$dir \
-	  $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
+	  $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m four_modes tests/v1 || exit 1; \
 	for mode in $(OVERLAY_MODES); do \
 	  echo "== the four-mode core on vLLM $(OVERLAY_VERSION) in $$mode"; \
 	  VLLM_HS_TEST_MODE=$$mode PYTHONPATH=$$dir:$(CURDIR)/tests/support/modes \
-	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m four_modes tests/v1 || exit 1; \
+	    $(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m four_modes tests/v1 || exit 1; \
 	done
