@@ -127,21 +127,27 @@ def test_tensor_parallel_2_returns_sharded_points_in_head_order(llm_tp2, hf_qwen
     """attn_z / q ([positions, heads, head_dim]) and mlp_post ([positions,
     intermediate_size]) at every layer, each rank's heads or neurons
     gathered in order, equal HF hooks on one unsharded model."""
-    points = [f"{kind}.{i}" for i in range(hf_qwen3.num_layers)]
+    assert_every_layer_of_kind_is_hf(llm_tp2, hf_qwen3, kind, 6, "TP=2")
+
+
+def assert_every_layer_of_kind_is_hf(llm, hf, kind: str, max_tokens: int, what: str) -> None:
+    """``kind`` at every layer, every position of prompt and output, equal
+    HF hooks (shapes and values)."""
+    points = [f"{kind}.{i}" for i in range(hf.num_layers)]
     params_ = SamplingParams(
-        max_tokens=6,
+        max_tokens=max_tokens,
         temperature=0.0,
         return_hidden_states=True,
         hidden_states_points=points,
         hidden_states_positions="all",
     )
-    (out,) = llm_tp2.generate([PROMPT], params_, use_tqdm=False)
+    (out,) = llm.generate([PROMPT], params_, use_tqdm=False)
     states = out.outputs[0].hidden_states
     assert list(states) == points
-    ref = hf_qwen3.points(token_ids_of(out))
+    ref = hf.points(token_ids_of(out))
     for address, tensor in states.items():
         assert tensor.shape == ref[address].shape, address
-        assert_close(tensor, ref[address], f"TP=2 {address}")
+        assert_close(tensor, ref[address], f"{what} {address}")
 
 
 def _donor_points(llm, hf) -> dict:
@@ -241,21 +247,7 @@ def test_tensor_parallel_2_returns_grouped_query_heads_in_head_order(
     from .conftest import HFReference
 
     hf = HFReference(small_llama_dir)
-    points = [f"{kind}.{i}" for i in range(hf.num_layers)]
-    params_ = SamplingParams(
-        max_tokens=4,
-        temperature=0.0,
-        return_hidden_states=True,
-        hidden_states_points=points,
-        hidden_states_positions="all",
-    )
-    (out,) = llm_tp2_gqa.generate([PROMPT], params_, use_tqdm=False)
-    states = out.outputs[0].hidden_states
-    assert list(states) == points
-    ref = hf.points(token_ids_of(out))
-    for address, tensor in states.items():
-        assert tensor.shape == ref[address].shape, address
-        assert_close(tensor, ref[address], f"TP=2 GQA {address}")
+    assert_every_layer_of_kind_is_hf(llm_tp2_gqa, hf, kind, 4, "TP=2 GQA")
 
 
 def test_keys_and_values_of_distinct_kv_heads_are_accepted_at_start_with_tp(small_llama_dir):
