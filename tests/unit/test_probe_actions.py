@@ -267,3 +267,65 @@ def test_monitors_need_probes_on_the_server(tmp_path):
 
     with pytest.raises(ValueError, match="start the server with --probes DIR too"):
         load_monitors(SimpleNamespace(monitors=str(tmp_path / "m.json"), probes=None))
+
+
+def watch_of(**actions_of: list[ProbeAction]):
+    """An :class:`ActionWatch` with one request per keyword (its id), each
+    scoring one probe ``h`` (k=1) from position 10."""
+    from types import SimpleNamespace
+
+    from vllm_hidden_states.contract import HiddenStatesSpec
+    from vllm_hidden_states.engine.probe_actions import ActionWatch
+
+    watch = ActionWatch()
+    for req_id, actions in actions_of.items():
+        spec = HiddenStatesSpec(
+            layers=[],
+            abs_layers=[],
+            start=10,
+            probes=["h"],
+            probe_widths=[1],
+            probe_actions=actions,
+        )
+        watch.add(SimpleNamespace(request_id=req_id, hidden_states_spec=spec))
+    return watch
+
+
+def group(req_ids: list[str], rows: list[list[float]]):
+    import torch
+
+    from vllm_hidden_states.contract import CapturedRows
+
+    return CapturedRows(
+        req_ids=req_ids,
+        counts=[len(rows) // len(req_ids)] * len(req_ids),
+        probe_scores=torch.tensor(rows, dtype=torch.float32),
+    )
+
+
+def test_a_step_where_no_condition_holds_moves_every_request_on_and_ends_its_runs():
+    slow = ProbeAction(label="slow", probe="h", threshold=0.0, above=False, consecutive=3)
+    watch = watch_of(a=[slow], b=[ProbeAction(label="hi", probe="h", threshold=0.9)])
+    watch.decide(None, {}, [group(["a", "b"], [[-1.0], [0.5]])])  # a's run: 1
+    assert watch.watched["a"].runs == [1]
+    watch.decide(None, {}, [group(["a", "b"], [[0.5], [0.5]])])  # nothing holds
+    assert watch.watched["a"].runs == [0] and watch.watched["b"].runs == [0]
+    assert (watch.watched["a"].position, watch.watched["b"].position) == (12, 12)
+
+
+def test_a_condition_holding_for_one_request_is_decided_per_request():
+    # 0.95 passes b's threshold but not a's: the step is not quiet, and a
+    # (its own 0.95 below 0.99) does not fire.
+    a = ProbeAction(label="a", probe="h", threshold=0.99, then="flag")
+    b = ProbeAction(label="b", probe="h", threshold=0.9, then="flag")
+    watch = watch_of(a=[a], b=[b])
+    assert not watch._quiet(np.array([[0.95], [0.1]], np.float32))
+    evaluated = _evaluate(watch.watched["a"], np.array([[0.95]], np.float32))
+    assert evaluated == [] and watch.watched["a"].position == 11
+
+
+def test_the_conditions_leave_with_their_last_request():
+    watch = watch_of(a=[ProbeAction(label="h", probe="h", threshold=0.5)])
+    watch.forget("a")
+    watch.end_step()
+    assert watch._conditions == {} and watch._quiet(np.array([[0.9]], np.float32))

@@ -70,6 +70,11 @@ class ActionWatch:
 
     def __init__(self) -> None:
         self.watched: dict[str, _Watched] = {}
+        # Every watched action's (column, threshold, above), counted over the
+        # watched requests: a step where none of them holds at any row (a
+        # monitor that does not fire, the common case) is read with one
+        # comparison per distinct condition, not per request (:meth:`_quiet`).
+        self._conditions: dict[tuple[int, float, bool], int] = {}
         # Requests a stop finished whose output the front-end trims (the
         # engine's token list keeps the dropped token): the front-end, which
         # holds the sequence as output, sends their extracts.
@@ -89,6 +94,8 @@ class ActionWatch:
         self.watched[request.request_id] = _Watched(
             list(spec.probe_actions), columns, spec.start, [0] * len(columns)
         )
+        for condition in _conditions_of(self.watched[request.request_id]):
+            self._conditions[condition] = self._conditions.get(condition, 0) + 1
 
     def forget(self, request_id: str) -> None:
         """In ``_free_request``: the request left the scheduler; it is
@@ -99,8 +106,41 @@ class ActionWatch:
     def end_step(self) -> None:
         """After this step's decision: forget the requests that left."""
         for request_id in self._leaving:
-            self.watched.pop(request_id, None)
+            gone = self.watched.pop(request_id, None)
+            if gone is None:
+                continue
+            for condition in _conditions_of(gone):
+                left = self._conditions[condition] - 1
+                if left:
+                    self._conditions[condition] = left
+                else:
+                    del self._conditions[condition]
         self._leaving.clear()
+
+    def _quiet(self, scores: np.ndarray) -> bool:
+        """Whether no watched action's condition holds at any row of
+        ``scores`` (float32 ``[rows, sum of k]``, one group's). Every watched
+        request's conditions are among those tried, so a quiet group has no
+        firing and ends every run of its requests; a column past this
+        group's width is another group's layout."""
+        width = scores.shape[1]
+        for column, threshold, above in self._conditions:
+            if column >= width:
+                continue
+            values = scores[:, column]
+            if (values > threshold).any() if above else (values < threshold).any():
+                return False
+        return True
+
+    def _advance(self, group: CapturedRows) -> None:
+        """A quiet group: its watched requests' positions move past its rows,
+        and their runs end."""
+        for req_id, count in zip(group.req_ids, group.counts):
+            watched = self.watched.get(req_id)
+            if watched is not None and count:
+                watched.position += count
+                if any(watched.runs):
+                    watched.runs = [0] * len(watched.runs)
 
     def decide(
         self,
@@ -116,11 +156,15 @@ class ActionWatch:
         for group in groups:
             if group.probe_scores is None:
                 continue
+            all_scores = group.probe_scores.numpy()
+            if self._quiet(all_scores):
+                self._advance(group)
+                continue
             offset = 0
             for req_id, count in zip(group.req_ids, group.counts):
                 watched = self.watched.get(req_id)
                 if watched is not None and count:
-                    scores = group.probe_scores[offset : offset + count].numpy()
+                    scores = all_scores[offset : offset + count]
                     firings = _evaluate(watched, scores)
                     if firings:
                         fired.setdefault(req_id, []).extend(firings)
@@ -177,6 +221,11 @@ def watched_first_flag(watched: dict[str, _Watched], req_id: str, firing: ProbeF
         return False
     entry.flagged.add(firing.label)
     return True
+
+
+def _conditions_of(watched: _Watched) -> set[tuple[int, float, bool]]:
+    """``watched``'s actions as (column, threshold, above)."""
+    return {(c, a.threshold, a.above) for a, c in zip(watched.actions, watched.columns)}
 
 
 def _evaluate(watched: _Watched, scores: np.ndarray) -> list[ProbeFiring]:
