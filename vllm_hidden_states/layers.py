@@ -100,6 +100,12 @@ class LayerClass:
         qkv: why the queries, keys and values (q, k, v: the arguments of
             ``<mixer>.attn``) are refused where the layer has attn_z (empty:
             served wherever attn_z is).
+        qk_halves: whether vLLM's loader reorders the dimensions of each
+            query and key head (Llama 4: ``permute_qk_weight_for_rotary``
+            puts HF's even dimensions first, then its odd ones, so that
+            neox-style rotary applies): the worker puts captured q / k rows
+            back in HF's order
+            (:func:`vllm_hidden_states.worker.taps.heads_in_hf_order`).
     """
 
     layout: Layout
@@ -114,6 +120,7 @@ class LayerClass:
     lacks: str = ""
     float16: str = ""
     qkv: str = ""
+    qk_halves: bool = False
 
 
 # Where vLLM's attention modules keep their output projection (Llama-likes:
@@ -170,17 +177,18 @@ LAYER_CLASSES.update(
             "fused", ("ernie45_moe",), neurons=None
         ),
         _V + "glm4_moe.Glm4MoeDecoderLayer": LayerClass("fused", ("glm4_moe",), neurons=None),
-        # Its q / k / v as vLLM's attention takes them differ from what HF's
-        # Llama 4 hands its attention function (seen: 1.4 relative error at
-        # q.0 of the tiny model; not yet explained), so they are refused.
+        # Llama 4 (and its multimodal wrapper, mllama4, which loads the same
+        # way): vLLM's loader permutes each q_proj / k_proj head's output rows
+        # (HF's interleaved rotary pairs to neox-style halves: HF's dimension
+        # 2j becomes j, 2j + 1 becomes head_dim / 2 + j). Attention is the
+        # same (queries and keys alike), but its q / k vectors are not HF's
+        # until the worker puts them back (qk_halves); v is not permuted.
         _V + "llama4.Llama4DecoderLayer": LayerClass(
             "fused",
             ("llama4",),
             mlp="feed_forward",
             neurons=None,
-            qkv="its queries, keys and values as vLLM's attention takes them are not "
-            "verified against HF's (they differ from what HF's Llama 4 hands its attention "
-            "function), so q, k, v are refused",
+            qk_halves=True,
         ),
         _V + "exaone4.Exaone4DecoderLayer": LayerClass("post_norm", ("exaone4",), mid_norm="mlp"),
         # Gemma 4: sandwich norms around each block (the MLP reads resid_mid

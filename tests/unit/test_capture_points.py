@@ -360,3 +360,96 @@ def test_a_tensor_strided_along_its_width_is_left_to_the_torch_route():
     rows, counts = torch.zeros(2, dtype=torch.int64), torch.tensor([1])
     assert not capture_kernel.gather(hidden, None, rows, counts, 0, out, 1.0)
     assert torch.equal(out, torch.zeros(2, HIDDEN))
+
+
+class Attention(nn.Module):
+    """vLLM's attention module as the q / k / v taps see it: its query, key
+    and value arguments flat, its head counts and size as attributes."""
+
+    num_heads, num_kv_heads, head_size = 4, 2, 6
+
+    def forward(self, query, key, value):
+        return query
+
+
+class AttentionLayer(nn.Module):
+    """A fused-residual layer whose ``self_attn.attn`` takes q, k, v: the
+    projections of its input by ``weights`` (kind -> [width, HIDDEN])."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.weights = weights
+        self.self_attn = nn.Module()
+        self.self_attn.attn = Attention()
+
+    def forward(self, positions, hidden_states, residual):
+        q, k, v = (hidden_states @ self.weights[kind].T for kind in ("q", "k", "v"))
+        self.self_attn.attn(q, k, v)
+        return hidden_states, residual
+
+
+class AttentionStack(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(AttentionLayer(weights) for _ in range(NUM_LAYERS))
+
+    def forward(self, hidden):
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(None, hidden, residual)
+
+
+def vllm_llama4_weight(weight: torch.Tensor, kind: str, heads: int) -> torch.Tensor:
+    """HF's ``{kind}_proj`` weight of Llama 4 as vLLM's loader loads it (its
+    own ``permute_qk_weight_for_rotary``: q and k permuted, v as it is)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.llama4 import Llama4ForCausalLM
+
+    loader = SimpleNamespace(
+        config=SimpleNamespace(num_attention_heads=heads, num_key_value_heads=heads)
+    )
+    name = f"model.layers.0.self_attn.{kind}_proj.weight"
+    return Llama4ForCausalLM.permute_qk_weight_for_rotary(loader, name, weight.clone())[1]
+
+
+@pytest.mark.parametrize("halves", [True, False], ids=["qk_halves", "hf_order"])
+@torch.inference_mode()
+def test_llama4_queries_and_keys_are_read_back_in_hf_order(monkeypatch, halves):
+    """vLLM's Llama 4 loader permutes each q_proj / k_proj head's rows (HF's
+    even dimensions first, then its odd ones, for neox-style rotary); at a
+    layer class with ``qk_halves`` the captured q and k rows leave the
+    worker (``CapturePoints.hf_order``) as HF's weights give them, and v
+    as it came; a class without it is read as it came."""
+    from vllm_hidden_states.points import point_id
+
+    monkeypatch.setitem(
+        layers.LAYER_CLASSES,
+        layers.class_name(AttentionLayer),
+        layers.LayerClass("fused", ("toy",), qk_halves=halves),
+    )
+    a = Attention
+    heads = {"q": a.num_heads, "k": a.num_kv_heads, "v": a.num_kv_heads}
+    torch.manual_seed(0)
+    hf = {kind: torch.randn(n * a.head_size, HIDDEN) for kind, n in heads.items()}
+    loaded = {kind: vllm_llama4_weight(w, kind, heads[kind]) for kind, w in hf.items()}
+    assert not torch.equal(loaded["q"], hf["q"]) and not torch.equal(loaded["k"], hf["k"])
+    assert torch.equal(loaded["v"], hf["v"])
+    model = AttentionStack(loaded if halves else hf)
+    ids = {kind: point_id(kind, 1, NUM_LAYERS) for kind in heads}
+    points = CapturePoints(
+        model,
+        list(ids.values()),
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        max_rows=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    x = torch.randn(5, HIDDEN)
+    rows = np.array([3, 0, 4], dtype=np.int64)
+    points.arm(rows)
+    model(x)
+    for kind, k in ids.items():
+        read = points.hf_order(k, points.read_neurons(k)[1:])
+        torch.testing.assert_close(read, (x @ hf[kind].T)[rows[1:]], msg=kind)

@@ -484,3 +484,17 @@ def test_mla_refuses_attn_z_naming_why():
     assert all("attn_z" not in model.kinds_at(i) for i in range(L))
     with pytest.raises(ValueError, match=r"attn_z.1: .*multi-head latent attention.*attn_z"):
         capturable_point_ids(["attn_z.1"], L, model)
+
+
+@pytest.mark.parametrize("architecture", ["Llama4ForCausalLM", "Llama4ForConditionalGeneration"])
+def test_llama4_serves_query_key_value_at_every_layer_with_its_heads_put_back_in_hf_order(
+    architecture,
+):
+    """Llama 4 (and its multimodal wrapper, loaded the same way): q, k, v at
+    every layer, its layer class saying that vLLM holds q / k heads in
+    halves order, which the worker undoes (test_capture_points.py)."""
+    model = layers.model_layers_for(architecture, L)
+    assert all(k in model.kinds_at(i) for i in range(L) for k in ("q", "k", "v"))
+    assert capturable_point_ids(["q.1", "k.3", "v.0"], L, model)
+    assert all(model.known(i).qk_halves for i in range(L))
+    assert not any(c.qk_halves for name, c in layers.LAYER_CLASSES.items() if "llama4" not in name)

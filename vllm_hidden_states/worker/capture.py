@@ -423,14 +423,20 @@ class HiddenStatesCapture:
         heads (neurons) only: the first read of ``k`` in a step gathers the
         whole buffer across the ranks (every rank reads the same ids in the
         same order: they run the same plan), in head order, the full width
-        as with one rank."""
+        as with one rank.
+
+        Every wide row leaves the worker through here, in HF's order: q / k
+        of a layer whose heads vLLM holds in halves order (Llama 4) are put
+        back per head on the rows copied out (``CapturePoints.hf_order``)."""
         assert self.points is not None  # mlp_post ids have capture points
         if k not in self._sharded:
-            return self.points.read_neurons(k)[inner]
-        rows = self._gathered.get(k)
-        if rows is None:
-            rows = self._gathered[k] = gather_columns(self.points.read_neurons(k))
-        return rows[inner]
+            rows = self.points.read_neurons(k)[inner]
+        else:
+            gathered = self._gathered.get(k)
+            if gathered is None:
+                gathered = self._gathered[k] = gather_columns(self.points.read_neurons(k))
+            rows = gathered[inner]
+        return self.points.hf_order(k, rows)
 
     def _keep_pattern_rows(self, armed: _Armed, inner: slice) -> None:
         """A pattern capture's queries and keys of this forward into its

@@ -34,10 +34,12 @@ from vllm_hidden_states.worker.taps import (
     find_decoder_layers,
     first_arg,
     flat_arg_reader,
+    heads_in_hf_order,
     heads_out_module,
     is_pp_placeholder,
     neuron_module,
     point_tap,
+    qk_halves_head_size,
     qkv_module,
     qkv_width,
     stream_tap,
@@ -161,6 +163,10 @@ class CapturePoints:
         self.neuron_modules: dict[int, nn.Module] = {}
         # q, k, v ids: their width at vLLM's attention (whose arguments they are).
         self.neuron_widths: dict[int, int] = {}
+        # q / k ids whose heads vLLM holds in halves order (Llama 4): their
+        # head size; their rows leave the worker in HF's order
+        # (taps.heads_in_hf_order, applied by hf_order below).
+        self.qk_halves: dict[int, int] = {}
         for k in layers:
             point = point_of_id(k, num_layers)
             layer = decoder_layers[k if point is None else point[1]]
@@ -181,6 +187,9 @@ class CapturePoints:
                 attn = qkv_module(layer, f"{point[0]}.{point[1]}")
                 self.neuron_modules[k] = attn
                 self.neuron_widths[k] = qkv_width(attn, point[0])
+                head_size = qk_halves_head_size(layer, attn, point[0])
+                if head_size is not None:
+                    self.qk_halves[k] = head_size
                 taps[k] = Tap(attn, "pre", flat_arg_reader(*QKV_ARGS[point[0]]))
             elif point is not None and point[0] == PATTERN_KIND:
                 attn = attention_module(layer, f"{PATTERN_KIND}.{point[1]}")
@@ -357,6 +366,14 @@ class CapturePoints:
         """``[count, width]``: mlp_post (``intermediate_size`` wide) or attn_z
         (``heads * head_dim``) id ``k``'s rows of the last forward."""
         return self.neuron_buffers[k][: self.count]
+
+    def hf_order(self, k: int, rows: torch.Tensor) -> torch.Tensor:
+        """Wide id ``k``'s ``rows`` (``[rows, width]``, whole heads: this
+        rank's or, gathered, all of them) in HF's order: itself, except at
+        the q / k ids of a layer whose heads vLLM holds in halves order
+        (:attr:`qk_halves`), put back per head."""
+        head_size = self.qk_halves.get(k)
+        return rows if head_size is None else heads_in_hf_order(rows, head_size)
 
     def read_pattern(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pattern id ``k``'s query and key rows of the last forward (views)."""

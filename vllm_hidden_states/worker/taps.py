@@ -380,6 +380,32 @@ def qkv_width(attn: nn.Module, kind: str) -> int:
     return int(attn.num_kv_heads) * int(getattr(attn, "head_size_v", attn.head_size))
 
 
+def qk_halves_head_size(layer: nn.Module, attn: nn.Module, kind: str) -> int | None:
+    """The head size of q / k point ``kind`` at ``layer``'s attention
+    ``attn`` where vLLM holds each head's dimensions in halves order (its
+    class's ``qk_halves``: Llama 4), to be put back in HF's order by
+    :func:`heads_in_hf_order`; None where the rows are in HF's order already
+    (v, and every other class)."""
+    known = layer_class(type(layer))
+    if kind not in ("q", "k") or known is None or not known.qk_halves:
+        return None
+    return int(attn.head_size)
+
+
+def heads_in_hf_order(rows: torch.Tensor, head_size: int) -> torch.Tensor:
+    """``rows`` (``[n, heads * head_size]``, whole heads side by side) with
+    each head's dimensions in HF's order, where vLLM holds them in halves
+    order: Llama 4's loader permutes each q_proj / k_proj head's output rows
+    (``permute_qk_weight_for_rotary``: ``view(heads, head_size // 2, 2, in)
+    .transpose(1, 2)``) so that it can apply neox-style rotary, HF's
+    dimension ``2j`` becoming ``j`` and ``2j + 1`` becoming ``head_size // 2
+    + j``. Its inverse, on the rows being copied out (a new tensor); the
+    same for any number of whole heads (one rank's, or all of them)."""
+    n, width = rows.shape
+    halves = rows.reshape(n, width // head_size, 2, head_size // 2)
+    return halves.transpose(-1, -2).reshape(n, width)
+
+
 def attention_module(layer: nn.Module, point: str) -> nn.Module:
     """vLLM's ``Attention`` of ``layer``, whose query and key arguments give
     its pattern."""
