@@ -155,6 +155,8 @@ class HiddenStatesTracker:
             self._steer_from(rows.op_results.firings)
             if not has_rows(rows):
                 return
+        if self.spec.returns == "none":
+            return  # server monitors only: their scores are not returned
         if self.spec.inline:
             self.chunks.append(rows)
         else:
