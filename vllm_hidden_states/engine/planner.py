@@ -65,12 +65,15 @@ class CaptureSpec:
             (or lie before the request's window: it starts there).
         end: inline captures of a window: positions ``>= end`` are not
             captured (None: to the end).
+        engine_only: only server monitors read the rows (the request
+            returns none of them): they stay in the engine process.
     """
 
     kind: "CaptureKind"
     num_tokens: int | None
     delivered: int = 0
     end: int | None = None
+    engine_only: bool = False
 
 
 class CapturePlanner:
@@ -207,6 +210,7 @@ class CapturePlanner:
             # A window ("generated", {"start", "end"}): nothing before its
             # start is captured, nothing from its end on.
             capture.delivered, capture.end = spec.start, spec.end
+            capture.engine_only = spec.returns == "none"
             self.active[request.request_id] = capture
 
     def _spec(
@@ -406,10 +410,17 @@ class CapturePlanner:
                     self._deliver(engine_core_outputs[client], group_rows(rows, req_id))
 
     def _deliver(self, outputs: "EngineCoreOutputs", group: CapturedRows) -> None:
-        """``group`` goes out with ``outputs``; its captures advance."""
-        if outputs.captured is None:
-            outputs.captured = []
-        outputs.captured.append(group)
+        """``group`` goes out with ``outputs``, unless only server monitors
+        read its rows (they were read in :meth:`attach`); its captures
+        advance."""
+        active = self.active
+        if not all(
+            (spec := active.get(req_id)) is not None and spec.engine_only
+            for req_id in group.req_ids
+        ):
+            if outputs.captured is None:
+                outputs.captured = []
+            outputs.captured.append(group)
         for req_id, count in zip(group.req_ids, group.counts):
             spec = self.active.get(req_id)
             if spec is not None and spec.num_tokens is None:
