@@ -314,6 +314,30 @@ def test_the_final_tokens_extract_replays_a_head_ablation(llm, hf_qwen3):
         assert_close(out.outputs[0].hidden_states[layer], expected[layer][-1:], f"last {layer}")
 
 
+def test_every_sample_of_n_gets_the_per_head_writes(llm, hf_qwen3):
+    """n=2, sampled: each choice's stream has head 1 of attn_z.2 patched and
+    head 0 of attn_z.1 ablated, as HF's hooks on o_proj do over that
+    choice's tokens."""
+    items = per_head_items(llm, hf_qwen3)[:2]
+    (out,) = llm.generate([PROMPT], params(items, n=2, temperature=1.0, seed=7), use_tqdm=False)
+    references = [head_reference(item, hf_qwen3) for item in items]
+    for choice in range(2):
+        assert_like_hf(out, hf_qwen3, references, f"per-head writes, sample {choice}", choice)
+
+
+def test_a_per_head_patch_across_chunks_of_a_long_prefill_is_exact(llm, hf_qwen3):
+    """Chunked prefill at 64 tokens: head 1 of attn_z.2 is patched over
+    positions 60..69, partly in each of two chunks."""
+    prompt = " ".join([PROMPT] * 8)
+    n = len(llm.get_tokenizer()(prompt)["input_ids"])
+    assert n > 80, n
+    rows = torch.randn(10, 1, head_dim_of(hf_qwen3), generator=torch.Generator().manual_seed(4))
+    item = {"point": "attn_z.2", "op": "patch", "heads": [1], "rows": rows.numpy(),
+            "positions": {"start": 60, "end": 70}}  # fmt: skip
+    (out,) = llm.generate([prompt], params([item]), use_tqdm=False)
+    assert_like_hf(out, hf_qwen3, [head_reference(item, hf_qwen3)], "per-head patch in chunks")
+
+
 def _bad_head_items(d: int) -> list[tuple[dict, tuple[str, ...]]]:
     nan_rows = np.zeros((2, 1, d), np.float32)
     nan_rows[1, 0, 3] = np.nan
