@@ -179,11 +179,33 @@ def test_the_gate_fires_on_the_first_run_long_enough_across_steps():
     import torch
 
     gates = gate_of(0.0, above=False, run=3, column=1)
-    gates.update(torch.tensor([[9.0, -1.0], [9.0, 1.0], [9.0, -1.0]]))
-    gates.update(torch.tensor([[9.0, -2.0]]))
+    gates.update(torch.tensor([[9.0, -1.0], [9.0, 1.0], [9.0, -1.0]]), first=20)
+    gates.update(torch.tensor([[9.0, -2.0]]), first=23)
     assert not bool(gates.fired[0])  # a run of 2 so far
-    gates.update(torch.tensor([[9.0, -2.0], [9.0, 5.0]]))
+    gates.update(torch.tensor([[9.0, -2.0], [9.0, 5.0]]), first=24)
     assert bool(gates.fired[0]) and int(gates.runs[0]) == 0
+    assert int(gates.fired_at[0]) == 24  # where the run reached 3
+
+
+def test_a_fired_gate_keeps_its_first_firing_position():
+    import torch
+
+    gates = gate_of(0.5, above=True, run=1)
+    gates.update(torch.tensor([[0.2], [0.7], [0.9]]), first=10)
+    gates.update(torch.tensor([[0.8]]), first=13)
+    assert int(gates.fired_at[0]) == 11
+
+
+def test_rebuilt_gates_carry_the_runs_of_their_actions():
+    import torch
+
+    from vllm_hidden_states.worker.probe_gates import RequestGates
+
+    earlier = RequestGates([0, 1], [[0, 0, 0.5, 1, 3], [2, 0, 0.5, 1, 3]], torch.device("cpu"))
+    earlier.update(torch.tensor([[0.9], [0.9]]), first=5)  # runs of 2, unfired
+    rebuilt = RequestGates([0], [[2, 0, 0.5, 1, 3]], torch.device("cpu"))
+    rebuilt.carry_runs(earlier)
+    assert rebuilt.runs.tolist() == [2]
 
 
 def test_the_gated_row_holds_zero_until_fired_then_the_vector():
@@ -192,10 +214,10 @@ def test_the_gated_row_holds_zero_until_fired_then_the_vector():
     gates = gate_of(0.5, above=True, run=1)
     adds, armed = torch.zeros(3, 4), torch.zeros(3, 4)
     armed[1] = torch.arange(4.0)
-    gates.update(torch.tensor([[0.2]]))
+    gates.update(torch.tensor([[0.2]]), first=4)
     gates.apply(adds, armed)
     assert not adds.any()
-    gates.update(torch.tensor([[0.2], [0.6], [0.1]]))
+    gates.update(torch.tensor([[0.2], [0.6], [0.1]]), first=5)
     gates.apply(adds, armed)
     assert torch.equal(adds[1], armed[1]) and not adds[0].any() and not adds[2].any()
 

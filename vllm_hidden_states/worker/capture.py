@@ -62,6 +62,9 @@ class _ArmedGroup(NamedTuple):
     counts: list[int]
     layers: tuple[int, ...]
     probes: tuple[str, ...] = ()
+    # The plan's column: each request's first captured position (that of
+    # its first row, which steer actions' gates need).
+    firsts: list[int] = []
 
 
 class HiddenStatesCapture:
@@ -183,7 +186,9 @@ class HiddenStatesCapture:
             if any(plan.offsets):
                 row0 = row0 + np.array(plan.offsets, dtype=np.int64)
             rows = ranges(row0, plan.counts)
-            self._group = _ArmedGroup(plan.req_ids, plan.counts, kind.layers, kind.probes)
+            self._group = _ArmedGroup(
+                plan.req_ids, plan.counts, kind.layers, kind.probes, plan.firsts
+            )
             self._arm_rows(device, rows, self._asked([kind]), [kind.buffered], [len(rows)])
             return
         # Per armed request: its entry in the plan, first batch row and count.
@@ -320,7 +325,8 @@ class HiddenStatesCapture:
                 assert self.probes is not None  # asked only of an engine with probes
                 scores = self.probes.score(step.probes, rows_of)
                 if self.steering is not None and self.steering.gates:
-                    self.steering.gate(armed.req_id, scores)  # steer actions
+                    # steer actions (this step's rows start at step.first)
+                    self.steering.gate(armed.req_id, scores, step.first)
             if step.positions == "all" and step.start == 0:
                 self._partial.pop(armed.req_id, None)  # fresh start (or preempted)
             rows = self._partial.get(armed.req_id)
@@ -401,9 +407,10 @@ class HiddenStatesCapture:
             if self.steering is not None and self.steering.gates:
                 # Steer actions: each gated request's rows, on the device.
                 offset = 0
-                for req_id, count in zip(group.req_ids, group.counts):
+                for i, (req_id, count) in enumerate(zip(group.req_ids, group.counts)):
                     if req_id in self.steering.gates:
-                        self.steering.gate(req_id, device_scores[offset : offset + count])
+                        rows = device_scores[offset : offset + count]
+                        self.steering.gate(req_id, rows, group.firsts[i])
                     offset += count
             scores = self.copies.to_host(device_scores)
         rows = CapturedRows(

@@ -27,6 +27,7 @@ class RequestGates:
         """``stretches``: the gated stretches' indices in the request's
         stretches; ``gates``: their gates, same order."""
         self.stretches = stretches
+        self.actions = [int(g[0]) for g in gates]  # each gate's action index
         self.columns = torch.tensor([int(g[1]) for g in gates], dtype=torch.int64, device=device)
         self.thresholds = torch.tensor(
             [float(g[2]) for g in gates], dtype=torch.float32, device=device
@@ -35,12 +36,16 @@ class RequestGates:
         self.need = torch.tensor([int(g[4]) for g in gates], dtype=torch.int64, device=device)
         self.runs = torch.zeros(len(gates), dtype=torch.int64, device=device)
         self.fired = torch.zeros(len(gates), dtype=torch.bool, device=device)
+        # The sequence position where each gate fired, -1 before: read on
+        # the host only when a preempted request resumes (resume_steering).
+        self.fired_at = torch.full((len(gates),), -1, dtype=torch.int64, device=device)
         self.slots: torch.Tensor | None = None  # the stretches' table slots, once lent
 
-    def update(self, scores: torch.Tensor) -> None:
+    def update(self, scores: torch.Tensor, first: int) -> None:
         """Read this step's scores of the request (float32 ``[rows, sum of
-        k]`` on the device, in position order): runs and fired flags carry
-        on over them. Device ops only."""
+        k]`` on the device, in position order from sequence position
+        ``first``): runs, fired flags and firing positions carry on over
+        them. Device ops only."""
         rows = scores.shape[0]
         if rows == 0:
             return
@@ -50,8 +55,20 @@ class RequestGates:
         # The last row (so far) where the condition broke, -1 where none did.
         broke = torch.cummax(torch.where(held, -1, at), dim=0).values
         run = torch.where(broke >= 0, at - broke, self.runs + at + 1)
-        self.fired = self.fired | (run >= self.need).any(dim=0)
+        hit = run >= self.need  # [rows, gates]
+        fires = hit.any(dim=0)
+        at_first_hit = hit.to(torch.int64).argmax(dim=0) + first
+        self.fired_at = torch.where(fires & ~self.fired, at_first_hit, self.fired_at)
+        self.fired = self.fired | fires
         self.runs = run[-1]
+
+    def carry_runs(self, earlier: "RequestGates") -> None:
+        """Take ``earlier``'s runs for the actions both gate (a resumed
+        request's gates, rebuilt without those that fired)."""
+        where = [earlier.actions.index(a) for a in self.actions]
+        self.runs = earlier.runs.index_select(
+            0, torch.tensor(where, dtype=torch.int64, device=self.runs.device)
+        )
 
     def apply(self, adds: torch.Tensor, armed_adds: torch.Tensor) -> None:
         """The gated slots' rows of ``adds``: their vector where fired, zero

@@ -53,6 +53,7 @@ class RequestSteering:
         table's (default ``hidden_size``), to which patch rows are padded;
         ``columns``: of such a point, the columns this tensor-parallel rank
         holds (its heads), to which its rows are cut (absent: all)."""
+        self.wire = wire
         # A steer action's entries (``"gate"`` set) are a point's only ones
         # (front-end rule): grouped apart, their stretches gated.
         by_point: dict[tuple[int, int], list[dict[str, Any]]] = {}

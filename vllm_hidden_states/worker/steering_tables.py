@@ -16,6 +16,7 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm_hidden_states.points import point_of_id
+from vllm_hidden_states.probe_actions import steered_from
 from vllm_hidden_states.steering_config import (
     MAX_SAE_EDITS,
     SteeringConfig,
@@ -210,29 +211,20 @@ class Steering:
 
     def begin_step(self, scheduler_output: Any) -> None:
         """New requests that steer (their ``SamplingParams.steering``, in
-        wire form); finished ones leave."""
+        wire form); resumed ones whose steer actions fired; finished ones
+        leave."""
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             if params is not None and params.steering:
-                # A preempted request comes back as new: its old slots go back.
-                self._give_back(new.req_id)
-                request = RequestSteering(
-                    params.steering,
-                    self.vectors,
-                    self.index_of,
-                    self.hidden_size,
-                    self.widths,
-                    self.table_width,
-                    self.columns,
-                )
-                self.requests[new.req_id] = request
-                self.gates.pop(new.req_id, None)
-                gated = [(k, gate) for k, gate in enumerate(request.gates) if gate is not None]
-                if gated:
-                    self.gates[new.req_id] = RequestGates(
-                        [k for k, _ in gated], [gate for _, gate in gated], self.device
-                    )
-                self._stretches = None
+                # A preempted request comes back as new (V2 runner), its
+                # steering as the engine rewrote it: its old slots go back.
+                self._steer(new.req_id, params.steering)
+        if self.gates:
+            # V1 runner: a preempted request resumes with its cached state.
+            resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
+            for req_id in resumed:
+                if req_id in self.gates:
+                    self._resume(req_id)
         if self.requests and scheduler_output.finished_req_ids:
             for req_id in scheduler_output.finished_req_ids:
                 if self.requests.pop(req_id, None) is not None:
@@ -240,14 +232,54 @@ class Steering:
                     self._give_back(req_id)
                     self._stretches = None
 
-    def gate(self, req_id: str, scores: torch.Tensor) -> None:
+    def _steer(self, req_id: str, wire: list[dict[str, Any]]) -> RequestSteering:
+        """``req_id`` steers as ``wire`` says from now on: its table rows go
+        back (written again on upload), its gates are made afresh."""
+        self._give_back(req_id)
+        request = RequestSteering(
+            wire,
+            self.vectors,
+            self.index_of,
+            self.hidden_size,
+            self.widths,
+            self.table_width,
+            self.columns,
+        )
+        self.requests[req_id] = request
+        self.gates.pop(req_id, None)
+        gated = [(k, gate) for k, gate in enumerate(request.gates) if gate is not None]
+        if gated:
+            self.gates[req_id] = RequestGates(
+                [k for k, _ in gated], [gate for _, gate in gated], self.device
+            )
+        self._stretches = None
+        return request
+
+    def _resume(self, req_id: str) -> None:
+        """A preempted request resumes (V1 runner: the positions it computed
+        are computed again). A fired gate would steer them all; instead its
+        entries become plain ones from the position after its firing (the
+        rewrite the engine makes, probe_actions.steered_from), and the other
+        gates keep their runs. Reads the firing positions on the host: once
+        per resume, never per step."""
+        gates = self.gates[req_id]
+        fired = {a: p for a, p in zip(gates.actions, gates.fired_at.tolist()) if p >= 0}
+        if not fired:
+            return  # the scored positions are not scored again: runs stand
+        self._steer(req_id, steered_from(self.requests[req_id].wire, fired))
+        rebuilt = self.gates.get(req_id)
+        if rebuilt is not None:
+            rebuilt.carry_runs(gates)
+
+    def gate(self, req_id: str, scores: torch.Tensor, first: int) -> None:
         """After the forward: ``req_id``'s probe scores of this step (device
-        ``[rows, sum of k]``) move its steer actions' gates, and its gated
-        table rows follow them (probe_gates.py). Device ops only."""
+        ``[rows, sum of k]``, from sequence position ``first``) move its
+        steer actions' gates, and its gated table rows follow them
+        (probe_gates.py). Device ops only."""
         gates = self.gates.get(req_id)
         if gates is None:
             return
-        gates.update(scores)
+        gates.update(scores, first)
         if self.table.rows_of(req_id) is None:
             gates.slots = None  # evicted: the rows are written again on upload
         gates.apply(self.adds, self.armed_adds)
