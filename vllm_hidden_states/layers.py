@@ -474,19 +474,14 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
 
 # Families settled by the sweep (issue "The checkpoints people download"),
 # each tested against HF at every layer and point in
-# tests/v1/hidden_states/test_families_sweep.py. GPT-J's and Bloom's HF
-# classes compute attention inline (not through HF's attention interface):
-# their q, k, v are compared with what HF's own attention module attends
-# with, read from its methods (tests/v1/hidden_states/conftest.py,
+# tests/v1/hidden_states/test_families_sweep.py. GPT-J's, Falcon's and
+# Bloom's HF classes compute attention inline (not through HF's attention
+# interface): their q, k, v are compared with what HF's own attention module
+# attends with, read from its methods (tests/v1/hidden_states/conftest.py,
 # capturing_qkv), and are HF's as vLLM holds them (no reordering).
 _SIDE_BY_SIDE = (
     "runs attention and the MLP side by side on one norm's output, so the stream "
     "has no point between them"
-)
-_NO_HF_QKV = (
-    "its HF transformers class computes attention inline rather than through HF's "
-    "attention interface, so its queries, keys and values (q, k, v) have no independent "
-    "reference and are not served"
 )
 _ALIBI = (
     "attends with ALiBi position biases, which a pattern read from its queries and "
@@ -524,7 +519,9 @@ LAYER_CLASSES.update(
             "(resid_post minus resid_mid); no mlp_post (MoE)",
         ),
         # Falcon (7B's layout): one LayerNorm, attention and MLP side by side
-        # on its output, plain adds.
+        # on its output, plain adds. Multi-query: one KV head (vLLM's loader
+        # splits HF's fused [heads + 2, head_dim] rows into q, k, v in HF's
+        # order); neox-style rotary, as HF's rotate_half.
         _V + "falcon.FalconDecoderLayer": LayerClass(
             "parallel",
             ("falcon",),
@@ -535,7 +532,6 @@ LAYER_CLASSES.update(
             "transformers' Falcon returns weights only from its eager attention, which "
             "(5.19) is not causal (seen: the first token weighting later ones, states 2.4 "
             "off its own SDPA path), leaving no reference",
-            qkv=_NO_HF_QKV,
         ),
         # Bloom: pre-norm LayerNorms and plain adds (ALiBi attention). vLLM's
         # loader regroups HF's fused [heads, 3, head_dim] query_key_value rows
