@@ -474,15 +474,14 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
 
 # Families settled by the sweep (issue "The checkpoints people download"),
 # each tested against HF at every layer and point in
-# tests/v1/hidden_states/test_families_sweep.py.
+# tests/v1/hidden_states/test_families_sweep.py. GPT-J's, Falcon's and
+# Bloom's HF classes compute attention inline (not through HF's attention
+# interface): their q, k, v are compared with what HF's own attention module
+# attends with, read from its methods (tests/v1/hidden_states/conftest.py,
+# capturing_qkv), and are HF's as vLLM holds them (no reordering).
 _SIDE_BY_SIDE = (
     "runs attention and the MLP side by side on one norm's output, so the stream "
     "has no point between them"
-)
-_NO_HF_QKV = (
-    "its HF transformers class computes attention inline rather than through HF's "
-    "attention interface, so its queries, keys and values (q, k, v) have no independent "
-    "reference and are not served"
 )
 _ALIBI = (
     "attends with ALiBi position biases, which a pattern read from its queries and "
@@ -494,6 +493,9 @@ LAYER_CLASSES.update(
         # pre-norm blocks and plain adds.
         _V + "stablelm.StablelmDecoderLayer": LayerClass("plain", ("stablelm",)),
         # GPT-J: one LayerNorm, attention and MLP side by side, plain adds.
+        # q / k: vLLM's rotary is GPT-J's (interleaved pairs, not neox) on
+        # the first rotary_dim dimensions of each head, as HF's
+        # rotate_every_two.
         _V + "gpt_j.GPTJBlock": LayerClass(
             "parallel",
             ("gpt_j",),
@@ -501,7 +503,6 @@ LAYER_CLASSES.update(
             neurons="mlp.fc_out",
             kinds=_SIDE_BY_SIDE_KINDS,
             lacks=_SIDE_BY_SIDE,
-            qkv=_NO_HF_QKV,
         ),
         # Nemotron (Minitron): vLLM's fused residual, LayerNorm1P.
         _V + "nemotron.NemotronDecoderLayer": LayerClass("fused", ("nemotron",)),
@@ -518,7 +519,9 @@ LAYER_CLASSES.update(
             "(resid_post minus resid_mid); no mlp_post (MoE)",
         ),
         # Falcon (7B's layout): one LayerNorm, attention and MLP side by side
-        # on its output, plain adds.
+        # on its output, plain adds. Multi-query: one KV head (vLLM's loader
+        # splits HF's fused [heads + 2, head_dim] rows into q, k, v in HF's
+        # order); neox-style rotary, as HF's rotate_half.
         _V + "falcon.FalconDecoderLayer": LayerClass(
             "parallel",
             ("falcon",),
@@ -529,9 +532,10 @@ LAYER_CLASSES.update(
             "transformers' Falcon returns weights only from its eager attention, which "
             "(5.19) is not causal (seen: the first token weighting later ones, states 2.4 "
             "off its own SDPA path), leaving no reference",
-            qkv=_NO_HF_QKV,
         ),
-        # Bloom: pre-norm LayerNorms and plain adds (ALiBi attention).
+        # Bloom: pre-norm LayerNorms and plain adds (ALiBi attention). vLLM's
+        # loader regroups HF's fused [heads, 3, head_dim] query_key_value rows
+        # as q, k, v; no rotary, and the query is not pre-scaled.
         _V + "bloom.BloomBlock": LayerClass(
             "plain",
             ("bloom",),
@@ -547,7 +551,6 @@ LAYER_CLASSES.update(
                 "attn_z",
             ),
             lacks=_ALIBI,
-            qkv=_NO_HF_QKV,
         ),
     }
 )

@@ -470,6 +470,17 @@ def test_query_key_value_are_served_where_attn_z_is(arch, served):
         capturable_point_ids([f"k.{refused}"], L, model)
 
 
+@pytest.mark.parametrize("arch", ["gpt_j", "falcon", "bloom"])
+def test_families_attending_inline_in_hf_serve_query_key_value_at_every_layer(arch):
+    """GPT-J, Falcon and Bloom (HF computes their attention inline, outside
+    its attention interface; the tests read HF's attention module's own
+    methods): q, k, v at every layer, in HF's order as vLLM holds them."""
+    model = model_layers(tiny_config(arch))
+    assert all(k in model.kinds_at(i) for i in range(L) for k in ("q", "k", "v"))
+    assert capturable_point_ids(["q.1", "k.3", "v.0"], L, model)
+    assert not any(model.known(i).qk_halves for i in range(L))
+
+
 def test_mla_refuses_query_key_value():
     """DeepSeek's latent keys have no per-head meaning: q, k, v refused."""
     model = model_layers(tiny_config("deepseek_v3"))

@@ -302,16 +302,14 @@ def test_pre_rotary_hook_q_and_hook_k_are_refused_naming_the_post_rotary_point(p
 
 def test_query_key_value_are_served_where_attn_z_is_and_refused_with_it():
     """q, k, v are read at vLLM's attention module: served on Llama and
-    Qwen3 (QK-norm), refused on OLMo 2 (Transformers backend), on an unknown
-    class, and where HF computes attention inline (GPT-J, Falcon, Bloom: no
-    independent reference)."""
-    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"):
+    Qwen3 (QK-norm) and on GPT-J (whose HF class attends inline: compared
+    with what HF's attention module attends with; Falcon, Bloom: by their
+    configs, test_layer_classes), refused on OLMo 2 (Transformers backend)
+    and on an unknown class."""
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "GPTJForCausalLM"):
         assert {"q", "k", "v"} <= set(point_kinds_for(arch)), arch
+    assert capturable_point_ids(["blocks.1.attn.hook_rot_k"], L, "GPTJForCausalLM")
     with pytest.raises(ValueError, match=r"q.*Transformers backend"):
         capturable_point_ids(["q"], L, "Olmo2ForCausalLM")
     with pytest.raises(ValueError, match=r"v.1.*OPTForCausalLM.*not verified"):
         capturable_point_ids(["v.1"], L, "OPTForCausalLM")
-    for arch in ("GPTJForCausalLM",):  # Falcon, Bloom: by their configs (test_layer_classes)
-        assert "attn_z" in point_kinds_for(arch) and "q" not in point_kinds_for(arch), arch
-        with pytest.raises(ValueError, match=r"k.1: .*attention interface.*no independent"):
-            capturable_point_ids(["blocks.1.attn.hook_rot_k"], L, arch)

@@ -374,12 +374,14 @@ def _check_gated(wire: list[dict], gated: list[dict], cfg: SteeringConfig) -> No
 def _neuron_heads(vllm_config: "VllmConfig", points: "Sequence[str]") -> list[int]:
     """The heads of each wide point whose rows are returned per head,
     ``[positions, heads, head_dim]`` (0: returned flat): the query heads for
-    attn_z and q, the KV heads for k and v (one row per KV head under GQA)."""
+    attn_z and q, the KV heads for k and v (one row per KV head under GQA;
+    vLLM's count, which reads each family's own config field: Falcon's
+    multi_query has one, whatever its num_kv_heads says)."""
     if not any(map(is_head_address, points)):
         return []
-    text = vllm_config.model_config.hf_text_config
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    model_config = vllm_config.model_config
+    heads = int(model_config.hf_text_config.num_attention_heads)
+    kv_heads = int(model_config.get_total_num_kv_heads())
     return [
         (kv_heads if address_kind(p) in ("k", "v") else heads) if is_head_address(p) else 0
         for p in points

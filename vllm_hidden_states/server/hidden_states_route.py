@@ -428,10 +428,9 @@ def _row_width(engine_client: Any, request: HiddenStatesRequest) -> int:
         return int(model_config.hf_text_config.intermediate_size)
     kind = None if request.point is None else address_kind(request.point)
     if kind in ("attn_z", "q", "k", "v"):
-        text = model_config.hf_text_config
-        heads = int(text.num_attention_heads)
-        if kind in ("k", "v"):  # one row per KV head
-            heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        heads = int(model_config.hf_text_config.num_attention_heads)
+        if kind in ("k", "v"):  # one row per KV head (vLLM's count: Falcon's multi_query)
+            heads = int(model_config.get_total_num_kv_heads())
         return heads * int(model_config.get_head_size())
     return model_config.get_hidden_size()
 

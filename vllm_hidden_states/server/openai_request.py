@@ -559,11 +559,7 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             intermediate=int(getattr(model_config.hf_text_config, "intermediate_size", 0) or 0),
             z_width=int(model_config.hf_text_config.num_attention_heads)
             * int(model_config.get_head_size()),
-            kv_width=int(
-                getattr(model_config.hf_text_config, "num_key_value_heads", None)
-                or model_config.hf_text_config.num_attention_heads
-            )
-            * int(model_config.get_head_size()),
+            kv_width=int(model_config.get_total_num_kv_heads()) * int(model_config.get_head_size()),
             probe_outputs=probe_outputs(cfg, ask),
         )
     sae_name = cfg.sae["name"] if cfg.sae is not None else ""

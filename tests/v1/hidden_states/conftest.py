@@ -215,14 +215,107 @@ QKV_ATTENTION = "hs_capture_qkv"
 @contextlib.contextmanager
 def capturing_qkv(model, layer_of: dict[int, int], found: dict[str, torch.Tensor]):
     """Read each attention layer's query, key and value as HF hands them to
-    its attention function (after the projections, QK-norm and rotary; keys
-    and values per KV head, before repeat_kv): ``found["q.i"]`` ``[seq,
-    heads, head_dim]``, ``"k.i"`` / ``"v.i"`` ``[seq, kv_heads, head_dim]``.
-    A function of HF's attention interface (AttentionInterface) records
-    them, then runs the modeling file's own eager attention; selected only
-    for this forward (the model's own implementation back after). Families
-    whose HF class computes attention inline (GPT-J, Falcon, Bloom) record
-    nothing: the package refuses q / k / v there. The attention and its mask
+    its attention (after the projections, QK-norm and rotary; keys and
+    values per KV head, before repeat_kv): ``found["q.i"]`` ``[seq, heads,
+    head_dim]``, ``"k.i"`` / ``"v.i"`` ``[seq, kv_heads, head_dim]``.
+
+    Two readers, by the model's type: where HF's class attends through its
+    attention interface, :func:`_capturing_interface_qkv`; where it computes
+    attention inline (GPT-J, Falcon, Bloom), :func:`_capturing_inline_qkv`."""
+    if model.config.get_text_config().model_type in INLINE_QKV:
+        reader = _capturing_inline_qkv(model, layer_of, found)
+    else:
+        reader = _capturing_interface_qkv(model, layer_of, found)
+    with reader:
+        yield
+
+
+# The families whose HF class computes attention inline: the method of their
+# attention module (HF's own) whose arguments or return value are the query,
+# key and value it attends with, ``[batch, heads, seq, head_dim]`` there.
+INLINE_QKV = {"gptj": "_attn", "falcon": "_split_heads", "bloom": "_reshape"}
+
+
+@contextlib.contextmanager
+def _capturing_inline_qkv(model, layer_of: dict[int, int], found: dict[str, torch.Tensor]):
+    """q / k / v of the families whose HF class attends inline, each read
+    from HF's own attention module (never vLLM's), for this forward only:
+
+    * GPT-J: the arguments of ``GPTJAttention._attn`` (query and key after
+      HF's partial rotary, ``rotate_every_two`` on the first ``rotary_dim``
+      dimensions; value as projected), which computes softmax(q k^T / sqrt(d)) v;
+    * Bloom: what ``BloomAttention._reshape`` returns (the fused
+      ``query_key_value`` output split per head, HF's ``[heads, 3, head_dim]``
+      layout), which ``baddbmm`` then attends with (ALiBi added to the scores,
+      no rotary): the query is not pre-scaled;
+    * Falcon: the value (and, without rotary, query and key) as
+      ``FalconAttention._split_heads`` returns them (multi-query: one KV
+      head, HF's ``[heads + 2, head_dim]`` layout); the query and key as
+      the modeling file's ``apply_rotary_pos_emb`` returns them (neox-style
+      ``rotate_half``), called by that layer right after its split.
+
+    Each method is wrapped on the module instance (the class untouched); the
+    attention itself runs as it would without this."""
+    import sys
+
+    model_type = model.config.get_text_config().model_type
+    method = INLINE_QKV[model_type]
+    modeling = sys.modules[type(model).__module__]
+    current: list[int] = []  # Falcon: the layer whose split ran last
+    wrapped = []
+
+    def rows(t: torch.Tensor, heads_first: bool) -> torch.Tensor:
+        return (t[0].transpose(0, 1) if heads_first else t[0]).clone()
+
+    def record(i: int, q, k, v, heads_first: bool = True) -> None:
+        for kind, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None:
+                found[f"{kind}.{i}"] = rows(t, heads_first)
+
+    for module in model.modules():
+        i = layer_of.get(id(module))
+        if i is None or not callable(getattr(type(module), method, None)):
+            continue
+        inner = getattr(module, method)
+
+        def wrapper(*args, inner=inner, i=i, **kwargs):
+            out = inner(*args, **kwargs)
+            if model_type == "gptj":  # (query, key, value, mask)
+                record(i, *args[:3])
+            elif model_type == "bloom":  # (query, key, value)
+                record(i, *out)
+            else:  # Falcon: [batch, seq, heads, head_dim]; rotary below
+                current[:] = [i]
+                record(i, *out, heads_first=False)
+            return out
+
+        setattr(module, method, wrapper)
+        wrapped.append(module)
+    rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+    if model_type == "falcon":
+
+        def rotated(q, k, *args, **kwargs):
+            q, k = rotary(q, k, *args, **kwargs)
+            if current:
+                record(current[0], q, k, None)
+            return q, k
+
+        modeling.apply_rotary_pos_emb = rotated
+    try:
+        yield
+    finally:
+        if model_type == "falcon":
+            modeling.apply_rotary_pos_emb = rotary
+        for module in wrapped:
+            delattr(module, method)
+
+
+@contextlib.contextmanager
+def _capturing_interface_qkv(model, layer_of: dict[int, int], found: dict[str, torch.Tensor]):
+    """q / k / v as HF hands them to its attention function: a function of
+    HF's attention interface (AttentionInterface) records them, then runs
+    the modeling file's own eager attention; selected only for this forward
+    (the model's own implementation back after). The attention and its mask
     are computed by the implementation the model had (SDPA or eager), so
     every other point reads the forward it would without this."""
     import sys
