@@ -62,6 +62,11 @@ class RequestGates:
         self.fired = self.fired | fires
         self.runs = run[-1]
 
+    def fired_positions(self) -> dict[int, int]:
+        """``{action index: firing position}`` of the gates that fired. Reads
+        the device: only when a preempted request comes back."""
+        return {a: p for a, p in zip(self.actions, self.fired_at.tolist()) if p >= 0}
+
     def carry_runs(self, earlier: "RequestGates") -> None:
         """Take ``earlier``'s runs for the actions both gate (a resumed
         request's gates, rebuilt without those that fired)."""

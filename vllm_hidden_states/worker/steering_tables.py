@@ -232,9 +232,19 @@ class Steering:
                     self._give_back(req_id)
                     self._stretches = None
 
-    def _steer(self, req_id: str, wire: list[dict[str, Any]]) -> RequestSteering:
+    def _steer(self, req_id: str, wire: list[dict[str, Any]]) -> None:
         """``req_id`` steers as ``wire`` says from now on: its table rows go
-        back (written again on upload), its gates are made afresh."""
+        back (written again on upload), its gates are made afresh. A request
+        that had gates here was preempted and is back: where they fired is
+        this worker's own record (the engine may not know yet, one step
+        behind under async scheduling), so those gates' entries become plain
+        ones from the position after (probe_actions.steered_from), and the
+        others keep their runs."""
+        earlier = self.gates.pop(req_id, None)
+        if earlier is not None:
+            fired = earlier.fired_positions()
+            if fired:
+                wire = steered_from(wire, fired)
         self._give_back(req_id)
         request = RequestSteering(
             wire,
@@ -246,30 +256,22 @@ class Steering:
             self.columns,
         )
         self.requests[req_id] = request
-        self.gates.pop(req_id, None)
         gated = [(k, gate) for k, gate in enumerate(request.gates) if gate is not None]
         if gated:
-            self.gates[req_id] = RequestGates(
-                [k for k, _ in gated], [gate for _, gate in gated], self.device
-            )
+            gates = RequestGates([k for k, _ in gated], [gate for _, gate in gated], self.device)
+            if earlier is not None:
+                gates.carry_runs(earlier)
+            self.gates[req_id] = gates
         self._stretches = None
-        return request
 
     def _resume(self, req_id: str) -> None:
-        """A preempted request resumes (V1 runner: the positions it computed
-        are computed again). A fired gate would steer them all; instead its
-        entries become plain ones from the position after its firing (the
-        rewrite the engine makes, probe_actions.steered_from), and the other
-        gates keep their runs. Reads the firing positions on the host: once
-        per resume, never per step."""
-        gates = self.gates[req_id]
-        fired = {a: p for a, p in zip(gates.actions, gates.fired_at.tolist()) if p >= 0}
-        if not fired:
-            return  # the scored positions are not scored again: runs stand
-        self._steer(req_id, steered_from(self.requests[req_id].wire, fired))
-        rebuilt = self.gates.get(req_id)
-        if rebuilt is not None:
-            rebuilt.carry_runs(gates)
+        """A preempted request resumes with its cached state (V1 runner):
+        the positions it computed are computed again, which a fired gate
+        would steer from the first generated one; it is rebuilt as one
+        back as new is (:meth:`_steer`). Unfired gates stand (the positions
+        they scored are not scored again)."""
+        if self.gates[req_id].fired_positions():
+            self._steer(req_id, self.requests[req_id].wire)
 
     def gate(self, req_id: str, scores: torch.Tensor, first: int) -> None:
         """After the forward: ``req_id``'s probe scores of this step (device
