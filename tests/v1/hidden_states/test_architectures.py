@@ -150,15 +150,8 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
             else in_process_engine()
         )
         dynamo_only = compiled and arch not in INDUCTOR_ARCHS
-        # Each configuration here compiles once, so the compile cache saves
-        # nothing: these engines keep vLLM's default AOT compile path (the
-        # rest of the suite uses the other one, see tests/conftest.py).
         try:
-            with (
-                place,
-                env_set("VLLM_CPU_CI_ENV", "1" if dynamo_only else "0"),
-                env_set("VLLM_USE_AOT_COMPILE", "1" if compiled else "0"),
-            ):
+            with place, env_set("VLLM_CPU_CI_ENV", "1" if dynamo_only else "0"):
                 _Current.engine = LLM(
                     model=str(model_dir),
                     enable_hidden_states=True,
