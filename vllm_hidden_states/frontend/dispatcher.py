@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+# ``output_fields`` of an output that carries nothing of ours (vLLM's
+# defaults, None, stand); unpacked by the caller, never changed.
+_NO_FIELDS: dict[str, Any] = {}
+
+
 @dataclass
 class HiddenStatesTracker:
     """One request's hidden-state bookkeeping, on ``RequestState.hidden_states_tracker``.
@@ -237,6 +242,8 @@ class HiddenStatesTracker:
         None without ``sae_top_k``; ``probe_scores``: ``{probe name: float32
         [positions, k]}`` (views of one tensor), None without probes.
         """
+        if not finished and not delta:
+            return _NO_FIELDS  # cumulative and final-only: all on the final output
         ops = self._op_results_for_output(finished, delta)
         rows = self._rows_for_output(finished, delta)
         if rows is None:
@@ -373,6 +380,11 @@ class OutputEmission(NamedTuple):
     request_error: "RequestError | None"
 
 
+# Where ``finish_reason`` is in the fields ``takes_output`` is given (read
+# before an OutputEmission is made: most outputs are not final).
+_FINISH_REASON = OutputEmission._fields.index("finish_reason")
+
+
 def failed_emission(emission: OutputEmission, reason: str) -> OutputEmission:
     """``emission`` turned into a failure the caller sees instead of
     ``hidden_states=None``: ``finish_reason`` "error" (vLLM's request-level
@@ -448,7 +460,7 @@ class ExtractDispatcher:
         the abort reaches it: the outputs it sends meanwhile must not reach
         the request (its text would run past the stop string, and each would
         send one more extract)."""
-        return extract_id_for(req_state.request_id) in self._held
+        return bool(self._held) and extract_id_for(req_state.request_id) in self._held
 
     def takes_output(
         self,
@@ -470,12 +482,12 @@ class ExtractDispatcher:
         silent None). Either way a request that finished here (a stop string)
         is aborted in the engine, as vLLM's step 5 would.
         """
-        emission = OutputEmission(*fields)
         tracker: HiddenStatesTracker = req_state.hidden_states_tracker
         if engine_core_output.captured is not None:
             tracker.receive(engine_core_output.captured)
-        if emission.finish_reason is None:
+        if fields[_FINISH_REASON] is None:
             return False
+        emission = OutputEmission(*fields)
         token_ids = _sequence(req_state)
         failure = None
         if tracker.spec.positions == "prompt":
