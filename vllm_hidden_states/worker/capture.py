@@ -31,7 +31,7 @@ from vllm_hidden_states.worker.capture_setup import (
     place_points,
 )
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
-from vllm_hidden_states.worker.patterns import PatternHistory
+from vllm_hidden_states.worker.patterns import PatternCaptures
 from vllm_hidden_states.worker.stage_carry import StageCarry
 from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
 from vllm_hidden_states.worker.tp_shards import gather_columns, sharded_ids, tp_rank_and_size
@@ -96,11 +96,8 @@ class HiddenStatesCapture:
         self._partial: dict[str, HostRows] = {}
         self._ready: dict[str, HostRows] = {}
         self._ready_group: CapturedRows | None = None
-        # Attention patterns: queries and keys of captures still running, on
-        # the device; finished patterns (host tensor [P, heads, q, k]) with
-        # their query window, attached with the rows.
-        self._pattern_history: dict[str, PatternHistory] = {}
-        self._ready_patterns: dict[str, tuple[torch.Tensor, int, int]] = {}
+        # Attention patterns, attached with the rows once finished.
+        self.patterns = PatternCaptures()
         self.copies = HostCopies(runner.device)
         self.sae_layer = config.sae_layer
         self.sae = load_capture_sae(config, runner.device, self.is_last_stage)
@@ -140,7 +137,7 @@ class HiddenStatesCapture:
         (pipeline parallel) earlier stages' rows off the received tensors,
         before vLLM copies the model's own entries into its buffers."""
         if scheduler_output.finished_req_ids and (
-            self._partial or self._ready or self._ready_group or self._pattern_history
+            self._partial or self._ready or self._ready_group or self.patterns.running
         ):
             self.forget(scheduler_output.finished_req_ids)
         if self.steering is not None:
@@ -308,7 +305,8 @@ class HiddenStatesCapture:
 
             step = armed.step
             if step.patterns:
-                self._keep_pattern_rows(armed, inner)
+                assert self.points is not None  # pattern ids have capture points
+                self.patterns.keep(armed.req_id, step, armed.done, inner, self.points, self.copies)
             # Device rows, one [rows, hidden] per layer; the host copies are
             # not waited on (see host_rows), and the next forward rewrites the
             # buffers only after them, in stream order.
@@ -445,29 +443,6 @@ class HiddenStatesCapture:
             rows = gathered[inner]
         return self.points.hf_order(k, rows)
 
-    def _keep_pattern_rows(self, armed: _Armed, inner: slice) -> None:
-        """A pattern capture's queries and keys of this forward into its
-        device history; once its last position is computed, the patterns of
-        its query window, copied to the host (not waited on)."""
-        step = armed.step
-        assert self.points is not None  # pattern ids have capture points
-        history = self._pattern_history.get(armed.req_id)
-        if history is None or step.start == 0:  # fresh (or recomputed) capture
-            history = self._pattern_history[armed.req_id] = PatternHistory(step.num_tokens)
-        for k in step.patterns:
-            q, key = self.points.read_pattern(k)
-            history.write(k, step.first, q[inner], key[inner])
-        if not armed.done:
-            return
-        del self._pattern_history[armed.req_id]
-        n = step.num_tokens
-        lo = step.query_start
-        hi = n if step.query_stop is None else min(step.query_stop, n)
-        patterns = history.weights(step.patterns, self.points.pattern_modules, lo, hi)
-        host = self.copies.empty(tuple(patterns.shape), patterns.dtype)
-        self.copies.copy(host, patterns)
-        self._ready_patterns[armed.req_id] = (host, lo, hi)  # positions
-
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
         if self._ready_group is not None and not req_ids.isdisjoint(self._ready_group.req_ids):
@@ -475,8 +450,7 @@ class HiddenStatesCapture:
         for req_id in req_ids:
             self._partial.pop(req_id, None)
             self._ready.pop(req_id, None)
-            self._pattern_history.pop(req_id, None)
-            self._ready_patterns.pop(req_id, None)
+            self.patterns.forget(req_id)
 
     def attach(self, output: Any, async_output: bool) -> None:
         """Once ``sample_tokens`` built the ``ModelRunnerOutput``: put the
@@ -500,7 +474,7 @@ class HiddenStatesCapture:
         self._ready_group = None
         for req_id, rows in ready.items():
             captured = rows.captured()
-            if (pattern := self._ready_patterns.pop(req_id, None)) is not None:
+            if (pattern := self.patterns.ready.pop(req_id, None)) is not None:
                 # A pattern capture's rows are cut to its query window.
                 patterns, lo, hi = pattern
                 captured = slice_rows(captured, lo - rows.first, hi - rows.first)

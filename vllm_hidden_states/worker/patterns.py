@@ -13,9 +13,15 @@ leave the device: ``[heads, queries, keys]`` float32.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from vllm_hidden_states.wire import CaptureStep
+    from vllm_hidden_states.worker.capture_points import CapturePoints
+    from vllm_hidden_states.worker.host_rows import HostCopies
 
 
 @dataclass
@@ -49,6 +55,51 @@ class PatternHistory:
         return torch.stack(
             [attention_pattern(self.queries[k][lo:hi], self.keys[k], modules[k], lo) for k in ids]
         )
+
+
+class PatternCaptures:
+    """The pattern captures of one worker: queries and keys of those still
+    running, on the device (by request id), and the finished ones' patterns,
+    host tensors ``[points, heads, queries, keys]`` float32 with their query
+    window ``(lo, hi)`` in positions, until they leave with the rows."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, PatternHistory] = {}
+        self.ready: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+    def keep(
+        self,
+        req_id: str,
+        step: "CaptureStep",
+        done: bool,
+        inner: slice,
+        points: "CapturePoints",
+        copies: "HostCopies",
+    ) -> None:
+        """This forward's queries and keys of ``req_id`` (rows ``inner`` of
+        the capture buffers) into its history; once its last position is
+        computed (``done``), the patterns of its query window, copied to the
+        host (not waited on)."""
+        history = self.running.get(req_id)
+        if history is None or step.start == 0:  # fresh (or recomputed) capture
+            history = self.running[req_id] = PatternHistory(step.num_tokens)
+        for k in step.patterns:
+            q, key = points.read_pattern(k)
+            history.write(k, step.first, q[inner], key[inner])
+        if not done:
+            return
+        del self.running[req_id]
+        n = step.num_tokens
+        lo = step.query_start
+        hi = n if step.query_stop is None else min(step.query_stop, n)
+        patterns = history.weights(step.patterns, points.pattern_modules, lo, hi)
+        host = copies.empty(tuple(patterns.shape), patterns.dtype)
+        copies.copy(host, patterns)
+        self.ready[req_id] = (host, lo, hi)
+
+    def forget(self, req_id: str) -> None:
+        self.running.pop(req_id, None)
+        self.ready.pop(req_id, None)
 
 
 def attention_pattern(

@@ -17,21 +17,12 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm_hidden_states.points import point_of_id
 from vllm_hidden_states.probe_actions import steered_from
-from vllm_hidden_states.steering_config import (
-    MAX_SAE_EDITS,
-    SteeringConfig,
-)
-from vllm_hidden_states.worker.capture_op import (
-    count_readable_on_host,
-)
+from vllm_hidden_states.steering_config import MAX_SAE_EDITS, SteeringConfig
+from vllm_hidden_states.worker.capture_op import count_readable_on_host
 from vllm_hidden_states.worker.probe_gates import RequestGates
 from vllm_hidden_states.worker.slot_pool import SlotPool
 from vllm_hidden_states.worker.steering_hooks import install_hooks, splices
-from vllm_hidden_states.worker.steering_op import (
-    SteerTap,
-    register_op,
-    steer_tap,
-)
+from vllm_hidden_states.worker.steering_op import SteerTap, register_op, steer_tap
 from vllm_hidden_states.worker.steering_requests import (
     PATCH,
     SPLICE,
@@ -40,15 +31,8 @@ from vllm_hidden_states.worker.steering_requests import (
     RequestSteering,
 )
 from vllm_hidden_states.worker.step_batch import StepBatch, expand_stretches
-from vllm_hidden_states.worker.taps import (
-    find_decoder_layers,
-)
-from vllm_hidden_states.worker.tp_shards import (
-    is_share,
-    linear_full_width,
-    linear_local_width,
-    rank_columns,
-)
+from vllm_hidden_states.worker.taps import find_decoder_layers
+from vllm_hidden_states.worker.tp_shards import rank_columns, z_full_width, z_is_share
 
 logger = init_logger(__name__)
 
@@ -86,12 +70,10 @@ class Steering:
         # Under tensor parallelism this rank's projection reads only its
         # heads: ``columns`` are its columns of those rows (cut at upload).
         self.widths = {
-            k: self._z_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
+            k: z_full_width(config, k, tap.module) for k, tap in taps.items() if tap.heads
         }
         self.columns = {
-            k: rank_columns(width)
-            if self._z_sharded(config, k, taps[k].module)
-            else slice(0, width)
+            k: rank_columns(width) if z_is_share(config, k, taps[k].module) else slice(0, width)
             for k, width in self.widths.items()
         }
         self.index_of = {k: i for i, k in enumerate(config.ids)}
@@ -179,33 +161,6 @@ class Steering:
         self._stretches: tuple | None = None
         self.armed = False
         install_hooks(self, taps, sae)
-
-    @staticmethod
-    def _z_width(config: SteeringConfig, capture_id: int, module: nn.Module) -> int:
-        """The full width of attn_z id ``capture_id`` (every head's: heads *
-        head_dim, as the front-end checks rows), read at its output
-        projection ``module`` (over every tensor-parallel rank); ValueError
-        where it is not the config's."""
-        point = point_of_id(capture_id, config.num_layers)
-        assert point is not None
-        width = linear_full_width(module)
-        heads, head_dim = config.z_shapes[point[1]]
-        if width != heads * head_dim:
-            raise ValueError(
-                f"attn_z.{point[1]}: {type(module).__name__} takes {width} values per token "
-                f"(over every tensor-parallel rank), not {heads} heads x {head_dim} (the "
-                "config's); leave attn_z out of --steering-points"
-            )
-        return width
-
-    @staticmethod
-    def _z_sharded(config: SteeringConfig, capture_id: int, module: nn.Module) -> bool:
-        """Whether this rank's output projection ``module`` of attn_z id
-        ``capture_id`` reads only its heads (a ``1 / tp`` share)."""
-        point = point_of_id(capture_id, config.num_layers)
-        assert point is not None
-        what = f"attn_z.{point[1]}"
-        return is_share(linear_local_width(module), linear_full_width(module), what)
 
     # -- per step --------------------------------------------------------------
 

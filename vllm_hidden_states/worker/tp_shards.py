@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from vllm_hidden_states.points import point_of_id
+
 if TYPE_CHECKING:
+    from vllm_hidden_states.steering_config import SteeringConfig
     from vllm_hidden_states.worker.capture_points import CapturePoints
 
 
@@ -87,7 +90,6 @@ def sharded_ids(points: "CapturePoints", num_layers: int, model_config: Any) -> 
     at the down / output projection (its ``input_size`` over every rank),
     q / k / v at vLLM's ``Attention`` (the layer's query heads, or the
     model's KV heads, from ``model_config``, times the head size)."""
-    from vllm_hidden_states.points import point_of_id
     from vllm_hidden_states.steering_config import z_shapes_of
 
     shapes = z_shapes_of(model_config, num_layers)
@@ -108,3 +110,30 @@ def sharded_ids(points: "CapturePoints", num_layers: int, model_config: Any) -> 
         if is_share(points.neuron_buffers[k].shape[-1], full, f"{kind}.{layer}"):
             out.add(k)
     return out
+
+
+def z_full_width(config: "SteeringConfig", capture_id: int, module: nn.Module) -> int:
+    """The full width of attn_z id ``capture_id`` (every head's: heads *
+    head_dim, as the front-end checks rows), read at its output
+    projection ``module`` (over every tensor-parallel rank); ValueError
+    where it is not the config's."""
+    point = point_of_id(capture_id, config.num_layers)
+    assert point is not None
+    width = linear_full_width(module)
+    heads, head_dim = config.z_shapes[point[1]]
+    if width != heads * head_dim:
+        raise ValueError(
+            f"attn_z.{point[1]}: {type(module).__name__} takes {width} values per token "
+            f"(over every tensor-parallel rank), not {heads} heads x {head_dim} (the "
+            "config's); leave attn_z out of --steering-points"
+        )
+    return width
+
+
+def z_is_share(config: "SteeringConfig", capture_id: int, module: nn.Module) -> bool:
+    """Whether this rank's output projection ``module`` of attn_z id
+    ``capture_id`` reads only its heads (a ``1 / tp`` share)."""
+    point = point_of_id(capture_id, config.num_layers)
+    assert point is not None
+    what = f"attn_z.{point[1]}"
+    return is_share(linear_local_width(module), linear_full_width(module), what)
