@@ -631,6 +631,70 @@ LAYER_CLASSES[_V + "hyperclovax.HyperCLOVAXDecoderLayer"] = LayerClass(
 )
 
 
+# Hy3 (HYV3): vLLM's fused residual, q/k norms; dense in the first
+# first_k_dense_replace layers (vLLM's reading; HF's mlp_layer_types), routed
+# experts and a shared MLP after (the block's output is their sum, mlp_out).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}hy_v3.HYV3DecoderLayer" + (_EXPERTS if _experts else "")] = LayerClass(
+        "fused", ("hy_v3",), neurons=None if _experts else "mlp.down_proj"
+    )
+
+
+def _hy_v3_layers(config: Any) -> list[str]:
+    # vLLM builds a dense MLP in the first first_k_dense_replace layers and
+    # runs q/k norms only where the config's qk_norm says so; HF builds by
+    # mlp_layer_types and always has q/k norms: where they disagree vLLM's
+    # model is not HF's, and the layers are named as no reader has them.
+    name = _V + "hy_v3.HYV3DecoderLayer"
+    n = config.num_hidden_layers
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    types = getattr(config, "mlp_layer_types", None) or []
+    untested = []
+    if not getattr(config, "qk_norm", False):
+        untested.append("qk_norm unset: vLLM skips the q/k norms HF runs")
+    if types and list(types) != ["dense"] * min(dense, n) + ["sparse"] * max(n - dense, 0):
+        untested.append("mlp_layer_types unlike first_k_dense_replace, which vLLM reads")
+    suffix = f"[{'; '.join(untested)}]" if untested else ""
+    return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
+
+
+# A.X K1: DeepSeek-V3's layers (vLLM's fused residual, MLA: no pattern, no
+# attn_z, and the float16 rescaling), a norm on each MoE block's output
+# (post_mlp_layernorm, inside HF's MoE block: the layer's returned hidden,
+# mlp_out).
+LAYER_CLASSES[_V + "AXK1.AXK1DecoderLayer"] = LayerClass(
+    "fused",
+    ("axk1",),
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"),
+    lacks="attends with multi-head latent attention (MLA), whose vLLM module "
+    "takes the compressed KV latent rather than keys: no attention pattern is "
+    "read there, and its heads' outputs (attn_z) are not verified against HF",
+    float16="vLLM scales A.X K1's residual stream by 1/routed_scaling_factor "
+    "in float16 (an overflow guard), so its states there are not the model's",
+)
+
+
+def _axk1_layers(config: Any) -> list[str]:
+    # vLLM's MoE layers are every moe_layer_freq-th from
+    # first_k_dense_replace (HF's every one from there), routed by the
+    # config's scoring_func and topk_method (HF's: sigmoid with the
+    # correction bias, noaux_tc): tested as HF runs.
+    name = _V + "AXK1.AXK1DecoderLayer"
+    unlike_hf = [
+        flag
+        for flag, on in (
+            ("moe_layer_freq", int(getattr(config, "moe_layer_freq", 1) or 1) != 1),
+            ("scoring_func", getattr(config, "scoring_func", "sigmoid") != "sigmoid"),
+            ("topk_method", getattr(config, "topk_method", "noaux_tc") != "noaux_tc"),
+        )
+        if on
+    ]
+    if unlike_hf:
+        name += f"[{', '.join(unlike_hf)} unlike what HF's A.X K1 runs]"
+    return [name] * config.num_hidden_layers
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -678,6 +742,8 @@ MODEL_LAYERS.update(
         _V + "exaone_moe.ExaoneMoeForCausalLM": _exaone_moe_layers,
         _V + "afmoe.AfmoeForCausalLM": _afmoe_layers,
         _V + "hyperclovax.HyperCLOVAXForCausalLM": _V + "hyperclovax.HyperCLOVAXDecoderLayer",
+        _V + "hy_v3.HYV3ForCausalLM": _hy_v3_layers,
+        _V + "AXK1.AXK1ForCausalLM": _axk1_layers,
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
         + "granitemoeshared.GraniteMoeSharedDecoderLayer",
         _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",

