@@ -131,7 +131,7 @@ HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense")
 LAYER_CLASSES: dict[str, LayerClass] = {
     _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45")),
     _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
-    _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2",)),
+    _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2", "mimo")),
     _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
     _V + "qwen3_moe.Qwen3MoeDecoderLayer": LayerClass("fused", ("qwen3_moe",), neurons=None),
     _V + "mixtral.MixtralDecoderLayer": LayerClass("fused", ("mixtral",), neurons=None),
@@ -695,6 +695,74 @@ def _axk1_layers(config: Any) -> list[str]:
     return [name] * config.num_hidden_layers
 
 
+# OPT (125m and up: pre-LN, do_layer_norm_before): the stream in hidden only,
+# LayerNorm before each block and plain adds (GPT-2's order); the MLP is inline
+# in the layer (fc1, activation, fc2): fc2's output is mlp_out, its input the
+# neurons; final_layer_norm (the layer's, before fc1) reads resid_mid. vLLM's
+# query is the projection's output (HF's OPT pre-scales it by head_dim^-0.5
+# and attends with scale 1: the same attention).
+LAYER_CLASSES[_V + "opt.OPTDecoderLayer"] = LayerClass(
+    "plain", ("opt",), mlp="fc2", mid_norm="final_layer_norm", neurons="fc2"
+)
+
+
+def _opt_layers(config: Any) -> list[str]:
+    # OPT-350m's post-LN blocks (do_layer_norm_before false) normalize after
+    # each add: the stream between the blocks is self_attn_layer_norm's
+    # output, where this reader reads final_layer_norm's input (the sum
+    # before the norm, and final_layer_norm comes after the MLP there).
+    # Untested: nothing inside is vouched for.
+    name = _V + "opt.OPTDecoderLayer"
+    if not getattr(config, "do_layer_norm_before", True):
+        name += "[do_layer_norm_before=false (post-LN, OPT-350m): untested]"
+    return [name] * config.num_hidden_layers
+
+
+# MiniCPM3: the stream in hidden (it ignores the residual argument and
+# returns (stream, None)), pre-norm blocks whose outputs are added times
+# scale_depth / sqrt(num_hidden_layers) (muP): the granite reader, its
+# multiplier read from the layer's config. Its attention is MLA-shaped
+# (low-rank queries, a compressed KV latent) but vLLM runs it through its
+# plain attention on expanded per-head queries and keys (64 + 32 rotary
+# dimensions): patterns and attn_z are HF's; values are padded there.
+LAYER_CLASSES[_V + "minicpm3.MiniCPM3DecoderLayer"] = LayerClass(
+    "granite",
+    ("minicpm3",),
+    qkv="vLLM pads each value head with zeros from v_head_dim to the query/key head size "
+    "(qk_nope_head_dim + qk_rope_head_dim) for its attention kernel, so the values there "
+    "are not HF's (q and k, read at the same module, are refused with them)",
+)
+
+
+def _minicpm3_layers(config: Any) -> list[str]:
+    # vLLM builds MiniCPM's MoE block where the config has experts: untested.
+    name = _V + "minicpm3.MiniCPM3DecoderLayer"
+    if int(getattr(config, "num_experts", 0) or 0) > 0:
+        name += "[num_experts > 0: untested]"
+    return [name] * config.num_hidden_layers
+
+
+# Cohere2 MoE: Cohere's layer (one norm, attention and the MLP side by side
+# on its output, both added to the stream in hidden; no resid_mid), dense in
+# the layers mlp_layer_types names so, routed experts plus shared ones
+# elsewhere (mlp_out their combined output, no mlp_post).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}cohere2_moe.Cohere2MoeDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass(
+            "parallel",
+            ("cohere2_moe",),
+            neurons=None if _experts else "mlp.down_proj",
+            kinds=_SIDE_BY_SIDE_KINDS,
+            lacks=_SIDE_BY_SIDE,
+        )
+    )
+
+
+def _cohere2_moe_layers(config: Any) -> list[str]:
+    name = _V + "cohere2_moe.Cohere2MoeDecoderLayer"
+    return [name + ("" if t == "dense" else _EXPERTS) for t in config.mlp_layer_types]
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -744,6 +812,11 @@ MODEL_LAYERS.update(
         _V + "hyperclovax.HyperCLOVAXForCausalLM": _V + "hyperclovax.HyperCLOVAXDecoderLayer",
         _V + "hy_v3.HYV3ForCausalLM": _hy_v3_layers,
         _V + "AXK1.AXK1ForCausalLM": _axk1_layers,
+        _V + "opt.OPTForCausalLM": _opt_layers,
+        _V + "minicpm3.MiniCPM3ForCausalLM": _minicpm3_layers,
+        _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
+        # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
+        _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
         + "granitemoeshared.GraniteMoeSharedDecoderLayer",
         _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",
@@ -944,6 +1017,55 @@ def predicted_layer_classes(model_config: Any, num_layers: int) -> tuple[str | N
         return unknown  # a per-layer prediction needs the model's config
     predicted = tuple(layers(text_config))
     return predicted if len(predicted) == num_layers else unknown
+
+
+# vLLM model classes whose forward returns the final post-norm state divided by
+# a factor that HF transformers applies only on the way to its LM head
+# (MiniCPM's muP width scaling, hidden_size / dim_model_base): HF's
+# hidden_states[-1], layer L, is the model output times it (the worker
+# multiplies the rows it copies; worker/capture.py). vLLM's
+# MiniCPMForCausalLM.forward (minicpm.py) divides by its scale_width;
+# MiniCPM3's is that same forward.
+def _minicpm_width(config: Any) -> float:
+    return config.hidden_size / config.dim_model_base
+
+
+FINAL_STATE_SCALES: dict[str, Callable[[Any], float]] = {
+    _V + "minicpm.MiniCPMForCausalLM": _minicpm_width,
+    _V + "minicpm3.MiniCPM3ForCausalLM": _minicpm_width,
+}
+
+
+# vLLM model classes whose forward returns the stream before the final norm
+# (applied in compute_logits instead): layer L, HF's post-norm
+# hidden_states[-1], is that norm (the model's module at this path) applied
+# to the model output (the worker applies it to the rows it copies). MiMo's
+# (mimo.py: MiMoModel.forward returns hidden_states + residual).
+FINAL_STATE_NORMS: dict[str, str] = {_V + "mimo.MiMoForCausalLM": "model.norm"}
+
+
+def final_state_norm(model_config: Any) -> str | None:
+    """The path of the norm module the model output passes to be layer
+    ``L`` (:data:`FINAL_STATE_NORMS`), None for most models."""
+    try:
+        model_cls = model_class_of(model_config)
+    except Exception:
+        return None
+    return FINAL_STATE_NORMS.get(model_cls or "")
+
+
+def final_state_scale(model_config: Any) -> float:
+    """What the model output is multiplied by to be layer ``L`` (HF's
+    ``hidden_states[-1]``): 1 but where :data:`FINAL_STATE_SCALES` says."""
+    try:
+        model_cls = model_class_of(model_config)
+    except Exception:
+        return 1.0
+    scale = FINAL_STATE_SCALES.get(model_cls or "")
+    text_config = getattr(model_config, "hf_text_config", None)
+    if scale is None or text_config is None:
+        return 1.0
+    return float(scale(text_config))
 
 
 # Models whose decoder layers take no single [tokens, hidden] stream: layer 0

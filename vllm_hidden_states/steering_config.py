@@ -303,28 +303,39 @@ def steerable_ids(
     return tuple(sorted(ids))
 
 
+def z_head_dim(model_config: Any) -> int:
+    """The size of one head's output (attn_z) from the model's config: the
+    value heads' size, v_head_dim, where the config has one (MiniCPM3's
+    heads output 64 values, its queries and keys have 96 dimensions), else
+    the model's head size (0: a config without heads)."""
+    v_head_dim = getattr(model_config.hf_text_config, "v_head_dim", None)
+    if isinstance(v_head_dim, int) and v_head_dim > 0:
+        return v_head_dim
+    head_size = getattr(model_config, "get_head_size", None)
+    try:
+        return int(head_size()) if head_size is not None else 0
+    except Exception:  # a config without heads (attn_z is then never writable)
+        return 0
+
+
 def z_shapes_of(model_config: Any, num_layers: int) -> tuple[tuple[int, int], ...]:
     """``(heads, head_dim)`` of each decoder layer's heads' outputs (attn_z,
     ``heads * head_dim`` wide) from the model's config: a layer's own entry
     of ``per_layer_config`` where the config has one (Gemma 4's full and
-    sliding layers differ), else the model's query heads and head size."""
+    sliding layers differ), else the model's query heads and
+    :func:`z_head_dim`."""
     text = model_config.hf_text_config
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    head_size = getattr(model_config, "get_head_size", None)
-    try:
-        head_dim = int(head_size()) if head_size is not None else 0
-    except Exception:  # a config without heads (attn_z is then never writable)
-        head_dim = 0
+    head_dim = z_head_dim(model_config)
     per_layer = getattr(text, "per_layer_config", None)
     out = []
     for i in range(num_layers):
         own = per_layer[i] if per_layer else None
-        out.append(
-            (
-                int(getattr(own, "num_attention_heads", 0) or heads),
-                int(getattr(own, "head_dim", 0) or head_dim),
-            )
-        )
+        # (HF 5's per-layer view of any config: its head_dim, unless it has
+        # value heads of their own size, MiniCPM3's)
+        own_v = getattr(own, "v_head_dim", None)
+        own_dim = own_v if isinstance(own_v, int) and own_v > 0 else getattr(own, "head_dim", 0)
+        out.append((int(getattr(own, "num_attention_heads", 0) or heads), int(own_dim or head_dim)))
     return tuple(out)
 
 

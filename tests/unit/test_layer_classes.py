@@ -140,6 +140,46 @@ def test_falcon_h1_with_norm_before_gate_is_not_verified():
         capturable_point_ids(["resid_mid.1"], L, model)
 
 
+def test_opt_is_exact_inside_in_its_pre_ln_layout_only():
+    """OPT-125m and up (do_layer_norm_before): every point, the inline MLP's
+    fc2 read for mlp_out and mlp_post; OPT-350m's post-LN blocks: refused."""
+    model = model_layers(tiny_config("opt"))
+    assert model.exact_layers() == list(range(L + 1))
+    assert all(model.kinds_at(i) == layers.POINT_KINDS for i in range(L))
+    post_ln = model_layers(tiny_config("opt_post_ln"))
+    assert post_ln.exact_layers() == [0, L]
+    with pytest.raises(ValueError, match=r"do_layer_norm_before=false.*not verified"):
+        capturable_point_ids(["resid_mid.1"], L, post_ln)
+
+
+def test_minicpm_final_state_is_the_model_output_times_its_width_scale():
+    """vLLM's MiniCPM forward divides its final state by hidden_size /
+    dim_model_base (HF's divides only before its LM head): layer L is the
+    model output times that; 1 for other models."""
+    config = tiny_config("minicpm3")
+    minicpm3 = SimpleNamespace(architectures=config.architectures, hf_text_config=config)
+    assert layers.final_state_scale(minicpm3) == config.hidden_size / config.dim_model_base != 1
+    llama = tiny_config("llama")
+    plain = SimpleNamespace(architectures=llama.architectures, hf_text_config=llama)
+    assert layers.final_state_scale(plain) == 1.0
+    assert layers.final_state_norm(minicpm3) is None
+    model = model_layers(config)
+    assert all("q" not in model.kinds_at(i) and "attn_z" in model.kinds_at(i) for i in range(L))
+    with pytest.raises(ValueError, match=r"v.1: .*pads each value head"):
+        capturable_point_ids(["v.1"], L, model)
+
+
+def test_mimo_final_state_is_the_model_output_through_its_final_norm():
+    """vLLM's MiMo forward returns the stream before the final norm (applied
+    in compute_logits): layer L is the output through model.norm."""
+    config = tiny_config("mimo")
+    assert config.architectures == ["MiMoForCausalLM"]
+    mimo = SimpleNamespace(architectures=config.architectures, hf_text_config=config)
+    assert layers.final_state_norm(mimo) == "model.norm"
+    assert layers.final_state_scale(mimo) == 1.0
+    assert model_layers(config).exact_layers() == list(range(L + 1))
+
+
 def test_a_single_block_model_refuses_resid_mid_as_a_steering_point_at_start():
     from vllm_hidden_states.steering_config import steerable_ids
 
@@ -165,7 +205,7 @@ def test_every_known_layer_class_is_tested_by_a_tiny_model():
 
 
 def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_state():
-    model = ModelLayers((None,) * L, "vllm.model_executor.models.opt.OPTForCausalLM")
+    model = ModelLayers((None,) * L, "vllm.model_executor.models.mamba2.Mamba2ForCausalLM")
     assert model.exact_layers() == [0, L]
     assert model.kinds_at(0) == ("resid_pre",)
     assert all(model.kinds_at(i) == () for i in range(1, L))
@@ -174,7 +214,7 @@ def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_s
 def test_by_default_an_engine_captures_only_the_layers_read_exactly():
     entry = additional_config_entry(None)
     cfg = HiddenStatesConfig.from_vllm_config(
-        fake_vllm_config(entry, num_layers=L, architecture="OPTForCausalLM")
+        fake_vllm_config(entry, num_layers=L, architecture="Mamba2ForCausalLM")
     )
     assert cfg is not None
     assert cfg.layers == (0, L)
@@ -184,17 +224,19 @@ def test_an_engine_asked_for_a_layer_of_an_unknown_class_refuses_at_start_naming
     entry = additional_config_entry([1, -1])
     with pytest.raises(ValueError) as e:
         HiddenStatesConfig.from_vllm_config(
-            fake_vllm_config(entry, num_layers=L, architecture="OPTForCausalLM")
+            fake_vllm_config(entry, num_layers=L, architecture="Mamba2ForCausalLM")
         )
     message = str(e.value)
     assert "--hidden-states-layers 1" in message
-    assert "OPTForCausalLM" in message and "not verified" in message
+    assert "Mamba2ForCausalLM" in message and "not verified" in message
     assert "0 (the embedding output)" in message and "-1 (the final post-norm state)" in message
 
 
 def test_a_request_for_a_layer_of_an_unknown_class_is_refused_naming_what_is_exact():
     cfg = HiddenStatesConfig.from_vllm_config(
-        fake_vllm_config(additional_config_entry(None), num_layers=L, architecture="OPTForCausalLM")
+        fake_vllm_config(
+            additional_config_entry(None), num_layers=L, architecture="Mamba2ForCausalLM"
+        )
     )
     assert cfg is not None
     assert cfg.resolve_all([0, -1]) == [0, L]

@@ -64,6 +64,7 @@ from vllm_hidden_states.server.request_checks import (
     validate_steering,
 )
 from vllm_hidden_states.server.stored_rows import has_store_refs, resolve_store_refs
+from vllm_hidden_states.steering_config import z_head_dim
 
 logger = init_logger(__name__)
 ROUTE = "POST /v1/hidden_states"
@@ -431,6 +432,8 @@ def _row_width(engine_client: Any, request: HiddenStatesRequest) -> int:
         heads = int(model_config.hf_text_config.num_attention_heads)
         if kind in ("k", "v"):  # one row per KV head (vLLM's count: Falcon's multi_query)
             heads = int(model_config.get_total_num_kv_heads())
+        if kind == "attn_z":  # value heads' size where it differs (MiniCPM3)
+            return heads * z_head_dim(model_config)
         return heads * int(model_config.get_head_size())
     return model_config.get_hidden_size()
 

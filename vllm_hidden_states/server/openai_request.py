@@ -63,6 +63,7 @@ from vllm_hidden_states.server.request_checks import (
     validate_steering,
 )
 from vllm_hidden_states.server.stored_rows import has_store_refs, resolve_store_refs
+from vllm_hidden_states.steering_config import z_head_dim
 from vllm_hidden_states.store import choice_writer
 
 # The response object of each of q, k, v's rows.
@@ -557,8 +558,7 @@ async def admit(serving: Any, request: Any, raw_request: Any) -> Any:
             model_config.get_hidden_size(),
             heads=int(model_config.hf_text_config.num_attention_heads),
             intermediate=int(getattr(model_config.hf_text_config, "intermediate_size", 0) or 0),
-            z_width=int(model_config.hf_text_config.num_attention_heads)
-            * int(model_config.get_head_size()),
+            z_width=int(model_config.hf_text_config.num_attention_heads) * z_head_dim(model_config),
             kv_width=int(model_config.get_total_num_kv_heads()) * int(model_config.get_head_size()),
             probe_outputs=probe_outputs(cfg, ask),
         )

@@ -104,7 +104,12 @@ NOTES: dict[str, str] = {
     "attention block every other layer, attention heads of 64): plain vLLM runs it, the "
     "final state within 1e-6 of HF's and greedy tokens equal; its hybrid layers' inner "
     "points are not mapped here (an earlier try with other attention sizes did not start)",
-    "OPTForCausalLM": "the refusal is tested (tests/v1/hidden_states/test_unknown_layers.py)",
+    "OPTForCausalLM": "tested in the pre-LN layout (do_layer_norm_before, OPT-125m and up): "
+    "every point (the MLP inline: fc2's output is mlp_out, its input mlp_post; HF's query "
+    "pre-scaled by head_dim^-0.5, vLLM's not: q is the projection's output); with "
+    "do_layer_norm_before=false (OPT-350m's post-LN blocks) every layer inside is refused "
+    "(untested; the refusal is tested there, tests/v1/hidden_states/test_unknown_layers.py), "
+    "and its project_in / project_out (word_embed_proj_dim != hidden_size) are untested",
     # Seen by the sweep (issue "The checkpoints people download").
     "ApertusForCausalLM": "seen (tiny model `apertus`, fp32): runs, but 8e-4 relative off HF "
     "at the final state (other families: ~1e-6), xIELU's parameters held at bfloat16 "
@@ -139,6 +144,29 @@ NOTES: dict[str, str] = {
     "HyperCLOVAXForCausalLM": "tested with use_post_norm and muP multipliers: no attn_out "
     "or mlp_out (each block's output passes a post-norm before its multiplied add, which "
     "the reader does not read); resid_mid, patterns and mlp_post served",
+    "MiniCPM3ForCausalLM": "tested with MiniCPM3-4B's shape (low-rank queries and KV "
+    "latent, query/key heads of 64 + 32 rotary dimensions, values of 64), muP scale_emb, "
+    "scale_depth and dim_model_base, the default rotary (the release's longrope untested): "
+    "no q, k, v (vLLM pads the value heads with zeros to the query/key head size for its "
+    "kernel); layer -1 is vLLM's model output times hidden_size / dim_model_base (its "
+    "forward divides the final state by that, HF's only before its LM head; seen without "
+    "it: 1.0 relative error, twice HF's state at the tiny model's width scale 0.5); "
+    "vLLM's q_a / kv_a norms take the config's rms_norm_eps where HF's port uses 1e-6 "
+    "(the release: 1e-5; tested at 1e-6, where both agree)",
+    "MiniCPMForCausalLM": "layer -1 is vLLM's model output times hidden_size / "
+    "dim_model_base (its forward divides the final state by that, where HF's "
+    "hidden_states[-1] does not; the same forward as MiniCPM3's, tested there)",
+    "Cohere2MoeForCausalLM": "tested with LayerNorm (rms_norm_eps unset), a dense first "
+    "layer (mlp_post there only), routed experts (softmax top-k) and a shared one "
+    "averaged with them, sliding layers and a global NoPE one: no resid_mid (attention "
+    "and MLP side by side); vLLM's sliding layers see one key more than HF's mask (as "
+    "Cohere2's): inner layers are compared with HF run by vLLM's window",
+    "MiMoForCausalLM": "tested as the released checkpoints declare it, on Qwen2 weights "
+    "without MTP layers (vLLM's main model does not load them), against HF's "
+    "Qwen2ForCausalLM (MiMo's own HF class is remote code): vLLM's Qwen2 layers; layer "
+    "-1 is vLLM's model output through its final norm (MiMo's forward returns the "
+    "stream before it, leaving the norm to compute_logits; seen without it: 0.44 "
+    "relative error against HF's hidden_states[-1])",
     "ExaoneMoeForCausalLM": "tested with a dense first layer (mlp_post there only), "
     "routed experts and a shared one, sliding layers and a global one",
     "ExaoneMoEForCausalLM": "as ExaoneMoeForCausalLM",
@@ -188,7 +216,7 @@ REFUSED: frozenset[str] = frozenset(
     ApertusForCausalLM BailingMoeForCausalLM
     BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     ChatGLMModel ChatGLMForConditionalGeneration
-    Cohere2MoeForCausalLM DeciLMForCausalLM
+    DeciLMForCausalLM
     DeepseekForCausalLM
     DeepseekV32ForCausalLM DeepseekV4ForCausalLM
     ExaoneForCausalLM
@@ -200,11 +228,11 @@ REFUSED: frozenset[str] = frozenset(
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM KimiLinearForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
-    MiniCPMForCausalLM MiniCPM3ForCausalLM
+    MiniCPMForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
-    MistralLarge3ForCausalLM MiMoForCausalLM
+    MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
-    OPTForCausalLM OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
+    OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
     SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM

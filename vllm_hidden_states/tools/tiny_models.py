@@ -113,14 +113,20 @@ FRONTIER_ARCHS = (
     # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_recent.py).
     "hy_v3",
     "axk1",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_classic.py).
+    "opt",
+    "minicpm3",
+    "cohere2_moe",
+    "mimo",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
 
 # Built for the refusal tests only (tests/v1/hidden_states/test_unknown_layers.py):
-# vLLM runs them, but their decoder layer classes are not verified here, so
+# vLLM runs them, but their decoder layers are not verified here (OPT-350m's
+# post-LN layout, do_layer_norm_before false: a variant of a tested class), so
 # only layer 0 and the final state are served. Not in the exactness matrix.
-REFUSED_ARCHS = ("opt", "gemma3n")
+REFUSED_ARCHS = ("opt_post_ln", "gemma3n")
 
 # Built to compare plain vLLM with HF (tools and probes); not verified.
 UNVERIFIED_ARCHS = ("minimax_m2",)
@@ -154,6 +160,10 @@ SWEEP_CANDIDATES = (
     "laguna",
     "axk1",
     "mimo_v2_flash",
+    "opt",
+    "minicpm3",
+    "cohere2_moe",
+    "mimo",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -168,6 +178,7 @@ _STYLE = {
     "falcon_h1": "chatml",
     "gpt2": "chatml",
     "opt": "chatml",
+    "opt_post_ln": "chatml",
     "qwen2_moe": "chatml",
     "olmoe": "chatml",
     "ernie45": "chatml",
@@ -221,6 +232,9 @@ _STYLE = {
     "laguna": "chatml",
     "axk1": "chatml",
     "mimo_v2_flash": "chatml",
+    "minicpm3": "chatml",
+    "cohere2_moe": "chatml",
+    "mimo": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -465,7 +479,11 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             hidden_act="gelu_pytorch_tanh",
             **dict(common, tie_word_embeddings=True),
         ), T.GemmaForCausalLM
-    if arch == "opt":
+    if arch in ("opt", "opt_post_ln"):
+        # OPT-125m's layout and up (pre-LN, do_layer_norm_before): learned
+        # positions, LayerNorms, biases, ReLU. opt_post_ln: OPT-350m's
+        # post-LN blocks (refused inside: the refusal tests' model), without
+        # its project_in / project_out.
         return T.OPTConfig(
             vocab_size=common["vocab_size"],
             hidden_size=common["hidden_size"],
@@ -474,6 +492,7 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             num_attention_heads=num_heads,
             max_position_embeddings=common["max_position_embeddings"],
             word_embed_proj_dim=common["hidden_size"],
+            do_layer_norm_before=arch == "opt",
             **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         ), T.OPTForCausalLM
     if arch == "qwen2_moe":
@@ -1100,6 +1119,57 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         for key, value in extra.items():
             setattr(config, key, value)
         return config, T.MiMoV2FlashForCausalLM
+    if arch == "mimo":
+        # MiMo-7B's main model is Qwen2's (q/k/v biases, GQA); its MTP
+        # layers (model.mtp_layers, which vLLM's main model does not load)
+        # are not built: the checkpoint declares MiMoForCausalLM, and HF's
+        # Qwen2ForCausalLM on the same weights is the reference (MiMo's own
+        # HF class is remote code).
+        config = T.Qwen2Config(
+            rope_parameters=dict(rope_type="default", rope_theta=640000.0), **common
+        )
+        config.architectures = ["MiMoForCausalLM"]  # as the released checkpoints
+        return config, T.Qwen2ForCausalLM
+    if arch == "cohere2_moe":
+        # Cohere's layer (one LayerNorm, attention and MLP side by side) with
+        # a dense first layer, then routed experts (softmax top-k, HF's
+        # default) and a shared one averaged with them; sliding layers with
+        # RoPE, a global NoPE layer every 4th; a logit scale.
+        eps = common.pop("rms_norm_eps", 1e-5)
+        return T.Cohere2MoeConfig(
+            sliding_window=SHORT_WINDOW,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+            prefix_dense_intermediate_size=ffn,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            shared_expert_combination_strategy="average",
+            logit_scale=0.5,
+            layer_norm_eps=eps,
+            head_dim=hidden // num_heads,
+            **dict(common, intermediate_size=moe, tie_word_embeddings=True),
+        ), T.Cohere2MoeForCausalLM
+    if arch == "minicpm3":
+        # MiniCPM3-4B's shape: low-rank queries and keys/values as DeepSeek's
+        # MLA (q_lora_rank, kv_lora_rank about 0.3 and 0.1 of hidden), query
+        # and key heads of 64 + 32 rotary dimensions, value heads of
+        # hidden / heads (64; vLLM pads them to 96 for its attention), muP
+        # scale_emb / scale_depth / dim_model_base, tied embeddings; the
+        # default rotary (the release's longrope is not built here).
+        return T.MiniCPM3Config(
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=hidden // num_heads,
+            scale_emb=12,
+            scale_depth=1.4,
+            dim_model_base=256,
+            **dict(common, num_key_value_heads=num_heads, tie_word_embeddings=True),
+        ), T.MiniCPM3ForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(

@@ -21,6 +21,7 @@ from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm_hidden_states.hidden_states_config import HiddenStatesConfig
+from vllm_hidden_states.layers import final_state_norm, final_state_scale
 from vllm_hidden_states.sae import encode_topk
 from vllm_hidden_states.wire import CapturedRows, cat_rows, group_rows, slice_rows, without
 from vllm_hidden_states.worker.capture_points import CapturePoints
@@ -80,6 +81,14 @@ class HiddenStatesCapture:
     def __init__(self, config: HiddenStatesConfig, runner: Any) -> None:
         self.config = config
         self.final_layer = config.num_layers
+        # Layer L is the model output times this (MiniCPM's forward divides
+        # its final state by its muP width, where HF's does not).
+        model_config = getattr(getattr(runner, "vllm_config", None), "model_config", None)
+        self.final_scale = final_state_scale(model_config) if model_config is not None else 1.0
+        # ... or that output through the model's final norm (MiMo's forward
+        # leaves it to compute_logits).
+        norm = final_state_norm(model_config) if model_config is not None else None
+        self.final_norm = None if norm is None else runner.get_model().get_submodule(norm)
         # Pipeline parallelism (a single stage is both first and last).
         pp = get_pp_group()
         self.is_last_stage = pp.is_last_rank
@@ -291,6 +300,10 @@ class HiddenStatesCapture:
         if isinstance(model_output, tuple):  # (hidden, aux) with an EAGLE3 drafter
             model_output = model_output[0]
         final_rows = model_output.index_select(0, self._rows) if self._wants_final else None
+        if final_rows is not None and self.final_norm is not None:
+            final_rows = self.final_norm(final_rows)
+        if final_rows is not None and self.final_scale != 1.0:
+            final_rows = final_rows * self.final_scale
         carried = self.carry.index
         if self._group is not None:
             self._collect_as_one(self._group, model_output, final_rows, carried)

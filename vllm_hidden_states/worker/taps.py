@@ -8,6 +8,7 @@ class not known there has no tap. docs/architecture.md, "Capture points".
 """
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -225,6 +226,17 @@ def _path(layer: nn.Module, path: str, point: str) -> nn.Module:
     return module
 
 
+def _block_multiplier(layer: nn.Module) -> float:
+    """What a "granite" layer multiplies each block's output by before its
+    add: Granite's residual_multiplier; MiniCPM3's muP scale_depth /
+    sqrt(num_hidden_layers), which its layer reads from its config."""
+    multiplier = getattr(layer, "residual_multiplier", None)
+    if multiplier is not None:
+        return float(multiplier)
+    config = layer.config
+    return float(config.scale_depth / math.sqrt(config.num_hidden_layers))
+
+
 def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Tap:
     """The tap of point ``kind`` (past ``L``) in decoder ``layer``, by the
     layer's class (:data:`vllm_hidden_states.layers.LAYER_CLASSES`; ``layout``
@@ -276,8 +288,9 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
             child_module(layer, "pre_ff_layernorm", point), "pre", first_arg(("x", "hidden_states"))
         )
     if layout == "granite":
-        # resid + block(x) * residual_multiplier, twice.
-        scale = float(layer.residual_multiplier)
+        # resid + block(x) * residual_multiplier, twice (MiniCPM3: times
+        # scale_depth / sqrt(num_hidden_layers), from its config).
+        scale = _block_multiplier(layer)
         if kind == "attn_out":
             return Tap(child_module(layer, known.mixer, point), "post", _output_tensor, scale)
         if kind == "mlp_out":

@@ -65,6 +65,7 @@ def mlp_of(layer):
         "feed_forward",
         "block_sparse_moe",
         "shared_mlp",
+        "fc2",  # OPT: fc1, activation, fc2 inline in the layer; fc2's output is the MLP's
     ):  # Falcon-H1, Llama 4: feed_forward
         if getattr(layer, name, None) is not None:
             return getattr(layer, name)
@@ -76,6 +77,8 @@ def down_projection_of(layer):
     if getattr(layer, "block_sparse_moe", None) is not None:
         return None
     mlp = mlp_of(layer)
+    if isinstance(mlp, torch.nn.Linear):  # OPT: the MLP's last linear (fc2) itself
+        return mlp
     # GPT-2: c_proj; LFM2: w2; GPT-J: fc_out; Falcon, Bloom: dense_4h_to_h
     for name in ("down_proj", "output_linear", "c_proj", "w2", "fc_out", "dense_4h_to_h"):
         if getattr(mlp, name, None) is not None:
@@ -97,6 +100,7 @@ def decoder_layers_of(model):
     # (Llama 4's wrapper: a causal LM, language_model.model.)
     bases += [getattr(b, "language_model", None) for b in (*bases, model) if b is not None]
     bases += [getattr(b, "model", None) for b in bases[2:] if b is not None]
+    bases += [getattr(b, "decoder", None) for b in bases if b is not None]  # OPT
     for base in bases:
         for name in ("layers", "h"):
             if hasattr(base, name):
@@ -166,7 +170,8 @@ def point_sites(layer) -> dict[str, tuple]:
         if single == "mlp_out":
             sites["mlp_post"] = (layer.mixer.down_proj, "in", 1.0)
         return sites
-    scale = float(getattr(layer, "residual_multiplier", 1.0))  # Granite
+    # Granite; MiniCPM3: residual_scale (scale_depth / sqrt(num_hidden_layers))
+    scale = float(getattr(layer, "residual_multiplier", getattr(layer, "residual_scale", 1.0)))
     post_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma 2/3, OLMo 2, Exaone 4
     sandwich = hasattr(layer, "post_mlp_layernorm")  # GLM-4, AFMoE
     if sandwich:
@@ -202,6 +207,8 @@ def point_sites(layer) -> dict[str, tuple]:
         sites["resid_mid"] = (layer.mlp, "in", 1.0)
     elif hasattr(layer, "post_attention_layernorm"):
         sites["resid_mid"] = (layer.post_attention_layernorm, "in", 1.0)
+    elif hasattr(layer, "final_layer_norm"):  # OPT: the layer's norm before fc1
+        sites["resid_mid"] = (layer.final_layer_norm, "in", 1.0)
     # else Cohere: attention and MLP side by side, no resid_mid
     down = down_projection_of(layer)
     if down is not None:  # a dense MLP: its neurons
@@ -329,7 +336,14 @@ def _capturing_interface_qkv(model, layer_of: dict[int, int], found: dict[str, t
     def capture(module, query, key, value, attention_mask, **kwargs):
         i = layer_of.get(id(module))
         if i is not None:
-            for kind, t in (("q", query), ("k", key), ("v", value)):
+            q = query
+            scaling = getattr(module, "scaling", None)
+            if kwargs.get("scaling") == 1.0 and scaling not in (None, 1.0):
+                # OPT: HF multiplies the query by the module's scaling before
+                # its attention and attends with scale 1; the query projected
+                # (what a kernel that scales it itself reads) is q / scaling.
+                q = query / scaling
+            for kind, t in (("q", q), ("k", key), ("v", value)):
                 found[f"{kind}.{i}"] = t[0].transpose(0, 1).clone()
         if before == "eager":  # each modeling file's own eager attention
             attend = sys.modules[type(module).__module__].eager_attention_forward
@@ -399,7 +413,8 @@ class HFReference:
 
         def input_of(name: str, module) -> None:
             def hook(module, args, kwargs, name=name):
-                rows = (args[0] if args else kwargs["hidden_states"])[0].clone()
+                # (OPT's MLP takes the batch's rows flattened: [positions, width])
+                rows = sequence_rows(args[0] if args else kwargs["hidden_states"]).clone()
                 if name.startswith("attn_z."):  # heads side by side
                     rows = rows.unflatten(-1, (self.num_heads, -1))
                 found[name] = rows

@@ -85,7 +85,10 @@ ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=8, max_model_len=512)
 # reference runs it by vLLM's (test_families_dense.py shows the difference).
 # Cohere's sliding layers see the window's keys plus the query's own (vLLM
 # passes sliding_window + 1, "the training convention"; HF's mask one fewer).
-REFERENCE_CONFIG = {"cohere2": dict(sliding_window=SHORT_WINDOW + 1)}
+REFERENCE_CONFIG = {
+    "cohere2": dict(sliding_window=SHORT_WINDOW + 1),
+    "cohere2_moe": dict(sliding_window=SHORT_WINDOW + 1),
+}
 
 # vLLM picks its AMX MLA backend on CPUs with AMX, which takes bfloat16
 # weights only; its portable one runs float32.

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A model whose decoder layer class is not verified: nothing is guessed.
+"""A model whose decoder layers are not verified: nothing is guessed.
 
-A tiny random OPT runs on vLLM's own ``OPTForCausalLM``, whose layer class
-(``OPTDecoderLayer``) is not one the package has tested against HF, so it has
-no reader. The engine serves exactly what does not depend on that class,
-layer 0 (the embedding output entering the first block) and layer -1 (the
-model's final post-norm output), compared here with HF transformers, and
-refuses the rest at start and per request, naming why and what is exact.
-One engine, in-process.
+A tiny random OPT in OPT-350m's post-LN layout (``do_layer_norm_before``
+false) runs on vLLM's own ``OPTForCausalLM``; its layer class is tested in
+the pre-LN layout only (test_families_sweep_classic.py), so the post-LN
+variant has no reader. The engine serves exactly what does not depend on the
+layers, layer 0 (the embedding output entering the first block) and layer -1
+(the model's final output), compared here with HF transformers, and refuses
+the rest at start and per request, naming why and what is exact. One engine,
+in-process.
 """
 
 import pytest
@@ -34,7 +35,9 @@ ENGINE_ARGS = dict(COMMON_ENGINE_ARGS, max_num_seqs=4, max_model_len=256)
 
 @pytest.fixture(scope="module")
 def opt_dir():
-    return build_tiny_model(MODELS / "tiny-opt", arch="opt", max_position_embeddings=256)
+    return build_tiny_model(
+        MODELS / "tiny-opt-post-ln", arch="opt_post_ln", max_position_embeddings=256
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,8 @@ def test_an_engine_asked_for_a_layer_it_cannot_read_refuses_at_start(opt_dir):
             **ENGINE_ARGS,
         )
     message = str(e.value)
-    assert "--hidden-states-layers 1" in message and "OPTForCausalLM" in message
+    assert "--hidden-states-layers 1" in message and "OPTDecoderLayer" in message
+    assert "do_layer_norm_before=false" in message
     assert "not verified" in message and "hidden_states_layers=[0, -1]" in message
 
 
