@@ -1041,7 +1041,18 @@ FINAL_STATE_SCALES: dict[str, Callable[[Any], float]] = {
 # hidden_states[-1], is that norm (the model's module at this path) applied
 # to the model output (the worker applies it to the rows it copies). MiMo's
 # (mimo.py: MiMoModel.forward returns hidden_states + residual).
-FINAL_STATE_NORMS: dict[str, str] = {_V + "mimo.MiMoForCausalLM": "model.norm"}
+# Kimi Linear (kimi_k3's model: its forward returns hidden + residual, or its
+# attention-residual aggregate; compute_logits applies model.norm) and Step
+# 3.5 (step3p5.py: the bare stream, model.norm in compute_logits), and the
+# wrappers built on them, read from vLLM's source (not run here: the norm
+# the LM head's input passes is what HF's forward applies last).
+FINAL_STATE_NORMS: dict[str, str] = {
+    _V + "mimo.MiMoForCausalLM": "model.norm",
+    "vllm.models.kimi_k3.KimiLinearForCausalLM": "model.norm",
+    "vllm.models.kimi_k3.KimiK3ForConditionalGeneration": "language_model.model.norm",
+    _V + "step3p5.Step3p5ForCausalLM": "model.norm",
+    _V + "step3p7.Step3p7ForConditionalGeneration": "language_model.model.norm",
+}
 
 
 def final_state_norm(model_config: Any) -> str | None:
@@ -1074,6 +1085,19 @@ NO_SINGLE_STREAM: dict[str, str] = {
     _V + "gemma3n.Gemma3nForCausalLM": "Gemma 3n's decoder layers take four AltUp streams "
     "stacked ([4, tokens, hidden]; HF's own hidden_states stack them too), so no layer "
     "has one residual stream to serve; its final post-norm state (layer -1) is one",
+    # Read from vLLM's source, not run here.
+    "vllm.models.qwen4_exp.Qwen4ExpForCausalLM": "Qwen4Exp's decoder layers take its "
+    "hyper-connection streams side by side ([tokens, streams x hidden]), so no layer has "
+    "one residual stream to serve; its final state (layer -1) is one",
+    "vllm.models.kimi_k3.KimiLinearForCausalLM": "Kimi Linear's first decoder layer takes "
+    "no stream where the config has attention residuals (use_attn_res: the stream is in "
+    "their running sum), so layer 0 is not vouched for; its final state (layer -1) is",
+    _V + "iquest_loopcoder.IQuestLoopCoderForCausalLM": "IQuest LoopCoder runs its decoder "
+    "layers several times per forward (loop_num), so a layer's input is not one point of "
+    "the stream; its final state (layer -1) is",
+    _V + "hrm_text.HrmTextForCausalLM": "HRM-Text runs its decoder layers several times per "
+    "forward (recurrent stacks), so a layer's input is not one point of the stream; its "
+    "final state (layer -1) is",
 }
 
 _NOT_VERIFIED = (

@@ -188,7 +188,19 @@ NOTES: dict[str, str] = {
     "modules) and no mlp_post (MoE); attn_out, resid_mid, patterns served",
     # Issue 54 (every text architecture settled), read from vLLM's and HF's
     # sources where not run.
-    "HrmTextForCausalLM": "not vouched for inside, by its sources (not run here): "
+    # Layer 0 and layer -1, read from vLLM's sources (layers.NO_SINGLE_STREAM,
+    # layers.FINAL_STATE_NORMS), not run here.
+    "KimiLinearForCausalLM": "layer -1 passes the model's final norm in the worker "
+    "(vLLM's forward returns the stream before it; compute_logits applies it); layer 0 "
+    "refused (with attention residuals its first layer takes no stream)",
+    "Step3p5ForCausalLM": "layer -1 passes the model's final norm in the worker (vLLM's "
+    "forward returns the stream before it; compute_logits applies it)",
+    "Qwen4ExpForCausalLM": "layer 0 refused: its layers take the hyper-connection streams "
+    "side by side, no single residual stream",
+    "IQuestLoopCoderForCausalLM": "layer 0 refused: its decoder layers run several times "
+    "a forward (loop_num)",
+    "HrmTextForCausalLM": "layer 0 refused (layers.NO_SINGLE_STREAM); "
+    "not vouched for inside, by its sources (not run here): "
     "recurrent, two stacks (H, L) of num_layers_per_stack decoder layers, each module run "
     "H_cycles x (L_cycles + 1) times a forward (in vLLM and HF alike); HF's "
     "num_hidden_layers and output_hidden_states count the runs (seen in HF, a tiny config "
