@@ -68,7 +68,7 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "`pydantic ValidationError ... Value error, --mamba-block-size can only be set with "
     "--enable-prefix-caching` (config/vllm.py), after vLLM's CPU platform turns prefix caching "
     "off for MLA (\"MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix "
-    "caching to be disabled\"); no workaround tried",
+    "caching to be disabled\"); the same with enable_prefix_caching=True asked for",
     "GlmMoeDsaForCausalLM": "seen (tiny model `glm_moe_dsa` of HF's GlmMoeDsaConfig, fp32, "
     "index_topk 512, plugins off): vLLM builds deepseek_v2's MLA with the DSA indexer (sparse "
     "whenever the config has index_topk) and its CPU platform refuses it: `NotImplementedError: "
