@@ -1116,8 +1116,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             swa_rope_theta=10_000.0,
             partial_rotary_factor=0.334,
         )
-        for key, value in extra.items():
-            setattr(config, key, value)
+        config.update(extra)  # PretrainedConfig.update: each as an attribute
         return config, T.MiMoV2FlashForCausalLM
     if arch == "mimo":
         # MiMo-7B's main model is Qwen2's (q/k/v biases, GQA); its MTP
