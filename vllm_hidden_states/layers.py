@@ -164,6 +164,19 @@ _SIDE_BY_SIDE_KINDS = (
     "attn_z",
 )
 
+# Multi-head latent attention (DeepSeek V2 / V3 and the families built on
+# their layers): what such a layer has and why not the rest.
+_MLA_KINDS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+_MLA_LACKS = (
+    "attends with multi-head latent attention (MLA), whose vLLM module "
+    "takes the compressed KV latent rather than keys: no attention pattern is "
+    "read there, and its heads' outputs (attn_z) are not verified against HF"
+)
+_MLA_FLOAT16 = (
+    "vLLM scales {family} residual stream by 1/routed_scaling_factor "
+    "in float16 (an overflow guard), so its states there are not the model's"
+)
+
 # The frontier families (issue 48); MoE blocks' mlp_out is the whole block's
 # output (routed experts, plus shared experts where the family has them),
 # the one tensor the layer adds to the stream; they have no mlp_post.
@@ -210,12 +223,9 @@ LAYER_CLASSES.update(
             "fused",
             ("deepseek_v2", "deepseek_v3"),
             neurons=None,
-            kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"),
-            lacks="attends with multi-head latent attention (MLA), whose vLLM module "
-            "takes the compressed KV latent rather than keys: no attention pattern is "
-            "read there, and its heads' outputs (attn_z) are not verified against HF",
-            float16="vLLM scales DeepSeek's residual stream by 1/routed_scaling_factor "
-            "in float16 (an overflow guard), so its states there are not the model's",
+            kinds=_MLA_KINDS,
+            lacks=_MLA_LACKS,
+            float16=_MLA_FLOAT16.format(family="DeepSeek's"),
         ),
         # LFM2: vLLM's fused residual around attention or a gated short
         # convolution, ffn_norm the add-norm before the MLP (feed_forward).
@@ -666,12 +676,9 @@ LAYER_CLASSES[_V + "AXK1.AXK1DecoderLayer"] = LayerClass(
     "fused",
     ("axk1",),
     neurons=None,
-    kinds=("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"),
-    lacks="attends with multi-head latent attention (MLA), whose vLLM module "
-    "takes the compressed KV latent rather than keys: no attention pattern is "
-    "read there, and its heads' outputs (attn_z) are not verified against HF",
-    float16="vLLM scales A.X K1's residual stream by 1/routed_scaling_factor "
-    "in float16 (an overflow guard), so its states there are not the model's",
+    kinds=_MLA_KINDS,
+    lacks=_MLA_LACKS,
+    float16=_MLA_FLOAT16.format(family="A.X K1's"),
 )
 
 
