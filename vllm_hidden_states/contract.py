@@ -188,6 +188,9 @@ class CapturedRows(
     # request's, known from where it sits (EngineCoreOutput.captured).
     req_ids: list[str] = []
     counts: list[int] = []
+    # Grouped: each request's first position (that of its first row), as
+    # the worker armed it; the engine's probe actions read positions here.
+    firsts: list[int] = []
     # What the request's ops decided in the engine this step (probe action
     # firings); only on a group of one request, which may carry no rows.
     op_results: OpResults | None = None

@@ -142,7 +142,7 @@ POSITION_AXIS: dict[str, int] = {
     "probe_scores": 0,
 }
 # The fields that name a group's owners; every other field is data.
-_GROUP_FIELDS = ("req_ids", "counts", "op_results")
+_GROUP_FIELDS = ("req_ids", "counts", "firsts", "op_results")
 _FIELDS = [f for f in msgspec.structs.fields(CapturedRows) if f.name not in _GROUP_FIELDS]
 assert {f.name for f in _FIELDS} == set(POSITION_AXIS), "a CapturedRows field lacks its axis"
 
@@ -194,6 +194,7 @@ def cat_rows(parts: list[CapturedRows], grouped: bool = False) -> CapturedRows:
     if grouped:
         fields["req_ids"] = [r for p in parts for r in p.req_ids]
         fields["counts"] = [c for p in parts for c in p.counts]
+        fields["firsts"] = [f for p in parts for f in p.firsts]
     return CapturedRows(**fields)
 
 
@@ -207,9 +208,10 @@ def slice_rows(rows: CapturedRows, start: int, stop: int | None = None) -> Captu
     return CapturedRows(**fields)
 
 
-def group_rows(rows: CapturedRows, req_id: str) -> CapturedRows:
-    """One request's ``rows`` as a group of one (in place)."""
-    rows.req_ids, rows.counts = [req_id], [num_positions(rows)]
+def group_rows(rows: CapturedRows, req_id: str, first: int) -> CapturedRows:
+    """One request's ``rows`` (from position ``first`` on) as a group of
+    one (in place)."""
+    rows.req_ids, rows.counts, rows.firsts = [req_id], [num_positions(rows)], [first]
     return rows
 
 
@@ -268,10 +270,12 @@ def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
 def without(group: CapturedRows, req_ids: set[str]) -> CapturedRows | None:
     """``group`` less the rows of ``req_ids`` (a new group of views; None
     when nothing is left)."""
-    kept = [(req_id, rows) for req_id, rows in split_group(group) if req_id not in req_ids]
-    if not kept:
-        return None
-    return cat_rows([group_rows(rows, req_id) for req_id, rows in kept], grouped=True)
+    kept = [
+        group_rows(rows, req_id, first)
+        for (req_id, rows), first in zip(split_group(group), group.firsts)
+        if req_id not in req_ids
+    ]
+    return cat_rows(kept, grouped=True) if kept else None
 
 
 # -- the scheduler's capture plan, carried to the workers on SchedulerOutput --

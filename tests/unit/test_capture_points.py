@@ -122,6 +122,7 @@ def test_forward_nobody_armed_never_reads_rows_armed_for_a_larger_batch(mode):
     points.arm(np.arange(10, dtype=np.int64))
     run(model, torch.randn(10, HIDDEN), mode)
     points.disarm()
+    points.rest()  # as the worker does before a forward that arms nothing
     run(model, torch.randn(4, HIDDEN), mode)  # IndexError if a stale index is gathered
     assert points.count == 0
     assert not points.counts.any()
@@ -242,18 +243,33 @@ def test_compiled_on_cpu_a_capture_point_is_aten_ops_in_the_graph_not_the_opaque
 def test_compiled_on_cpu_a_forward_nobody_asked_copies_the_floor_not_a_row_per_token():
     """Under torch.compile on CPU the gathers read the armed index, whose
     length is a dynamic size of the graph: a 12-token forward where nobody
-    asked writes ARMED_FLOOR scratch rows per point, not 12."""
+    asked (the worker rests the index before it) writes ARMED_FLOOR scratch
+    rows per point, not 12."""
     model, points = make_points()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     points.arm(np.array([3, 1, 4], dtype=np.int64))
     compiled(torch.randn(6, HIDDEN))  # compiled while rows are armed
     points.disarm()
+    points.rest()
     for buffer in points.buffers.values():
         buffer.fill_(float("nan"))
     compiled(torch.randn(12, HIDDEN))
     for buffer in points.buffers.values():
         assert not buffer[: capture_points.ARMED_FLOOR].isnan().any()
         assert buffer[capture_points.ARMED_FLOOR :].isnan().all()
+
+
+def test_on_cpu_disarm_zeroes_the_armed_index_and_keeps_its_length_until_rest():
+    """A decode step arming as many rows as the step before resizes nothing
+    (disarm zeroes the entries, a write past the count gathers row 0);
+    rest() puts the index back to its floor."""
+    model, points = make_points()
+    points.arm(np.array([3, 1, 4], dtype=np.int64))
+    points.disarm()
+    assert points.armed is not None
+    assert points.armed.tolist() == [0, 0, 0] and points.count == 0
+    points.rest()
+    assert points.armed.tolist() == [0] * capture_points.ARMED_FLOOR
 
 
 @torch.inference_mode()

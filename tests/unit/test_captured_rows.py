@@ -40,7 +40,7 @@ def assert_same(a: CapturedRows, b: CapturedRows) -> None:
             assert torch.equal(x, y), name
 
 
-GROUP_FIELDS = {"req_ids", "counts", "op_results"}
+GROUP_FIELDS = {"req_ids", "counts", "firsts", "op_results"}
 
 
 def test_every_data_field_has_a_position_axis():
@@ -81,6 +81,7 @@ def step_group(counts: list[int]) -> CapturedRows:
     group = rows(0, sum(counts))
     group.req_ids = [f"r{i}" for i in range(len(counts))]
     group.counts = counts
+    group.firsts = [100 * i for i in range(len(counts))]
     return group
 
 
@@ -93,7 +94,7 @@ def test_a_group_splits_into_each_requests_run_in_order():
 
 
 def test_a_group_of_one_is_its_requests_rows():
-    one = group_rows(rows(0, 4), "r9")
+    one = group_rows(rows(0, 4), "r9", 0)
     assert (one.req_ids, one.counts) == (["r9"], [4])
     [(req_id, part)] = split_group(one)
     assert req_id == "r9"
@@ -102,7 +103,7 @@ def test_a_group_of_one_is_its_requests_rows():
 
 def test_a_group_without_some_requests_keeps_the_others_rows():
     kept = without(step_group([2, 1, 3]), {"r1"})
-    assert (kept.req_ids, kept.counts) == (["r0", "r2"], [2, 3])
+    assert (kept.req_ids, kept.counts, kept.firsts) == (["r0", "r2"], [2, 3], [0, 200])
     parts = dict(split_group(kept))
     assert_same(parts["r2"], rows(3, 3))
     assert without(step_group([2]), {"r0"}) is None
@@ -185,7 +186,7 @@ def test_points_of_different_widths_join_cut_and_split_per_point():
     assert num_positions(joined) == 5
     assert num_positions(CapturedRows(neurons=wide_rows(0, 3).neurons)) == 3
     assert_same_wide(slice_rows(joined, 1, 4), wide_rows(1, 3))
-    group = group_rows(wide_rows(0, 5), "r0")
+    group = group_rows(wide_rows(0, 5), "r0", 0)
     group.req_ids, group.counts = ["r0", "r1"], [2, 3]
     parts = dict(split_group(group))
     assert_same_wide(parts["r0"], wide_rows(0, 2))
@@ -199,7 +200,8 @@ def test_points_of_different_widths_cross_vllms_msgpack():
         outputs=[EngineCoreOutput(request_id=f"r{i}", new_token_ids=[1]) for i in range(2)],
         captured=[
             cat_rows(
-                [group_rows(wide_rows(0, 1), "r0"), group_rows(wide_rows(1, 2), "r1")], grouped=True
+                [group_rows(wide_rows(0, 1), "r0", 0), group_rows(wide_rows(1, 2), "r1", 1)],
+                grouped=True,
             )
         ],
     )

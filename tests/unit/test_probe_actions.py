@@ -313,26 +313,37 @@ def watch_of(**actions_of: list[ProbeAction]):
     return watch
 
 
-def group(req_ids: list[str], rows: list[list[float]]):
+def group(req_ids: list[str], rows: list[list[float]], first: int = 10):
+    """One step's group: each request's ``len(rows) // len(req_ids)`` rows
+    from position ``first`` on."""
     import torch
 
     from vllm_hidden_states.contract import CapturedRows
 
+    count = len(rows) // len(req_ids)
     return CapturedRows(
         req_ids=req_ids,
-        counts=[len(rows) // len(req_ids)] * len(req_ids),
+        counts=[count] * len(req_ids),
+        firsts=[first] * len(req_ids),
         probe_scores=torch.tensor(rows, dtype=torch.float32),
     )
 
 
-def test_a_step_where_no_condition_holds_moves_every_request_on_and_ends_its_runs():
-    slow = ProbeAction(label="slow", probe="h", threshold=0.0, above=False, consecutive=3)
+def test_a_step_where_no_condition_holds_ends_every_run():
+    slow = ProbeAction(label="slow", probe="h", threshold=0.0, above=False, consecutive=2)
     watch = watch_of(a=[slow], b=[ProbeAction(label="hi", probe="h", threshold=0.9)])
-    watch.decide(None, {}, [group(["a", "b"], [[-1.0], [0.5]])])  # a's run: 1
+    watch.decide(None, {}, [group(["a", "b"], [[-1.0], [0.5]], first=10)])  # a's run: 1
     assert watch.watched["a"].runs == [1]
-    watch.decide(None, {}, [group(["a", "b"], [[0.5], [0.5]])])  # nothing holds
-    assert watch.watched["a"].runs == [0] and watch.watched["b"].runs == [0]
-    assert (watch.watched["a"].position, watch.watched["b"].position) == (12, 12)
+    watch.decide(None, {}, [group(["a", "b"], [[0.5], [0.5]], first=11)])  # nothing holds
+    watch.decide(None, {}, [group(["a", "b"], [[-1.0], [0.5]], first=12)])  # a's run: 1 again
+    assert watch.watched["a"].runs == [1] and watch.watched["a"].position == 13
+
+
+def test_a_quiet_step_costs_nothing_per_request():
+    watch = watch_of(a=[ProbeAction(label="hi", probe="h", threshold=0.9)])
+    before = watch.watched["a"]
+    watch.decide(None, {}, [group(["a"], [[0.5]], first=10)])
+    assert watch.watched["a"] is before and before.position == 10 and before.runs == [0]
 
 
 def test_a_condition_holding_for_one_request_is_decided_per_request():

@@ -411,9 +411,9 @@ class CapturePlanner:
                 self._deliver(engine_core_outputs[clients.pop()], group)
                 continue
             # Several clients (or a request gone): one group per request.
-            for req_id, rows in split_group(group):
+            for (req_id, rows), first in zip(split_group(group), group.firsts):
                 if (client := client_of.get(req_id)) is not None:
-                    self._deliver(engine_core_outputs[client], group_rows(rows, req_id))
+                    self._deliver(engine_core_outputs[client], group_rows(rows, req_id, first))
 
     def _deliver(self, outputs: "EngineCoreOutputs", group: CapturedRows) -> None:
         """``group`` goes out with ``outputs``, unless only server monitors

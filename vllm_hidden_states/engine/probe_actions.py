@@ -50,7 +50,8 @@ class _Watched:
     Attributes:
         actions: its actions.
         columns: each action's column in the request's probe scores.
-        position: the sequence position of the next scored row.
+        position: the position after the last row evaluated (a row group
+            starting elsewhere follows quiet rows, which ended every run).
         runs: each action's run of consecutive positions where its
             condition held, up to ``position``.
     """
@@ -132,16 +133,6 @@ class ActionWatch:
                 return False
         return True
 
-    def _advance(self, group: CapturedRows) -> None:
-        """A quiet group: its watched requests' positions move past its rows,
-        and their runs end."""
-        for req_id, count in zip(group.req_ids, group.counts):
-            watched = self.watched.get(req_id)
-            if watched is not None and count:
-                watched.position += count
-                if any(watched.runs):
-                    watched.runs = [0] * len(watched.runs)
-
     def decide(
         self,
         scheduler: "Scheduler",
@@ -150,7 +141,9 @@ class ActionWatch:
     ) -> None:
         """Act on this step's scores (``groups``, in position order per
         request) before the step's outputs leave: stop requests, and put
-        each request's firings on its client's outputs."""
+        each request's firings on its client's outputs. A quiet group (no
+        condition holds at any of its rows, the common step) costs one
+        comparison per distinct condition, and nothing per request."""
         fired: dict[str, list[ProbeFiring]] = {}
         stops: dict[str, ProbeFiring] = {}
         for group in groups:
@@ -158,12 +151,14 @@ class ActionWatch:
                 continue
             all_scores = group.probe_scores.numpy()
             if self._quiet(all_scores):
-                self._advance(group)
                 continue
             offset = 0
-            for req_id, count in zip(group.req_ids, group.counts):
+            for req_id, count, first in zip(group.req_ids, group.counts, group.firsts):
                 watched = self.watched.get(req_id)
                 if watched is not None and count:
+                    if first != watched.position:  # quiet rows since: no run goes on
+                        watched.runs = [0] * len(watched.runs)
+                        watched.position = first
                     scores = all_scores[offset : offset + count]
                     firings = _evaluate(watched, scores)
                     if firings:

@@ -35,7 +35,7 @@ from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
 from vllm_hidden_states.worker.patterns import PatternCaptures
 from vllm_hidden_states.worker.stage_carry import StageCarry
 from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
-from vllm_hidden_states.worker.tp_shards import gather_columns, sharded_ids, tp_rank_and_size
+from vllm_hidden_states.worker.tp_shards import WideRows
 
 if TYPE_CHECKING:
     from vllm_hidden_states.wire import CaptureKind, CapturePlan, CaptureStep
@@ -120,16 +120,7 @@ class HiddenStatesCapture:
             self.carry = StageCarry(placed[1], placed[2])
         self.steering = make_steering(config, runner, self.sae)
         self._scheduled: dict[str, int] = {}
-        # Tensor parallelism: each rank holds only its columns of the wide
-        # points (heads, neurons); this step's rows of each, gathered across
-        # the ranks in head order once per step, [count, full width].
-        # Ids a module vLLM does not shard holds whole on every rank.
-        self._sharded: set[int] = set()
-        if tp_rank_and_size()[1] > 1 and self.points is not None:
-            self._sharded = sharded_ids(
-                self.points, config.num_layers, runner.vllm_config.model_config
-            )
-        self._gathered: dict[int, torch.Tensor] = {}
+        self.wide = None if self.points is None else WideRows(self.points, config, runner)
 
     @classmethod
     def for_runner(cls, runner: Any) -> "HiddenStatesCapture | None":
@@ -164,8 +155,11 @@ class HiddenStatesCapture:
         ``input_batch``: Model Runner V2's batch of this step (V1 keeps its
         own on the runner); read only when something is armed."""
         steers = self.steering is not None and bool(self.steering.requests)
-        if self.plan is None and not steers:
-            return
+        if self.plan is None:
+            if self.points is not None:
+                self.points.rest()  # nothing armed: the least scratch rows
+            if not steers:
+                return
         batch = StepBatch.of(runner, input_batch)
         if steers:
             assert self.steering is not None
@@ -213,6 +207,8 @@ class HiddenStatesCapture:
             first_rows.append(int(query_start[index_of[req_id]]) + offset)
             counts.append(count)
         if not entries:
+            if self.points is not None:
+                self.points.rest()
             return
         kinds = plan.kinds
         armed_kinds = (
@@ -324,7 +320,10 @@ class HiddenStatesCapture:
             # not waited on (see host_rows), and the next forward rewrites the
             # buffers only after them, in stream order.
             layers = [rows_of(k) for k in step.layers]
-            neurons = [self._neuron_rows(k, inner) for k in step.neurons]
+            neurons = []
+            if step.neurons:
+                assert self.wide is not None  # wide ids have capture points
+                neurons = [self.wide.rows(k, inner) for k in step.neurons]
             features = None
             if step.sae_top_k:
                 # On the device; only k ids + k values per row leave it.
@@ -362,7 +361,8 @@ class HiddenStatesCapture:
         return None
 
     def _done_with_step(self) -> None:
-        self._gathered.clear()
+        if self.wide is not None:
+            self.wide.gathered.clear()
         self._armed = []
         self._group = None
         self._rows = None
@@ -425,36 +425,17 @@ class HiddenStatesCapture:
                     offset += count
             scores = self.copies.to_host(device_scores)
         rows = CapturedRows(
-            hidden=host, probe_scores=scores, req_ids=group.req_ids, counts=group.counts
+            hidden=host,
+            probe_scores=scores,
+            req_ids=group.req_ids,
+            counts=group.counts,
+            firsts=group.firsts,
         )
         if self._ready_group is not None:  # not attached since (no sampling step)
             rows = cat_rows([self._ready_group, rows], grouped=True)
         self._ready_group = rows
         self.copies.record()
         self._done_with_step()
-
-    def _neuron_rows(self, k: int, inner: slice) -> torch.Tensor:
-        """This step's device rows of wide id ``k`` (mlp_post, attn_z, q, k,
-        v: ``[rows, width]``, from the capture buffers), every head's.
-
-        Under tensor parallelism each rank's buffer of a sharded id holds its
-        heads (neurons) only: the first read of ``k`` in a step gathers the
-        whole buffer across the ranks (every rank reads the same ids in the
-        same order: they run the same plan), in head order, the full width
-        as with one rank.
-
-        Every wide row leaves the worker through here, in HF's order: q / k
-        of a layer whose heads vLLM holds in halves order (Llama 4) are put
-        back per head on the rows copied out (``CapturePoints.hf_order``)."""
-        assert self.points is not None  # mlp_post ids have capture points
-        if k not in self._sharded:
-            rows = self.points.read_neurons(k)[inner]
-        else:
-            gathered = self._gathered.get(k)
-            if gathered is None:
-                gathered = self._gathered[k] = gather_columns(self.points.read_neurons(k))
-            rows = gathered[inner]
-        return self.points.hf_order(k, rows)
 
     def forget(self, req_ids: set[str]) -> None:
         """Drop partial results of finished or aborted requests."""
@@ -486,13 +467,13 @@ class HiddenStatesCapture:
         groups = [] if self._ready_group is None else [self._ready_group]
         self._ready_group = None
         for req_id, rows in ready.items():
-            captured = rows.captured()
+            captured, first = rows.captured(), rows.first
             if (pattern := self.patterns.ready.pop(req_id, None)) is not None:
                 # A pattern capture's rows are cut to its query window.
-                patterns, lo, hi = pattern
-                captured = slice_rows(captured, lo - rows.first, hi - rows.first)
+                patterns, first, hi = pattern
+                captured = slice_rows(captured, first - rows.first, hi - rows.first)
                 captured.patterns = patterns
-            groups.append(group_rows(captured, req_id))
+            groups.append(group_rows(captured, req_id, first))
         output.captured = groups
         if async_output:
             self.copies.take_event()  # ordered by vLLM's copy stream instead

@@ -327,6 +327,13 @@ class CapturePoints:
             self._set_armed(n)
         self.count = n
 
+    def rest(self) -> None:
+        """Before a forward that arms nothing (CPU, compiled): :attr:`armed`
+        back to ARMED_FLOOR entries, so that the forward gathers no more
+        scratch rows per point than that. A no-op while it is there."""
+        if self.armed is not None and self.armed.shape[0] != ARMED_FLOOR:
+            self._set_armed(0)
+
     def _set_armed(self, n: int) -> None:
         """Point :attr:`armed` at the first ``max(n, ARMED_FLOOR)`` entries
         of ``rows`` (in place: the compiled graph reads this tensor object,
@@ -343,14 +350,15 @@ class CapturePoints:
         The index goes back to all zeros too: a write that cannot read the
         count (off CPU; on CPU under torch.compile) gathers every entry, and
         an index left over from a larger batch would read past a smaller
-        one's rows (off CPU a device-side assert that kills the engine)."""
+        one's rows (off CPU a device-side assert that kills the engine).
+        :attr:`armed` keeps its length (zeros), so that a decode step arming
+        as many rows as the one before resizes nothing; :meth:`rest` puts it
+        back to its floor before a forward that arms nothing."""
         if self.count:
             if self._on_host:
                 self._counts_np[:] = 0
                 self._rows_np[: self._rows_written] = 0
                 self._rows_written = 0
-                if self.armed is not None:
-                    self._set_armed(0)
             else:
                 # The host copy keeps its entries; the next arm zeroes those
                 # past its count before copying it over.

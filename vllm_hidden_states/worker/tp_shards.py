@@ -137,3 +137,36 @@ def z_is_share(config: "SteeringConfig", capture_id: int, module: nn.Module) -> 
     assert point is not None
     what = f"attn_z.{point[1]}"
     return is_share(linear_local_width(module), linear_full_width(module), what)
+
+
+class WideRows:
+    """This step's device rows of the wide ids (mlp_post, attn_z, q, k, v:
+    ``[rows, width]``, from the capture buffers), every head's, in HF's
+    order.
+
+    Under tensor parallelism each rank's buffer of a sharded id holds its
+    heads (neurons) only: the first read of an id in a step gathers the
+    whole buffer across the ranks (every rank reads the same ids in the same
+    order: they run the same plan), in head order, the full width as with
+    one rank. Ids of a module vLLM does not shard are whole on every rank.
+    q / k of a layer whose heads vLLM holds in halves order (Llama 4) are
+    put back per head (``CapturePoints.hf_order``).
+    """
+
+    def __init__(self, points: "CapturePoints", config: Any, runner: Any) -> None:
+        self.points = points
+        self.sharded: set[int] = set()
+        if tp_rank_and_size()[1] > 1:
+            self.sharded = sharded_ids(points, config.num_layers, runner.vllm_config.model_config)
+        self.gathered: dict[int, torch.Tensor] = {}  # this step's, cleared after it
+
+    def rows(self, k: int, inner: slice) -> torch.Tensor:
+        """Wide id ``k``'s rows ``inner`` of the last forward, ``[rows, full width]``."""
+        if k not in self.sharded:
+            rows = self.points.read_neurons(k)[inner]
+        else:
+            gathered = self.gathered.get(k)
+            if gathered is None:
+                gathered = self.gathered[k] = gather_columns(self.points.read_neurons(k))
+            rows = gathered[inner]
+        return self.points.hf_order(k, rows)
