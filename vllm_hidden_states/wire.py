@@ -12,6 +12,7 @@ docs/architecture.md, "Wire types".
 
 import time
 from collections.abc import Callable, Iterator
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -145,6 +146,9 @@ POSITION_AXIS: dict[str, int] = {
 _GROUP_FIELDS = ("req_ids", "counts", "firsts", "op_results")
 _FIELDS = [f for f in msgspec.structs.fields(CapturedRows) if f.name not in _GROUP_FIELDS]
 assert {f.name for f in _FIELDS} == set(POSITION_AXIS), "a CapturedRows field lacks its axis"
+# The data fields lead the struct (split_group builds each request's value
+# from them by position).
+assert msgspec.structs.fields(CapturedRows)[: len(_FIELDS)] == tuple(_FIELDS)
 
 
 # Fields holding a list of tensors (one per point, widths differing), each
@@ -185,6 +189,8 @@ def cat_rows(parts: list[CapturedRows], grouped: bool = False) -> CapturedRows:
         return parts[0]
     fields: dict = {}
     for f in _FIELDS:
+        if getattr(parts[0], f.name) is None:
+            continue  # absent from every part
         values = [getattr(p, f.name) for p in parts]
         axis = POSITION_AXIS[f.name]
         if isinstance(values[0], list):  # each point's tensors joined
@@ -218,15 +224,19 @@ def group_rows(rows: CapturedRows, req_id: str, first: int) -> CapturedRows:
 def split_group(group: CapturedRows) -> Iterator[tuple[str, CapturedRows]]:
     """``(req_id, rows)`` of each request of ``group``, in order (views: one
     ``split`` per field, no copy)."""
-    parts: dict[str, Any] = {}
+    # Per data field, in the struct's order: each request's view (None for
+    # every request where the field is absent).
+    columns: list[Any] = []
     for f in _FIELDS:
         value = getattr(group, f.name)
-        if value is not None:
-            split = _cut(value, _splitter(POSITION_AXIS[f.name], group.counts))
-            # A list field: one list of the points' views per request.
-            parts[f.name] = [list(p) for p in zip(*split)] if isinstance(split, list) else split
-    for i, req_id in enumerate(group.req_ids):
-        rows = CapturedRows(**{name: views[i] for name, views in parts.items()})
+        if value is None:
+            columns.append(repeat(None))
+            continue
+        split = _cut(value, _splitter(POSITION_AXIS[f.name], group.counts))
+        # A list field: one list of the points' views per request.
+        columns.append([list(p) for p in zip(*split)] if isinstance(split, list) else split)
+    for req_id, values in zip(group.req_ids, zip(*columns)):
+        rows = CapturedRows(*values)
         if group.op_results is not None:  # a group of one request (see the field)
             rows.op_results = group.op_results
         yield req_id, rows
