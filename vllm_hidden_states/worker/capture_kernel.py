@@ -20,21 +20,20 @@ BLOCK_H = 256
 
 @triton.jit
 def _capture_kernel(
-    hidden,
-    residual,
-    rows,
-    counts,
+    src,  # (hidden, residual)
+    strides,  # (hidden, residual, out) row strides
+    armed,  # (rows, counts)
     out,
     index,
     width,
-    hidden_stride,
-    residual_stride,
-    out_stride,
     scale,
     HAS_RESIDUAL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    hidden, residual = src
+    hidden_stride, residual_stride, out_stride = strides
+    rows, counts = armed
     j = tl.program_id(0)
     n = tl.load(counts + index)
     if j < n:
@@ -78,16 +77,12 @@ def gather(
     grid = min(rows.shape[0], flat.shape[0])
     if grid:
         _capture_kernel[(grid,)](
-            flat,
-            other,
-            rows,
-            counts,
+            (flat, other),
+            (flat.stride(0), other.stride(0), out.stride(0)),
+            (rows, counts),
             out,
             index,
             width,
-            flat.stride(0),
-            other.stride(0),
-            out.stride(0),
             float(scale),
             HAS_RESIDUAL=residual is not None,
             HAS_SCALE=scale != 1.0,

@@ -21,20 +21,19 @@ BLOCK_H = 256
 
 @triton.jit
 def _patch_kernel(
-    target,
-    other,
-    rows,
-    slots,
+    stream,  # (target, other)
+    strides,  # (target, other, table) row strides
+    entries,  # (rows, slots)
     table,
     hidden,
-    target_stride,
-    other_stride,
-    table_stride,
     scale,
     HAS_OTHER: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    target, other = stream
+    target_stride, other_stride, table_stride = strides
+    rows, slots = entries
     j = tl.program_id(0)
     s = tl.load(slots + j)
     if s != 0:
@@ -75,15 +74,11 @@ def patch(
     flat = target.view(-1, hidden)
     other_flat = flat if other is None else other.view(-1, hidden)
     _patch_kernel[(n,)](
-        flat,
-        other_flat,
-        rows,
-        slots,
+        (flat, other_flat),
+        (flat.stride(0), other_flat.stride(0), table.stride(0)),
+        (rows, slots),
         table,
         hidden,
-        flat.stride(0),
-        other_flat.stride(0),
-        table.stride(0),
         float(scale),
         HAS_OTHER=other is not None,
         MASKED=bool(masked),

@@ -21,23 +21,20 @@ BLOCK_H = 256
 
 @triton.jit
 def _steer_kernel(
-    target,
-    other,
-    rows,
-    slots,
-    adds,
-    dirs,
-    enc,
-    dec,
-    par,
+    stream,  # (target, other)
+    strides,  # (target, other) row strides
+    entries,  # (rows, slots)
+    tables,  # (adds, dirs, enc, dec, par)
     hidden,
-    target_stride,
-    other_stride,
     scale,
     HAS_OTHER: tl.constexpr,
     HAS_CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    target, other = stream
+    target_stride, other_stride = strides
+    rows, slots = entries
+    adds, dirs, enc, dec, par = tables
     j = tl.program_id(0)
     s = tl.load(slots + j)
     if s != 0:
@@ -99,18 +96,11 @@ def steer(
     clamp = enc is not None and dec is not None and par is not None
     other_flat = flat if other is None else other.view(-1, hidden)
     _steer_kernel[(n,)](
-        flat,
-        other_flat,
-        rows,
-        slots,
-        adds,
-        dirs,
-        enc if clamp else adds,
-        dec if clamp else adds,
-        par if clamp else adds,
+        (flat, other_flat),
+        (flat.stride(0), other_flat.stride(0)),
+        (rows, slots),
+        (adds, dirs, enc if clamp else adds, dec if clamp else adds, par if clamp else adds),
         hidden,
-        flat.stride(0),
-        other_flat.stride(0),
         float(scale),
         HAS_OTHER=other is not None,
         HAS_CLAMP=clamp,
