@@ -15,6 +15,7 @@ byte-identical to their first build (tests and benchmarks depend on them).
 
 import fcntl
 import json
+import math
 import os
 from pathlib import Path
 
@@ -118,6 +119,11 @@ FRONTIER_ARCHS = (
     "minicpm3",
     "cohere2_moe",
     "mimo",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_b.py).
+    "minicpm",
+    "chatglm",
+    "deepseek_v1",
+    "bailing_moe",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -164,6 +170,10 @@ SWEEP_CANDIDATES = (
     "minicpm3",
     "cohere2_moe",
     "mimo",
+    "minicpm",
+    "chatglm",
+    "deepseek_v1",
+    "bailing_moe",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -235,6 +245,10 @@ _STYLE = {
     "minicpm3": "chatml",
     "cohere2_moe": "chatml",
     "mimo": "chatml",
+    "minicpm": "chatml",
+    "chatglm": "chatml",
+    "deepseek_v1": "chatml",
+    "bailing_moe": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1169,6 +1183,102 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             dim_model_base=256,
             **dict(common, num_key_value_heads=num_heads, tie_word_embeddings=True),
         ), T.MiniCPM3ForCausalLM
+    if arch == "minicpm":
+        # MiniCPM (1 and 2): Llama's blocks with muP, the embeddings times
+        # scale_emb, each block's output times scale_depth / sqrt(layers),
+        # the LM head's input divided by hidden_size / dim_model_base, tied
+        # embeddings (MiniCPM-2B's). HF has no MiniCPM class (its MiniCPM is
+        # remote code): HF's Granite is that math (embedding_multiplier,
+        # residual_multiplier, attention_multiplier 1/sqrt(head_dim),
+        # logits_scaling) in the same weight names, and the reference; the
+        # checkpoint declares MiniCPMForCausalLM and carries MiniCPM's own
+        # fields, which vLLM reads.
+        scale_emb, scale_depth, dim_model_base = 12.0, 1.4, 256
+        config = T.GraniteConfig(
+            embedding_multiplier=scale_emb,
+            residual_multiplier=scale_depth / math.sqrt(layers),
+            attention_multiplier=(hidden // num_heads) ** -0.5,
+            logits_scaling=hidden / dim_model_base,
+            **dict(common, tie_word_embeddings=True),
+        )
+        config.update(
+            dict(scale_emb=scale_emb, scale_depth=scale_depth, dim_model_base=dim_model_base)
+        )
+        config.architectures = ["MiniCPMForCausalLM"]  # as the released checkpoints
+        return config, T.GraniteForCausalLM
+    if arch == "chatglm":
+        # GLM-4-9B-chat / ChatGLM3's layout (HF's GlmForCausalLM is GLM-4's
+        # port of it: the reference, saved under hf_reference/): RMSNorm,
+        # grouped queries (multi_query_group_num), q/k/v biases only, half of
+        # each head rotated in interleaved pairs (original_rope), SwiGLU on
+        # a fused gate/up; the checkpoint beside it is the same weights in
+        # the released names (transformer.encoder.layers.N.self_attention.
+        # query_key_value ...) and config (_write_chatglm).
+        config = T.GlmConfig(
+            head_dim=hidden // num_heads,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0 * 1.5, partial_rotary_factor=0.5
+            ),
+            **common,
+        )
+        config.architectures = ["ChatGLMModel"]  # GLM-4-9B-chat's (_write_chatglm)
+        return config, T.GlmForCausalLM
+    if arch == "deepseek_v1":
+        # DeepSeek-MoE (V1): Llama's attention and norms, a dense first layer
+        # (first_k_dense_replace), then routed experts (softmax top-k, not
+        # renormalized, as released) and shared ones; the MoE weights are
+        # added by _add_deepseek_v1_experts. HF has no class of it (remote
+        # code): the reference is an eager port of the published modelling
+        # code (tests/v1/hidden_states/deepseek_v1_reference.py), loading
+        # the same weights from hf_reference/. Declared by model_type llama
+        # (the release's "deepseek" has no config class outside remote code).
+        config = T.LlamaConfig(**common)
+        config.update(
+            dict(
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                moe_intermediate_size=moe,
+                first_k_dense_replace=1,
+                moe_layer_freq=1,
+                norm_topk_prob=False,
+                scoring_func="softmax",
+            )
+        )
+        config.architectures = ["DeepseekForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "bailing_moe":
+        # Ling (Bailing MoE, v1: Ling-lite / Ling-plus): Llama's blocks with a
+        # fused query_key_value and a dense output projection, a dense first
+        # layer, then routed experts (softmax top-k, renormalized) and a
+        # shared one: DeepSeek-MoE's math (Ling's remote modelling code is
+        # its port), whose eager reference runs it from hf_reference/ on the
+        # same weights in DeepSeek-MoE's names (_write_bailing_moe). Declared
+        # by model_type llama (the release's bailing_moe is remote code).
+        config = T.LlamaConfig(**common)
+        experts = dict(num_experts_per_tok=2, moe_intermediate_size=moe, first_k_dense_replace=1)
+        config.update(
+            dict(
+                # Ling's names, which vLLM reads
+                num_experts=4,
+                num_shared_experts=1,
+                norm_topk_prob=True,
+                use_bias=False,
+                use_qkv_bias=False,
+                use_qk_norm=False,
+                embedding_dropout=0.0,
+                norm_head=False,
+                # DeepSeek-MoE's, which the reference reads
+                n_routed_experts=4,
+                n_shared_experts=1,
+                moe_layer_freq=1,
+                **experts,
+            )
+        )
+        config.architectures = ["BailingMoeForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(
@@ -1259,6 +1369,151 @@ def _add_dense_post_mlp_norms(out: Path, config, seed: int) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+# The model_type of an eager reference written for the tests where HF has no
+# class (registered by the test module that uses it).
+DEEPSEEK_V1_REFERENCE_TYPE = "deepseek_v1_eager_reference"
+
+
+def _add_deepseek_v1_experts(out: Path, config, seed: int, architecture: str) -> None:
+    """DeepSeek-MoE's MoE layers in its released weight names (mlp.gate,
+    mlp.experts.N.*_proj, mlp.shared_experts.*_proj) in place of the dense
+    MLP HF's Llama saved there; and hf_reference/, the same weights under the
+    eager reference's model_type."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden, moe = config.hidden_size, config.moe_intermediate_size
+
+    def randn(*shape: int) -> torch.Tensor:
+        return 0.05 * torch.randn(*shape, generator=g)
+
+    for i in range(config.num_hidden_layers):
+        if i < config.first_k_dense_replace or i % config.moe_layer_freq:
+            continue
+        mlp = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[f"{mlp}{name}.weight"]
+        tensors[mlp + "gate.weight"] = randn(config.n_routed_experts, hidden)
+        experts = [f"experts.{e}." for e in range(config.n_routed_experts)]
+        for prefix, width in [(e, moe) for e in experts] + [
+            ("shared_experts.", moe * config.n_shared_experts)
+        ]:
+            tensors[f"{mlp}{prefix}gate_proj.weight"] = randn(width, hidden)
+            tensors[f"{mlp}{prefix}up_proj.weight"] = randn(width, hidden)
+            tensors[f"{mlp}{prefix}down_proj.weight"] = randn(hidden, width)
+    save_file(tensors, path, metadata={"format": "pt"})
+    reference = out / REFERENCE_SUBDIR
+    reference.mkdir(exist_ok=True)
+    shutil.copyfile(path, reference / "model.safetensors")
+    written = json.loads((out / "config.json").read_text())
+    # (save_pretrained has set the config's architectures to HF's class)
+    written.update(model_type=DEEPSEEK_V1_REFERENCE_TYPE, architectures=[architecture])
+    (reference / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+
+
+def _write_bailing_moe(out: Path, config) -> None:
+    """Ling's weight names (model.word_embeddings, attention.query_key_value,
+    attention.dense), as released, which vLLM's BailingMoe loads, from the
+    DeepSeek-MoE names _add_deepseek_v1_experts wrote."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    renamed = {"model.word_embeddings.weight": tensors.pop("model.embed_tokens.weight")}
+    for i in range(config.num_hidden_layers):
+        attn, ling = f"model.layers.{i}.self_attn.", f"model.layers.{i}.attention."
+        renamed[ling + "query_key_value.weight"] = torch.cat(
+            [tensors.pop(f"{attn}{p}_proj.weight") for p in "qkv"]
+        )
+        renamed[ling + "dense.weight"] = tensors.pop(attn + "o_proj.weight")
+    save_file({**tensors, **renamed}, path, metadata={"format": "pt"})
+
+
+# Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
+# not one HF transformers loads (ChatGLM: remote code on the Hub): the same
+# weights in an HF class's names and config.
+REFERENCE_SUBDIR = "hf_reference"
+
+
+def reference_dir(model_dir: str | Path) -> Path:
+    """The directory HF transformers loads as ``model_dir``'s reference."""
+    model_dir = Path(model_dir)
+    sub = model_dir / REFERENCE_SUBDIR
+    return sub if (sub / "config.json").exists() else model_dir
+
+
+def _write_chatglm(out: Path, model, config, token_ids: dict) -> None:
+    """GLM-4-9B-chat's checkpoint (config.json and weight names, as released,
+    which vLLM's ChatGLM loads) from HF's GlmForCausalLM's weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {
+        "transformer.embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+        "transformer.encoder.final_layernorm.weight": sd["model.norm.weight"],
+        "transformer.output_layer.weight": sd["lm_head.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        hf, glm = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        attn = hf + "self_attn."
+        for kind in ("weight", "bias"):
+            tensors[f"{glm}self_attention.query_key_value.{kind}"] = torch.cat(
+                [sd[f"{attn}{p}_proj.{kind}"] for p in "qkv"]
+            )
+        tensors[glm + "self_attention.dense.weight"] = sd[attn + "o_proj.weight"]
+        tensors[glm + "mlp.dense_h_to_4h.weight"] = sd[hf + "mlp.gate_up_proj.weight"]
+        tensors[glm + "mlp.dense_4h_to_h.weight"] = sd[hf + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{glm}{norm}.weight"] = sd[f"{hf}{norm}.weight"]
+    save_file(
+        {k: v.clone() for k, v in tensors.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    rope = config.rope_parameters
+    glm_config = dict(
+        architectures=["ChatGLMModel"],
+        model_type="chatglm",
+        num_layers=config.num_hidden_layers,
+        padded_vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        kv_channels=config.head_dim,
+        num_attention_heads=config.num_attention_heads,
+        multi_query_attention=True,
+        multi_query_group_num=config.num_key_value_heads,
+        seq_length=config.max_position_embeddings,
+        layernorm_epsilon=config.rms_norm_eps,
+        rmsnorm=True,
+        apply_residual_connection_post_layernorm=False,
+        post_layer_norm=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        original_rope=True,
+        rope_ratio=rope["rope_theta"] / 10000.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+    )
+    (out / "config.json").write_text(json.dumps(glm_config, indent=2) + "\n")
+    # The reference declares the checkpoint's architecture too (HF picks its
+    # class by model_type, glm): readers of its config see ChatGLM's layers.
+    reference_json = out / REFERENCE_SUBDIR / "config.json"
+    written = json.loads(reference_json.read_text())
+    written["architectures"] = glm_config["architectures"]
+    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
 def _built(stamp: Path, recipe: dict) -> bool:
     return stamp.exists() and json.loads(stamp.read_text()) == recipe
 
@@ -1333,9 +1588,20 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    model.save_pretrained(out, safe_serialization=True)
+    if arch == "chatglm":
+        # The reference in HF's layout beside the released one (vLLM's).
+        model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
+        hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
+        _write_chatglm(out, model, config, token_ids)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     if arch == "axk1":
         _add_dense_post_mlp_norms(out, config, seed)
+    if arch == "deepseek_v1":
+        _add_deepseek_v1_experts(out, config, seed, "DeepseekForCausalLM")
+    if arch == "bailing_moe":
+        _add_deepseek_v1_experts(out, config, seed, "BailingMoeForCausalLM")
+        _write_bailing_moe(out, config)
     if declared:  # the released checkpoints' name (save_pretrained writes HF's)
         config_json = out / "config.json"
         written = json.loads(config_json.read_text())
