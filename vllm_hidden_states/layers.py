@@ -821,49 +821,103 @@ def _deepseek_v1_layers(config: Any) -> list[str]:
     return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
 
 
-# Ling (Bailing MoE v1): vLLM's fused residual, attention at ``attention``
+# Ling (Bailing MoE v1 and 2.0): vLLM's fused residual, attention at ``attention``
 # (a fused query_key_value, heads' outputs into ``dense``), a dense MLP in
 # the first first_k_dense_replace layers, routed experts and shared ones
 # after (mlp_out their sum).
 for _experts in (False, True):
     LAYER_CLASSES[f"{_V}bailing_moe.BailingMoeBlock" + (_EXPERTS if _experts else "")] = LayerClass(
         "fused",
-        ("bailing_moe",),
+        ("bailing_moe", "bailing_moe_v2"),
         mixer="attention",
         neurons=None if _experts else "mlp.down_proj",
     )
 
 
-def _bailing_moe_layers(config: Any) -> list[str]:
-    # Tested as Ling v1 is released: softmax top-k renormalized, no expert
-    # bias, grouped routing or routed scale, no q/k norms, no biases, full
-    # rotary; Ling 2.0's settings (the same class) are untested.
-    name = _V + "bailing_moe.BailingMoeBlock"
-    n = config.num_hidden_layers
-    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
-    unlike = [
+def _bailing_unlike(config: Any) -> list[str]:
+    """How a Ling config differs from both tested settings (empty: one of
+    them): Ling v1's (softmax top-k renormalized, no expert bias, grouping
+    or routed scale, no q/k norms, full rotary) and Ling 2.0's (sigmoid
+    with an expert bias, grouped top-k, renormalized, any routed scale;
+    RMSNorm q/k norms; any rotary fraction); no linear biases in either."""
+    score = getattr(config, "score_function", None) or "softmax"
+    bias = bool(getattr(config, "moe_router_enable_expert_bias", False))
+    grouped = getattr(config, "n_group", None) is not None
+    qk_norm = bool(getattr(config, "use_qk_norm", False))
+    rms = bool(getattr(config, "use_rmsnorm", False))
+    partial = (
+        getattr(config, "rotary_dim", None) is not None
+        or float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1
+    )
+    scaled = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0) != 1
+    common = [
         flag
         for flag, on in (
-            ("score_function", getattr(config, "score_function", None) not in (None, "softmax")),
-            ("n_group", getattr(config, "n_group", None) is not None),
-            ("routed_scaling_factor", float(getattr(config, "routed_scaling_factor", 1.0)) != 1),
-            (
-                "moe_router_enable_expert_bias",
-                bool(getattr(config, "moe_router_enable_expert_bias", False)),
-            ),
-            ("use_qk_norm", bool(getattr(config, "use_qk_norm", False))),
             ("use_bias", bool(getattr(config, "use_bias", False))),
             ("use_qkv_bias", bool(getattr(config, "use_qkv_bias", False))),
-            (
-                "partial rotary",
-                getattr(config, "rotary_dim", None) is not None
-                or float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1,
-            ),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
         )
         if on
     ]
-    suffix = f"[{', '.join(unlike)} unlike Ling v1's: untested]" if unlike else ""
+    v1 = [
+        flag
+        for flag, on in (
+            ("score_function", score != "softmax"),
+            ("expert bias", bias),
+            ("n_group", grouped),
+            ("routed_scaling_factor", scaled),
+            ("use_qk_norm", qk_norm),
+            ("partial rotary", partial),
+        )
+        if on
+    ]
+    v2 = [
+        flag
+        for flag, on in (
+            ("score_function", score != "sigmoid"),
+            ("no expert bias", not bias),
+            ("no n_group", not grouped),
+            ("no RMSNorm q/k norms", not (qk_norm and rms)),
+        )
+        if on
+    ]
+    return common + (min(v1, v2, key=len) if v1 and v2 else [])
+
+
+def _bailing_moe_layers(config: Any) -> list[str]:
+    # Ling v1 and Ling 2.0 (BailingMoeV2ForCausalLM: vLLM's same class and
+    # layers) each tested as released; other settings untested.
+    name = _V + "bailing_moe.BailingMoeBlock"
+    n = config.num_hidden_layers
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    unlike = _bailing_unlike(config)
+    suffix = f"[{', '.join(unlike)} unlike Ling v1's and 2.0's: untested]" if unlike else ""
     return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
+
+
+# Step 3 (text): vLLM's fused residual, attention with one key/value head and
+# a low-rank shared query path (heads' outputs into o_proj); a dense MLP in
+# the layers moe_layers_enum leaves out, routed experts (moe) plus a shared
+# expert (share_expert) elsewhere: two modules, whose sum the layer returns
+# (mlp_out, read there).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}step3_text.Step3TextDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass("fused", ("step3_text",), neurons=None if _experts else "mlp.down_proj")
+    )
+
+
+def _step3_text_layers(config: Any) -> list[str]:
+    # MoE where moe_layers_enum says (vLLM's default, as the remote code's:
+    # all but the first); tested with softmax top-k not renormalized, as
+    # released.
+    name = _V + "step3_text.Step3TextDecoderLayer"
+    n = config.num_hidden_layers
+    enum = getattr(config, "moe_layers_enum", None)
+    moe = {int(i) for i in str(enum).strip().split(",")} if enum is not None else set(range(1, n))
+    suffix = (
+        "[norm_expert_weight: untested]" if getattr(config, "norm_expert_weight", False) else ""
+    )
+    return [name + (_EXPERTS if i in moe else "") + suffix for i in range(n)]
 
 
 # ChatGLM (ChatGLM2/3, GLM-4-9B-chat): the stream in hidden only (each block
@@ -977,6 +1031,8 @@ MODEL_LAYERS.update(
         _V + "chatglm.ChatGLMForCausalLM": _chatglm_layers,
         _V + "deepseek_v2.DeepseekForCausalLM": _deepseek_v1_layers,
         _V + "bailing_moe.BailingMoeForCausalLM": _bailing_moe_layers,
+        _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
+        _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",

@@ -213,9 +213,27 @@ NOTES: dict[str, str] = {
     "port (tests/v1/hidden_states/deepseek_v1_reference.py: Ling's remote "
     "modeling_bailing_moe.py runs DeepSeek-MoE's math) on the same weights in "
     "DeepSeek-MoE's names: every point, patterns and attn_z, mlp_post in the dense layers; "
-    "declared by model_type llama (the release's bailing_moe is remote code); sigmoid "
-    "routing, an expert bias, grouped or scaled routing, q/k norms, biases or partial "
-    "rotary (Ling 2.0's settings) untested: every layer inside refused there",
+    "declared by model_type llama (the release's bailing_moe is remote code); Ling 2.0's "
+    "settings tested on BailingMoeV2ForCausalLM (vLLM's same class); others untested: every "
+    "layer inside refused there",
+    "BailingMoeV2ForCausalLM": "tested (Ling 2.0: per-head RMSNorm q/k norms, half of each "
+    "head rotated; a dense first layer, then routed experts by sigmoid with an expert bias "
+    "for the choice, grouped top-k, renormalized and scaled, and a shared one) against HF's "
+    "Glm4MoeForCausalLM on the same weights in HF's names (the tiny model's hf_reference/; "
+    "Ling's own HF code is remote, and GLM-4.5's class is its math): every point, patterns "
+    "and attn_z, mlp_post in the dense layer; declared by model_type llama (the release's "
+    "bailing_moe_v2 is remote code); vLLM's same class as BailingMoeForCausalLM, whose "
+    "tested settings it also accepts; others (linear biases, softmax with an expert bias, "
+    "...) untested: every layer inside refused there",
+    "Step3TextForCausalLM": "tested (Step 3's text model: one key/value head, the query "
+    "through a shared low-rank path, q_proj, an RMSNorm, wq; a dense first layer, then "
+    "softmax top-k routed experts, not renormalized, plus a shared expert) against an "
+    "eager port of the published modelling code (stepfun-ai/step3's remote "
+    "modeling_step3.py: Step3vAttention, Step3vMoEMLP on HF's Llama modules; "
+    "tests/v1/hidden_states/step3_text_reference.py) on the same weights: every point, "
+    "patterns and attn_z (mlp_out in MoE layers the sum of the routed and shared experts, "
+    "the layer's output), mlp_post in the dense layer; norm_expert_weight untested: every "
+    "layer inside refused there",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -303,7 +321,7 @@ NOTES: dict[str, str] = {
 REFUSED: frozenset[str] = frozenset(
     """
     ApertusForCausalLM
-    BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
+    BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     DeciLMForCausalLM
     ExaoneForCausalLM
 
@@ -319,7 +337,7 @@ REFUSED: frozenset[str] = frozenset(
     OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
     SarvamMoEForCausalLM
-    SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM
+    SarvamMLAForCausalLM Step1ForCausalLM Step3p5ForCausalLM
     SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM
     """.split()

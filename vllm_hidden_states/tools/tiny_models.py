@@ -124,6 +124,8 @@ FRONTIER_ARCHS = (
     "chatglm",
     "deepseek_v1",
     "bailing_moe",
+    "bailing_moe_v2",
+    "step3_text",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -174,6 +176,8 @@ SWEEP_CANDIDATES = (
     "chatglm",
     "deepseek_v1",
     "bailing_moe",
+    "bailing_moe_v2",
+    "step3_text",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -249,6 +253,8 @@ _STYLE = {
     "chatglm": "chatml",
     "deepseek_v1": "chatml",
     "bailing_moe": "chatml",
+    "bailing_moe_v2": "chatml",
+    "step3_text": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1279,6 +1285,47 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.architectures = ["BailingMoeForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
+    if arch == "bailing_moe_v2":
+        # Ling 2.0 (Bailing MoE v2): per-head q/k RMSNorms, half of each head
+        # rotated (neox), a dense first layer, then routed experts (sigmoid,
+        # an expert bias for the choice, grouped top-k, renormalized, scaled)
+        # and a shared one. HF's Glm4MoeForCausalLM is that math (Ling's
+        # remote modelling code is DeepSeek-V3's router on GLM-4.5-like
+        # attention) and the reference, saved under hf_reference/; the
+        # checkpoint beside it is the same weights in Ling's names and config
+        # (_write_bailing_moe_v2).
+        config = T.Glm4MoeConfig(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=False,
+            partial_rotary_factor=0.5,
+            head_dim=hidden // num_heads,
+            **common,
+        )
+        config.update(_LING_V2_FIELDS)  # Ling's own, which vLLM reads
+        config.architectures = ["BailingMoeV2ForCausalLM"]  # _write_bailing_moe_v2
+        return config, T.Glm4MoeForCausalLM
+    if arch == "step3_text":
+        # Step 3's text model: one key/value head, the query through a shared
+        # low-rank projection (share_q_dim, an RMSNorm, then wq up to the
+        # heads), a dense first layer, then routed experts (softmax top-k,
+        # not renormalized, as released) plus a shared expert. HF has no
+        # class of it (remote code): the reference is an eager port of the
+        # published modelling code (tests/v1/hidden_states/
+        # step3_text_reference.py) on the same weights, from hf_reference/;
+        # Llama's build gives the shared weights, _write_step3_text the rest.
+        config = T.LlamaConfig(**dict(common, num_key_value_heads=1))
+        config.update(_step3_fields(layers, hidden, moe))
+        config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(
@@ -1435,6 +1482,180 @@ def _write_bailing_moe(out: Path, config) -> None:
     save_file({**tensors, **renamed}, path, metadata={"format": "pt"})
 
 
+# Ling 2.0's config fields (as released) beside those HF's Glm4MoeConfig has.
+_LING_V2_FIELDS = dict(
+    score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    router_dtype="fp32",
+    use_bias=False,
+    use_qkv_bias=False,
+    use_qk_norm=True,
+    use_rmsnorm=True,
+    partial_rotary_factor=0.5,
+    embedding_dropout=0.0,
+    norm_head=False,
+)
+
+
+def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
+    """Ling 2.0's checkpoint (weight names and config fields as released,
+    which vLLM's BailingMoeV2 loads) from the reference's saved weights; the
+    reference's config.json gets Ling's fields too (readers of it see what
+    vLLM sees)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    reference = out / REFERENCE_SUBDIR
+    tensors = load_file(reference / "model.safetensors")
+    ling = {"model.word_embeddings.weight": tensors.pop("model.embed_tokens.weight")}
+    for name in list(tensors):
+        attn = name.rsplit("self_attn.", 1)
+        if len(attn) == 2 and attn[1] in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+            continue  # fused below
+        new = name.replace("self_attn.o_proj.", "attention.dense.")
+        new = new.replace("self_attn.q_norm.", "attention.query_layernorm.")
+        new = new.replace("self_attn.k_norm.", "attention.key_layernorm.")
+        new = new.replace("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias")
+        ling[new] = tensors[name]
+    for i in range(config.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn."
+        ling[f"model.layers.{i}.attention.query_key_value.weight"] = torch.cat(
+            [tensors[f"{attn}{p}_proj.weight"] for p in "qkv"]
+        )
+    save_file(ling, out / "model.safetensors", metadata={"format": "pt"})
+    fields = dict(
+        _LING_V2_FIELDS,
+        num_experts=config.n_routed_experts,
+        num_shared_experts=config.n_shared_experts,
+    )
+    ling_config = dict(
+        architectures=["BailingMoeV2ForCausalLM"],
+        model_type="llama",  # the release's bailing_moe_v2 is remote code
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"]),
+        hidden_act="silu",
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        first_k_dense_replace=config.first_k_dense_replace,
+        norm_topk_prob=config.norm_topk_prob,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=token_ids["bos"],
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+        **fields,
+    )
+    (out / "config.json").write_text(json.dumps(ling_config, indent=2) + "\n")
+    reference_json = reference / "config.json"
+    written = json.loads(reference_json.read_text())
+    written.update(architectures=ling_config["architectures"], **fields)
+    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
+STEP3_TEXT_REFERENCE_TYPE = "step3_text_eager_reference"
+
+
+def _step3_fields(layers: int, hidden: int, moe: int) -> dict:
+    """Step 3's text config fields (as released, vLLM's Step3TextConfig's):
+    the query's shared rank as wide as the stream (a multiple of the head
+    size: vLLM splits its fused q/k/v by ratios of these widths), MoE in
+    every layer but the first."""
+    return dict(
+        share_q_dim=hidden,
+        moe_num_experts=4,
+        moe_top_k=2,
+        moe_intermediate_size=moe,
+        share_expert_dim=moe,
+        norm_expert_weight=False,
+        moe_layers_enum=",".join(str(i) for i in range(1, layers)),
+    )
+
+
+def _write_step3_text(out: Path, config, seed: int, token_ids: dict) -> None:
+    """Step 3's checkpoint (its released weight names and config, which vLLM
+    loads) from HF's Llama save (embeddings, norms, k/v/o projections, the
+    dense MLP) and seeded weights for the rest (the query's low-rank path,
+    the stacked routed experts, the shared expert); hf_reference/, the same
+    weights as the eager reference names them, under its model_type."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed + 2)
+
+    def randn(*shape: int, scale: float = 0.05) -> torch.Tensor:
+        return scale * torch.randn(*shape, generator=g)
+
+    hidden, head = config.hidden_size, config.hidden_size // config.num_attention_heads
+    q, moe, experts = config.share_q_dim, config.moe_intermediate_size, config.moe_num_experts
+    moe_layers = {int(i) for i in config.moe_layers_enum.split(",")}
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        tensors[layer + "self_attn.q_proj.weight"] = randn(q, hidden)
+        tensors[layer + "self_attn.inter_norm.weight"] = 1 + randn(q, scale=0.02)
+        tensors[layer + "self_attn.wq.weight"] = randn(config.num_attention_heads * head, q)
+        if i not in moe_layers:
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[f"{layer}mlp.{name}.weight"]
+        tensors[layer + "moe.gate.weight"] = randn(experts, hidden)
+        tensors[layer + "moe.gate_proj.weight"] = randn(experts, moe, hidden)
+        tensors[layer + "moe.up_proj.weight"] = randn(experts, moe, hidden)
+        tensors[layer + "moe.down_proj.weight"] = randn(experts, hidden, moe)
+        width = config.share_expert_dim
+        tensors[layer + "share_expert.gate_proj.weight"] = randn(width, hidden)
+        tensors[layer + "share_expert.up_proj.weight"] = randn(width, hidden)
+        tensors[layer + "share_expert.down_proj.weight"] = randn(hidden, width)
+    save_file(tensors, path, metadata={"format": "pt"})
+    reference = out / REFERENCE_SUBDIR
+    reference.mkdir(exist_ok=True)
+    renamed = {
+        k.replace(".moe.", ".mlp.moe.").replace(".share_expert.", ".mlp.share_expert."): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, reference / "model.safetensors", metadata={"format": "pt"})
+    written = json.loads((out / "config.json").read_text())
+    fields = {k: getattr(config, k) for k in _step3_fields(1, 1, 1)}
+    written.update(
+        model_type=STEP3_TEXT_REFERENCE_TYPE, architectures=["Step3TextForCausalLM"], **fields
+    )
+    (reference / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    step3 = dict(
+        architectures=["Step3TextForCausalLM"],
+        model_type="step3_text",
+        vocab_size=config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_attention_groups=1,
+        head_dim=head,
+        rms_norm_eps=config.rms_norm_eps,
+        max_seq_len=config.max_position_embeddings,
+        max_position_embedding=config.max_position_embeddings,
+        rope_parameters=dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"]),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=token_ids["bos"],
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+        **fields,
+    )
+    (out / "config.json").write_text(json.dumps(step3, indent=2) + "\n")
+
+
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
 # not one HF transformers loads (ChatGLM: remote code on the Hub): the same
 # weights in an HF class's names and config.
@@ -1575,7 +1796,7 @@ def _write_tiny_model(
                 for name, b in model.named_buffers():
                     if name.endswith("expert_bias"):
                         b.copy_(torch.randn_like(b) * 0.5)
-            if arch in ("hy_v3", "laguna", "axk1"):
+            if arch in ("hy_v3", "laguna", "axk1", "bailing_moe_v2"):
                 # The sigmoid routers' correction bias (Hy3, A.X K1: a buffer
                 # at zero): large enough to change which experts are picked.
                 for name, t in [*model.named_buffers(), *model.named_parameters()]:
@@ -1588,17 +1809,22 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    if arch == "chatglm":
+    if arch in ("chatglm", "bailing_moe_v2"):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
-        _write_chatglm(out, model, config, token_ids)
+        if arch == "chatglm":
+            _write_chatglm(out, model, config, token_ids)
+        else:
+            _write_bailing_moe_v2(out, config, token_ids)
     else:
         model.save_pretrained(out, safe_serialization=True)
     if arch == "axk1":
         _add_dense_post_mlp_norms(out, config, seed)
     if arch == "deepseek_v1":
         _add_deepseek_v1_experts(out, config, seed, "DeepseekForCausalLM")
+    if arch == "step3_text":
+        _write_step3_text(out, config, seed, token_ids)
     if arch == "bailing_moe":
         _add_deepseek_v1_experts(out, config, seed, "BailingMoeForCausalLM")
         _write_bailing_moe(out, config)
