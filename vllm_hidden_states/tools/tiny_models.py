@@ -126,6 +126,7 @@ FRONTIER_ARCHS = (
     "bailing_moe",
     "bailing_moe_v2",
     "step3_text",
+    "plamo3",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -178,6 +179,7 @@ SWEEP_CANDIDATES = (
     "bailing_moe",
     "bailing_moe_v2",
     "step3_text",
+    "plamo3",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -255,6 +257,7 @@ _STYLE = {
     "bailing_moe": "chatml",
     "bailing_moe_v2": "chatml",
     "step3_text": "chatml",
+    "plamo3": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1326,6 +1329,27 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config.update(_step3_fields(layers, hidden, moe))
         config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
+    if arch == "plamo3":
+        # PLaMo 3: sandwich norms (pre and post each block, the post norms'
+        # weights stored less an offset), per-head q/k norms, sliding layers
+        # with their own rotary base and a global one every 4th, a SwiGLU
+        # MLP, no embedding scale. HF has no class of it (remote code); HF's
+        # Gemma 3 is that math ((1 + w) norms; its embedding scale folded
+        # into the weights, query_pre_attn_scalar the head size, SiLU): the
+        # reference, saved under hf_reference/; the checkpoint beside it is
+        # the same weights in PLaMo 3's names and config (_write_plamo3).
+        config = T.Gemma3TextConfig(
+            head_dim=hidden // num_heads,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            sliding_window=SHORT_WINDOW,
+            query_pre_attn_scalar=hidden // num_heads,
+            hidden_activation="silu",
+            **dict(common, tie_word_embeddings=False),
+        )
+        config.architectures = ["Plamo3ForCausalLM"]  # _write_plamo3
+        return config, T.Gemma3ForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(
@@ -1656,6 +1680,88 @@ def _write_step3_text(out: Path, config, seed: int, token_ids: dict) -> None:
     (out / "config.json").write_text(json.dumps(step3, indent=2) + "\n")
 
 
+def _write_plamo3(out: Path, model, config, token_ids: dict) -> None:
+    """PLaMo 3's checkpoint (its released weight names and config, which
+    vLLM's Plamo3 loads, adding each norm's offset to its stored weight)
+    from HF's Gemma 3 model: Gemma's (1 + w) norms stored less the offset
+    less one, its scaled embeddings stored scaled."""
+    import torch
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    embed = model.model.embed_tokens
+    # (as HF's Gemma 3 scales the looked-up rows, in the weights' dtype)
+    scaled = sd["model.embed_tokens.weight"] * embed.embed_scale.to(embed.weight.dtype)
+    tensors = {
+        "model.embed_tokens.weight": scaled,
+        "model.norm.weight": sd["model.norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
+    # PLaMo 3's norms and the offsets vLLM's loader adds to their weights
+    # (plamo3.py, as the remote code's norms): Gemma's weight + 1 - offset.
+    norms = {
+        "input_layernorm": ("pre_mixer_norm", 1.0),
+        "post_attention_layernorm": ("post_mixer_norm", 1.0 / 5),
+        "pre_feedforward_layernorm": ("pre_mlp_norm", 1.0),
+        "post_feedforward_layernorm": ("post_mlp_norm", 1.0 / (5**1.5)),
+        "self_attn.q_norm": ("mixer.q_norm", 1.0),
+        "self_attn.k_norm": ("mixer.k_norm", 1.0),
+    }
+    for i in range(config.num_hidden_layers):
+        hf, pl = f"model.layers.{i}.", f"model.layers.layers.{i}."
+        for name, (new, offset) in norms.items():
+            tensors[f"{pl}{new}.weight"] = sd[f"{hf}{name}.weight"] + (1.0 - offset)
+        tensors[pl + "mixer.qkv_proj.weight"] = torch.cat(
+            [sd[f"{hf}self_attn.{p}_proj.weight"] for p in "qkv"]
+        )
+        tensors[pl + "mixer.o_proj.weight"] = sd[hf + "self_attn.o_proj.weight"]
+        tensors[pl + "mlp.gate_up_proj.weight"] = torch.cat(
+            [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]]
+        )
+        tensors[pl + "mlp.down_proj.weight"] = sd[hf + "mlp.down_proj.weight"]
+    save_file(
+        {k: v.clone().contiguous() for k, v in tensors.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    rope = config.rope_parameters
+    windows = [
+        config.sliding_window if t == "sliding_attention" else None for t in config.layer_types
+    ]
+    plamo = dict(
+        architectures=["Plamo3ForCausalLM"],
+        model_type="llama",  # the release's plamo3 is remote code
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        layer_types=list(config.layer_types),
+        # The remote config's own fields, and the per-layer windows (None:
+        # global) it derives from them, which vLLM reads.
+        window_size=config.sliding_window,
+        sliding_window_pattern=4,
+        interleaved_sliding_window=windows,
+        rope_parameters=dict(rope_type="default", rope_theta=rope["full_attention"]["rope_theta"]),
+        rope_local_theta=rope["sliding_attention"]["rope_theta"],
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=token_ids["bos"],
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+    )
+    (out / "config.json").write_text(json.dumps(plamo, indent=2) + "\n")
+    reference_json = out / REFERENCE_SUBDIR / "config.json"
+    written = json.loads(reference_json.read_text())
+    written["architectures"] = plamo["architectures"]
+    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
 # not one HF transformers loads (ChatGLM: remote code on the Hub): the same
 # weights in an HF class's names and config.
@@ -1809,12 +1915,14 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    if arch in ("chatglm", "bailing_moe_v2"):
+    if arch in ("chatglm", "bailing_moe_v2", "plamo3"):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
         if arch == "chatglm":
             _write_chatglm(out, model, config, token_ids)
+        elif arch == "plamo3":
+            _write_plamo3(out, model, config, token_ids)
         else:
             _write_bailing_moe_v2(out, config, token_ids)
     else:

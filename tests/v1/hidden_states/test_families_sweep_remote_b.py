@@ -24,6 +24,9 @@ tests.
   the same weights in its names.
 * Step 3 (text: one key/value head, a low-rank shared query path, routed
   experts plus a shared expert): the eager port step3_text_reference.py.
+* PLaMo 3 (sandwich norms stored less an offset, q/k norms, sliding layers
+  with their own rotary base): HF's Gemma3ForCausalLM on the same weights
+  in its names.
 """
 
 import pytest
@@ -31,7 +34,15 @@ import pytest
 from . import deepseek_v1_reference, step3_text_reference  # noqa: F401  (their Auto classes)
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("minicpm", "chatglm", "deepseek_v1", "bailing_moe", "bailing_moe_v2", "step3_text")
+SWEEP = (
+    "minicpm",
+    "chatglm",
+    "deepseek_v1",
+    "bailing_moe",
+    "bailing_moe_v2",
+    "step3_text",
+    "plamo3",
+)
 
 
 @pytest.fixture(scope="module", params=SWEEP)
