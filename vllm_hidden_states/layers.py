@@ -391,6 +391,25 @@ def layer_class(cls: type) -> LayerClass | None:
     return known_layer_class(class_name(cls))
 
 
+# Decoder layer classes whose layers differ inside by model, and the variant
+# (a suffix of LAYER_CLASSES' keys) a loaded layer is: vLLM's DeepSeek V2
+# layer runs DeepSeek V1's plain multi-head attention where its use_mha says
+# so (no MLA), whose keys, patterns and heads' outputs are there to read.
+LAYER_VARIANTS: dict[str, Callable[[Any], str]] = {
+    _V + "deepseek_v2.DeepseekV2DecoderLayer": lambda layer: (
+        "[mha]" if getattr(layer, "use_mha", False) else ""
+    ),
+}
+
+
+def loaded_layer_class(layer: Any) -> LayerClass | None:
+    """What is known of a loaded decoder layer (its class's, or its
+    variant's: :data:`LAYER_VARIANTS`); None: nothing."""
+    name = class_name(type(layer))
+    variant = LAYER_VARIANTS.get(name)
+    return known_layer_class(name + (variant(layer) if variant is not None else ""))
+
+
 def _granite_hybrid_layers(config: Any) -> list[str]:
     kinds = {
         "full_attention": "GraniteMoeHybridAttentionDecoderLayer",
@@ -749,6 +768,202 @@ def _minicpm3_layers(config: Any) -> list[str]:
     return [name] * config.num_hidden_layers
 
 
+# MiniCPM (1 and 2): MiniCPM3's residual convention (the stream in hidden,
+# (stream, None) returned, block outputs added times scale_depth /
+# sqrt(num_hidden_layers), read from the layer's config: the granite reader)
+# with Llama's attention and a SwiGLU MLP.
+LAYER_CLASSES[_V + "minicpm.MiniCPMDecoderLayer"] = LayerClass("granite", ("minicpm",))
+
+
+def _minicpm_layers(config: Any) -> list[str]:
+    # vLLM builds a MoE block where the config has experts (MiniCPM-MoE) and
+    # a FATReLU MLP where hidden_act says so (MiniCPM-S): untested.
+    name = _V + "minicpm.MiniCPMDecoderLayer"
+    untested = []
+    if int(getattr(config, "num_experts", 0) or 0) > 0:
+        untested.append("num_experts > 0")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        untested.append(f"hidden_act {config.hidden_act}")
+    if untested:
+        name += f"[{', '.join(untested)}: untested]"
+    return [name] * config.num_hidden_layers
+
+
+# DeepSeek-MoE (V1): vLLM's DeepSeek V2 layer class (the fused residual) with
+# plain multi-head attention (DeepseekAttention: no MLA; its loaded layers
+# are this variant, LAYER_VARIANTS), a dense first first_k_dense_replace
+# layers, then routed experts and shared ones (mlp_out their sum).
+for _experts in (False, True):
+    LAYER_CLASSES[
+        f"{_V}deepseek_v2.DeepseekV2DecoderLayer[mha]" + (_EXPERTS if _experts else "")
+    ] = LayerClass("fused", ("deepseek_v1",), neurons=None if _experts else "mlp.down_proj")
+
+
+def _deepseek_v1_layers(config: Any) -> list[str]:
+    # Tested as released: softmax top-k (norm_topk_prob as the config says,
+    # tested unset), no grouped routing, no routed scale, MoE from
+    # first_k_dense_replace on every moe_layer_freq-th layer (tested 1).
+    name = _V + "deepseek_v2.DeepseekV2DecoderLayer[mha]"
+    n = config.num_hidden_layers
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    unlike = [
+        flag
+        for flag, on in (
+            ("scoring_func", getattr(config, "scoring_func", "softmax") != "softmax"),
+            ("topk_method", getattr(config, "topk_method", "greedy") not in ("greedy", None)),
+            ("n_group", int(getattr(config, "n_group", 1) or 1) != 1),
+            ("routed_scaling_factor", float(getattr(config, "routed_scaling_factor", 1.0)) != 1),
+            ("moe_layer_freq", int(getattr(config, "moe_layer_freq", 1) or 1) != 1),
+        )
+        if on
+    ]
+    suffix = f"[{', '.join(unlike)} unlike DeepSeek V1's: untested]" if unlike else ""
+    return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
+
+
+# Ling (Bailing MoE v1 and 2.0): vLLM's fused residual, attention at ``attention``
+# (a fused query_key_value, heads' outputs into ``dense``), a dense MLP in
+# the first first_k_dense_replace layers, routed experts and shared ones
+# after (mlp_out their sum).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}bailing_moe.BailingMoeBlock" + (_EXPERTS if _experts else "")] = LayerClass(
+        "fused",
+        ("bailing_moe", "bailing_moe_v2"),
+        mixer="attention",
+        neurons=None if _experts else "mlp.down_proj",
+    )
+
+
+def _bailing_unlike(config: Any) -> list[str]:
+    """How a Ling config differs from both tested settings (empty: one of
+    them): Ling v1's (softmax top-k renormalized, no expert bias, grouping
+    or routed scale, no q/k norms, full rotary) and Ling 2.0's (sigmoid
+    with an expert bias, grouped top-k, renormalized, any routed scale;
+    RMSNorm q/k norms; any rotary fraction); no linear biases in either."""
+    score = getattr(config, "score_function", None) or "softmax"
+    bias = bool(getattr(config, "moe_router_enable_expert_bias", False))
+    grouped = getattr(config, "n_group", None) is not None
+    qk_norm = bool(getattr(config, "use_qk_norm", False))
+    rms = bool(getattr(config, "use_rmsnorm", False))
+    partial = (
+        getattr(config, "rotary_dim", None) is not None
+        or float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1
+    )
+    scaled = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0) != 1
+    common = [
+        flag
+        for flag, on in (
+            ("use_bias", bool(getattr(config, "use_bias", False))),
+            ("use_qkv_bias", bool(getattr(config, "use_qkv_bias", False))),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
+        )
+        if on
+    ]
+    v1 = [
+        flag
+        for flag, on in (
+            ("score_function", score != "softmax"),
+            ("expert bias", bias),
+            ("n_group", grouped),
+            ("routed_scaling_factor", scaled),
+            ("use_qk_norm", qk_norm),
+            ("partial rotary", partial),
+        )
+        if on
+    ]
+    v2 = [
+        flag
+        for flag, on in (
+            ("score_function", score != "sigmoid"),
+            ("no expert bias", not bias),
+            ("no n_group", not grouped),
+            ("no RMSNorm q/k norms", not (qk_norm and rms)),
+        )
+        if on
+    ]
+    return common + (min(v1, v2, key=len) if v1 and v2 else [])
+
+
+def _bailing_moe_layers(config: Any) -> list[str]:
+    # Ling v1 and Ling 2.0 (BailingMoeV2ForCausalLM: vLLM's same class and
+    # layers) each tested as released; other settings untested.
+    name = _V + "bailing_moe.BailingMoeBlock"
+    n = config.num_hidden_layers
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    unlike = _bailing_unlike(config)
+    suffix = f"[{', '.join(unlike)} unlike Ling v1's and 2.0's: untested]" if unlike else ""
+    return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
+
+
+# Step 3 (text): vLLM's fused residual, attention with one key/value head and
+# a low-rank shared query path (heads' outputs into o_proj); a dense MLP in
+# the layers moe_layers_enum leaves out, routed experts (moe) plus a shared
+# expert (share_expert) elsewhere: two modules, whose sum the layer returns
+# (mlp_out, read there).
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}step3_text.Step3TextDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass("fused", ("step3_text",), neurons=None if _experts else "mlp.down_proj")
+    )
+
+
+def _step3_text_layers(config: Any) -> list[str]:
+    # MoE where moe_layers_enum says (vLLM's default, as the remote code's:
+    # all but the first); tested with softmax top-k not renormalized, as
+    # released.
+    name = _V + "step3_text.Step3TextDecoderLayer"
+    n = config.num_hidden_layers
+    enum = getattr(config, "moe_layers_enum", None)
+    moe = {int(i) for i in str(enum).strip().split(",")} if enum is not None else set(range(1, n))
+    suffix = (
+        "[norm_expert_weight: untested]" if getattr(config, "norm_expert_weight", False) else ""
+    )
+    return [name + (_EXPERTS if i in moe else "") + suffix for i in range(n)]
+
+
+# PLaMo 3: vLLM's fused residual with sandwich norms (Gemma 2/3's: a post
+# norm on each block's output, the add-norm before the MLP pre_mlp_norm,
+# taking attn_out), attention at ``mixer`` (per-head q/k norms; sliding
+# layers and global ones).
+LAYER_CLASSES[_V + "plamo3.Plamo3DecoderLayer"] = LayerClass(
+    "fused", ("plamo3",), mixer="mixer", mid_norm="pre_mlp_norm"
+)
+
+
+# ChatGLM (ChatGLM2/3, GLM-4-9B-chat): the stream in hidden only (each block
+# returns the stream), pre-norm blocks and plain adds: the plain reader;
+# attention at self_attention (heads' outputs into its dense), the MLP's
+# down projection dense_4h_to_h.
+LAYER_CLASSES[_V + "chatglm.GLMBlock"] = LayerClass(
+    "plain",
+    ("chatglm",),
+    mixer="self_attention",
+    neurons="mlp.dense_4h_to_h",
+)
+
+
+def _chatglm_layers(config: Any) -> list[str]:
+    # Tested as GLM-4 and ChatGLM3 are released: RMSNorm, residuals from the
+    # norms' inputs, interleaved rotary (original_rope), a final norm, no
+    # linear biases; other settings are vLLM's reading of configs untested.
+    name = _V + "chatglm.GLMBlock"
+    unlike = [
+        flag
+        for flag, on in (
+            ("rmsnorm unset", not getattr(config, "rmsnorm", True)),
+            (
+                "apply_residual_connection_post_layernorm",
+                bool(getattr(config, "apply_residual_connection_post_layernorm", False)),
+            ),
+            ("original_rope unset", not getattr(config, "original_rope", True)),
+            ("add_bias_linear", bool(getattr(config, "add_bias_linear", False))),
+        )
+        if on
+    ]
+    if unlike:
+        name += f"[{', '.join(unlike)}: untested]"
+    return [name] * config.num_hidden_layers  # ChatGLMConfig's num_layers
+
+
 # Cohere2 MoE: Cohere's layer (one norm, attention and the MLP side by side
 # on its output, both added to the stream in hidden; no resid_mid), dense in
 # the layers mlp_layer_types names so, routed experts plus shared ones
@@ -821,6 +1036,13 @@ MODEL_LAYERS.update(
         _V + "AXK1.AXK1ForCausalLM": _axk1_layers,
         _V + "opt.OPTForCausalLM": _opt_layers,
         _V + "minicpm3.MiniCPM3ForCausalLM": _minicpm3_layers,
+        _V + "minicpm.MiniCPMForCausalLM": _minicpm_layers,
+        _V + "chatglm.ChatGLMForCausalLM": _chatglm_layers,
+        _V + "deepseek_v2.DeepseekForCausalLM": _deepseek_v1_layers,
+        _V + "bailing_moe.BailingMoeForCausalLM": _bailing_moe_layers,
+        _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
+        _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
+        _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",

