@@ -126,10 +126,11 @@ class LayerClass:
 # Where vLLM's attention modules keep their output projection (Llama-likes:
 # o_proj; GPT-2: c_proj; LFM2, GPT-J: out_proj; Falcon, Bloom: dense), tried
 # in this order inside a layer's mixer when its class names none.
-HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense")
+# InternLM2: wo.
+HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense", "wo")
 
 LAYER_CLASSES: dict[str, LayerClass] = {
-    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45")),
+    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45", "telechat2")),
     _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
     _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2", "mimo")),
     _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
@@ -770,6 +771,29 @@ def _cohere2_moe_layers(config: Any) -> list[str]:
     return [name + ("" if t == "dense" else _EXPERTS) for t in config.mlp_layer_types]
 
 
+# InternLM2: vLLM's fused residual; attention (packed wqkv, wo), the
+# add-norm ffn_norm before the MLP (feed_forward: w1, w3, w2).
+LAYER_CLASSES[_V + "internlm2.InternLMDecoderLayer"] = LayerClass(
+    "fused",
+    ("internlm2",),
+    mixer="attention",
+    mlp="feed_forward",
+    mid_norm="ffn_norm",
+    neurons="feed_forward.w2",
+)
+
+# EXAONE 3 (v1): vLLM's fused residual; the attention one module deeper
+# (attn.attention: its out_proj and vLLM's Attention), ln_2 the add-norm
+# before the MLP (c_fc_0, c_fc_1, c_proj).
+LAYER_CLASSES[_V + "exaone.ExaoneDecoderLayer"] = LayerClass(
+    "fused",
+    ("exaone",),
+    mixer="attn.attention",
+    mid_norm="ln_2",
+    neurons="mlp.c_proj",
+)
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -824,6 +848,10 @@ MODEL_LAYERS.update(
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
+        _V + "internlm2.InternLM2ForCausalLM": _V + "internlm2.InternLMDecoderLayer",
+        _V + "exaone.ExaoneForCausalLM": _V + "exaone.ExaoneDecoderLayer",
+        # TeleChat2: vLLM's Llama (biases on o_proj and down_proj only).
+        _V + "telechat2.TeleChat2ForCausalLM": _V + "llama.LlamaDecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
         + "granitemoeshared.GraniteMoeSharedDecoderLayer",
         _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",

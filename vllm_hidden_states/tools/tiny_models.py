@@ -118,6 +118,10 @@ FRONTIER_ARCHS = (
     "minicpm3",
     "cohere2_moe",
     "mimo",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_a.py).
+    "internlm2",
+    "exaone",
+    "telechat2",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -164,7 +168,19 @@ SWEEP_CANDIDATES = (
     "minicpm3",
     "cohere2_moe",
     "mimo",
+    "internlm2",
+    "exaone",
+    "telechat2",
 )
+
+# Families whose released checkpoints name Llama's weights their own way
+# (vLLM's model class loads only those names): the tiny model is HF's Llama,
+# written in the family's layout beside an hf_reference/ copy in HF's.
+RELEASED_LAYOUTS = {
+    "internlm2": "InternLM2ForCausalLM",
+    "exaone": "ExaoneForCausalLM",
+    "telechat2": "TeleChat2ForCausalLM",
+}
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -235,6 +251,9 @@ _STYLE = {
     "minicpm3": "chatml",
     "cohere2_moe": "chatml",
     "mimo": "chatml",
+    "internlm2": "chatml",
+    "exaone": "chatml",
+    "telechat2": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1129,6 +1148,21 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.architectures = ["MiMoForCausalLM"]  # as the released checkpoints
         return config, T.Qwen2ForCausalLM
+    if arch in RELEASED_LAYOUTS:
+        # Llama's math in another family's checkpoint layout (InternLM2's
+        # packed wqkv, EXAONE 3's transformer.h, TeleChat2's key_value):
+        # HF's LlamaForCausalLM is built and saved under hf_reference/ (the
+        # tests' reference, tests/v1/hidden_states/conftest.py), the model
+        # directory gets the same weights in the family's released names
+        # and config fields (_write_released_layout). TeleChat2: biases on
+        # the attention's output and the MLP's down projection only (the
+        # others built, and zeroed), as many KV heads as query heads (vLLM's
+        # key_value split assumes n_head of them).
+        if arch == "telechat2":
+            common.update(num_key_value_heads=num_heads, attention_bias=True, mlp_bias=True)
+        config = T.LlamaConfig(**common)
+        config.architectures = [RELEASED_LAYOUTS[arch]]
+        return config, T.LlamaForCausalLM
     if arch == "cohere2_moe":
         # Cohere's layer (one LayerNorm, attention and MLP side by side) with
         # a dense first layer, then routed experts (softmax top-k, HF's
@@ -1259,6 +1293,109 @@ def _add_dense_post_mlp_norms(out: Path, config, seed: int) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _released_tensors(arch: str, config, hf: dict) -> dict:
+    """HF Llama's tensors ``hf`` in the released layout of ``arch``
+    (:data:`RELEASED_LAYOUTS`)."""
+    import torch
+
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d = config.hidden_size // heads
+    out: dict = {}
+    if arch == "internlm2":
+        # InternLM2's wqkv: per KV head, its group's query heads, then its
+        # key head, then its value head (modeling_internlm2.py's
+        # rearrange "b q (h gs d) -> b q h gs d", gs = heads / kv + 2).
+        names = {
+            "model.embed_tokens.": "model.tok_embeddings.",
+            "self_attn.o_proj.": "attention.wo.",
+            "mlp.gate_proj.": "feed_forward.w1.",
+            "mlp.up_proj.": "feed_forward.w3.",
+            "mlp.down_proj.": "feed_forward.w2.",
+            "input_layernorm.": "attention_norm.",
+            "post_attention_layernorm.": "ffn_norm.",
+            "lm_head.": "output.",
+        }
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            q, k, v = (hf.pop(f"{p}{n}_proj.weight") for n in "qkv")
+            w = q.shape[-1]
+            out[f"model.layers.{i}.attention.wqkv.weight"] = torch.cat(
+                [q.reshape(kv, -1, w), k.reshape(kv, d, w), v.reshape(kv, d, w)], dim=1
+            ).reshape(-1, w)
+    elif arch == "exaone":
+        names = {
+            "model.embed_tokens.": "transformer.wte.",
+            "model.layers.": "transformer.h.",
+            "self_attn.q_proj.": "attn.attention.q_proj.",
+            "self_attn.k_proj.": "attn.attention.k_proj.",
+            "self_attn.v_proj.": "attn.attention.v_proj.",
+            "self_attn.o_proj.": "attn.attention.out_proj.",
+            "mlp.gate_proj.": "mlp.c_fc_0.",
+            "mlp.up_proj.": "mlp.c_fc_1.",
+            "mlp.down_proj.": "mlp.c_proj.",
+            "input_layernorm.": "ln_1.",
+            "post_attention_layernorm.": "ln_2.",
+            "model.norm.": "transformer.ln_f.",
+        }
+    else:  # telechat2
+        # TeleChat2's key_value: per head, its key rows then its value rows.
+        names = {
+            "model.embed_tokens.": "transformer.word_embeddings.",
+            "model.layers.": "transformer.h.",
+            "self_attn.q_proj.": "self_attention.query.",
+            "self_attn.o_proj.": "self_attention.dense.",
+            "model.norm.": "transformer.ln_f.",
+        }
+        for name in [n for n in hf if n.endswith(".bias")]:
+            if not any(m in name for m in ("o_proj", "down_proj")):
+                assert not hf.pop(name).any()  # zeroed: TeleChat2 has no such bias
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            k, v = hf.pop(p + "k_proj.weight"), hf.pop(p + "v_proj.weight")
+            w = k.shape[-1]
+            out[f"transformer.h.{i}.self_attention.key_value.weight"] = torch.cat(
+                [k.reshape(kv, d, w), v.reshape(kv, d, w)], dim=1
+            ).reshape(-1, w)
+    for name, t in hf.items():
+        for old, new in names.items():
+            name = name.replace(old, new)
+        out[name] = t.contiguous()
+    return out
+
+
+def _write_released_layout(out: Path, arch: str, config) -> None:
+    """The model directory of ``arch`` in its released layout, from HF
+    Llama's checkpoint in ``out/hf_reference``: the tensors renamed (and
+    packed) as the family's checkpoints name them, config.json with the
+    family's own field names beside Llama's (model_type stays llama: the
+    families' own config classes are remote code, which vLLM reads only
+    with trust_remote_code)."""
+    from safetensors.torch import load_file, save_file
+
+    reference = out / "hf_reference"
+    hf = load_file(reference / "model.safetensors")
+    save_file(_released_tensors(arch, config, hf), out / "model.safetensors", {"format": "pt"})
+    fields = json.loads((reference / "config.json").read_text())
+    fields["architectures"] = [RELEASED_LAYOUTS[arch]]
+    if arch == "internlm2":
+        fields["bias"] = False  # no wqkv / wo bias (vLLM's InternLM2 builds none)
+    elif arch == "exaone":
+        # EXAONE 3's config names (configuration_exaone.py)
+        fields.update(
+            activation_function=fields["hidden_act"],
+            layer_norm_epsilon=fields["rms_norm_eps"],
+            num_layers=fields["num_hidden_layers"],
+        )
+    else:  # TeleChat2's config names (vLLM maps Llama's onto them)
+        fields.update(
+            n_layer=fields["num_hidden_layers"],
+            n_head=fields["num_attention_heads"],
+            ffn_hidden_size=fields["intermediate_size"],
+            layer_norm_epsilon=fields["rms_norm_eps"],
+        )
+    (out / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+
+
 def _built(stamp: Path, recipe: dict) -> bool:
     return stamp.exists() and json.loads(stamp.read_text()) == recipe
 
@@ -1333,7 +1470,19 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    model.save_pretrained(out, safe_serialization=True)
+            if arch == "telechat2":
+                # TeleChat2 has biases on dense (o_proj) and down_proj only.
+                for name, p in model.named_parameters():
+                    if name.endswith(".bias") and not name.endswith(
+                        ("o_proj.bias", "down_proj.bias")
+                    ):
+                        p.zero_()
+    if arch in RELEASED_LAYOUTS:
+        model.save_pretrained(out / "hf_reference", safe_serialization=True)
+        _write_released_layout(out, arch, config)
+        declared = []
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     if arch == "axk1":
         _add_dense_post_mlp_norms(out, config, seed)
     if declared:  # the released checkpoints' name (save_pretrained writes HF's)

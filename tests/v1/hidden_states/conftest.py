@@ -370,6 +370,12 @@ class HFReference:
     def __init__(self, model_dir: Path):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        # A family whose released checkpoints name HF Llama's weights their
+        # own way (tiny_models.RELEASED_LAYOUTS: InternLM2, EXAONE 3,
+        # TeleChat2): HF's class runs the same weights, saved beside them
+        # in its own layout.
+        if (Path(model_dir) / "hf_reference" / "config.json").exists():
+            model_dir = Path(model_dir) / "hf_reference"
         config = AutoConfig.from_pretrained(model_dir)
         # A multimodal checkpoint (its text model under text_config): HF's own
         # *ForConditionalGeneration, the class the checkpoint declares.
