@@ -794,6 +794,11 @@ LAYER_CLASSES[_V + "exaone.ExaoneDecoderLayer"] = LayerClass(
 )
 
 
+# Orion: the stream in hidden only (it returns one tensor), LayerNorms
+# before each block and plain adds (StableLM's order).
+LAYER_CLASSES[_V + "orion.OrionDecoderLayer"] = LayerClass("plain", ("orion",))
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -850,6 +855,7 @@ MODEL_LAYERS.update(
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
         _V + "internlm2.InternLM2ForCausalLM": _V + "internlm2.InternLMDecoderLayer",
         _V + "exaone.ExaoneForCausalLM": _V + "exaone.ExaoneDecoderLayer",
+        _V + "orion.OrionForCausalLM": _V + "orion.OrionDecoderLayer",
         # TeleChat2: vLLM's Llama (biases on o_proj and down_proj only).
         _V + "telechat2.TeleChat2ForCausalLM": _V + "llama.LlamaDecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V

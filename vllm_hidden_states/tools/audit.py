@@ -274,6 +274,12 @@ NOTES: dict[str, str] = {
     "attn.attention.q/k/v/out_proj, ln_2, mlp.c_fc_0/c_fc_1/c_proj, transformer.ln_f) "
     "and config fields (activation_function, layer_norm_epsilon), model_type llama: "
     "every point (attn_z at attn.attention.out_proj)",
+    "OrionForCausalLM": "tested against HF's StableLmForCausalLM on the checkpoint itself "
+    "(Orion's own HF class is remote code, modeling_orion.py: Llama's attention and SwiGLU "
+    "MLP between LayerNorms with biases, plain adds; StableLM without partial rotary, q/k/v "
+    "biases, q/k norms or parallel residual is that model in Orion's weight names), "
+    "config.json declaring OrionForCausalLM with the LayerNorm eps as rms_norm_eps (which "
+    "vLLM reads), model_type stablelm: every point",
     "TeleChat2ForCausalLM": "tested against HF's LlamaForCausalLM with attention and MLP "
     "biases, those TeleChat2 lacks zero (TeleChat2's own HF class is remote code: "
     "biases on self_attention.dense and mlp.down_proj only), on the same weights, the "
@@ -310,7 +316,7 @@ REFUSED: frozenset[str] = frozenset(
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
     MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
-    OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
+    PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
     SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM

@@ -122,6 +122,7 @@ FRONTIER_ARCHS = (
     "internlm2",
     "exaone",
     "telechat2",
+    "orion",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -254,6 +255,7 @@ _STYLE = {
     "internlm2": "chatml",
     "exaone": "chatml",
     "telechat2": "chatml",
+    "orion": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1148,6 +1150,25 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.architectures = ["MiMoForCausalLM"]  # as the released checkpoints
         return config, T.Qwen2ForCausalLM
+    if arch == "orion":
+        # Orion: Llama's attention (neox rotary over whole heads, no biases)
+        # and SwiGLU MLP between LayerNorms (with biases; the final norm
+        # too), plain adds. HF's StableLmForCausalLM without its partial
+        # rotary, q/k/v biases, q/k norms or parallel residual is that
+        # model, in Orion's weight names: the checkpoint declares
+        # OrionForCausalLM and carries the LayerNorm eps as Orion's
+        # config names it (rms_norm_eps, which vLLM reads).
+        config = T.StableLmConfig(
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            use_qkv_bias=False,
+            partial_rotary_factor=1.0,
+            layer_norm_eps=1e-5,
+            **sizes,
+        )
+        config.update(dict(rms_norm_eps=config.layer_norm_eps))
+        config.architectures = ["OrionForCausalLM"]  # as the released checkpoints
+        return config, T.StableLmForCausalLM
     if arch in RELEASED_LAYOUTS:
         # Llama's math in another family's checkpoint layout (InternLM2's
         # packed wqkv, EXAONE 3's transformer.h, TeleChat2's key_value):

@@ -6,13 +6,15 @@ on the same weights saved in its own layout (the tiny model's hf_reference/,
 tools/tiny_models.py RELEASED_LAYOUTS): InternLM2 (packed wqkv, GQA; HF's
 Llama), EXAONE 3 (transformer.h, attn.attention; HF's Llama), TeleChat2
 (per-head key_value, biases on the attention's output and the MLP's down
-projection only; HF's Llama with those biases, the others zero)."""
+projection only; HF's Llama with those biases, the others zero), Orion
+(Llama between LayerNorms, plain adds; HF's StableLM with whole-head rotary
+and no q/k/v biases, on the checkpoint itself)."""
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("internlm2", "exaone", "telechat2")
+SWEEP = ("internlm2", "exaone", "telechat2", "orion")
 
 
 @pytest.fixture(scope="module", params=SWEEP)
