@@ -130,7 +130,9 @@ class LayerClass:
 HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense", "wo")
 
 LAYER_CLASSES: dict[str, LayerClass] = {
-    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45", "telechat2")),
+    _V + "llama.LlamaDecoderLayer": LayerClass(
+        "fused", ("llama", "phi3", "ernie45", "telechat2", "teleflm")
+    ),
     _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
     _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2", "mimo")),
     _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
@@ -799,6 +801,18 @@ LAYER_CLASSES[_V + "exaone.ExaoneDecoderLayer"] = LayerClass(
 LAYER_CLASSES[_V + "orion.OrionDecoderLayer"] = LayerClass("plain", ("orion",))
 
 
+def _teleflm_layers(config: Any) -> list[str]:
+    # vLLM's TeleFLM is its Llama with the logits scaled by output_mult /
+    # mup_scale_factor; it does not read the μP input_mult that Tele-FLM's
+    # configs carry beside them: tested with input_mult 1, refused inside
+    # otherwise (not vouched for: vLLM's embedding output is not scaled).
+    name = _V + "llama.LlamaDecoderLayer"
+    mult = getattr(config, "input_mult", 1.0) if getattr(config, "use_mup", False) else 1.0
+    if float(mult if mult is not None else 1.0) != 1.0:
+        name += "[use_mup with input_mult != 1, which vLLM's TeleFLM does not apply: untested]"
+    return [name] * config.num_hidden_layers
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -856,6 +870,7 @@ MODEL_LAYERS.update(
         _V + "internlm2.InternLM2ForCausalLM": _V + "internlm2.InternLMDecoderLayer",
         _V + "exaone.ExaoneForCausalLM": _V + "exaone.ExaoneDecoderLayer",
         _V + "orion.OrionForCausalLM": _V + "orion.OrionDecoderLayer",
+        _V + "teleflm.TeleFLMForCausalLM": _teleflm_layers,
         # TeleChat2: vLLM's Llama (biases on o_proj and down_proj only).
         _V + "telechat2.TeleChat2ForCausalLM": _V + "llama.LlamaDecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V

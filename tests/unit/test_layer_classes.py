@@ -180,6 +180,13 @@ def test_mimo_final_state_is_the_model_output_through_its_final_norm():
     assert model_layers(config).exact_layers() == list(range(L + 1))
 
 
+def test_teleflm_is_exact_inside_only_where_vllm_applies_its_mup_input_mult():
+    """vLLM's TeleFLM does not read input_mult: tested at 1, refused otherwise."""
+    assert model_layers(tiny_config("teleflm")).exact_layers() == list(range(L + 1))
+    scaled = model_layers(tiny_config("teleflm", input_mult=2.0))
+    assert scaled.exact_layers() == [0, L]
+
+
 def test_a_single_block_model_refuses_resid_mid_as_a_steering_point_at_start():
     from vllm_hidden_states.steering_config import steerable_ids
 

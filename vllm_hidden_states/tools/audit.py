@@ -280,6 +280,11 @@ NOTES: dict[str, str] = {
     "biases, q/k norms or parallel residual is that model in Orion's weight names), "
     "config.json declaring OrionForCausalLM with the LayerNorm eps as rms_norm_eps (which "
     "vLLM reads), model_type stablelm: every point",
+    "TeleFLMForCausalLM": "tested against HF's LlamaForCausalLM on the checkpoint itself "
+    "(Tele-FLM's own HF class is remote code, not read here; vLLM's TeleFLM is its Llama "
+    "with the logits scaled by output_mult / mup_scale_factor under use_mup), with use_mup "
+    "and input_mult 1: every point; vLLM does not read the μP input_mult, so with "
+    "use_mup and input_mult other than 1 every layer inside is refused (untested)",
     "TeleChat2ForCausalLM": "tested against HF's LlamaForCausalLM with attention and MLP "
     "biases, those TeleChat2 lacks zero (TeleChat2's own HF class is remote code: "
     "biases on self_attention.dense and mlp.down_proj only), on the same weights, the "
@@ -320,7 +325,7 @@ REFUSED: frozenset[str] = frozenset(
     PanguUltraMoEForCausalLM Param2MoEForCausalLM Plamo3ForCausalLM
     SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3TextForCausalLM Step3p5ForCausalLM
-    SolarForCausalLM TeleFLMForCausalLM
+    SolarForCausalLM
     Zamba2ForCausalLM
     """.split()
 )

@@ -123,6 +123,7 @@ FRONTIER_ARCHS = (
     "exaone",
     "telechat2",
     "orion",
+    "teleflm",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -172,6 +173,8 @@ SWEEP_CANDIDATES = (
     "internlm2",
     "exaone",
     "telechat2",
+    "orion",
+    "teleflm",
 )
 
 # Families whose released checkpoints name Llama's weights their own way
@@ -256,6 +259,7 @@ _STYLE = {
     "exaone": "chatml",
     "telechat2": "chatml",
     "orion": "chatml",
+    "teleflm": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1169,6 +1173,15 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config.update(dict(rms_norm_eps=config.layer_norm_eps))
         config.architectures = ["OrionForCausalLM"]  # as the released checkpoints
         return config, T.StableLmForCausalLM
+    if arch == "teleflm":
+        # Tele-FLM: Llama's model in Llama's weight names, with μP fields
+        # (use_mup; output_mult / mup_scale_factor scale the logits, which
+        # vLLM applies in its logits processor). input_mult at 1: vLLM's
+        # TeleFLM does not read it (layers._teleflm_layers).
+        config = T.LlamaConfig(**common)
+        config.update(dict(use_mup=True, input_mult=1.0, output_mult=2.0, mup_scale_factor=4.0))
+        config.architectures = ["TeleFLMForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
     if arch in RELEASED_LAYOUTS:
         # Llama's math in another family's checkpoint layout (InternLM2's
         # packed wqkv, EXAONE 3's transformer.h, TeleChat2's key_value):

@@ -8,13 +8,14 @@ Llama), EXAONE 3 (transformer.h, attn.attention; HF's Llama), TeleChat2
 (per-head key_value, biases on the attention's output and the MLP's down
 projection only; HF's Llama with those biases, the others zero), Orion
 (Llama between LayerNorms, plain adds; HF's StableLM with whole-head rotary
-and no q/k/v biases, on the checkpoint itself)."""
+and no q/k/v biases, on the checkpoint itself), Tele-FLM (Llama with μP
+logit scaling, input_mult 1; HF's Llama on the checkpoint itself)."""
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("internlm2", "exaone", "telechat2", "orion")
+SWEEP = ("internlm2", "exaone", "telechat2", "orion", "teleflm")
 
 
 @pytest.fixture(scope="module", params=SWEEP)
