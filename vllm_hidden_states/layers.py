@@ -394,6 +394,25 @@ def layer_class(cls: type) -> LayerClass | None:
     return known_layer_class(class_name(cls))
 
 
+# Decoder layer classes whose loaded instances differ in what they have (a
+# variant of the class, by the instance): the suffix of the instance's
+# entry in LAYER_CLASSES. DeciLM's layers: with or without attention and FFN.
+LOADED_VARIANTS: dict[str, Callable[[Any], str]] = {
+    _V + "nemotron_nas.DeciLMDecoderLayer": lambda layer: (
+        ("[no attention]" if getattr(layer, "_is_no_op_attention", False) else "")
+        + ("[no ffn]" if getattr(layer, "_is_no_op_ffn", False) else "")
+    ),
+}
+
+
+def loaded_layer_class(layer: Any) -> LayerClass | None:
+    """What is known of a loaded decoder layer: its class's entry, or its
+    variant's where the class's instances differ (:data:`LOADED_VARIANTS`)."""
+    name = class_name(type(layer))
+    variant = LOADED_VARIANTS.get(name)
+    return known_layer_class(name + (variant(layer) if variant is not None else ""))
+
+
 def _granite_hybrid_layers(config: Any) -> list[str]:
     kinds = {
         "full_attention": "GraniteMoeHybridAttentionDecoderLayer",
@@ -801,6 +820,72 @@ LAYER_CLASSES[_V + "exaone.ExaoneDecoderLayer"] = LayerClass(
 LAYER_CLASSES[_V + "orion.OrionDecoderLayer"] = LayerClass("plain", ("orion",))
 
 
+# DeciLM (Nemotron-NAS): vLLM's fused residual around Llama's blocks, each
+# layer's block_config choosing whether it attends and its FFN's width or
+# none. A layer with one block (no attention, or no FFN) returns (that
+# block's output, resid_pre), Nemotron-H's single-block convention: the
+# block's output is its attn_out or mlp_out, and it has no resid_mid.
+_NO_ATTENTION, _NO_FFN = "[no attention]", "[no ffn]"
+_DECI = _V + "nemotron_nas.DeciLMDecoderLayer"
+_DECI_ONE = (
+    "has one block (its block_config's other one a no_op: norm, {block}, residual "
+    "add), so no resid_mid and no {other}"
+)
+LAYER_CLASSES[_DECI] = LayerClass("fused", ("decilm",))
+LAYER_CLASSES[_DECI + _NO_ATTENTION] = LayerClass(
+    "single_block",
+    ("decilm",),
+    attention=False,
+    kinds=("resid_pre", "mlp_out", "resid_post", "mlp_post"),
+    lacks=_DECI_ONE.format(block="an FFN", other="attention (attn_out, attn_pattern, attn_z)"),
+)
+LAYER_CLASSES[_DECI + _NO_FFN] = LayerClass(
+    "single_block",
+    ("decilm",),
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z"),
+    lacks=_DECI_ONE.format(block="attention", other="FFN (mlp_out, mlp_post)"),
+)
+LAYER_CLASSES[_DECI + _NO_ATTENTION + _NO_FFN] = LayerClass(
+    "single_block",
+    ("decilm",),
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "resid_post"),
+    lacks="has neither attention nor an FFN (both no_op): it passes the stream on",
+)
+
+
+def _block_field(block: Any, name: str) -> Any:
+    # Nemotron-NAS's config class holds dataclasses; a plain config, dicts.
+    return block.get(name) if isinstance(block, dict) else getattr(block, name, None)
+
+
+def _decilm_layers(config: Any) -> list[str]:
+    # Tested: attention with one n_heads_in_group, FFNs by ffn_mult, no-op
+    # attention and FFNs. vLLM's DeciLM does not read replace_with_linear
+    # (Nemotron-51B / Super's linear stand-ins) nor attention sinks:
+    # such layers are named as no reader has them.
+    names = []
+    for block in config.block_configs:
+        attention, ffn = _block_field(block, "attention"), _block_field(block, "ffn")
+        name = _DECI
+        if _block_field(attention, "no_op"):
+            name += _NO_ATTENTION
+        if _block_field(ffn, "no_op"):
+            name += _NO_FFN
+        untested = [
+            f"{part}.{flag}"
+            for part, fields in (("attention", attention), ("ffn", ffn))
+            for flag in ("replace_with_linear", "sparsify", "unshifted_sink", "num_sink_tokens")
+            if _block_field(fields, flag)
+        ]
+        if untested:
+            name += f"[{', '.join(untested)}: not run by vLLM's DeciLM, untested]"
+        names.append(name)
+    return names
+
+
 def _teleflm_layers(config: Any) -> list[str]:
     # vLLM's TeleFLM is its Llama with the logits scaled by output_mult /
     # mup_scale_factor; it does not read the μP input_mult that Tele-FLM's
@@ -871,6 +956,7 @@ MODEL_LAYERS.update(
         _V + "exaone.ExaoneForCausalLM": _V + "exaone.ExaoneDecoderLayer",
         _V + "orion.OrionForCausalLM": _V + "orion.OrionDecoderLayer",
         _V + "teleflm.TeleFLMForCausalLM": _teleflm_layers,
+        _V + "nemotron_nas.DeciLMForCausalLM": _decilm_layers,
         # TeleChat2: vLLM's Llama (biases on o_proj and down_proj only).
         _V + "telechat2.TeleChat2ForCausalLM": _V + "llama.LlamaDecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V

@@ -285,6 +285,17 @@ NOTES: dict[str, str] = {
     "with the logits scaled by output_mult / mup_scale_factor under use_mup), with use_mup "
     "and input_mult 1: every point; vLLM does not read the μP input_mult, so with "
     "use_mup and input_mult other than 1 every layer inside is refused (untested)",
+    "DeciLMForCausalLM": "tested (Nemotron-NAS, Llama-3.1-Nemotron-Ultra's layout) against "
+    "an eager reference written for the tests from its published modelling "
+    "(tests/v1/hidden_states/decilm_reference.py: HF's Llama attention, MLP and RMSNorm "
+    "per block_config; the remote modeling_decilm.py is not in HF transformers), with a "
+    "layer without attention, one without an FFN and FFNs of two widths (ffn_mult), one "
+    "n_heads_in_group; config.json as released (model_type nemotron-nas, its config class "
+    "in the directory: trust_remote_code): every point of full layers; a layer with one "
+    "block returns (its output, resid_pre) in vLLM, read as a single block (no resid_mid; "
+    "the block's output its attn_out or mlp_out). replace_with_linear, sparsify and "
+    "attention sinks (Nemotron-51B / Super; vLLM's DeciLM does not read them) refuse the "
+    "layer inside",
     "TeleChat2ForCausalLM": "tested against HF's LlamaForCausalLM with attention and MLP "
     "biases, those TeleChat2 lacks zero (TeleChat2's own HF class is remote code: "
     "biases on self_attention.dense and mlp.down_proj only), on the same weights, the "
@@ -308,7 +319,6 @@ REFUSED: frozenset[str] = frozenset(
     ApertusForCausalLM BailingMoeForCausalLM
     BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
     ChatGLMModel ChatGLMForConditionalGeneration
-    DeciLMForCausalLM
     DeepseekForCausalLM
 
     Rnj1ForCausalLM Gemma3nForCausalLM

@@ -124,6 +124,7 @@ FRONTIER_ARCHS = (
     "telechat2",
     "orion",
     "teleflm",
+    "decilm",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -175,6 +176,7 @@ SWEEP_CANDIDATES = (
     "telechat2",
     "orion",
     "teleflm",
+    "decilm",
 )
 
 # Families whose released checkpoints name Llama's weights their own way
@@ -185,6 +187,95 @@ RELEASED_LAYOUTS = {
     "exaone": "ExaoneForCausalLM",
     "telechat2": "TeleChat2ForCausalLM",
 }
+
+# The tiny DeciLM's layers: attention and an FFN of ffn_mult 3 (width 256 at
+# hidden 128), no attention and a wider FFN, attention and no FFN, then both.
+DECILM_BLOCKS = [
+    dict(attention=dict(no_op=False, n_heads_in_group=2), ffn=dict(no_op=False, ffn_mult=3.0)),
+    dict(attention=dict(no_op=True), ffn=dict(no_op=False, ffn_mult=6.0)),
+    dict(attention=dict(no_op=False, n_heads_in_group=2), ffn=dict(no_op=True)),
+    dict(attention=dict(no_op=False, n_heads_in_group=2), ffn=dict(no_op=False, ffn_mult=3.0)),
+]
+
+# Nemotron-NAS's config class as the model directory carries it (remote
+# code, read by vLLM with trust_remote_code): Llama's config with
+# block_configs whose entries read as attributes, as vLLM reads them.
+DECILM_CONFIG_PY = """from transformers import LlamaConfig
+
+
+class _Fields(dict):
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class DeciLMConfig(LlamaConfig):
+    model_type = "nemotron-nas"
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        blocks = getattr(self, "block_configs", None) or []
+        self.block_configs = [
+            _Fields({k: _Fields(v) if isinstance(v, dict) else v for k, v in b.items()})
+            for b in blocks
+        ]
+"""
+
+
+def decilm_ffn_width(ffn_mult: float, hidden_size: int) -> int:
+    """A DeciLM FFN's width from its ffn_mult (2/3 of it times the hidden
+    size, rounded up to a multiple of 256, as modeling_decilm.py)."""
+    width = int(2 * ffn_mult * hidden_size / 3)
+    return width if width % 256 == 0 else width + 256 - width % 256
+
+
+def _decilm_shapes(model, config) -> None:
+    """HF Llama ``model`` cut to DeciLM's per-layer shapes (block_configs):
+    no attention (nor its norm) where it is a no-op, an FFN of its own
+    width, or none."""
+    import copy
+
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+    for i, (layer, block) in enumerate(zip(model.model.layers, config.block_configs)):
+        own = copy.deepcopy(config)
+        attention, ffn = block["attention"], block["ffn"]
+        if attention.get("no_op"):
+            del layer.self_attn, layer.input_layernorm
+        else:
+            own.num_key_value_heads = config.num_attention_heads // attention["n_heads_in_group"]
+            layer.self_attn = LlamaAttention(own, layer_idx=i)
+        if ffn.get("no_op"):
+            del layer.mlp, layer.post_attention_layernorm
+        else:
+            own.intermediate_size = decilm_ffn_width(ffn["ffn_mult"], config.hidden_size)
+            layer.mlp = LlamaMLP(own)
+
+
+def _write_decilm(out: Path) -> None:
+    """The DeciLM model directory beside its hf_reference/ (HF Llama cut to
+    DeciLM's shapes, in Llama's weight names, which Nemotron-NAS's
+    checkpoints use): the same weights, Nemotron-NAS's config."""
+    import shutil
+
+    reference = out / "hf_reference"
+    shutil.copyfile(reference / "model.safetensors", out / "model.safetensors")
+    fields = json.loads((reference / "config.json").read_text())
+    (out / "configuration_decilm.py").write_text(DECILM_CONFIG_PY)
+    vllm_fields = dict(
+        fields,
+        model_type="nemotron-nas",
+        architectures=["DeciLMForCausalLM"],
+        auto_map={"AutoConfig": "configuration_decilm.DeciLMConfig"},
+    )
+    vllm_fields.pop("num_key_value_heads", None)  # per layer, in block_configs
+    (out / "config.json").write_text(json.dumps(vllm_fields, indent=2) + "\n")
+    # The tests' eager reference (tests/v1/hidden_states/decilm_reference.py).
+    fields.update(model_type="hs_decilm_reference", architectures=["DeciLMReferenceForCausalLM"])
+    (reference / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -260,6 +351,7 @@ _STYLE = {
     "telechat2": "chatml",
     "orion": "chatml",
     "teleflm": "chatml",
+    "decilm": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1182,6 +1274,18 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config.update(dict(use_mup=True, input_mult=1.0, output_mult=2.0, mup_scale_factor=4.0))
         config.architectures = ["TeleFLMForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
+    if arch == "decilm":
+        # DeciLM (Nemotron-NAS; Llama-3.1-Nemotron-Ultra's layout): Llama's
+        # blocks, each layer's block_config choosing whether it attends
+        # (attention.no_op) and its FFN's width (ffn.ffn_mult) or none
+        # (ffn.no_op). Built as HF's Llama cut to those shapes
+        # (_decilm_shapes), saved under hf_reference/ for the tests' eager
+        # reference, and beside it for vLLM with Nemotron-NAS's config
+        # (model_type nemotron-nas, its config class in the directory).
+        config = T.LlamaConfig(**common)
+        config.update(dict(block_configs=DECILM_BLOCKS))
+        config.architectures = ["DeciLMForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
     if arch in RELEASED_LAYOUTS:
         # Llama's math in another family's checkpoint layout (InternLM2's
         # packed wqkv, EXAONE 3's transformer.h, TeleChat2's key_value):
@@ -1470,7 +1574,10 @@ def _write_tiny_model(
     declared = list(getattr(config, "architectures", None) or [])
 
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = model_cls(config)
+    if arch == "decilm":
+        _decilm_shapes(model, config)
+    model = model.to(torch.float32).eval()
     if arch not in ("qwen3", "llama"):
         # HF initialises norms to ones (Gemma: zeros, for 1 + w) and biases to
         # zeros; perturb every parameter so none of them is trivial.
@@ -1514,6 +1621,10 @@ def _write_tiny_model(
     if arch in RELEASED_LAYOUTS:
         model.save_pretrained(out / "hf_reference", safe_serialization=True)
         _write_released_layout(out, arch, config)
+        declared = []
+    elif arch == "decilm":
+        model.save_pretrained(out / "hf_reference", safe_serialization=True)
+        _write_decilm(out)
         declared = []
     else:
         model.save_pretrained(out, safe_serialization=True)

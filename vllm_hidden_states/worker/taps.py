@@ -21,7 +21,7 @@ from vllm_hidden_states.layers import (
     HEADS_OUT_NAMES,
     LayerClass,
     class_name,
-    layer_class,
+    loaded_layer_class,
 )
 from vllm_hidden_states.points import Z_KIND
 
@@ -184,7 +184,7 @@ def child_module(layer: nn.Module, name: str, point: str) -> nn.Module:
 def layer_layout(layer: nn.Module, point: str) -> "LayerClass":
     """What is known of ``layer``'s class (:data:`LAYER_CLASSES`); raises
     ``LookupError`` naming it when nothing is: such a layer has no reader."""
-    known = layer_class(type(layer))
+    known = loaded_layer_class(layer)
     if known is None:
         raise LookupError(
             f"{point}: decoder layer class {class_name(type(layer))} is not one "
@@ -211,7 +211,7 @@ def stream_tap(layer: nn.Module, k: int) -> Tap:
     no residual there); other layers of an unknown class raise
     ``LookupError``."""
     stream = stream_args_of(type(layer))
-    known = layer_class(type(layer))
+    known = loaded_layer_class(layer)
     if known is None and k != 0:
         layer_layout(layer, f"layer {k}")
     if known is not None and known.layout not in FUSED_RESIDUAL_LAYOUTS:
@@ -399,7 +399,7 @@ def qk_halves_head_size(layer: nn.Module, attn: nn.Module, kind: str) -> int | N
     class's ``qk_halves``: Llama 4), to be put back in HF's order by
     :func:`heads_in_hf_order`; None where the rows are in HF's order already
     (v, and every other class)."""
-    known = layer_class(type(layer))
+    known = loaded_layer_class(layer)
     if kind not in ("q", "k") or known is None or not known.qk_halves:
         return None
     return int(attn.head_size)

@@ -96,6 +96,8 @@ ARCH_ENGINE_ARGS = {
     "deepseek_v2": dict(attention_backend="CPU_MLA"),
     "deepseek_v3": dict(attention_backend="CPU_MLA"),
     "axk1": dict(attention_backend="CPU_MLA"),
+    # Nemotron-NAS's config class is remote code (the tiny model carries it).
+    "decilm": dict(trust_remote_code=True),
 }
 
 

@@ -9,13 +9,16 @@ Llama), EXAONE 3 (transformer.h, attn.attention; HF's Llama), TeleChat2
 projection only; HF's Llama with those biases, the others zero), Orion
 (Llama between LayerNorms, plain adds; HF's StableLM with whole-head rotary
 and no q/k/v biases, on the checkpoint itself), Tele-FLM (Llama with μP
-logit scaling, input_mult 1; HF's Llama on the checkpoint itself)."""
+logit scaling, input_mult 1; HF's Llama on the checkpoint itself), DeciLM
+(Nemotron-NAS: a layer without attention, one without an FFN, FFNs of two
+widths; an eager reference from its published modelling,
+decilm_reference.py, on HF's Llama modules)."""
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("internlm2", "exaone", "telechat2", "orion", "teleflm")
+SWEEP = ("internlm2", "exaone", "telechat2", "orion", "teleflm", "decilm")
 
 
 @pytest.fixture(scope="module", params=SWEEP)
