@@ -30,6 +30,7 @@ LONGEST_FIRST = (
     "tests/v1/hidden_states/test_families_moe.py",
     "tests/v1/hidden_states/test_families_sweep.py",
     "tests/v1/hidden_states/test_families_sweep_classic.py",
+    "tests/v1/hidden_states/test_families_sweep_remote_a.py",
     "tests/v1/hidden_states/test_scale_out_vllm_limits.py",
     "tests/v1/hidden_states/test_scale_out_pp.py",
     "tests/v1/hidden_states/test_hybrid_scheduling.py",

@@ -126,10 +126,13 @@ class LayerClass:
 # Where vLLM's attention modules keep their output projection (Llama-likes:
 # o_proj; GPT-2: c_proj; LFM2, GPT-J: out_proj; Falcon, Bloom: dense), tried
 # in this order inside a layer's mixer when its class names none.
-HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense")
+# InternLM2: wo.
+HEADS_OUT_NAMES: tuple[str, ...] = ("o_proj", "out_proj", "c_proj", "dense", "wo")
 
 LAYER_CLASSES: dict[str, LayerClass] = {
-    _V + "llama.LlamaDecoderLayer": LayerClass("fused", ("llama", "phi3", "ernie45")),
+    _V + "llama.LlamaDecoderLayer": LayerClass(
+        "fused", ("llama", "phi3", "ernie45", "telechat2", "teleflm")
+    ),
     _V + "mistral.MistralDecoderLayer": LayerClass("fused", ("mistral",)),
     _V + "qwen2.Qwen2DecoderLayer": LayerClass("fused", ("qwen2", "mimo")),
     _V + "qwen3.Qwen3DecoderLayer": LayerClass("fused", ("qwen3",)),
@@ -391,20 +394,26 @@ def layer_class(cls: type) -> LayerClass | None:
     return known_layer_class(class_name(cls))
 
 
-# Decoder layer classes whose layers differ inside by model, and the variant
-# (a suffix of LAYER_CLASSES' keys) a loaded layer is: vLLM's DeepSeek V2
-# layer runs DeepSeek V1's plain multi-head attention where its use_mha says
-# so (no MLA), whose keys, patterns and heads' outputs are there to read.
+# Decoder layer classes whose loaded instances differ in what they have (a
+# variant of the class, by the instance): the suffix of the instance's entry
+# in LAYER_CLASSES. vLLM's DeepSeek V2 layer runs DeepSeek V1's plain
+# multi-head attention where its use_mha says so (no MLA), whose keys,
+# patterns and heads' outputs are there to read; DeciLM's layers come with
+# or without attention and FFN.
 LAYER_VARIANTS: dict[str, Callable[[Any], str]] = {
     _V + "deepseek_v2.DeepseekV2DecoderLayer": lambda layer: (
         "[mha]" if getattr(layer, "use_mha", False) else ""
+    ),
+    _V + "nemotron_nas.DeciLMDecoderLayer": lambda layer: (
+        ("[no attention]" if getattr(layer, "_is_no_op_attention", False) else "")
+        + ("[no ffn]" if getattr(layer, "_is_no_op_ffn", False) else "")
     ),
 }
 
 
 def loaded_layer_class(layer: Any) -> LayerClass | None:
-    """What is known of a loaded decoder layer (its class's, or its
-    variant's: :data:`LAYER_VARIANTS`); None: nothing."""
+    """What is known of a loaded decoder layer: its class's entry, or its
+    variant's where the class's instances differ (:data:`LAYER_VARIANTS`)."""
     name = class_name(type(layer))
     variant = LAYER_VARIANTS.get(name)
     return known_layer_class(name + (variant(layer) if variant is not None else ""))
@@ -985,6 +994,112 @@ def _cohere2_moe_layers(config: Any) -> list[str]:
     return [name + ("" if t == "dense" else _EXPERTS) for t in config.mlp_layer_types]
 
 
+# InternLM2: vLLM's fused residual; attention (packed wqkv, wo), the
+# add-norm ffn_norm before the MLP (feed_forward: w1, w3, w2).
+LAYER_CLASSES[_V + "internlm2.InternLMDecoderLayer"] = LayerClass(
+    "fused",
+    ("internlm2",),
+    mixer="attention",
+    mlp="feed_forward",
+    mid_norm="ffn_norm",
+    neurons="feed_forward.w2",
+)
+
+# EXAONE 3 (v1): vLLM's fused residual; the attention one module deeper
+# (attn.attention: its out_proj and vLLM's Attention), ln_2 the add-norm
+# before the MLP (c_fc_0, c_fc_1, c_proj).
+LAYER_CLASSES[_V + "exaone.ExaoneDecoderLayer"] = LayerClass(
+    "fused",
+    ("exaone",),
+    mixer="attn.attention",
+    mid_norm="ln_2",
+    neurons="mlp.c_proj",
+)
+
+
+# Orion: the stream in hidden only (it returns one tensor), LayerNorms
+# before each block and plain adds (StableLM's order).
+LAYER_CLASSES[_V + "orion.OrionDecoderLayer"] = LayerClass("plain", ("orion",))
+
+
+# DeciLM (Nemotron-NAS): vLLM's fused residual around Llama's blocks, each
+# layer's block_config choosing whether it attends and its FFN's width or
+# none. A layer with one block (no attention, or no FFN) returns (that
+# block's output, resid_pre), Nemotron-H's single-block convention: the
+# block's output is its attn_out or mlp_out, and it has no resid_mid.
+_NO_ATTENTION, _NO_FFN = "[no attention]", "[no ffn]"
+_DECI = _V + "nemotron_nas.DeciLMDecoderLayer"
+_DECI_ONE = (
+    "has one block (its block_config's other one a no_op: norm, {block}, residual "
+    "add), so no resid_mid and no {other}"
+)
+LAYER_CLASSES[_DECI] = LayerClass("fused", ("decilm",))
+LAYER_CLASSES[_DECI + _NO_ATTENTION] = LayerClass(
+    "single_block",
+    ("decilm",),
+    attention=False,
+    kinds=("resid_pre", "mlp_out", "resid_post", "mlp_post"),
+    lacks=_DECI_ONE.format(block="an FFN", other="attention (attn_out, attn_pattern, attn_z)"),
+)
+LAYER_CLASSES[_DECI + _NO_FFN] = LayerClass(
+    "single_block",
+    ("decilm",),
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z"),
+    lacks=_DECI_ONE.format(block="attention", other="FFN (mlp_out, mlp_post)"),
+)
+LAYER_CLASSES[_DECI + _NO_ATTENTION + _NO_FFN] = LayerClass(
+    "single_block",
+    ("decilm",),
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "resid_post"),
+    lacks="has neither attention nor an FFN (both no_op): it passes the stream on",
+)
+
+
+def _block_field(block: Any, name: str) -> Any:
+    # Nemotron-NAS's config class holds dataclasses; a plain config, dicts.
+    return block.get(name) if isinstance(block, dict) else getattr(block, name, None)
+
+
+def _decilm_layers(config: Any) -> list[str]:
+    # Tested: attention with one n_heads_in_group, FFNs by ffn_mult, no-op
+    # attention and FFNs. vLLM's DeciLM does not read replace_with_linear
+    # (Nemotron-51B / Super's linear stand-ins) nor attention sinks:
+    # such layers are named as no reader has them.
+    names = []
+    for block in config.block_configs:
+        attention, ffn = _block_field(block, "attention"), _block_field(block, "ffn")
+        name = _DECI
+        if _block_field(attention, "no_op"):
+            name += _NO_ATTENTION
+        if _block_field(ffn, "no_op"):
+            name += _NO_FFN
+        untested = [
+            f"{part}.{flag}"
+            for part, fields in (("attention", attention), ("ffn", ffn))
+            for flag in ("replace_with_linear", "sparsify", "unshifted_sink", "num_sink_tokens")
+            if _block_field(fields, flag)
+        ]
+        if untested:
+            name += f"[{', '.join(untested)}: not run by vLLM's DeciLM, untested]"
+        names.append(name)
+    return names
+
+
+def _teleflm_layers(config: Any) -> list[str]:
+    # vLLM's TeleFLM is its Llama with the logits scaled by output_mult /
+    # mup_scale_factor; it does not read the μP input_mult that Tele-FLM's
+    # configs carry beside them: tested with input_mult 1, refused inside
+    # otherwise (not vouched for: vLLM's embedding output is not scaled).
+    name = _V + "llama.LlamaDecoderLayer"
+    mult = getattr(config, "input_mult", 1.0) if getattr(config, "use_mup", False) else 1.0
+    if float(mult if mult is not None else 1.0) != 1.0:
+        name += "[use_mup with input_mult != 1, which vLLM's TeleFLM does not apply: untested]"
+    return [name] * config.num_hidden_layers
+
+
 def _stablelm_layers(config: Any) -> list[str]:
     # vLLM's StableLM runs the blocks one after the other and has no q/k
     # norms whatever the config says: with use_parallel_residual (StableLM 2
@@ -1046,6 +1161,13 @@ MODEL_LAYERS.update(
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",
+        _V + "internlm2.InternLM2ForCausalLM": _V + "internlm2.InternLMDecoderLayer",
+        _V + "exaone.ExaoneForCausalLM": _V + "exaone.ExaoneDecoderLayer",
+        _V + "orion.OrionForCausalLM": _V + "orion.OrionDecoderLayer",
+        _V + "teleflm.TeleFLMForCausalLM": _teleflm_layers,
+        _V + "nemotron_nas.DeciLMForCausalLM": _decilm_layers,
+        # TeleChat2: vLLM's Llama (biases on o_proj and down_proj only).
+        _V + "telechat2.TeleChat2ForCausalLM": _V + "llama.LlamaDecoderLayer",
         _V + "granitemoeshared.GraniteMoeSharedForCausalLM": _V
         + "granitemoeshared.GraniteMoeSharedDecoderLayer",
         _V + "gpt_j.GPTJForCausalLM": _V + "gpt_j.GPTJBlock",

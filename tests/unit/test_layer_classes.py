@@ -180,6 +180,32 @@ def test_mimo_final_state_is_the_model_output_through_its_final_norm():
     assert model_layers(config).exact_layers() == list(range(L + 1))
 
 
+def test_teleflm_is_exact_inside_only_where_vllm_applies_its_mup_input_mult():
+    """vLLM's TeleFLM does not read input_mult: tested at 1, refused otherwise."""
+    assert model_layers(tiny_config("teleflm")).exact_layers() == list(range(L + 1))
+    scaled = model_layers(tiny_config("teleflm", input_mult=2.0))
+    assert scaled.exact_layers() == [0, L]
+
+
+def test_decilm_layers_have_the_blocks_their_block_configs_give_them():
+    """Nemotron-NAS: full layers every point; a layer without attention or
+    without an FFN one block (no resid_mid); replace_with_linear (not run by
+    vLLM's DeciLM) refused inside."""
+    model = model_layers(tiny_config("decilm"))
+    assert model.exact_layers() == list(range(L + 1))
+    assert model.kinds_at(0) == layers.POINT_KINDS
+    assert model.kinds_at(1) == ("resid_pre", "mlp_out", "resid_post", "mlp_post")
+    no_ffn = model.kinds_at(2)
+    assert no_ffn[:5] == ("resid_pre", "attn_out", "resid_post", "attn_pattern", "attn_z")
+    assert not {"resid_mid", "mlp_out", "mlp_post"} & set(no_ffn)
+    blocks = [dict(b) for b in tiny_config("decilm").block_configs]
+    blocks[3] = dict(blocks[3], attention=dict(no_op=False, replace_with_linear=True))
+    linear = model_layers(tiny_config("decilm", block_configs=blocks))
+    assert linear.exact_layers() == [0, 1, 2, L]  # layer 3 is read by its own class
+    with pytest.raises(ValueError, match=r"replace_with_linear"):
+        capturable_point_ids(["attn_out.3"], L, linear)
+
+
 def test_a_single_block_model_refuses_resid_mid_as_a_steering_point_at_start():
     from vllm_hidden_states.steering_config import steerable_ids
 

@@ -127,6 +127,13 @@ FRONTIER_ARCHS = (
     "bailing_moe_v2",
     "step3_text",
     "plamo3",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_a.py).
+    "internlm2",
+    "exaone",
+    "telechat2",
+    "orion",
+    "teleflm",
+    "decilm",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -180,7 +187,111 @@ SWEEP_CANDIDATES = (
     "bailing_moe_v2",
     "step3_text",
     "plamo3",
+    "internlm2",
+    "exaone",
+    "telechat2",
+    "orion",
+    "teleflm",
+    "decilm",
 )
+
+# Families whose released checkpoints name Llama's weights their own way
+# (vLLM's model class loads only those names): the tiny model is HF's Llama,
+# written in the family's layout beside an hf_reference/ copy in HF's.
+RELEASED_LAYOUTS = {
+    "internlm2": "InternLM2ForCausalLM",
+    "exaone": "ExaoneForCausalLM",
+    "telechat2": "TeleChat2ForCausalLM",
+}
+
+# The tiny DeciLM's layers: attention and an FFN of ffn_mult 3 (width 256 at
+# hidden 128), no attention and a wider FFN, attention and no FFN, then both.
+DECILM_BLOCKS = [
+    dict(attention=dict(no_op=False, n_heads_in_group=2), ffn=dict(no_op=False, ffn_mult=3.0)),
+    dict(attention=dict(no_op=True), ffn=dict(no_op=False, ffn_mult=6.0)),
+    dict(attention=dict(no_op=False, n_heads_in_group=2), ffn=dict(no_op=True)),
+    dict(attention=dict(no_op=False, n_heads_in_group=2), ffn=dict(no_op=False, ffn_mult=3.0)),
+]
+
+# Nemotron-NAS's config class as the model directory carries it (remote
+# code, read by vLLM with trust_remote_code): Llama's config with
+# block_configs whose entries read as attributes, as vLLM reads them.
+DECILM_CONFIG_PY = """from transformers import LlamaConfig
+
+
+class _Fields(dict):
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class DeciLMConfig(LlamaConfig):
+    model_type = "nemotron-nas"
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        blocks = getattr(self, "block_configs", None) or []
+        self.block_configs = [
+            _Fields({k: _Fields(v) if isinstance(v, dict) else v for k, v in b.items()})
+            for b in blocks
+        ]
+"""
+
+
+def decilm_ffn_width(ffn_mult: float, hidden_size: int) -> int:
+    """A DeciLM FFN's width from its ffn_mult (2/3 of it times the hidden
+    size, rounded up to a multiple of 256, as modeling_decilm.py)."""
+    width = int(2 * ffn_mult * hidden_size / 3)
+    return width if width % 256 == 0 else width + 256 - width % 256
+
+
+def _decilm_shapes(model, config) -> None:
+    """HF Llama ``model`` cut to DeciLM's per-layer shapes (block_configs):
+    no attention (nor its norm) where it is a no-op, an FFN of its own
+    width, or none."""
+    import copy
+
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+    for i, (layer, block) in enumerate(zip(model.model.layers, config.block_configs)):
+        own = copy.deepcopy(config)
+        attention, ffn = block["attention"], block["ffn"]
+        if attention.get("no_op"):
+            del layer.self_attn, layer.input_layernorm
+        else:
+            own.num_key_value_heads = config.num_attention_heads // attention["n_heads_in_group"]
+            layer.self_attn = LlamaAttention(own, layer_idx=i)
+        if ffn.get("no_op"):
+            del layer.mlp, layer.post_attention_layernorm
+        else:
+            own.intermediate_size = decilm_ffn_width(ffn["ffn_mult"], config.hidden_size)
+            layer.mlp = LlamaMLP(own)
+
+
+def _write_decilm(out: Path) -> None:
+    """The DeciLM model directory beside its hf_reference/ (HF Llama cut to
+    DeciLM's shapes, in Llama's weight names, which Nemotron-NAS's
+    checkpoints use): the same weights, Nemotron-NAS's config."""
+    import shutil
+
+    reference = out / REFERENCE_SUBDIR
+    shutil.copyfile(reference / "model.safetensors", out / "model.safetensors")
+    fields = json.loads((reference / "config.json").read_text())
+    (out / "configuration_decilm.py").write_text(DECILM_CONFIG_PY)
+    vllm_fields = dict(
+        fields,
+        model_type="nemotron-nas",
+        architectures=["DeciLMForCausalLM"],
+        auto_map={"AutoConfig": "configuration_decilm.DeciLMConfig"},
+    )
+    vllm_fields.pop("num_key_value_heads", None)  # per layer, in block_configs
+    (out / "config.json").write_text(json.dumps(vllm_fields, indent=2) + "\n")
+    # The tests' eager reference (tests/v1/hidden_states/decilm_reference.py).
+    fields.update(model_type="hs_decilm_reference", architectures=["DeciLMReferenceForCausalLM"])
+    (reference / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+
 
 # Tokenizer style per architecture (see the module docstring).
 _STYLE = {
@@ -258,6 +369,12 @@ _STYLE = {
     "bailing_moe_v2": "chatml",
     "step3_text": "chatml",
     "plamo3": "chatml",
+    "internlm2": "chatml",
+    "exaone": "chatml",
+    "telechat2": "chatml",
+    "orion": "chatml",
+    "teleflm": "chatml",
+    "decilm": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1152,6 +1269,61 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.architectures = ["MiMoForCausalLM"]  # as the released checkpoints
         return config, T.Qwen2ForCausalLM
+    if arch == "orion":
+        # Orion: Llama's attention (neox rotary over whole heads, no biases)
+        # and SwiGLU MLP between LayerNorms (with biases; the final norm
+        # too), plain adds. HF's StableLmForCausalLM without its partial
+        # rotary, q/k/v biases, q/k norms or parallel residual is that
+        # model, in Orion's weight names: the checkpoint declares
+        # OrionForCausalLM and carries the LayerNorm eps as Orion's
+        # config names it (rms_norm_eps, which vLLM reads).
+        config = T.StableLmConfig(
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            use_qkv_bias=False,
+            partial_rotary_factor=1.0,
+            layer_norm_eps=1e-5,
+            **sizes,
+        )
+        config.update(dict(rms_norm_eps=config.layer_norm_eps))
+        config.architectures = ["OrionForCausalLM"]  # as the released checkpoints
+        return config, T.StableLmForCausalLM
+    if arch == "teleflm":
+        # Tele-FLM: Llama's model in Llama's weight names, with μP fields
+        # (use_mup; output_mult / mup_scale_factor scale the logits, which
+        # vLLM applies in its logits processor). input_mult at 1: vLLM's
+        # TeleFLM does not read it (layers._teleflm_layers).
+        config = T.LlamaConfig(**common)
+        config.update(dict(use_mup=True, input_mult=1.0, output_mult=2.0, mup_scale_factor=4.0))
+        config.architectures = ["TeleFLMForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "decilm":
+        # DeciLM (Nemotron-NAS; Llama-3.1-Nemotron-Ultra's layout): Llama's
+        # blocks, each layer's block_config choosing whether it attends
+        # (attention.no_op) and its FFN's width (ffn.ffn_mult) or none
+        # (ffn.no_op). Built as HF's Llama cut to those shapes
+        # (_decilm_shapes), saved under hf_reference/ for the tests' eager
+        # reference, and beside it for vLLM with Nemotron-NAS's config
+        # (model_type nemotron-nas, its config class in the directory).
+        config = T.LlamaConfig(**common)
+        config.update(dict(block_configs=DECILM_BLOCKS))
+        config.architectures = ["DeciLMForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch in RELEASED_LAYOUTS:
+        # Llama's math in another family's checkpoint layout (InternLM2's
+        # packed wqkv, EXAONE 3's transformer.h, TeleChat2's key_value):
+        # HF's LlamaForCausalLM is built and saved under hf_reference/ (the
+        # tests' reference, tests/v1/hidden_states/conftest.py), the model
+        # directory gets the same weights in the family's released names
+        # and config fields (_write_released_layout). TeleChat2: biases on
+        # the attention's output and the MLP's down projection only (the
+        # others built, and zeroed), as many KV heads as query heads (vLLM's
+        # key_value split assumes n_head of them).
+        if arch == "telechat2":
+            common.update(num_key_value_heads=num_heads, attention_bias=True, mlp_bias=True)
+        config = T.LlamaConfig(**common)
+        config.architectures = [RELEASED_LAYOUTS[arch]]
+        return config, T.LlamaForCausalLM
     if arch == "cohere2_moe":
         # Cohere's layer (one LayerNorm, attention and MLP side by side) with
         # a dense first layer, then routed experts (softmax top-k, HF's
@@ -1841,6 +2013,109 @@ def _write_chatglm(out: Path, model, config, token_ids: dict) -> None:
     reference_json.write_text(json.dumps(written, indent=2) + "\n")
 
 
+def _released_tensors(arch: str, config, hf: dict) -> dict:
+    """HF Llama's tensors ``hf`` in the released layout of ``arch``
+    (:data:`RELEASED_LAYOUTS`)."""
+    import torch
+
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d = config.hidden_size // heads
+    out: dict = {}
+    if arch == "internlm2":
+        # InternLM2's wqkv: per KV head, its group's query heads, then its
+        # key head, then its value head (modeling_internlm2.py's
+        # rearrange "b q (h gs d) -> b q h gs d", gs = heads / kv + 2).
+        names = {
+            "model.embed_tokens.": "model.tok_embeddings.",
+            "self_attn.o_proj.": "attention.wo.",
+            "mlp.gate_proj.": "feed_forward.w1.",
+            "mlp.up_proj.": "feed_forward.w3.",
+            "mlp.down_proj.": "feed_forward.w2.",
+            "input_layernorm.": "attention_norm.",
+            "post_attention_layernorm.": "ffn_norm.",
+            "lm_head.": "output.",
+        }
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            q, k, v = (hf.pop(f"{p}{n}_proj.weight") for n in "qkv")
+            w = q.shape[-1]
+            out[f"model.layers.{i}.attention.wqkv.weight"] = torch.cat(
+                [q.reshape(kv, -1, w), k.reshape(kv, d, w), v.reshape(kv, d, w)], dim=1
+            ).reshape(-1, w)
+    elif arch == "exaone":
+        names = {
+            "model.embed_tokens.": "transformer.wte.",
+            "model.layers.": "transformer.h.",
+            "self_attn.q_proj.": "attn.attention.q_proj.",
+            "self_attn.k_proj.": "attn.attention.k_proj.",
+            "self_attn.v_proj.": "attn.attention.v_proj.",
+            "self_attn.o_proj.": "attn.attention.out_proj.",
+            "mlp.gate_proj.": "mlp.c_fc_0.",
+            "mlp.up_proj.": "mlp.c_fc_1.",
+            "mlp.down_proj.": "mlp.c_proj.",
+            "input_layernorm.": "ln_1.",
+            "post_attention_layernorm.": "ln_2.",
+            "model.norm.": "transformer.ln_f.",
+        }
+    else:  # telechat2
+        # TeleChat2's key_value: per head, its key rows then its value rows.
+        names = {
+            "model.embed_tokens.": "transformer.word_embeddings.",
+            "model.layers.": "transformer.h.",
+            "self_attn.q_proj.": "self_attention.query.",
+            "self_attn.o_proj.": "self_attention.dense.",
+            "model.norm.": "transformer.ln_f.",
+        }
+        for name in [n for n in hf if n.endswith(".bias")]:
+            if not any(m in name for m in ("o_proj", "down_proj")):
+                assert not hf.pop(name).any()  # zeroed: TeleChat2 has no such bias
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            k, v = hf.pop(p + "k_proj.weight"), hf.pop(p + "v_proj.weight")
+            w = k.shape[-1]
+            out[f"transformer.h.{i}.self_attention.key_value.weight"] = torch.cat(
+                [k.reshape(kv, d, w), v.reshape(kv, d, w)], dim=1
+            ).reshape(-1, w)
+    for name, t in hf.items():
+        for old, new in names.items():
+            name = name.replace(old, new)
+        out[name] = t.contiguous()
+    return out
+
+
+def _write_released_layout(out: Path, arch: str, config) -> None:
+    """The model directory of ``arch`` in its released layout, from HF
+    Llama's checkpoint in ``out/hf_reference``: the tensors renamed (and
+    packed) as the family's checkpoints name them, config.json with the
+    family's own field names beside Llama's (model_type stays llama: the
+    families' own config classes are remote code, which vLLM reads only
+    with trust_remote_code)."""
+    from safetensors.torch import load_file, save_file
+
+    reference = out / REFERENCE_SUBDIR
+    hf = load_file(reference / "model.safetensors")
+    save_file(_released_tensors(arch, config, hf), out / "model.safetensors", {"format": "pt"})
+    fields = json.loads((reference / "config.json").read_text())
+    fields["architectures"] = [RELEASED_LAYOUTS[arch]]
+    if arch == "internlm2":
+        fields["bias"] = False  # no wqkv / wo bias (vLLM's InternLM2 builds none)
+    elif arch == "exaone":
+        # EXAONE 3's config names (configuration_exaone.py)
+        fields.update(
+            activation_function=fields["hidden_act"],
+            layer_norm_epsilon=fields["rms_norm_eps"],
+            num_layers=fields["num_hidden_layers"],
+        )
+    else:  # TeleChat2's config names (vLLM maps Llama's onto them)
+        fields.update(
+            n_layer=fields["num_hidden_layers"],
+            n_head=fields["num_attention_heads"],
+            ffn_hidden_size=fields["intermediate_size"],
+            layer_norm_epsilon=fields["rms_norm_eps"],
+        )
+    (out / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+
+
 def _built(stamp: Path, recipe: dict) -> bool:
     return stamp.exists() and json.loads(stamp.read_text()) == recipe
 
@@ -1881,7 +2156,10 @@ def _write_tiny_model(
     declared = list(getattr(config, "architectures", None) or [])
 
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = model_cls(config)
+    if arch == "decilm":
+        _decilm_shapes(model, config)
+    model = model.to(torch.float32).eval()
     if arch not in ("qwen3", "llama"):
         # HF initialises norms to ones (Gemma: zeros, for 1 + w) and biases to
         # zeros; perturb every parameter so none of them is trivial.
@@ -1915,6 +2193,13 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
+            if arch == "telechat2":
+                # TeleChat2 has biases on dense (o_proj) and down_proj only.
+                for name, p in model.named_parameters():
+                    if name.endswith(".bias") and not name.endswith(
+                        ("o_proj.bias", "down_proj.bias")
+                    ):
+                        p.zero_()
     if arch in ("chatglm", "bailing_moe_v2", "plamo3"):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
@@ -1925,6 +2210,14 @@ def _write_tiny_model(
             _write_plamo3(out, model, config, token_ids)
         else:
             _write_bailing_moe_v2(out, config, token_ids)
+    elif arch in RELEASED_LAYOUTS:
+        model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
+        _write_released_layout(out, arch, config)
+        declared = []
+    elif arch == "decilm":
+        model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
+        _write_decilm(out)
+        declared = []
     else:
         model.save_pretrained(out, safe_serialization=True)
     if arch == "axk1":

@@ -345,7 +345,7 @@ def heads_out_module(layer: nn.Module, point: str) -> nn.Module:
     known = layer_layout(layer, point)
     if not known.attention or (known.kinds is not None and Z_KIND not in known.kinds):
         raise LookupError(f"{point}: {type(layer).__name__} has no heads' outputs to read")
-    mixer = child_module(layer, known.mixer, point)
+    mixer = _path(layer, known.mixer, point)  # (EXAONE 3's: attn.attention)
     for name in HEADS_OUT_NAMES:
         module = getattr(mixer, name, None)
         if isinstance(module, nn.Module):

@@ -19,6 +19,7 @@ on the same token ids.
 
 import contextlib
 import inspect
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -169,6 +170,16 @@ def point_sites(layer) -> dict[str, tuple]:
         sites[single] = (layer.mixer, "out", 1.0)
         if single == "mlp_out":
             sites["mlp_post"] = (layer.mixer.down_proj, "in", 1.0)
+        return sites
+    # DeciLM's layers without attention or without an FFN (no_op blocks,
+    # decilm_reference.py): one block, its output added to the stream.
+    one = getattr(layer, "hs_single_block", None)
+    if one == "attn_out":
+        sites["attn_out"] = (layer.self_attn, "out", 1.0)
+        return sites
+    if one == "mlp_out":
+        sites["mlp_out"] = (layer.mlp, "out", 1.0)
+        sites["mlp_post"] = (layer.mlp.down_proj, "in", 1.0)
         return sites
     # Granite; MiniCPM3: residual_scale (scale_depth / sqrt(num_hidden_layers))
     scale = float(getattr(layer, "residual_multiplier", getattr(layer, "residual_scale", 1.0)))
@@ -370,12 +381,28 @@ class HFReference:
     def __init__(self, model_dir: Path):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        # A family whose released layout HF does not load (InternLM2, EXAONE
+        # 3, TeleChat2, ChatGLM, Ling 2.0, PLaMo 3) or has no HF class (DeciLM:
+        # an eager reference written for the tests, decilm_reference.py): the
+        # reference runs the same weights, saved beside them in its own
+        # layout (tiny_models.reference_dir), and the tests read vLLM's
+        # layers by the class the checkpoint declares.
+        from vllm_hidden_states.tools.tiny_models import reference_dir
+
+        declared = None
+        if (reference := reference_dir(model_dir)) != Path(model_dir):
+            from . import decilm_reference  # noqa: F401  (registers its HF classes)
+
+            declared = json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
+            model_dir = reference
         config = AutoConfig.from_pretrained(model_dir)
         # A multimodal checkpoint (its text model under text_config): HF's own
         # *ForConditionalGeneration, the class the checkpoint declares.
         multimodal = config.get_text_config() is not config
         auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
         self.model = auto.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        if declared is not None:  # the tests read vLLM's layers by the declared class
+            self.model.config.architectures = declared
         text_config = self.model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.hidden_size = text_config.hidden_size

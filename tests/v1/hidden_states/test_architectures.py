@@ -39,12 +39,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.layers import ModelLayers
 from vllm_hidden_states.points import POINT_KINDS
 from vllm_hidden_states.steering_config import STEERABLE_KINDS
-from vllm_hidden_states.tools.tiny_models import (
-    CORE_ARCHS,
-    SHORT_WINDOW,
-    build_tiny_model,
-    reference_dir,
-)
+from vllm_hidden_states.tools.tiny_models import CORE_ARCHS, SHORT_WINDOW, build_tiny_model
 from vllm_hidden_states.tools.tiny_vlms import VLM_ARCHS, build_tiny_vlm
 
 from .conftest import (
@@ -101,6 +96,8 @@ ARCH_ENGINE_ARGS = {
     "deepseek_v2": dict(attention_backend="CPU_MLA"),
     "deepseek_v3": dict(attention_backend="CPU_MLA"),
     "axk1": dict(attention_backend="CPU_MLA"),
+    # Nemotron-NAS's config class is remote code (the tiny model carries it).
+    "decilm": dict(trust_remote_code=True),
 }
 
 
@@ -146,8 +143,7 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
             if arch in VLM_ARCHS
             else build_tiny_model(MODELS / f"tiny-{arch}", arch=arch)
         )
-        # HF's layout of the same weights where vLLM's is not one HF loads.
-        _Current.reference = HFReference(reference_dir(model_dir))
+        _Current.reference = HFReference(model_dir)
         for key, value in REFERENCE_CONFIG.get(arch, {}).items():
             setattr(_Current.reference.model.config, key, value)
         # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
