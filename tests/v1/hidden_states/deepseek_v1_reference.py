@@ -33,7 +33,7 @@ class DeepseekV1ReferenceConfig(LlamaConfig):
     model_type = DEEPSEEK_V1_REFERENCE_TYPE
 
 
-class _Expert(LlamaMLP):
+class SwiGLUExpert(LlamaMLP):
     """``DeepseekMLP``: down(silu(gate(x)) * up(x)), of a given width."""
 
     def __init__(self, config, intermediate_size: int):
@@ -64,11 +64,12 @@ class DeepseekMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.experts = nn.ModuleList(
-            _Expert(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+            SwiGLUExpert(config, config.moe_intermediate_size)
+            for _ in range(config.n_routed_experts)
         )
         self.gate = MoEGate(config)
         self.shared_experts = (
-            _Expert(config, config.moe_intermediate_size * config.n_shared_experts)
+            SwiGLUExpert(config, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts
             else None
         )

@@ -30,13 +30,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from transformers.models.llama.modeling_llama import (
     ALL_ATTENTION_FUNCTIONS,
     LlamaAttention,
-    LlamaMLP,
     LlamaRMSNorm,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
 
 from vllm_hidden_states.tools.tiny_models import STEP3_TEXT_REFERENCE_TYPE
+
+from .deepseek_v1_reference import SwiGLUExpert  # the same expert, of a given width
 
 
 class Step3TextReferenceConfig(LlamaConfig):
@@ -100,15 +101,6 @@ class Step3Attention(LlamaAttention):
         return self.o_proj(attn_output), attn_weights
 
 
-class _Expert(LlamaMLP):
-    def __init__(self, config, intermediate_size: int):
-        super().__init__(config)
-        hidden = config.hidden_size
-        self.gate_proj = nn.Linear(hidden, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden, bias=False)
-
-
 class MoELinear(nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int):
         super().__init__()
@@ -157,7 +149,7 @@ class Step3MoEBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.moe = Step3MoE(config)
-        self.share_expert = _Expert(config, config.share_expert_dim)
+        self.share_expert = SwiGLUExpert(config, config.share_expert_dim)
 
     def forward(self, hidden_states):
         shape = hidden_states.shape
