@@ -929,6 +929,36 @@ LAYER_CLASSES[_V + "plamo3.Plamo3DecoderLayer"] = LayerClass(
 )
 
 
+# openPangu-Embedded (dense): vLLM's OpenPanguDecoderLayer with its plain
+# attention (OpenPanguEmbeddedAttention: q/k/v and o biases) and a SwiGLU
+# MLP: the fused reader. The same class builds MLA, sink attention, experts
+# (Pangu's MoE models), sandwich norms, bidirectional attention and, in
+# float16, a stream divided by routed_scaling_factor: untested.
+LAYER_CLASSES[_V + "openpangu.OpenPanguDecoderLayer"] = LayerClass("fused", ("pangu_embedded",))
+
+
+def _pangu_embedded_layers(config: Any) -> list[str]:
+    name = _V + "openpangu.OpenPanguDecoderLayer"
+    untested = []
+    if all(hasattr(config, a) for a in ("qk_nope_head_dim", "kv_lora_rank")):
+        untested.append("MLA")
+    if int(getattr(config, "param_sink_number", 0) or 0) > 0:
+        untested.append("sink attention")
+    if getattr(config, "n_routed_experts", None) is not None:
+        untested.append("experts")
+    if getattr(config, "sandwich_norm", False):
+        untested.append("sandwich_norm")
+    if not getattr(config, "is_causal", True):
+        untested.append("is_causal=false")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        untested.append(f"hidden_act {config.hidden_act}")
+    if getattr(config, "routed_scaling_factor", 1.0) not in (None, 1.0):
+        untested.append("routed_scaling_factor (float16 rescaling)")
+    if untested:
+        name += f"[{', '.join(untested)}: untested]"
+    return [name] * config.num_hidden_layers
+
+
 # ChatGLM (ChatGLM2/3, GLM-4-9B-chat): the stream in hidden only (each block
 # returns the stream), pre-norm blocks and plain adds: the plain reader;
 # attention at self_attention (heads' outputs into its dense), the MLP's
@@ -1043,6 +1073,7 @@ MODEL_LAYERS.update(
         _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
+        _V + "openpangu.PanguEmbeddedForCausalLM": _pangu_embedded_layers,
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",

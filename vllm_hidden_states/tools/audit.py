@@ -244,6 +244,12 @@ NOTES: dict[str, str] = {
     "PLaMo 3's HF code is remote): every point, patterns and attn_z; declared by "
     "model_type llama with the remote config's interleaved_sliding_window (the release's "
     "plamo3 config class is remote code)",
+    "PanguEmbeddedForCausalLM": "tested (openPangu-Embedded, dense: Llama's blocks with "
+    "q/k/v and o biases, grouped queries, SwiGLU, RMSNorm) against HF's LlamaForCausalLM "
+    "(attention_bias) on the same weights in the same names (HF has no class of it; its "
+    "modelling code is remote): every point, patterns and attn_z. The class's other "
+    "settings (MLA, sink attention, experts, sandwich_norm, is_causal=false, a float16 "
+    "stream divided by routed_scaling_factor) untested: every layer inside refused there",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -344,7 +350,7 @@ REFUSED: frozenset[str] = frozenset(
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
     MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
-    OrionForCausalLM PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
+    OrionForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM Param2MoEForCausalLM
     SarvamMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3p5ForCausalLM

@@ -127,6 +127,7 @@ FRONTIER_ARCHS = (
     "bailing_moe_v2",
     "step3_text",
     "plamo3",
+    "pangu_embedded",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -180,6 +181,7 @@ SWEEP_CANDIDATES = (
     "bailing_moe_v2",
     "step3_text",
     "plamo3",
+    "pangu_embedded",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -258,6 +260,7 @@ _STYLE = {
     "bailing_moe_v2": "chatml",
     "step3_text": "chatml",
     "plamo3": "chatml",
+    "pangu_embedded": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1328,6 +1331,16 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config = T.LlamaConfig(**dict(common, num_key_value_heads=1))
         config.update(_step3_fields(layers, hidden, moe))
         config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "pangu_embedded":
+        # openPangu-Embedded (dense): Llama's blocks with biases on q, k, v
+        # and o (its config's bias / attention_bias), SwiGLU, RMSNorm, no
+        # sandwich norms. HF has no class of it (its modelling code is
+        # remote): HF's Llama with attention_bias is that math, in the same
+        # weight names, and the reference; the checkpoint declares
+        # PanguEmbeddedForCausalLM.
+        config = T.LlamaConfig(attention_bias=True, **common)
+        config.architectures = ["PanguEmbeddedForCausalLM"]  # as released
         return config, T.LlamaForCausalLM
     if arch == "plamo3":
         # PLaMo 3: sandwich norms (pre and post each block, the post norms'
