@@ -828,7 +828,7 @@ def _deepseek_v1_layers(config: Any) -> list[str]:
 for _experts in (False, True):
     LAYER_CLASSES[f"{_V}bailing_moe.BailingMoeBlock" + (_EXPERTS if _experts else "")] = LayerClass(
         "fused",
-        ("bailing_moe", "bailing_moe_v2"),
+        ("bailing_moe", "bailing_moe_v2", "sarvam_moe"),
         mixer="attention",
         neurons=None if _experts else "mlp.down_proj",
     )
@@ -893,6 +893,46 @@ def _bailing_moe_layers(config: Any) -> list[str]:
     unlike = _bailing_unlike(config)
     suffix = f"[{', '.join(unlike)} unlike Ling v1's and 2.0's: untested]" if unlike else ""
     return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
+
+
+# Param2 MoE: vLLM's fused residual, attention at self_attn (heads' outputs
+# into o_proj, optional per-head q/k norms), a dense MLP in the first
+# first_k_dense_replace layers, then routed experts and shared ones (mlp_out
+# their sum, the block's output). Tested with Ling 2.0's router (sigmoid, an
+# expert bias, grouped top-k, renormalized, scaled), q/k norms and full
+# rotary, no linear biases; other settings untested.
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}param2moe.Param2MoEDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass("fused", ("param2moe",), neurons=None if _experts else "mlp.down_proj")
+    )
+
+
+def _param2moe_layers(config: Any) -> list[str]:
+    name = _V + "param2moe.Param2MoEDecoderLayer"
+    n = config.num_hidden_layers
+    dense = int(getattr(config, "first_k_dense_replace", 1))
+    moe = getattr(config, "num_experts", None) is not None
+    untested = [
+        flag
+        for flag, on in (
+            ("score_function", (getattr(config, "score_function", "sigmoid")) != "sigmoid"),
+            ("no expert bias", not getattr(config, "moe_router_enable_expert_bias", True)),
+            ("no n_group", getattr(config, "n_group", None) is None),
+            ("no topk_group", getattr(config, "topk_group", None) is None),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
+            ("no q/k norms", not getattr(config, "use_qk_norm", False)),
+            ("use_qkv_bias", bool(getattr(config, "use_qkv_bias", False))),
+            ("use_bias", bool(getattr(config, "use_bias", False))),
+            (
+                "partial rotary",
+                float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1,
+            ),
+            ("num_shared_experts != 1", int(getattr(config, "num_shared_experts", 1)) != 1),
+        )
+        if on
+    ]
+    suffix = f"[{', '.join(untested)}: untested]" if untested else ""
+    return [name + ("" if not moe or i < dense else _EXPERTS) + suffix for i in range(n)]
 
 
 # Step 3 (text): vLLM's fused residual, attention with one key/value head and
@@ -1071,9 +1111,12 @@ MODEL_LAYERS.update(
         _V + "deepseek_v2.DeepseekForCausalLM": _deepseek_v1_layers,
         _V + "bailing_moe.BailingMoeForCausalLM": _bailing_moe_layers,
         _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
+        # Sarvam MoE: vLLM's Ling class (its expert bias zero-meaned at load).
+        _V + "sarvam.SarvamMoEForCausalLM": _bailing_moe_layers,
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
         _V + "openpangu.PanguEmbeddedForCausalLM": _pangu_embedded_layers,
+        _V + "param2moe.Param2MoEForCausalLM": _param2moe_layers,
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",

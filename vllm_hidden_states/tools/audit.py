@@ -256,6 +256,25 @@ NOTES: dict[str, str] = {
     "modelling code is remote): every point, patterns and attn_z. The class's other "
     "settings (MLA, sink attention, experts, sandwich_norm, is_causal=false, a float16 "
     "stream divided by routed_scaling_factor) untested: every layer inside refused there",
+    "Param2MoEForCausalLM": "tested (Param2 MoE: per-head RMSNorm q/k norms, full rotary, a "
+    "dense first layer, then sigmoid routing with a non-zero expert bias for the choice "
+    "(vLLM's loader zero-means it, which leaves the choice unchanged), grouped top-k "
+    "(n_group 2, topk_group 1), renormalized, scaled 2.5, plus a shared expert) against "
+    "HF's Glm4MoeForCausalLM on the same weights in HF's names (hf_reference/; the "
+    "checkpoint in Param2's names, Ling 2.0's: attention.query_key_value, "
+    "query_layernorm, mlp.gate.expert_bias): every point, patterns and attn_z (mlp_out in "
+    "MoE layers the routed and shared experts' sum, the block's output), mlp_post in the "
+    "dense layer. Declared by model_type gpt2 with the remote config's fields (its "
+    "rope_theta and rope_scaling read as attributes, which transformers' Llama config "
+    "folds away). Partial rotary, linear biases, softmax routing, no expert bias or "
+    "grouping, no q/k norms untested: every layer inside refused there",
+    "SarvamMoEForCausalLM": "vLLM's Ling class (BailingMoeForCausalLM's layers; its loader "
+    "zero-means the gate's expert bias, which leaves the choice unchanged), tested as Ling "
+    "2.0 (BailingMoeV2ForCausalLM's note: RMSNorm q/k norms, half of each head rotated, "
+    "sigmoid routing with a non-zero expert bias, grouped, renormalized, scaled, a shared "
+    "expert) on a checkpoint declaring SarvamMoEForCausalLM, against HF's "
+    "Glm4MoeForCausalLM on the same weights in HF's names: every point, patterns and "
+    "attn_z; settings unlike Ling v1's and 2.0's untested: every layer inside refused there",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -357,8 +376,7 @@ REFUSED: frozenset[str] = frozenset(
     MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OrionForCausalLM PanguProMoEV2ForCausalLM
-    PanguUltraMoEForCausalLM Param2MoEForCausalLM
-    SarvamMoEForCausalLM
+    PanguUltraMoEForCausalLM
     SarvamMLAForCausalLM Step1ForCausalLM Step3p5ForCausalLM
     SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM

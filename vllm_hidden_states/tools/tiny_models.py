@@ -128,6 +128,8 @@ FRONTIER_ARCHS = (
     "step3_text",
     "plamo3",
     "pangu_embedded",
+    "param2moe",
+    "sarvam_moe",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -182,6 +184,8 @@ SWEEP_CANDIDATES = (
     "step3_text",
     "plamo3",
     "pangu_embedded",
+    "param2moe",
+    "sarvam_moe",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -261,6 +265,8 @@ _STYLE = {
     "step3_text": "chatml",
     "plamo3": "chatml",
     "pangu_embedded": "chatml",
+    "param2moe": "chatml",
+    "sarvam_moe": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1291,7 +1297,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.architectures = ["BailingMoeForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
-    if arch == "bailing_moe_v2":
+    if arch in ("bailing_moe_v2", "sarvam_moe"):
         # Ling 2.0 (Bailing MoE v2): per-head q/k RMSNorms, half of each head
         # rotated (neox), a dense first layer, then routed experts (sigmoid,
         # an expert bias for the choice, grouped top-k, renormalized, scaled)
@@ -1316,8 +1322,40 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             head_dim=hidden // num_heads,
             **common,
         )
+        # Sarvam MoE: vLLM's SarvamMoEForCausalLM is its Ling class (the
+        # same layers, the expert bias zero-meaned at load), tested on Ling
+        # 2.0's checkpoint declaring it.
         config.update(_LING_V2_FIELDS)  # Ling's own, which vLLM reads
-        config.architectures = ["BailingMoeV2ForCausalLM"]  # _write_bailing_moe_v2
+        config.architectures = [  # _write_bailing_moe_v2
+            "SarvamMoEForCausalLM" if arch == "sarvam_moe" else "BailingMoeV2ForCausalLM"
+        ]
+        return config, T.Glm4MoeForCausalLM
+    if arch == "param2moe":
+        # Param2 MoE (BharatGen): Ling 2.0's layout and router (per-head q/k
+        # RMSNorms, a dense first layer, then sigmoid routing with an expert
+        # bias for the choice, grouped top-k, renormalized, scaled, and a
+        # shared expert) with full rotary. HF's Glm4MoeForCausalLM is that
+        # math and the reference, saved under hf_reference/; the checkpoint
+        # beside it is the same weights in Param2's names (Ling's) and config
+        # (_write_bailing_moe_v2 with _PARAM2_FIELDS).
+        config = T.Glm4MoeConfig(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=False,
+            partial_rotary_factor=1.0,
+            head_dim=hidden // num_heads,
+            **common,
+        )
+        config.update(_PARAM2_FIELDS)  # Param2's own, which vLLM reads
+        config.architectures = ["Param2MoEForCausalLM"]  # _write_bailing_moe_v2
         return config, T.Glm4MoeForCausalLM
     if arch == "step3_text":
         # Step 3's text model: one key/value head, the query through a shared
@@ -1533,8 +1571,26 @@ _LING_V2_FIELDS = dict(
     norm_head=False,
 )
 
+# Param2 MoE's config fields (its remote config's, which vLLM's Param2MoE
+# reads): Ling 2.0's router and attention flags, full rotary (its rope_theta
+# and rope_scaling, read as attributes, are written by _write_bailing_moe_v2).
+_PARAM2_FIELDS = dict(
+    score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    use_bias=False,
+    use_qkv_bias=False,
+    use_qk_norm=True,
+    partial_rotary_factor=1.0,
+)
 
-def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
+
+def _write_bailing_moe_v2(
+    out: Path,
+    config,
+    token_ids: dict,
+    architecture: str = "BailingMoeV2ForCausalLM",
+    own: dict = _LING_V2_FIELDS,
+) -> None:
     """Ling 2.0's checkpoint (weight names and config fields as released,
     which vLLM's BailingMoeV2 loads) from the reference's saved weights; the
     reference's config.json gets Ling's fields too (readers of it see what
@@ -1561,13 +1617,17 @@ def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
         )
     save_file(ling, out / "model.safetensors", metadata={"format": "pt"})
     fields = dict(
-        _LING_V2_FIELDS,
+        own,
         num_experts=config.n_routed_experts,
         num_shared_experts=config.n_shared_experts,
     )
     ling_config = dict(
-        architectures=["BailingMoeV2ForCausalLM"],
-        model_type="llama",  # the release's bailing_moe_v2 is remote code
+        architectures=[architecture],
+        # Both releases' configs are remote code; Param2's is read for
+        # rope_theta (and rope_scaling) as attributes, which transformers'
+        # Llama config folds into rope_parameters: declared as GPT-2's, whose
+        # config keeps them (vLLM picks its class by the architecture).
+        model_type="gpt2" if own is _PARAM2_FIELDS else "llama",
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -1593,6 +1653,8 @@ def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
         pad_token_id=token_ids["pad"],
         **fields,
     )
+    if own is _PARAM2_FIELDS:  # its remote config's rotary fields
+        ling_config.update(rope_theta=config.rope_parameters["rope_theta"], rope_scaling=None)
     (out / "config.json").write_text(json.dumps(ling_config, indent=2) + "\n")
     reference_json = reference / "config.json"
     written = json.loads(reference_json.read_text())
@@ -1915,7 +1977,7 @@ def _write_tiny_model(
                 for name, b in model.named_buffers():
                     if name.endswith("expert_bias"):
                         b.copy_(torch.randn_like(b) * 0.5)
-            if arch in ("hy_v3", "laguna", "axk1", "bailing_moe_v2"):
+            if arch in ("hy_v3", "laguna", "axk1", "bailing_moe_v2", "param2moe", "sarvam_moe"):
                 # The sigmoid routers' correction bias (Hy3, A.X K1: a buffer
                 # at zero): large enough to change which experts are picked.
                 for name, t in [*model.named_buffers(), *model.named_parameters()]:
@@ -1928,7 +1990,7 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    if arch in ("chatglm", "bailing_moe_v2", "plamo3"):
+    if arch in ("chatglm", "bailing_moe_v2", "plamo3", "param2moe", "sarvam_moe"):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
@@ -1936,8 +1998,10 @@ def _write_tiny_model(
             _write_chatglm(out, model, config, token_ids)
         elif arch == "plamo3":
             _write_plamo3(out, model, config, token_ids)
+        elif arch == "param2moe":
+            _write_bailing_moe_v2(out, config, token_ids, "Param2MoEForCausalLM", _PARAM2_FIELDS)
         else:
-            _write_bailing_moe_v2(out, config, token_ids)
+            _write_bailing_moe_v2(out, config, token_ids, declared[0])
     else:
         model.save_pretrained(out, safe_serialization=True)
     if arch == "axk1":

@@ -8,13 +8,18 @@ tests.
 
 * openPangu-Embedded (dense: Llama's blocks with q/k/v and o biases): HF's
   LlamaForCausalLM (attention_bias) on the same weights.
+* Param2 MoE (Ling 2.0's layout and router: q/k norms, sigmoid routing with
+  an expert bias, grouped, scaled, a shared expert; full rotary): HF's
+  Glm4MoeForCausalLM on the same weights in its names.
+* Sarvam MoE (vLLM's Ling class): Ling 2.0's tiny model declaring it, HF's
+  Glm4MoeForCausalLM on the same weights in its names.
 """
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("pangu_embedded",)
+SWEEP = ("pangu_embedded", "param2moe", "sarvam_moe")
 
 
 @pytest.fixture(scope="module", params=SWEEP)
