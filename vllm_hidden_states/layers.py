@@ -935,6 +935,34 @@ def _param2moe_layers(config: Any) -> list[str]:
     return [name + ("" if not moe or i < dense else _EXPERTS) + suffix for i in range(n)]
 
 
+# Sarvam MLA: vLLM's fused residual around DeepSeek's multi-head latent
+# attention (no pattern is read: its module takes the compressed latent),
+# a dense first first_k_dense_replace layers, then routed experts and a
+# shared one (mlp_out their sum).
+LAYER_CLASSES[_V + "sarvam.SarvamMLABlock"] = LayerClass(
+    "fused", ("sarvam_mla",), neurons=None, kinds=_MLA_KINDS, lacks=_MLA_LACKS
+)
+
+
+def _sarvam_mla_layers(config: Any) -> list[str]:
+    name = _V + "sarvam.SarvamMLABlock"
+    untested = [
+        flag
+        for flag, on in (
+            ("score_function", getattr(config, "score_function", "sigmoid") != "sigmoid"),
+            ("no expert bias", not getattr(config, "moe_router_enable_expert_bias", True)),
+            ("n_group > 1", int(getattr(config, "n_group", None) or 1) != 1),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
+            ("moe_layer_freq", int(getattr(config, "moe_layer_freq", 1) or 1) != 1),
+            ("q_lora_rank", getattr(config, "q_lora_rank", None) is not None),
+        )
+        if on
+    ]
+    return [name + (f"[{', '.join(untested)}: untested]" if untested else "")] * (
+        config.num_hidden_layers
+    )
+
+
 # Step 3 (text): vLLM's fused residual, attention with one key/value head and
 # a low-rank shared query path (heads' outputs into o_proj); a dense MLP in
 # the layers moe_layers_enum leaves out, routed experts (moe) plus a shared
@@ -1113,6 +1141,7 @@ MODEL_LAYERS.update(
         _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
         # Sarvam MoE: vLLM's Ling class (its expert bias zero-meaned at load).
         _V + "sarvam.SarvamMoEForCausalLM": _bailing_moe_layers,
+        _V + "sarvam.SarvamMLAForCausalLM": _sarvam_mla_layers,
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
         _V + "openpangu.PanguEmbeddedForCausalLM": _pangu_embedded_layers,

@@ -275,6 +275,16 @@ NOTES: dict[str, str] = {
     "expert) on a checkpoint declaring SarvamMoEForCausalLM, against HF's "
     "Glm4MoeForCausalLM on the same weights in HF's names: every point, patterns and "
     "attn_z; settings unlike Ling v1's and 2.0's untested: every layer inside refused there",
+    "SarvamMLAForCausalLM": "tested (DeepSeek V3's layers: multi-head latent attention "
+    "without a query low rank, a latent of 512 + 64 rotary dimensions, DeepSeek's YaRN "
+    "(rope_type deepseek_yarn, which vLLM's SarvamMLAAttention builds and scales the "
+    "softmax by, as HF's DeepSeek V3 does for yarn); a dense first layer, then sigmoid "
+    "routing with a non-zero correction bias (zero-meaned by vLLM's loader: the choice is "
+    "unchanged), one group, renormalized, scaled 2.5, a shared expert) against HF's "
+    "DeepseekV3ForCausalLM on the same weights and names (hf_reference/, its rope_type "
+    "yarn): every layer and the points MLA has (as DeepseekV2ForCausalLM: no patterns, "
+    "attn_z, q/k/v or mlp_post). q_lora_rank, grouped routing (n_group > 1), "
+    "moe_layer_freq != 1, softmax routing untested: every layer inside refused there",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -377,7 +387,7 @@ REFUSED: frozenset[str] = frozenset(
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OrionForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM
-    SarvamMLAForCausalLM Step1ForCausalLM Step3p5ForCausalLM
+    Step1ForCausalLM Step3p5ForCausalLM
     SolarForCausalLM TeleChat2ForCausalLM TeleFLMForCausalLM
     Zamba2ForCausalLM
     """.split()

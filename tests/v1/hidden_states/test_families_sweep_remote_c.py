@@ -13,13 +13,16 @@ tests.
   Glm4MoeForCausalLM on the same weights in its names.
 * Sarvam MoE (vLLM's Ling class): Ling 2.0's tiny model declaring it, HF's
   Glm4MoeForCausalLM on the same weights in its names.
+* Sarvam MLA (DeepSeek V3's layers: MLA, DeepSeek's YaRN, sigmoid routing
+  with a correction bias, a shared expert): HF's DeepseekV3ForCausalLM on
+  the same weights and names.
 """
 
 import pytest
 
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("pangu_embedded", "param2moe", "sarvam_moe")
+SWEEP = ("pangu_embedded", "param2moe", "sarvam_moe", "sarvam_mla")
 
 
 @pytest.fixture(scope="module", params=SWEEP)
