@@ -221,7 +221,7 @@ LAYER_CLASSES.update(
         # layer inside is refused there.
         _V + "deepseek_v2.DeepseekV2DecoderLayer": LayerClass(
             "fused",
-            ("deepseek_v2", "deepseek_v3"),
+            ("deepseek_v2", "deepseek_v3", "mistral_large_3"),
             neurons=None,
             kinds=_MLA_KINDS,
             lacks=_MLA_LACKS,
@@ -484,6 +484,8 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
+    # Mistral Large 3: vLLM's DeepSeek V3 class, its weights' names mapped.
+    _V + "mistral_large_3.MistralLarge3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(
         _V + "qwen3_next.Qwen3NextDecoderLayer"
     ),

@@ -285,6 +285,18 @@ NOTES: dict[str, str] = {
     "yarn): every layer and the points MLA has (as DeepseekV2ForCausalLM: no patterns, "
     "attn_z, q/k/v or mlp_post). q_lora_rank, grouped routing (n_group > 1), "
     "moe_layer_freq != 1, softmax routing untested: every layer inside refused there",
+    "MistralLarge3ForCausalLM": "tested (vLLM's DeepSeek V3 class: multi-head latent "
+    "attention with a query low rank, DeepSeek's YaRN; a dense first layer, then softmax "
+    "top-k routing renormalized (the scoring_func / norm_topk_prob vLLM's Mistral config "
+    "adapter sets), a shared expert; Llama 4's query scaling, llama_4_scaling, with a short "
+    "original length so that the prompts reach scaled positions) against an eager reference "
+    "on HF's DeepSeek V2 modules (tests/v1/hidden_states/mistral_large_3_reference.py: its "
+    "router's top-k renormalized, the query projection's output scaled by position), on "
+    "the same weights: every layer and the points MLA has (as DeepseekV2ForCausalLM). The "
+    "checkpoint: weights in Mistral's released names (layers.N.attention.wq_a, "
+    "feed_forward.w1, experts.N.w1, tok_embeddings, output ...), which vLLM's class maps; "
+    "its config an HF config.json (DeepSeek's fields plus those the adapter derives), so "
+    "the adapter's own reading of a params.json is not run",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -383,7 +395,6 @@ REFUSED: frozenset[str] = frozenset(
     IQuestLoopCoderForCausalLM K2HorizonForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
-    MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
     OrionForCausalLM PanguProMoEV2ForCausalLM
     PanguUltraMoEForCausalLM

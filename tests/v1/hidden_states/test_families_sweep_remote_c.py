@@ -16,13 +16,18 @@ tests.
 * Sarvam MLA (DeepSeek V3's layers: MLA, DeepSeek's YaRN, sigmoid routing
   with a correction bias, a shared expert): HF's DeepseekV3ForCausalLM on
   the same weights and names.
+* Mistral Large 3 (vLLM's DeepSeek V3 class on weights in Mistral's names:
+  MLA with a query low rank, softmax top-k renormalized, Llama 4's query
+  scaling): the eager reference mistral_large_3_reference.py on HF's
+  DeepSeek V2 modules.
 """
 
 import pytest
 
+from . import mistral_large_3_reference  # noqa: F401  (its Auto classes)
 from .family_matrix import *  # noqa: F403  (the checks, collected here)
 
-SWEEP = ("pangu_embedded", "param2moe", "sarvam_moe", "sarvam_mla")
+SWEEP = ("pangu_embedded", "param2moe", "sarvam_moe", "sarvam_mla", "mistral_large_3")
 
 
 @pytest.fixture(scope="module", params=SWEEP)
