@@ -224,7 +224,7 @@ LAYER_CLASSES.update(
         # layer inside is refused there.
         _V + "deepseek_v2.DeepseekV2DecoderLayer": LayerClass(
             "fused",
-            ("deepseek_v2", "deepseek_v3"),
+            ("deepseek_v2", "deepseek_v3", "mistral_large_3"),
             neurons=None,
             kinds=_MLA_KINDS,
             lacks=_MLA_LACKS,
@@ -493,6 +493,8 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "gemma4.Gemma4ForCausalLM": _gemma4_layers,
     _V + "deepseek_v2.DeepseekV2ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "deepseek_v2.DeepseekV3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
+    # Mistral Large 3: vLLM's DeepSeek V3 class, its weights' names mapped.
+    _V + "mistral_large_3.MistralLarge3ForCausalLM": _V + "deepseek_v2.DeepseekV2DecoderLayer",
     _V + "qwen3_next.Qwen3NextForCausalLM": _linear_hybrid_layers(
         _V + "qwen3_next.Qwen3NextDecoderLayer"
     ),
@@ -837,7 +839,7 @@ def _deepseek_v1_layers(config: Any) -> list[str]:
 for _experts in (False, True):
     LAYER_CLASSES[f"{_V}bailing_moe.BailingMoeBlock" + (_EXPERTS if _experts else "")] = LayerClass(
         "fused",
-        ("bailing_moe", "bailing_moe_v2"),
+        ("bailing_moe", "bailing_moe_v2", "sarvam_moe"),
         mixer="attention",
         neurons=None if _experts else "mlp.down_proj",
     )
@@ -904,6 +906,74 @@ def _bailing_moe_layers(config: Any) -> list[str]:
     return [name + ("" if i < dense else _EXPERTS) + suffix for i in range(n)]
 
 
+# Param2 MoE: vLLM's fused residual, attention at self_attn (heads' outputs
+# into o_proj, optional per-head q/k norms), a dense MLP in the first
+# first_k_dense_replace layers, then routed experts and shared ones (mlp_out
+# their sum, the block's output). Tested with Ling 2.0's router (sigmoid, an
+# expert bias, grouped top-k, renormalized, scaled), q/k norms and full
+# rotary, no linear biases; other settings untested.
+for _experts in (False, True):
+    LAYER_CLASSES[f"{_V}param2moe.Param2MoEDecoderLayer" + (_EXPERTS if _experts else "")] = (
+        LayerClass("fused", ("param2moe",), neurons=None if _experts else "mlp.down_proj")
+    )
+
+
+def _param2moe_layers(config: Any) -> list[str]:
+    name = _V + "param2moe.Param2MoEDecoderLayer"
+    n = config.num_hidden_layers
+    dense = int(getattr(config, "first_k_dense_replace", 1))
+    moe = getattr(config, "num_experts", None) is not None
+    untested = [
+        flag
+        for flag, on in (
+            ("score_function", (getattr(config, "score_function", "sigmoid")) != "sigmoid"),
+            ("no expert bias", not getattr(config, "moe_router_enable_expert_bias", True)),
+            ("no n_group", getattr(config, "n_group", None) is None),
+            ("no topk_group", getattr(config, "topk_group", None) is None),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
+            ("no q/k norms", not getattr(config, "use_qk_norm", False)),
+            ("use_qkv_bias", bool(getattr(config, "use_qkv_bias", False))),
+            ("use_bias", bool(getattr(config, "use_bias", False))),
+            (
+                "partial rotary",
+                float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1,
+            ),
+            ("num_shared_experts != 1", int(getattr(config, "num_shared_experts", 1)) != 1),
+        )
+        if on
+    ]
+    suffix = f"[{', '.join(untested)}: untested]" if untested else ""
+    return [name + ("" if not moe or i < dense else _EXPERTS) + suffix for i in range(n)]
+
+
+# Sarvam MLA: vLLM's fused residual around DeepSeek's multi-head latent
+# attention (no pattern is read: its module takes the compressed latent),
+# a dense first first_k_dense_replace layers, then routed experts and a
+# shared one (mlp_out their sum).
+LAYER_CLASSES[_V + "sarvam.SarvamMLABlock"] = LayerClass(
+    "fused", ("sarvam_mla",), neurons=None, kinds=_MLA_KINDS, lacks=_MLA_LACKS
+)
+
+
+def _sarvam_mla_layers(config: Any) -> list[str]:
+    name = _V + "sarvam.SarvamMLABlock"
+    untested = [
+        flag
+        for flag, on in (
+            ("score_function", getattr(config, "score_function", "sigmoid") != "sigmoid"),
+            ("no expert bias", not getattr(config, "moe_router_enable_expert_bias", True)),
+            ("n_group > 1", int(getattr(config, "n_group", None) or 1) != 1),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
+            ("moe_layer_freq", int(getattr(config, "moe_layer_freq", 1) or 1) != 1),
+            ("q_lora_rank", getattr(config, "q_lora_rank", None) is not None),
+        )
+        if on
+    ]
+    return [name + (f"[{', '.join(untested)}: untested]" if untested else "")] * (
+        config.num_hidden_layers
+    )
+
+
 # Step 3 (text): vLLM's fused residual, attention with one key/value head and
 # a low-rank shared query path (heads' outputs into o_proj); a dense MLP in
 # the layers moe_layers_enum leaves out, routed experts (moe) plus a shared
@@ -936,6 +1006,36 @@ def _step3_text_layers(config: Any) -> list[str]:
 LAYER_CLASSES[_V + "plamo3.Plamo3DecoderLayer"] = LayerClass(
     "fused", ("plamo3",), mixer="mixer", mid_norm="pre_mlp_norm"
 )
+
+
+# openPangu-Embedded (dense): vLLM's OpenPanguDecoderLayer with its plain
+# attention (OpenPanguEmbeddedAttention: q/k/v and o biases) and a SwiGLU
+# MLP: the fused reader. The same class builds MLA, sink attention, experts
+# (Pangu's MoE models), sandwich norms, bidirectional attention and, in
+# float16, a stream divided by routed_scaling_factor: untested.
+LAYER_CLASSES[_V + "openpangu.OpenPanguDecoderLayer"] = LayerClass("fused", ("pangu_embedded",))
+
+
+def _pangu_embedded_layers(config: Any) -> list[str]:
+    name = _V + "openpangu.OpenPanguDecoderLayer"
+    untested = []
+    if all(hasattr(config, a) for a in ("qk_nope_head_dim", "kv_lora_rank")):
+        untested.append("MLA")
+    if int(getattr(config, "param_sink_number", 0) or 0) > 0:
+        untested.append("sink attention")
+    if getattr(config, "n_routed_experts", None) is not None:
+        untested.append("experts")
+    if getattr(config, "sandwich_norm", False):
+        untested.append("sandwich_norm")
+    if not getattr(config, "is_causal", True):
+        untested.append("is_causal=false")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        untested.append(f"hidden_act {config.hidden_act}")
+    if getattr(config, "routed_scaling_factor", 1.0) not in (None, 1.0):
+        untested.append("routed_scaling_factor (float16 rescaling)")
+    if untested:
+        name += f"[{', '.join(untested)}: untested]"
+    return [name] * config.num_hidden_layers
 
 
 # ChatGLM (ChatGLM2/3, GLM-4-9B-chat): the stream in hidden only (each block
@@ -1156,8 +1256,13 @@ MODEL_LAYERS.update(
         _V + "deepseek_v2.DeepseekForCausalLM": _deepseek_v1_layers,
         _V + "bailing_moe.BailingMoeForCausalLM": _bailing_moe_layers,
         _V + "bailing_moe.BailingMoeV2ForCausalLM": _bailing_moe_layers,
+        # Sarvam MoE: vLLM's Ling class (its expert bias zero-meaned at load).
+        _V + "sarvam.SarvamMoEForCausalLM": _bailing_moe_layers,
+        _V + "sarvam.SarvamMLAForCausalLM": _sarvam_mla_layers,
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
+        _V + "openpangu.PanguEmbeddedForCausalLM": _pangu_embedded_layers,
+        _V + "param2moe.Param2MoEForCausalLM": _param2moe_layers,
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
         _V + "mimo.MiMoForCausalLM": _V + "qwen2.Qwen2DecoderLayer",

