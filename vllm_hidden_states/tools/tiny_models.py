@@ -950,6 +950,31 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 
+def _ling_v2_router_config(common: dict, moe: int, head_dim: int, rotary: float):
+    """HF Glm4Moe's config in Ling 2.0's router and layout (Ling 2.0, Sarvam
+    MoE, Param2 MoE): a dense first layer, then 4 experts, 2 a token, grouped
+    (2 groups, 1 picked), renormalized, scaled by 2.5, one shared expert;
+    per-head q/k RMSNorms; ``rotary`` of each head rotated."""
+    import transformers as T
+
+    return T.Glm4MoeConfig(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        attention_bias=False,
+        partial_rotary_factor=rotary,
+        head_dim=head_dim,
+        **common,
+    )
+
+
 def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
     """``(config, model class)`` of a family settled by the sweep
     (:data:`SWEEP_CANDIDATES`), or None."""
@@ -1480,22 +1505,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         # attention) and the reference, saved under hf_reference/; the
         # checkpoint beside it is the same weights in Ling's names and config
         # (_write_bailing_moe_v2).
-        config = T.Glm4MoeConfig(
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=moe,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            use_qk_norm=True,
-            attention_bias=False,
-            partial_rotary_factor=0.5,
-            head_dim=hidden // num_heads,
-            **common,
-        )
+        config = _ling_v2_router_config(common, moe, hidden // num_heads, 0.5)
         # Sarvam MoE: vLLM's SarvamMoEForCausalLM is its Ling class (the
         # same layers, the expert bias zero-meaned at load), tested on Ling
         # 2.0's checkpoint declaring it.
@@ -1512,22 +1522,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         # math and the reference, saved under hf_reference/; the checkpoint
         # beside it is the same weights in Param2's names (Ling's) and config
         # (_write_bailing_moe_v2 with _PARAM2_FIELDS).
-        config = T.Glm4MoeConfig(
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=moe,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            use_qk_norm=True,
-            attention_bias=False,
-            partial_rotary_factor=1.0,
-            head_dim=hidden // num_heads,
-            **common,
-        )
+        config = _ling_v2_router_config(common, moe, hidden // num_heads, 1.0)
         config.update(_PARAM2_FIELDS)  # Param2's own, which vLLM reads
         config.architectures = ["Param2MoEForCausalLM"]  # _write_bailing_moe_v2
         return config, T.Glm4MoeForCausalLM
