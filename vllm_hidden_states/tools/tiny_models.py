@@ -2000,10 +2000,7 @@ def _write_plamo3(out: Path, model, config, token_ids: dict) -> None:
         pad_token_id=token_ids["pad"],
     )
     (out / "config.json").write_text(json.dumps(plamo, indent=2) + "\n")
-    reference_json = out / REFERENCE_SUBDIR / "config.json"
-    written = json.loads(reference_json.read_text())
-    written["architectures"] = plamo["architectures"]
-    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+    _update_config_json(out / REFERENCE_SUBDIR, architectures=plamo["architectures"])
 
 
 def _write_sarvam_mla(out: Path, config, token_ids: dict) -> None:
@@ -2028,10 +2025,7 @@ def _write_sarvam_mla(out: Path, config, token_ids: dict) -> None:
         rope_parameters=dict(config.rope_parameters, rope_type="deepseek_yarn"),
     )
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
-    reference_json = reference / "config.json"
-    ref = json.loads(reference_json.read_text())
-    ref["architectures"] = written["architectures"]
-    reference_json.write_text(json.dumps(ref, indent=2) + "\n")
+    _update_config_json(reference, architectures=written["architectures"])
 
 
 MISTRAL_LARGE_3_REFERENCE_TYPE = "mistral_large_3_eager_reference"
@@ -2098,13 +2092,12 @@ def _write_mistral_large_3(out: Path, config) -> None:
         llama_4_scaling=_LLAMA_4_SCALING,
     )
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
-    ref = json.loads((reference / "config.json").read_text())
-    ref.update(
+    _update_config_json(
+        reference,
         model_type=MISTRAL_LARGE_3_REFERENCE_TYPE,
         architectures=["MistralLarge3ForCausalLM"],
         llama_4_scaling=_LLAMA_4_SCALING,
     )
-    (reference / "config.json").write_text(json.dumps(ref, indent=2) + "\n")
 
 
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
@@ -2180,10 +2173,7 @@ def _write_chatglm(out: Path, model, config, token_ids: dict) -> None:
     (out / "config.json").write_text(json.dumps(glm_config, indent=2) + "\n")
     # The reference declares the checkpoint's architecture too (HF picks its
     # class by model_type, glm): readers of its config see ChatGLM's layers.
-    reference_json = out / REFERENCE_SUBDIR / "config.json"
-    written = json.loads(reference_json.read_text())
-    written["architectures"] = glm_config["architectures"]
-    reference_json.write_text(json.dumps(written, indent=2) + "\n")
+    _update_config_json(out / REFERENCE_SUBDIR, architectures=glm_config["architectures"])
 
 
 def _released_tensors(arch: str, config, hf: dict) -> dict:
@@ -2287,6 +2277,14 @@ def _write_released_layout(out: Path, arch: str, config) -> None:
             layer_norm_epsilon=fields["rms_norm_eps"],
         )
     (out / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+
+
+def _update_config_json(directory: Path, **fields: object) -> None:
+    """Set ``fields`` in ``directory/config.json`` (the others kept, in order)."""
+    path = directory / "config.json"
+    written = json.loads(path.read_text())
+    written.update(fields)
+    path.write_text(json.dumps(written, indent=2) + "\n")
 
 
 def _built(stamp: Path, recipe: dict) -> bool:
@@ -2425,10 +2423,7 @@ def _write_tiny_model(
         _add_deepseek_v1_experts(out, config, seed, "BailingMoeForCausalLM")
         _write_bailing_moe(out, config)
     if declared:  # the released checkpoints' name (save_pretrained writes HF's)
-        config_json = out / "config.json"
-        written = json.loads(config_json.read_text())
-        written["architectures"] = declared
-        config_json.write_text(json.dumps(written, indent=2) + "\n")
+        _update_config_json(out, architectures=declared)
     hf_tok.save_pretrained(out)
     # Last, and atomically: the stamp marks the model built.
     tmp = out / "tiny_model.json.tmp"
