@@ -21,9 +21,12 @@ __all__ = [
     "CapturedRows",
     "HiddenStatesExtractRequest",
     "HiddenStatesSpec",
+    "Intervention",
     "OpResults",
     "ProbeAction",
     "ProbeFiring",
+    "SteerGate",
+    "as_interventions",
 ]
 
 # Per-request fields read from ``SamplingParams.extra_args`` (vLLM's own
@@ -56,6 +59,75 @@ class ProbeAction(
     then: str = "stop"
     monitor: bool = False
     steer: list[dict[str, Any]] = []
+
+
+class SteerGate(
+    msgspec.Struct,
+    array_like=True,  # type: ignore[call-arg]
+    frozen=True,  # type: ignore[call-arg]
+):  # type: ignore[call-arg]
+    """What turns on an intervention of a steer action (probe action
+    ``action`` of its request): output ``column`` of the request's probe
+    scores above (``above``) or below ``threshold`` at ``consecutive``
+    positions in a row."""
+
+    action: int
+    column: int
+    threshold: float
+    above: bool
+    consecutive: int
+
+
+class Intervention(
+    msgspec.Struct,
+    kw_only=True,  # type: ignore[call-arg]
+    omit_defaults=True,  # type: ignore[call-arg]
+    frozen=True,  # type: ignore[call-arg]
+):  # type: ignore[call-arg]
+    """One intervention of a request's ``steering``, checked and resolved
+    (vllm_hidden_states.steering_fields.check_steering): what the worker
+    applies and an extract replays.
+
+    ``point``: the steerable point, canonical (``"resid_pre.3"``); ``id``:
+    its capture id; ``op``: one of steering_config.STEERING_OPS; positions
+    ``start .. end - 1`` of prompt + output (``end`` None: on).
+    add / ablate / clamp: the direction from ``vector`` (float32 values,
+    ``hidden_size`` of them), ``name`` (``--steering-vectors``) or
+    ``sae_feature``, scaled by ``strength``; a clamp's ``value``.
+    patch / ablate_heads: ``n`` patch-table rows, from ``rows`` (float32
+    little-endian bytes, ``[n, width]``, NaN keeps a value) or the matrix
+    ``name``. sae_splice: ``edits`` ([feature, mode, value] each) and
+    ``keep_error``. ``gate``: set on a steer action's entries (off until it
+    fires).
+
+    Sent in ``SamplingParams.steering``, whose declared type is a list of
+    dicts: a process that decodes it gets dicts, which
+    :func:`as_interventions` turns back into these."""
+
+    point: str
+    id: int
+    op: str
+    start: int = 0
+    end: int | None = None
+    vector: list[float] | None = None
+    name: str | None = None
+    sae_feature: int | None = None
+    strength: float = 1.0
+    value: float | None = None
+    n: int = 0
+    rows: bytes | None = None
+    edits: list[list[float]] | None = None
+    keep_error: bool = False
+    gate: SteerGate | None = None
+
+
+def as_interventions(steering: list[Any]) -> list[Intervention]:
+    """``steering`` as :class:`Intervention` structs: itself when it holds
+    them already (the process that resolved it), else converted from the
+    dicts a decoded ``SamplingParams`` holds."""
+    if all(isinstance(item, Intervention) for item in steering):
+        return steering
+    return msgspec.convert(steering, list[Intervention])
 
 
 class ProbeFiring(
@@ -226,6 +298,6 @@ class HiddenStatesExtractRequest(
     end: int | None = None
     neurons: list[int] = []  # mlp_post, attn_z, q, k, v capture ids
     probes: list[str] = []  # linear probes to score, names
-    # The original request's steering (vllm_hidden_states.steering_fields wire
-    # form), replayed over the positions the extract recomputes.
-    steering: list[dict[str, Any]] | None = None
+    # The original request's steering, replayed over the positions the
+    # extract recomputes.
+    steering: list[Intervention] | None = None

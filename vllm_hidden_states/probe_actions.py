@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_hidden_states.contract import ProbeAction
+from vllm_hidden_states.contract import Intervention, ProbeAction
 
 FIELD = "probe_actions"
 MONITORS_FIELD = "probe_monitors"
@@ -190,14 +190,14 @@ def action_probes(actions: list[ProbeAction], asked: tuple[str, ...]) -> tuple[s
     return (*asked, *dict.fromkeys(extra))
 
 
-def steered_from(steering: list[dict[str, Any]], fired: dict[int, int]) -> list[dict[str, Any]]:
+def steered_from(steering: list[Intervention], fired: dict[int, int]) -> list[Intervention]:
     """A request's steering (wire form) once steer actions fired: ``fired``
     maps an action's index to its firing position; that action's gated
     entries become plain ones from the position after it (and not before
     their own start, the first generated position)."""
     return [
-        {**item, "gate": None, "start": max(fired[int(item["gate"][0])] + 1, int(item["start"]))}
-        if item.get("gate") is not None and int(item["gate"][0]) in fired
+        msgspec.structs.replace(item, gate=None, start=max(fired[item.gate.action] + 1, item.start))
+        if item.gate is not None and item.gate.action in fired
         else item
         for item in steering
     ]

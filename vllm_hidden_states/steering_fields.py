@@ -2,11 +2,12 @@
 """The ``steering`` field of a request: its form, its rules, its wire form.
 
 :func:`check_steering` is the one rule set of both surfaces (the front-end's
-``frontend/input_fields.py`` and HTTP's checks); it returns the list's wire form
-(point as capture id, vectors as float32 values, positions as start/end), which
-the worker reads and an extract replays. :func:`steering_digest` salts the
+``frontend/input_fields.py`` and HTTP's checks); it returns the list's wire form,
+:class:`~vllm_hidden_states.contract.Intervention` structs (point as capture
+id, vectors as float32 values, positions as start/end), which the worker reads
+and an extract replays. :func:`steering_digest` salts the
 request's prefix-cache hashes. The form and its rules: docs/architecture.md,
-"Steering: the request form". Imports nothing from vLLM at module level.
+"Steering: the request form".
 """
 
 import hashlib
@@ -14,6 +15,7 @@ import math
 import re
 from typing import Any
 
+from vllm_hidden_states.contract import Intervention
 from vllm_hidden_states.points import POSITIONS, Window, parse_point, point_id, window_of
 from vllm_hidden_states.request_fields import check_positions, window_problem
 from vllm_hidden_states.steering_config import (
@@ -313,7 +315,7 @@ def check_steering(
     hidden_size: int,
     prompt_len: int | None,
     reach: int,
-) -> list[dict[str, Any]]:
+) -> list[Intervention]:
     """The wire form of a request's ``steering`` (see module doc); ValueError
     naming the intervention, the key and what is allowed. ``reach``: the
     longest prompt + output the request can have (windows must start
@@ -330,7 +332,7 @@ def check_steering(
             f"{cfg.max_interventions} per request (--max-steering)"
         )
     n = cfg.num_layers
-    wire: list[dict[str, Any]] = []
+    wire: list[Intervention] = []
     ablated: dict[int, int] = {}
     for i, item in enumerate(value):
         if not isinstance(item, dict):
@@ -413,48 +415,43 @@ def check_steering(
             raise _fail(i, "strength", f"must be a finite number, got {strength!r}")
         start, end = _span(item.get("positions"), prompt_len or 0, reach, i)
         wire.append(
-            {
-                "point": f"{kind}.{layer}",
-                "id": capture_id,
-                "op": op,
-                "vector": vector,
-                "name": name,
-                "sae_feature": feature,
-                "strength": float(strength),
-                "value": None if value is None else float(value),
-                "rows": None,
-                "capture": None,
-                "edits": None,
-                "keep_error": None,
-                "start": start,
-                "end": end,
-                "n": 0,
-            }
+            Intervention(
+                point=f"{kind}.{layer}",
+                id=capture_id,
+                op=op,
+                start=start,
+                end=end,
+                vector=vector,
+                name=name,
+                sae_feature=feature,
+                strength=float(strength),
+                value=None if value is None else float(value),
+            )
         )
-    patched = sum(item["n"] for item in wire if item["op"] in TABLE_OPS)
+    patched = sum(item.n for item in wire if item.op in TABLE_OPS)
     if patched > cfg.max_patch_rows:
         raise ValueError(
             f"steering patches {patched} positions; this engine's patch table holds "
             f"{cfg.max_patch_rows} rows for every request in flight (--max-patch-rows)"
         )
     for i, item in enumerate(wire):
-        if item["op"] in REWRITE_OPS:
-            others = [j for j, x in enumerate(wire) if x["id"] == item["id"] and j != i]
+        if item.op in REWRITE_OPS:
+            others = [j for j, x in enumerate(wire) if x.id == item.id and j != i]
             if others:
                 raise _fail(
                     i,
                     "op",
-                    f"{item['op']} at {item['point']!r} replaces the stream there; "
-                    f"steering[{others[0]}] also writes it: a {item['op']} is the only "
+                    f"{item.op} at {item.point!r} replaces the stream there; "
+                    f"steering[{others[0]}] also writes it: a {item.op} is the only "
                     "intervention of its request at its point",
                 )
-        if item["op"] == "clamp_sae_feature":
-            others = [j for j, x in enumerate(wire) if x["id"] == item["id"] and j != i]
+        if item.op == "clamp_sae_feature":
+            others = [j for j, x in enumerate(wire) if x.id == item.id and j != i]
             if others:
                 raise _fail(
                     i,
                     "op",
-                    f"clamp_sae_feature at {item['point']!r} reads the stream there; "
+                    f"clamp_sae_feature at {item.point!r} reads the stream there; "
                     f"steering[{others[0]}] also writes it: a clamp is the only "
                     "intervention at its point",
                 )
@@ -472,7 +469,7 @@ def _rewrite_wire(
     prompt_len: int | None,
     reach: int,
     i: int,
-) -> dict[str, Any]:
+) -> Intervention:
     """The wire form of a ``patch``, an ``ablate_heads`` or an ``sae_splice``
     (per-head forms lowered to full-width rows: :func:`_head_wire`)."""
     allowed = {
@@ -490,7 +487,8 @@ def _rewrite_wire(
             f"heads selects attention heads of an attn_z point (the heads' outputs, the "
             f"attention output projection's input); {item.get('point')!r} is {kind}",
         )
-    rows = name = edits = keep_error = None
+    rows = name = edits = None
+    keep_error = False
     n = 0
     if op in TABLE_OPS and cfg.max_patch_rows == 0:
         raise _fail(i, "op", "patching is off on this engine (--max-patch-rows 0)")
@@ -510,23 +508,18 @@ def _rewrite_wire(
         if not isinstance(keep_error, bool):
             raise _fail(i, "keep_error", f"must be true or false, got {keep_error!r}")
         start, end = _span(item.get("positions"), prompt_len or 0, reach, i)
-    return {
-        "point": f"{kind}.{layer}",
-        "id": capture_id,
-        "op": op,
-        "vector": None,
-        "name": name,
-        "sae_feature": None,
-        "strength": 1.0,
-        "value": None,
-        "rows": rows,
-        "capture": None,
-        "edits": edits,
-        "keep_error": keep_error,
-        "start": start,
-        "end": end,
-        "n": n,
-    }
+    return Intervention(
+        point=f"{kind}.{layer}",
+        id=capture_id,
+        op=op,
+        start=start,
+        end=end,
+        name=name,
+        n=n,
+        rows=rows,
+        edits=edits,
+        keep_error=keep_error,
+    )
 
 
 def _head_wire(
@@ -618,7 +611,7 @@ def _heads_of(value: Any, num_heads: int, i: int) -> list[int]:
 
 
 def read_after_steering(
-    wire: list[dict[str, Any]],
+    wire: list[Intervention],
     points: list[Any] | None,
     num_layers: int,
     sae_hook: str | None = None,
@@ -635,10 +628,10 @@ def read_after_steering(
     ``hook_resid_post.i`` comes before what reads resid_post.i."""
     post = SAE_RESID_POST.match(sae_hook or "")
     steered = {
-        int(item["point"].split(".")[1]): i
+        int(item.point.split(".")[1]): i
         for i, item in enumerate(wire)
-        if item["point"].startswith("resid_pre.")
-        and not (item["op"] in ("clamp_sae_feature", "sae_splice") and post is not None)
+        if item.point.startswith("resid_pre.")
+        and not (item.op in ("clamp_sae_feature", "sae_splice") and post is not None)
     }
     reads: list[tuple[str, int, str]] = []  # (kind, layer, who reads it)
     for address in points or ():
@@ -673,23 +666,16 @@ def read_after_steering(
 SAE_RESID_POST = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
 
 
-def steering_digest(wire: list[dict[str, Any]]) -> str:
+def steering_digest(wire: list[Intervention]) -> str:
     """A digest of a resolved steering list (points, ops, vectors, strengths,
-    positions): equal for equal steering, the suffix of the request's
-    ``cache_salt``."""
-    import orjson
+    positions, patch rows, gates): equal for equal steering, the suffix of
+    the request's ``cache_salt``."""
+    import msgspec
 
-    # Patch rows travel as bytes, which JSON has no form for: their digest.
-    hashable = [
-        item
-        if item.get("rows") is None
-        else {**item, "rows": hashlib.sha256(item["rows"]).hexdigest()}
-        for item in wire
-    ]
-    return hashlib.sha256(orjson.dumps(hashable, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+    return hashlib.sha256(msgspec.msgpack.encode(wire)).hexdigest()[:32]
 
 
-def salted(cache_salt: str | None, wire: list[dict[str, Any]]) -> str:
+def salted(cache_salt: str | None, wire: list[Intervention]) -> str:
     """The cache salt of a steered request: its own salt, if any, and the
     steering digest."""
     return f"{cache_salt or ''}|steering:{steering_digest(wire)}"

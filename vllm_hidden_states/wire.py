@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 import torch
 
-from vllm_hidden_states.contract import CapturedRows, HiddenStatesExtractRequest, HiddenStatesSpec
+from vllm_hidden_states.contract import (
+    CapturedRows,
+    HiddenStatesExtractRequest,
+    HiddenStatesSpec,
+    Intervention,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutputs
@@ -79,7 +84,7 @@ def extract_for(
     lora_request: Any = None,
     cache_salt: str | None = None,
     priority: int = 0,
-    steering: list[dict[str, Any]] | None = None,
+    steering: list[Intervention] | None = None,
     client_index: int = 0,
 ) -> HiddenStatesExtractRequest:
     """The extract that completes the capture of ``request_id`` (a finished

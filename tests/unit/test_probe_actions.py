@@ -2,10 +2,11 @@
 """Probe actions without an engine: the request form's checks, and the
 engine's decision over a step's scores (``engine/probe_actions.py``)."""
 
+import msgspec
 import numpy as np
 import pytest
 
-from vllm_hidden_states.contract import ProbeAction
+from vllm_hidden_states.contract import Intervention, ProbeAction, SteerGate
 from vllm_hidden_states.engine.probe_actions import _evaluate, _Watched
 from vllm_hidden_states.probe_actions import action_probes, check_monitors, check_probe_actions
 
@@ -140,12 +141,17 @@ def test_a_steer_action_is_reported_once_at_its_first_firing():
 def test_a_fired_steer_action_turns_its_gated_entries_plain_from_the_next_position():
     from vllm_hidden_states.probe_actions import steered_from
 
-    plain = {"id": 3, "start": 0, "end": None}
-    gated = [{"id": 5, "start": 7, "end": None, "gate": [g, 0, 0.5, 1, 1]} for g in (0, 1)]
+    plain = Intervention(point="resid_pre.3", id=3, op="add", start=0)
+    gated = [
+        Intervention(
+            point="resid_pre.5", id=5, op="add", start=7, gate=SteerGate(g, 0, 0.5, True, 1)
+        )
+        for g in (0, 1)
+    ]
     out = steered_from([plain, *gated], {0: 9})
-    assert out == [plain, {**gated[0], "gate": None, "start": 10}, gated[1]]
+    assert out == [plain, msgspec.structs.replace(gated[0], gate=None, start=10), gated[1]]
     # A firing in the prompt: from the entry's own start, the first generated position.
-    assert steered_from(gated[:1], {0: 2})[0]["start"] == 7
+    assert steered_from(gated[:1], {0: 2})[0].start == 7
 
 
 def test_a_steer_firing_is_matched_to_its_action_by_label_and_condition():
@@ -170,7 +176,7 @@ def gate_of(threshold: float, above: bool, run: int, column: int = 0):
 
     from vllm_hidden_states.worker.probe_gates import RequestGates
 
-    gates = RequestGates([0], [[0, column, threshold, int(above), run]], torch.device("cpu"))
+    gates = RequestGates([0], [SteerGate(0, column, threshold, above, run)], torch.device("cpu"))
     gates.slots = torch.tensor([1])
     return gates
 
@@ -201,9 +207,11 @@ def test_rebuilt_gates_carry_the_runs_of_their_actions():
 
     from vllm_hidden_states.worker.probe_gates import RequestGates
 
-    earlier = RequestGates([0, 1], [[0, 0, 0.5, 1, 3], [2, 0, 0.5, 1, 3]], torch.device("cpu"))
+    earlier = RequestGates(
+        [0, 1], [SteerGate(0, 0, 0.5, True, 3), SteerGate(2, 0, 0.5, True, 3)], torch.device("cpu")
+    )
     earlier.update(torch.tensor([[0.9], [0.9]]), first=5)  # runs of 2, unfired
-    rebuilt = RequestGates([0], [[2, 0, 0.5, 1, 3]], torch.device("cpu"))
+    rebuilt = RequestGates([0], [SteerGate(2, 0, 0.5, True, 3)], torch.device("cpu"))
     rebuilt.carry_runs(earlier)
     assert rebuilt.runs.tolist() == [2]
 

@@ -3,10 +3,12 @@
 worker's host-side arithmetic and op (vllm_hidden_states.worker.steering_op),
 on CPU tensors, without an engine."""
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from vllm_hidden_states.contract import Intervention
 from vllm_hidden_states.engine_args import additional_config_entry
 from vllm_hidden_states.points import point_id
 from vllm_hidden_states.steering_config import (
@@ -65,35 +67,28 @@ def ablate(point="resid_pre.1", **extra):
 def test_a_valid_add_resolves_to_its_wire_form_with_defaults():
     vector = [0.1 * k for k in range(H)]
     [wire] = check([{"point": "resid_pre.1", "vector": vector}])
-    assert wire == {
-        "point": "resid_pre.1",
-        "id": point_id("resid_pre", 1, L),
-        "op": "add",
-        "vector": np.asarray(vector, dtype=np.float32).tolist(),
-        "name": None,
-        "sae_feature": None,
-        "strength": 1.0,
-        "value": None,
-        "rows": None,
-        "capture": None,
-        "edits": None,
-        "keep_error": None,
-        "start": 0,
-        "end": None,
-        "n": 0,
-    }
+    assert wire == Intervention(
+        point="resid_pre.1",
+        id=point_id("resid_pre", 1, L),
+        op="add",
+        vector=np.asarray(vector, dtype=np.float32).tolist(),
+        strength=1.0,
+        start=0,
+        end=None,
+    )
+    assert (wire.name, wire.sae_feature, wire.value, wire.rows, wire.gate) == (None,) * 5
 
 
 def test_wire_vector_is_float32_values_as_python_floats():
     [wire] = check([{"point": "resid_pre.1", "vector": [0.1] * H}])
-    assert all(type(v) is float for v in wire["vector"])
-    assert wire["vector"] == [float(np.float32(0.1))] * H
-    assert wire["vector"][0] != 0.1  # rounded to float32, not kept as given
+    assert all(type(v) is float for v in wire.vector)
+    assert wire.vector == [float(np.float32(0.1))] * H
+    assert wire.vector[0] != 0.1  # rounded to float32, not kept as given
 
 
 def test_an_integer_strength_travels_as_a_float():
     [wire] = check([add(strength=4)])
-    assert wire["strength"] == 4.0 and type(wire["strength"]) is float
+    assert wire.strength == 4.0 and type(wire.strength) is float
 
 
 @pytest.mark.parametrize(
@@ -109,7 +104,7 @@ def test_an_integer_strength_travels_as_a_float():
 )
 def test_positions_resolve_to_start_and_end_over_prompt_and_output(positions, span):
     [wire] = check([add(positions=positions)])
-    assert (wire["start"], wire["end"]) == span
+    assert (wire.start, wire.end) == span
 
 
 @pytest.mark.parametrize(
@@ -125,22 +120,22 @@ def test_negative_layers_and_the_blocks_form_resolve_to_the_canonical_point(
     address, canonical, capture_id
 ):
     [wire] = check([add(point=address)])
-    assert (wire["point"], wire["id"]) == (canonical, capture_id)
+    assert (wire.point, wire.id) == (canonical, capture_id)
 
 
 def test_a_named_vector_keeps_its_name_and_no_inline_vector():
     [wire] = check([{"point": "resid_pre.1", "name": "honesty", "strength": -2.5}])
-    assert (wire["name"], wire["vector"], wire["strength"]) == ("honesty", None, -2.5)
+    assert (wire.name, wire.vector, wire.strength) == ("honesty", None, -2.5)
 
 
 def test_an_ablate_gets_strength_one():
     [wire] = check([ablate()])
-    assert (wire["op"], wire["strength"]) == ("ablate", 1.0)
+    assert (wire.op, wire.strength) == ("ablate", 1.0)
 
 
 def test_interventions_keep_their_list_order():
     wire = check([add("mlp_out.2"), ablate("resid_pre.0"), add("resid_pre.0")])
-    assert [(w["point"], w["op"]) for w in wire] == [
+    assert [(w.point, w.op) for w in wire] == [
         ("mlp_out.2", "add"),
         ("resid_pre.0", "ablate"),
         ("resid_pre.0", "add"),
@@ -181,7 +176,9 @@ def test_a_clamp_at_an_sae_on_resid_post_comes_before_what_reads_resid_post():
     """The clamp's wire point is resid_pre.2 (its capture id), but it sits at
     the SAE's hook, blocks.1.hook_resid_post: its features and resid_post.1
     are read after it, as in TransformerLens."""
-    wire = [{"point": "resid_pre.2", "op": "clamp_sae_feature", "sae_feature": 0, "value": 1.0}]
+    wire = [
+        Intervention(point="resid_pre.2", id=2, op="clamp_sae_feature", sae_feature=0, value=1.0)
+    ]
     hook = "blocks.1.hook_resid_post"
     assert read_after_steering(wire, ["resid_post.1"], L, hook, sae_features=True) is None
     # An SAE at blocks.2.hook_resid_pre: the clamp comes after resid_post.1.
@@ -330,7 +327,7 @@ def test_two_ablates_at_one_point_are_refused_whatever_the_address_form():
 
 def test_ablates_at_two_points_are_allowed():
     wire = check([ablate("resid_pre.1"), ablate("resid_pre.2")])
-    assert [w["id"] for w in wire] == [1, 2]
+    assert [w.id for w in wire] == [1, 2]
 
 
 def test_an_ablate_needs_a_non_zero_direction():
@@ -604,15 +601,15 @@ INDEX_OF = {1: 0, 2: 1, point_id("mlp_out", 1, L): 2}
 
 
 def wire_item(capture_id, vector, start, end, op="add", strength=1.0):
-    return {
-        "id": capture_id,
-        "op": op,
-        "vector": list(vector),
-        "name": None,
-        "strength": strength,
-        "start": start,
-        "end": end,
-    }
+    return Intervention(
+        point=f"p.{capture_id}",
+        id=capture_id,
+        op=op,
+        vector=[float(v) for v in vector],
+        strength=strength,
+        start=start,
+        end=end,
+    )
 
 
 def spans(request: RequestSteering) -> list[tuple[int, int, int | None]]:
@@ -685,7 +682,11 @@ def test_request_steering_takes_the_wire_form_of_check_steering():
 def test_named_vectors_are_read_from_the_vectors_directory(tmp_path):
     save(tmp_path / "honesty.safetensors", {"v": np.arange(H)})
     request = RequestSteering(
-        [{**wire_item(1, [], 0, None, strength=2.0), "vector": None, "name": "honesty"}],
+        [
+            msgspec.structs.replace(
+                wire_item(1, [], 0, None, strength=2.0), vector=None, name="honesty"
+            )
+        ],
         NamedVectors(str(tmp_path)),
         INDEX_OF,
         H,
@@ -1033,7 +1034,7 @@ def heads_config(**extra) -> SteeringConfig:
 
 
 def wire_rows(item: dict) -> np.ndarray:
-    return np.frombuffer(item["rows"], "<f4").reshape(item["n"], HEADS * HEAD_DIM)
+    return np.frombuffer(item.rows, "<f4").reshape(item.n, HEADS * HEAD_DIM)
 
 
 def test_a_per_head_patch_is_full_width_rows_with_nan_in_the_other_heads_columns():
@@ -1042,7 +1043,7 @@ def test_a_per_head_patch_is_full_width_rows_with_nan_in_the_other_heads_columns
             "positions": {"start": 1, "end": 3}}  # fmt: skip
     [wire] = check_steering([item], heads_config(), H, PROMPT, REACH)
     full = wire_rows(wire).reshape(2, HEADS, HEAD_DIM)
-    assert (wire["op"], wire["n"], wire["start"], wire["end"]) == ("patch", 2, 1, 3)
+    assert (wire.op, wire.n, wire.start, wire.end) == ("patch", 2, 1, 3)
     assert np.array_equal(full[:, 3], rows[:, 0]) and np.array_equal(full[:, 1], rows[:, 1])
     assert np.isnan(full[:, [0, 2]]).all()
 
@@ -1051,14 +1052,14 @@ def test_a_patch_at_attn_z_without_heads_takes_flat_rows_of_every_head():
     rows = np.ones((2, HEADS * HEAD_DIM), np.float32)
     item = {"point": "blocks.1.attn.hook_z", "op": "patch", "rows": rows}
     [wire] = check_steering([item], heads_config(), H, PROMPT, REACH)
-    assert np.array_equal(wire_rows(wire), rows) and (wire["start"], wire["end"]) == (0, 2)
+    assert np.array_equal(wire_rows(wire), rows) and (wire.start, wire.end) == (0, 2)
 
 
 def test_ablate_heads_is_one_table_row_over_every_position_by_default():
     item = {"point": "attn_z.2", "op": "ablate_heads", "heads": [0], "mode": "mean",
             "mean": [[5.0, 6.0]]}  # fmt: skip
     [wire] = check_steering([item], heads_config(), H, PROMPT, REACH)
-    assert (wire["op"], wire["n"], wire["start"], wire["end"]) == ("ablate_heads", 1, 0, None)
+    assert (wire.op, wire.n, wire.start, wire.end) == ("ablate_heads", 1, 0, None)
     row = wire_rows(wire)[0].reshape(HEADS, HEAD_DIM)
     assert row[0].tolist() == [5.0, 6.0] and np.isnan(row[1:]).all()
     zero = check_steering(

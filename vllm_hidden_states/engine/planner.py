@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm_hidden_states.contract import as_interventions
 from vllm_hidden_states.engine.extracts import make_extract_request, problem_with
 from vllm_hidden_states.engine.held_mm_inputs import HeldMMInputs
 from vllm_hidden_states.engine.probe_actions import ActionWatch
@@ -182,11 +183,17 @@ class CapturePlanner:
             waiting.prepend_request(request)
 
     def on_new_request(self, request: "Request") -> None:
-        """In ``Scheduler.add_request``: register a "prompt" capture.
+        """In ``Scheduler.add_request``: its steering as
+        :class:`~vllm_hidden_states.contract.Intervention` structs (decoded
+        from the front-end's message as dicts), and a "prompt" capture
+        registered.
 
         The request's prompt positions are captured during its own prefill
         (the front-end set ``skip_reading_prefix_cache``, so all are computed).
         """
+        params = request.sampling_params
+        if params is not None and params.steering:
+            params.steering = as_interventions(params.steering)
         spec = request.hidden_states_spec
         if spec is None:
             return
@@ -461,7 +468,7 @@ class CapturePlanner:
             return False
         from vllm_hidden_states.steering_config import TABLE_OPS
 
-        need = sum(int(item["n"]) for item in params.steering if item["op"] in TABLE_OPS)
+        need = sum(item.n for item in params.steering if item.op in TABLE_OPS)
         if not need:
             return False
         if self.patch_rows_held + need > self.max_patch_rows:

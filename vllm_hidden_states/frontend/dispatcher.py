@@ -20,7 +20,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.v1.engine import FinishReason
-from vllm_hidden_states.contract import OpResults, ProbeFiring
+from vllm_hidden_states.contract import Intervention, OpResults, ProbeFiring, as_interventions
 from vllm_hidden_states.frontend.firings import record_firings
 from vllm_hidden_states.probe_actions import STEER, steer_action_of, steered_from
 from vllm_hidden_states.wire import (
@@ -76,7 +76,7 @@ class HiddenStatesTracker:
     spec: HiddenStatesSpec
     cache_salt: str | None
     priority: int
-    steering: list[dict[str, Any]] | None = None
+    steering: list[Intervention] | None = None
     mm_positions: dict[str, list[int]] | None = None
     chunks: list[CapturedRows] = field(default_factory=list)
     complete: CapturedRows | None = None
@@ -445,7 +445,7 @@ class ExtractDispatcher:
             request.hidden_states_spec,
             request.cache_salt,
             request.priority,
-            None if params is None else params.steering,
+            None if params is None or not params.steering else as_interventions(params.steering),
             mm_positions_of(request.mm_features),
             request_id=request.request_id,
         )

@@ -15,6 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from vllm_hidden_states.contract import Intervention, SteerGate
 from vllm_hidden_states.hidden_states_config import (
     HiddenStatesConfig,
     built_once,
@@ -119,7 +122,7 @@ def resolve_request(
         returns=asked.returns,
         neuron_heads=_neuron_heads(vllm_config, asked.neurons),
     )
-    gated: list[dict] = []
+    gated: list[Intervention] = []
     if asked.probe_actions:
         _check_probe_actions(vllm_config, spec)
         if any(a.then == STEER for a in spec.probe_actions):
@@ -229,15 +232,15 @@ def _check_probe_actions(vllm_config: "VllmConfig", spec: HiddenStatesSpec) -> N
 # 0004, when steering is not None, which resolve_request makes it), by
 # id(params) with the params themselves (no id reuse while held): wire
 # entries no client can write itself.
-_GATED: dict[int, tuple["SamplingParams", list[dict]]] = {}
+_GATED: dict[int, tuple["SamplingParams", list[Intervention]]] = {}
 
 
 def _gate_steering(
     vllm_config: "VllmConfig", spec: HiddenStatesSpec, prompt_len: int
-) -> list[dict]:
+) -> list[Intervention]:
     """The interventions of the request's steer actions in wire form, each
-    entry gated (``"gate"``: [action index, score column, threshold, above,
-    for]) and on from the first generated position; they join the
+    entry gated (``gate``: its action's condition) and on from the first
+    generated position; they join the
     request's ``steering`` in :func:`resolve_steering` (which salts the
     cache with them). Refused without steering on this engine, or where
     check_steering refuses an intervention."""
@@ -263,7 +266,7 @@ def _gate_steering(
     starts = [0]
     for width in spec.probe_widths:
         starts.append(starts[-1] + width)
-    gated: list[dict] = []
+    gated: list[Intervention] = []
     for i, action in steers:
         try:
             wire = check_steering(action.steer, cfg, hidden_size, prompt_len, sys.maxsize)
@@ -273,9 +276,9 @@ def _gate_steering(
                 f"probe_actions[{i}]: {message}", parameter="probe_actions"
             ) from None
         column = starts[spec.probes.index(action.probe)] + action.column
-        gate = [i, column, action.threshold, int(action.above), action.consecutive]
+        gate = SteerGate(i, column, action.threshold, action.above, action.consecutive)
         for item in wire:
-            gated.append({**item, "start": prompt_len, "end": None, "gate": gate})
+            gated.append(msgspec.structs.replace(item, start=prompt_len, end=None, gate=gate))
     return gated
 
 
@@ -323,7 +326,7 @@ def resolve_steering(
     max_model_len = vllm_config.model_config.max_model_len
     max_tokens = params.max_tokens
     reach = max_model_len if max_tokens is None else min(max_model_len, prompt_len + max_tokens)
-    wire: list[dict] = []
+    wire: list[Intervention] = []
     if params.steering or not gated:
         try:
             wire = check_steering(
@@ -346,19 +349,20 @@ def resolve_steering(
     return salted(cache_salt, wire)
 
 
-def _check_gated(wire: list[dict], gated: list[dict], cfg: SteeringConfig) -> None:
+def _check_gated(wire: list[Intervention], gated: list[Intervention], cfg: SteeringConfig) -> None:
     """A steer action's point is steered by that action alone (its table
     row is switched on as a whole), and all the request's interventions fit
     --max-steering."""
     from vllm.exceptions import VLLMValidationError
 
-    owner: dict[int, str] = {item["id"]: "the request's steering" for item in wire}
+    owner: dict[int, str] = {item.id: "the request's steering" for item in wire}
     for item in gated:
-        mine = f"probe_actions[{item['gate'][0]}]"
-        other = owner.setdefault(item["id"], mine)
+        assert item.gate is not None  # _gate_steering gates every entry
+        mine = f"probe_actions[{item.gate.action}]"
+        other = owner.setdefault(item.id, mine)
         if other != mine:
             raise VLLMValidationError(
-                f"{mine}: then.steer at {item['point']!r}: {other} steers that point too; "
+                f"{mine}: then.steer at {item.point!r}: {other} steers that point too; "
                 "a steer action's points must be steered by it alone",
                 parameter="probe_actions",
             )

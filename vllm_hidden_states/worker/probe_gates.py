@@ -3,8 +3,8 @@
 scored their probe.
 
 A request's ``probe_actions`` entry with ``"then": {"steer": [...]}`` reaches
-the worker as gated entries of its ``steering`` (``"gate"``: [action index,
-score column, threshold, above, for]): their stretches hold table slots like
+the worker as gated entries of its ``steering`` (``Intervention.gate``, a
+:class:`~vllm_hidden_states.contract.SteerGate`): their stretches hold table slots like
 any other, uploaded with a zero vector, the vector itself kept in
 ``armed_adds``. After the forward, once the step's probe scores are on the
 device, :meth:`RequestGates.update` carries each gate's run of consecutive
@@ -18,22 +18,24 @@ float32 scores and reports the firing (``engine/probe_actions.py``).
 
 import torch
 
+from vllm_hidden_states.contract import SteerGate
+
 
 class RequestGates:
     """The gated stretches of one request: each one's gate and device state
     (kept while the request lives, whatever its table slots)."""
 
-    def __init__(self, stretches: list[int], gates: list[list[float]], device: torch.device):
+    def __init__(self, stretches: list[int], gates: list[SteerGate], device: torch.device):
         """``stretches``: the gated stretches' indices in the request's
         stretches; ``gates``: their gates, same order."""
         self.stretches = stretches
-        self.actions = [int(g[0]) for g in gates]  # each gate's action index
-        self.columns = torch.tensor([int(g[1]) for g in gates], dtype=torch.int64, device=device)
+        self.actions = [g.action for g in gates]  # each gate's action index
+        self.columns = torch.tensor([g.column for g in gates], dtype=torch.int64, device=device)
         self.thresholds = torch.tensor(
-            [float(g[2]) for g in gates], dtype=torch.float32, device=device
+            [g.threshold for g in gates], dtype=torch.float32, device=device
         )
-        self.above = torch.tensor([bool(g[3]) for g in gates], dtype=torch.bool, device=device)
-        self.need = torch.tensor([int(g[4]) for g in gates], dtype=torch.int64, device=device)
+        self.above = torch.tensor([g.above for g in gates], dtype=torch.bool, device=device)
+        self.need = torch.tensor([g.consecutive for g in gates], dtype=torch.int64, device=device)
         self.runs = torch.zeros(len(gates), dtype=torch.int64, device=device)
         self.fired = torch.zeros(len(gates), dtype=torch.bool, device=device)
         # The sequence position where each gate fired, -1 before: read on

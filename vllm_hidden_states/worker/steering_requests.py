@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_hidden_states.contract import Intervention, SteerGate
 from vllm_hidden_states.patch_rows import rows_of_bytes
 from vllm_hidden_states.steering_config import REWRITE_OPS, vector_files
 from vllm_hidden_states.worker.steering_op import compose
@@ -40,7 +41,7 @@ class RequestSteering:
 
     def __init__(
         self,
-        wire: list[dict[str, Any]],
+        wire: list[Intervention],
         vectors: "NamedVectors",
         index_of: dict[int, int],
         hidden_size: int,
@@ -54,18 +55,15 @@ class RequestSteering:
         ``columns``: of such a point, the columns this tensor-parallel rank
         holds (its heads), to which its rows are cut (absent: all)."""
         self.wire = wire
-        # A steer action's entries (``"gate"`` set) are a point's only ones
+        # A steer action's entries (``gate`` set) are a point's only ones
         # (front-end rule): grouped apart, their stretches gated.
-        by_point: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        by_point: dict[tuple[int, int], list[Intervention]] = {}
         for item in wire:
-            gate = item.get("gate")
-            by_point.setdefault((int(item["id"]), -1 if gate is None else int(gate[0])), []).append(
-                item
-            )
+            action = -1 if item.gate is None else item.gate.action
+            by_point.setdefault((item.id, action), []).append(item)
         self.stretches: list[Stretch] = []
-        # Per stretch: the gate of the steer action that turns it on
-        # ([action, score column, threshold, above, for]), or None.
-        self.gates: list[list[float] | None] = []
+        # Per stretch: the gate of the steer action that turns it on, or None.
+        self.gates: list[SteerGate | None] = []
         self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
         # Per stretch: (encoder column, bias, threshold, value, decoder row)
         # of its clamp, or None (a clamp is alone at its point).
@@ -80,39 +78,35 @@ class RequestSteering:
         # The splice: (stretch, edits [[feature, mode, value]], keep_error).
         self.splice: tuple[Stretch, list[list[float]], bool] | None = None
         for (capture_id, _), items in by_point.items():
-            if items[0]["op"] in REWRITE_OPS:  # alone at its point (front-end rule)
+            if items[0].op in REWRITE_OPS:  # alone at its point (front-end rule)
                 width = (widths or {}).get(capture_id, hidden_size)
                 keep = (columns or {}).get(capture_id, slice(None))
                 for item in items:
                     self._rewrite(item, index_of[capture_id], vectors, width, patch_rows, keep)
                 continue
-            bounds = sorted(
-                {int(x["start"]) for x in items}
-                | {int(x["end"]) for x in items if x["end"] is not None}
-            )
+            bounds = sorted({x.start for x in items} | {x.end for x in items if x.end is not None})
             for lo, hi in zip(bounds, [*bounds[1:], None]):
                 active = [
                     x
                     for x in items
-                    if x["start"] <= lo
-                    and (x["end"] is None or (hi is not None and hi <= x["end"]))
+                    if x.start <= lo and (x.end is None or (hi is not None and hi <= x.end))
                 ]
                 if not active:
                     continue
+                first = active[0]
                 self.stretches.append(Stretch(index_of[capture_id], lo, hi, 0))
-                self.gates.append(active[0].get("gate"))
-                if active[0]["op"] == "clamp_sae_feature":
-                    column, bias, threshold, row = vectors.sae_columns(active[0]["sae_feature"])
+                self.gates.append(first.gate)
+                if first.op == "clamp_sae_feature":
+                    assert first.sae_feature is not None and first.value is not None
+                    column, bias, threshold, row = vectors.sae_columns(first.sae_feature)
                     zero = np.zeros_like(row)
                     self.pairs.append((zero, zero))
                     self.projects.append(True)
-                    self.clamps.append((column, bias, threshold, float(active[0]["value"]), row))
+                    self.clamps.append((column, bias, threshold, first.value, row))
                     continue
                 self.clamps.append(None)
-                self.projects.append(any(x["op"] == "ablate" for x in active))
-                self.pairs.append(
-                    compose([(x["op"], vectors.get(x), float(x["strength"])) for x in active])
-                )
+                self.projects.append(any(x.op == "ablate" for x in active))
+                self.pairs.append(compose([(x.op, vectors.get(x), x.strength) for x in active]))
         wide = table_width or hidden_size
         self.patch_rows = np.zeros((sum(r.shape[0] for r in patch_rows), wide), np.float32)
         at = 0
@@ -122,7 +116,7 @@ class RequestSteering:
 
     def _rewrite(
         self,
-        item: dict[str, Any],
+        item: Intervention,
         index: int,
         vectors: "NamedVectors",
         hidden_size: int,
@@ -131,22 +125,20 @@ class RequestSteering:
     ) -> None:
         """One rewrite's stretches; a patch's rows (``[n, hidden_size]``, NaN
         keeping a value) cut to ``columns`` into ``patch_rows``."""
-        start = int(item["start"])
-        if item["op"] == "sae_splice":
-            end = None if item["end"] is None else int(item["end"])
-            stretch = Stretch(index, start, end, 0, SPLICE)
-            self.splice = (stretch, list(item["edits"] or []), bool(item["keep_error"]))
+        start = item.start
+        if item.op == "sae_splice":
+            stretch = Stretch(index, start, item.end, 0, SPLICE)
+            self.splice = (stretch, list(item.edits or []), item.keep_error)
             return
-        rows = (
-            rows_of_bytes(item["rows"], hidden_size)
-            if item["rows"] is not None
-            else vectors.matrix(item["name"])
-        )
+        if item.rows is not None:
+            rows = rows_of_bytes(item.rows, hidden_size)
+        else:
+            assert item.name is not None  # a patch has rows or a matrix name
+            rows = vectors.matrix(item.name)
         rows = rows[:, columns]
         patch_rows.append(rows)
-        if item["op"] == "ablate_heads":  # one row over the whole span
-            end = None if item["end"] is None else int(item["end"])
-            self.patch_stretches.append(Stretch(index, start, end, 0, PATCH))
+        if item.op == "ablate_heads":  # one row over the whole span
+            self.patch_stretches.append(Stretch(index, start, item.end, 0, PATCH))
             return
         self.patch_stretches.extend(
             Stretch(index, start + p, start + p + 1, 0, PATCH) for p in range(rows.shape[0])
@@ -187,12 +179,14 @@ class NamedVectors:
                 self._loaded[name] = np.asarray(f.get_tensor(key), dtype=np.float32)
         return self._loaded[name]
 
-    def get(self, item: dict[str, Any]) -> np.ndarray:
-        if item.get("vector") is not None:
-            return np.asarray(item["vector"], dtype=np.float32)
-        if item.get("sae_feature") is not None:
-            return self.sae_columns(int(item["sae_feature"]))[3]
-        name = item["name"]
+    def get(self, item: Intervention) -> np.ndarray:
+        """The direction of an add, ablate or clamp, float32 ``[hidden_size]``."""
+        if item.vector is not None:
+            return np.asarray(item.vector, dtype=np.float32)
+        if item.sae_feature is not None:
+            return self.sae_columns(item.sae_feature)[3]
+        name = item.name
+        assert name is not None  # check_steering gives every direction a source
         if name not in self._loaded:
             from safetensors import safe_open
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
+from vllm_hidden_states.contract import Intervention, as_interventions
 from vllm_hidden_states.points import point_of_id
 from vllm_hidden_states.probe_actions import steered_from
 from vllm_hidden_states.steering_config import MAX_SAE_EDITS, SteeringConfig
@@ -173,7 +174,7 @@ class Steering:
             if params is not None and params.steering:
                 # A preempted request comes back as new (V2 runner), its
                 # steering as the engine rewrote it: its old slots go back.
-                self._steer(new.req_id, params.steering)
+                self._steer(new.req_id, as_interventions(params.steering))
         if self.gates:
             # V1 runner: a preempted request resumes with its cached state.
             resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
@@ -187,7 +188,7 @@ class Steering:
                     self._give_back(req_id)
                     self._stretches = None
 
-    def _steer(self, req_id: str, wire: list[dict[str, Any]]) -> None:
+    def _steer(self, req_id: str, wire: list[Intervention]) -> None:
         """``req_id`` steers as ``wire`` says from now on: its table rows go
         back (written again on upload), its gates are made afresh. A request
         that had gates here was preempted and is back: where they fired is
