@@ -379,7 +379,9 @@ LAYER_CLASSES[_V + "zamba2.Zamba2HybridLayer"] = LayerClass(
     "attention + MLP block reads the stream concatenated with the embedding output and "
     "its projected output enters the Mamba2 mixer's input, not the stream, so no "
     "resid_mid and no mlp_out or mlp_post; that block's attention (attn_pattern, attn_z, "
-    "q, k, v) is not mapped to HF here",
+    "q, k, v) is not mapped to HF here: vLLM builds the block once per memory block "
+    "(num_mem_blocks) and every hybrid layer it serves calls that one module (its "
+    "o_proj among them), so a hook on it does not tell the layers apart",
 )
 
 

@@ -131,6 +131,28 @@ def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
         capturable_point_ids(["attn_out"], L, model)
 
 
+def test_zamba2_layers_have_their_mamba2_mixers_output_only():
+    """Zamba2 (Mamba2 layers, hybrid layers every other one): each layer adds
+    only its Mamba2 mixer's output to the stream (attn_out), the hybrid
+    layers' shared attention + MLP block feeding that mixer's input."""
+    model = model_layers(tiny_config("zamba2"))
+    assert [c.rsplit(".", 1)[-1] for c in model.classes] == [
+        "Zamba2MambaDecoderLayer",
+        "Zamba2HybridLayer",
+    ] * (L // 2)
+    assert all(model.kinds_at(i) == ("resid_pre", "attn_out", "resid_post") for i in range(L))
+
+
+def test_zamba2s_shared_attention_is_refused_naming_the_shared_module():
+    model = model_layers(tiny_config("zamba2"))
+    message = (
+        r"attn_z.1: decoder layer 1 \(Zamba2HybridLayer\) adds only its Mamba2 mixer's "
+        r"output.*one module.*does not tell the layers apart"
+    )
+    with pytest.raises(ValueError, match=message):
+        capturable_point_ids(["attn_z.1"], L, model)
+
+
 def test_falcon_h1_with_norm_before_gate_is_not_verified():
     """vLLM's Mamba2 norm gates first whatever the config says, so with
     mamba_norm_before_gate true its Falcon-H1 is not HF's: refused inside."""

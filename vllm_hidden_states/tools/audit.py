@@ -172,8 +172,11 @@ NOTES: dict[str, str] = {
     "stream) and resid_post; a hybrid layer's shared block reads the stream concatenated "
     "with the embedding output and its projected output enters the Mamba2 mixer's input, "
     "not the stream: no resid_mid, mlp_out or mlp_post there, and that block's attention "
-    "(attn_pattern, attn_z, q, k, v) is refused, not mapped to HF here; plain vLLM's "
-    "greedy tokens equal HF's (an earlier try with other attention sizes did not start)",
+    "(attn_pattern, attn_z, q, k, v) is refused, not mapped to HF here (vLLM calls one "
+    "shared block module, o_proj included, from every hybrid layer it serves, so a hook "
+    "on it does not tell the layers apart; only its per-layer Attention modules are "
+    "apart, not read here); plain vLLM's greedy tokens equal HF's (an earlier try with "
+    "other attention sizes did not start)",
     "OPTForCausalLM": "tested in the pre-LN layout (do_layer_norm_before, OPT-125m and up): "
     "every point (the MLP inline: fc2's output is mlp_out, its input mlp_post; HF's query "
     "pre-scaled by head_dim^-0.5, vLLM's not: q is the projection's output); with "
