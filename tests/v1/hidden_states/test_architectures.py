@@ -325,7 +325,8 @@ def test_attn_z_at_a_mamba_layer_is_refused_per_request_and_never_steered(arch):
 # it from chunk to chunk, and the "last" extract of a finished request (a
 # prefill of its tokens after sampling) must recompute it, not read the
 # request's final state nor another request's.
-HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1")
+# (Mamba2 and Zamba2: the sweep's families, test_families_sweep_remote_d.py.)
+HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "zamba2")
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS, indirect=True)
