@@ -976,18 +976,24 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
 
 
 def test_compiled_engine_steers_like_hf_hooks(compiled_arch):
-    """An add, an ablate at the last MLP, and both inside block 0, at the
+    """An add, an ablate at the last MLP (a model without MLPs, Mamba2's,
+    Zamba2's: at the last token mixer), and both inside block 0, at the
     points each layer has (a hybrid's layers lack some)."""
     llm, hf = engine_for(compiled_arch, compiled=True)
     model = layers_of(hf)
-    mlp = max(i for i in range(hf.num_layers) if "mlp_out" in model.kinds_at(i))
+    block = next(
+        k
+        for k in ("mlp_out", "attn_out")
+        if any(k in model.kinds_at(i) for i in range(hf.num_layers))
+    )
+    last = max(i for i in range(hf.num_layers) if block in model.kinds_at(i))
     inside = [
         {"point": "attn_out.0", "vector": random_vector(hf, 3), "strength": STRENGTH},
         {"point": "resid_mid.0", "op": "ablate", "vector": random_vector(hf, 4)},
     ]
     steering = [
         [{"point": "resid_pre.1", "vector": random_vector(hf, 1), "strength": STRENGTH}],
-        [{"point": f"mlp_out.{mlp}", "op": "ablate", "vector": random_vector(hf, 2)}],
+        [{"point": f"{block}.{last}", "op": "ablate", "vector": random_vector(hf, 2)}],
         [item for item in inside if item["point"].split(".")[0] in model.kinds_at(0)],
     ]
     outs = llm.generate(

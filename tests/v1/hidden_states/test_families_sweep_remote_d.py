@@ -15,6 +15,8 @@ vLLM text architecture settled), exact at every layer and point each has
   scaling): HF's ApertusForCausalLM, its xIELU held in bfloat16 as vLLM
   holds it whatever the model's dtype (test_architectures.REFERENCE_BFLOAT16;
   the checkpoint's xIELU parameters are bfloat16 values).
+
+All three also run compiled (Dynamo on its eager backend).
 """
 
 import pytest
@@ -29,6 +31,6 @@ def arch(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module", params=())
+@pytest.fixture(scope="module", params=("mamba2", "zamba2", "apertus"))
 def compiled_arch(request) -> str:
     return request.param
