@@ -338,6 +338,71 @@ LAYER_CLASSES[_V + "nemotron_h.NemotronHMLPDecoderLayer"] = LayerClass(
     lacks=_SINGLE_BLOCK.format(block="an MLP", other="token mixer (attn_out, attn_pattern)"),
 )
 
+# Mamba2 (Mamba2ForCausalLM): Nemotron-H's Mamba2 layer by another name, the
+# same forward (vLLM's mamba2.py): an add-norm with the residual, the mixer,
+# (mixer output, resid_pre) returned; the model adds the last pair under its
+# final add-norm (norm_f). The mixer's output is its attn_out.
+LAYER_CLASSES[_V + "mamba2.Mamba2DecoderLayer"] = LayerClass(
+    "single_block",
+    ("mamba2",),
+    mixer="mixer",
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post"),
+    lacks=_SINGLE_BLOCK.format(block="a Mamba2 mixer", other="MLP (mlp_out, mlp_post)"),
+)
+
+# Zamba2: the stream in hidden only, plain adds. A Mamba layer is norm,
+# Mamba2 mixer (mamba), add; a hybrid layer runs the shared attention + MLP
+# block on the stream concatenated with the embedding output, projects it
+# (linear) and adds that to its Mamba layer's input, whose residual is the
+# stream as it entered: the Mamba2 mixer's output (mamba_decoder.mamba) is
+# the one thing added to the stream, its attn_out.
+_ZAMBA2_MAMBA = _SINGLE_BLOCK.format(block="a Mamba2 mixer", other="MLP (mlp_out, mlp_post)")
+LAYER_CLASSES[_V + "zamba2.Zamba2MambaDecoderLayer"] = LayerClass(
+    "plain",
+    ("zamba2",),
+    mixer="mamba",
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post"),
+    lacks=_ZAMBA2_MAMBA,
+)
+LAYER_CLASSES[_V + "zamba2.Zamba2HybridLayer"] = LayerClass(
+    "plain",
+    ("zamba2",),
+    mixer="mamba_decoder.mamba",
+    attention=False,
+    neurons=None,
+    kinds=("resid_pre", "attn_out", "resid_post"),
+    lacks="adds only its Mamba2 mixer's output to the stream (attn_out): its shared "
+    "attention + MLP block reads the stream concatenated with the embedding output and "
+    "its projected output enters the Mamba2 mixer's input, not the stream, so no "
+    "resid_mid and no mlp_out or mlp_post; that block's attention (attn_pattern, attn_z, "
+    "q, k, v) is not mapped to HF here: vLLM builds the block once per memory block "
+    "(num_mem_blocks) and every hybrid layer it serves calls that one module (its "
+    "o_proj among them), so a hook on it does not tell the layers apart",
+)
+
+
+def _zamba2_layers(config: Any) -> list[str]:
+    # As vLLM's Zamba2Model builds them: "hybrid", else a Mamba layer (HF 5's
+    # config names those "linear_attention", earlier ones "mamba").
+    return [
+        _V + "zamba2." + ("Zamba2HybridLayer" if t == "hybrid" else "Zamba2MambaDecoderLayer")
+        for t in config.layers_block_type
+    ]
+
+
+# Apertus: vLLM's fused residual, attention_layernorm and feedforward_layernorm
+# (the add-norm before the MLP), q/k norms, an MLP without a gate (up_proj,
+# xIELU, down_proj). vLLM's XIELU holds its parameters in bfloat16 whatever
+# the model's dtype (softplus of them computed there): served as vLLM
+# computes it, tested against HF with its xIELU held in bfloat16 too.
+LAYER_CLASSES[_V + "apertus.ApertusDecoderLayer"] = LayerClass(
+    "fused", ("apertus",), mid_norm="feedforward_layernorm"
+)
+
 # Falcon-H1: one layer class; attention patterns on its attention branch.
 LAYER_CLASSES[_V + "falcon_h1.FalconH1ParallelHybrid"] = LayerClass(
     "parallel_hybrid",
@@ -510,6 +575,9 @@ MODEL_LAYERS: dict[str, str | Callable[[Any], list[str]]] = {
     _V + "granitemoehybrid.GraniteMoeHybridForCausalLM": _granite_hybrid_layers,
     _V + "nemotron_h.NemotronHForCausalLM": _nemotron_h_layers,
     _V + "falcon_h1.FalconH1ForCausalLM": _falcon_h1_layers,
+    _V + "mamba2.Mamba2ForCausalLM": _V + "mamba2.Mamba2DecoderLayer",
+    _V + "zamba2.Zamba2ForCausalLM": _zamba2_layers,
+    _V + "apertus.ApertusForCausalLM": _V + "apertus.ApertusDecoderLayer",
 }
 
 # Families settled by the sweep (issue "The checkpoints people download"),

@@ -131,6 +131,28 @@ def test_a_parallel_hybrid_layer_has_every_point_but_attn_out():
         capturable_point_ids(["attn_out"], L, model)
 
 
+def test_zamba2_layers_have_their_mamba2_mixers_output_only():
+    """Zamba2 (Mamba2 layers, hybrid layers every other one): each layer adds
+    only its Mamba2 mixer's output to the stream (attn_out), the hybrid
+    layers' shared attention + MLP block feeding that mixer's input."""
+    model = model_layers(tiny_config("zamba2"))
+    assert [c.rsplit(".", 1)[-1] for c in model.classes] == [
+        "Zamba2MambaDecoderLayer",
+        "Zamba2HybridLayer",
+    ] * (L // 2)
+    assert all(model.kinds_at(i) == ("resid_pre", "attn_out", "resid_post") for i in range(L))
+
+
+def test_zamba2s_shared_attention_is_refused_naming_the_shared_module():
+    model = model_layers(tiny_config("zamba2"))
+    message = (
+        r"attn_z.1: decoder layer 1 \(Zamba2HybridLayer\) adds only its Mamba2 mixer's "
+        r"output.*one module.*does not tell the layers apart"
+    )
+    with pytest.raises(ValueError, match=message):
+        capturable_point_ids(["attn_z.1"], L, model)
+
+
 def test_falcon_h1_with_norm_before_gate_is_not_verified():
     """vLLM's Mamba2 norm gates first whatever the config says, so with
     mamba_norm_before_gate true its Falcon-H1 is not HF's: refused inside."""
@@ -231,7 +253,7 @@ def test_every_known_layer_class_is_tested_by_a_tiny_model():
 
 
 def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_state():
-    model = ModelLayers((None,) * L, "vllm.model_executor.models.mamba2.Mamba2ForCausalLM")
+    model = ModelLayers((None,) * L, "vllm.model_executor.models.solar.SolarForCausalLM")
     assert model.exact_layers() == [0, L]
     assert model.kinds_at(0) == ("resid_pre",)
     assert all(model.kinds_at(i) == () for i in range(1, L))
@@ -240,7 +262,7 @@ def test_an_unknown_layer_class_serves_only_the_embedding_output_and_the_final_s
 def test_by_default_an_engine_captures_only_the_layers_read_exactly():
     entry = additional_config_entry(None)
     cfg = HiddenStatesConfig.from_vllm_config(
-        fake_vllm_config(entry, num_layers=L, architecture="Mamba2ForCausalLM")
+        fake_vllm_config(entry, num_layers=L, architecture="SolarForCausalLM")
     )
     assert cfg is not None
     assert cfg.layers == (0, L)
@@ -250,18 +272,18 @@ def test_an_engine_asked_for_a_layer_of_an_unknown_class_refuses_at_start_naming
     entry = additional_config_entry([1, -1])
     with pytest.raises(ValueError) as e:
         HiddenStatesConfig.from_vllm_config(
-            fake_vllm_config(entry, num_layers=L, architecture="Mamba2ForCausalLM")
+            fake_vllm_config(entry, num_layers=L, architecture="SolarForCausalLM")
         )
     message = str(e.value)
     assert "--hidden-states-layers 1" in message
-    assert "Mamba2ForCausalLM" in message and "not verified" in message
+    assert "SolarForCausalLM" in message and "not verified" in message
     assert "0 (the embedding output)" in message and "-1 (the final post-norm state)" in message
 
 
 def test_a_request_for_a_layer_of_an_unknown_class_is_refused_naming_what_is_exact():
     cfg = HiddenStatesConfig.from_vllm_config(
         fake_vllm_config(
-            additional_config_entry(None), num_layers=L, architecture="Mamba2ForCausalLM"
+            additional_config_entry(None), num_layers=L, architecture="SolarForCausalLM"
         )
     )
     assert cfg is not None

@@ -186,8 +186,8 @@ def test_attn_z_is_refused_where_the_layer_has_no_attention():
     assert "attn_z" not in point_kinds_for("Olmo2ForCausalLM")
     with pytest.raises(ValueError, match=r"attn_z.*Transformers backend"):
         capturable_point_ids(["attn_z"], L, "Olmo2ForCausalLM")
-    with pytest.raises(ValueError, match=r"attn_z.*Mamba2ForCausalLM.*not verified"):
-        capturable_point_ids(["attn_z.1"], L, "Mamba2ForCausalLM")
+    with pytest.raises(ValueError, match=r"attn_z.*SolarForCausalLM.*not verified"):
+        capturable_point_ids(["attn_z.1"], L, "SolarForCausalLM")
 
 
 def test_olmo2_on_the_transformers_backend_has_no_attention_patterns():
@@ -207,14 +207,14 @@ def test_resid_post_below_the_last_layer_makes_the_next_hf_layer_capturable():
 
 
 def test_an_unknown_layer_class_has_no_point_past_the_embedding_output():
-    assert point_kinds_for("Mamba2ForCausalLM") == ()
+    assert point_kinds_for("SolarForCausalLM") == ()
     # "all": every point exact on it, which is resid_pre.0 (HF layer 0) alone.
-    assert engine("all", architecture="Mamba2ForCausalLM").layers == (0, L)
+    assert engine("all", architecture="SolarForCausalLM").layers == (0, L)
 
 
 def test_a_kind_on_an_unknown_layer_class_is_refused_at_start_naming_the_class():
-    with pytest.raises(ValueError, match=r"attn_out.*Mamba2ForCausalLM.*not verified"):
-        capturable_point_ids(["attn_out"], L, "Mamba2ForCausalLM")
+    with pytest.raises(ValueError, match=r"attn_out.*SolarForCausalLM.*not verified"):
+        capturable_point_ids(["attn_out"], L, "SolarForCausalLM")
 
 
 def test_a_bad_points_flag_entry_is_refused_at_start_naming_the_forms():
@@ -311,5 +311,5 @@ def test_query_key_value_are_served_where_attn_z_is_and_refused_with_it():
     assert capturable_point_ids(["blocks.1.attn.hook_rot_k"], L, "GPTJForCausalLM")
     with pytest.raises(ValueError, match=r"q.*Transformers backend"):
         capturable_point_ids(["q"], L, "Olmo2ForCausalLM")
-    with pytest.raises(ValueError, match=r"v.1.*Mamba2ForCausalLM.*not verified"):
-        capturable_point_ids(["v.1"], L, "Mamba2ForCausalLM")
+    with pytest.raises(ValueError, match=r"v.1.*SolarForCausalLM.*not verified"):
+        capturable_point_ids(["v.1"], L, "SolarForCausalLM")

@@ -470,7 +470,7 @@ def test_a_non_stream_kind_cannot_be_made_steerable():
         steerable_ids(["mlp_post.1"], L, ARCH)
 
 
-@pytest.mark.parametrize("architecture", [None, "SomeUnmappedForCausalLM", "Mamba2ForCausalLM"])
+@pytest.mark.parametrize("architecture", [None, "SomeUnmappedForCausalLM", "SolarForCausalLM"])
 def test_an_unknown_layer_class_steers_only_the_embedding_output(architecture):
     """No reader for its layers: only resid_pre.0, the first layer's input
     as given, is steerable; any other point is refused naming why."""

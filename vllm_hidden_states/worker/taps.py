@@ -302,9 +302,10 @@ def point_tap(layer: nn.Module, kind: str, layout: str | None, point: str) -> Ta
         )
     if layout in ("plain", "parallel"):
         # resid + block(norm(x)): GPT-2's blocks one after the other (the
-        # MLP's norm reads resid_mid), Cohere's side by side on one norm.
+        # MLP's norm reads resid_mid), Cohere's side by side on one norm
+        # (Zamba2's hybrid layer: its mixer inside its Mamba layer).
         if kind == "attn_out":
-            return Tap(child_module(layer, known.mixer, point), "post", _output_tensor)
+            return Tap(_path(layer, known.mixer, point), "post", _output_tensor)
         if kind == "mlp_out":
             return Tap(child_module(layer, known.mlp, point), "post", _output_tensor)
         return Tap(

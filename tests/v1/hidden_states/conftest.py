@@ -109,10 +109,34 @@ def decoder_layers_of(model):
     raise LookupError(f"no decoder layers found in {type(model).__name__}")
 
 
+# Where a layer without a block_type and without an MLP keeps its one token
+# mixer, whose output alone is added to the stream: HF's Mamba2Block
+# (mixer), Zamba2's Mamba layer (mamba) and its hybrid layer (the shared
+# attention block's output enters the Mamba layer's input, only the Mamba2
+# mixer's output is added: mamba_decoder.mamba).
+ONE_MIXER_PATHS = ("mixer", "mamba", "mamba_decoder.mamba")
+
+
+def one_mixer_of(layer):
+    """The token mixer of a one-block layer without a block_type
+    (:data:`ONE_MIXER_PATHS`), None for any other layer."""
+    if getattr(layer, "block_type", None) is not None or mlp_of(layer) is not None:
+        return None
+    for path in ONE_MIXER_PATHS:
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if module is not None:
+            return module
+    return None
+
+
 def single_block_point(layer) -> str | None:
     """The point a single-block layer's (Nemotron-H's) block output is:
     ``attn_out`` for a token mixer (Mamba2, attention), ``mlp_out`` for an
     MLP; None for a layer with two blocks."""
+    if one_mixer_of(layer) is not None:  # Mamba2's, Zamba2's: norm, mixer, add
+        return "attn_out"
     block = getattr(layer, "block_type", None)
     if block is None or not hasattr(layer, "mixer"):  # Granite 4.0-H has a block_type too
         return None
@@ -166,8 +190,8 @@ def point_sites(layer) -> dict[str, tuple]:
     if heads_out is not None:  # the heads' outputs, entering the output projection
         sites["attn_z"] = (heads_out, "in", 1.0)
     single = single_block_point(layer)
-    if single is not None:  # Nemotron-H: norm, mixer, add
-        sites[single] = (layer.mixer, "out", 1.0)
+    if single is not None:  # Nemotron-H, Mamba2, Zamba2: norm, mixer, add
+        sites[single] = (one_mixer_of(layer) or layer.mixer, "out", 1.0)
         if single == "mlp_out":
             sites["mlp_post"] = (layer.mixer.down_proj, "in", 1.0)
         return sites
@@ -371,6 +395,17 @@ def _capturing_interface_qkv(model, layer_of: dict[int, int], found: dict[str, t
         model.set_attn_implementation(before)
 
 
+# HF classes whose ``output_hidden_states`` are not the stream entering each
+# decoder layer (the package's layer k, k < L): their reference reads that
+# stream with forward pre-hooks on HF's decoder layers instead, layer L being
+# HF's last state (the final post-norm output). Keyed by model_type, with why.
+STREAM_BY_HOOKS = {
+    # Mamba2Model appends each block's output, not its input: [k] is the
+    # stream after block k (no embedding output), [L] the post-norm state.
+    "mamba2": "HF's Mamba2 hidden_states omit the embedding output",
+}
+
+
 class HFReference:
     """HF transformers forward over exact token ids, float32, on CPU.
 
@@ -406,13 +441,35 @@ class HFReference:
         text_config = self.model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.hidden_size = text_config.hidden_size
-        self.num_heads = text_config.num_attention_heads
+        # Mamba2 names its query heads num_heads (its mixer's, no attention).
+        self.num_heads = getattr(text_config, "num_attention_heads", None)
+        self.stream_by_hooks = text_config.model_type in STREAM_BY_HOOKS
 
     @torch.inference_mode()
     def states(self, token_ids: list[int], mm: dict | None = None) -> tuple[torch.Tensor, ...]:
         """``L + 1`` tensors ``[len(token_ids), hidden]``, HF's indexing;
-        ``mm``: a multimodal prompt's processor outputs (pixel values ...)."""
-        out = self.model(torch.tensor([token_ids]), output_hidden_states=True, **(mm or {}))
+        ``mm``: a multimodal prompt's processor outputs (pixel values ...).
+        A model of :data:`STREAM_BY_HOOKS`: the input of each decoder layer,
+        read by forward pre-hooks (run after any steering hook on it), then
+        HF's last state."""
+        entering: dict[int, torch.Tensor] = {}
+        handles = []
+        if self.stream_by_hooks:
+            for i, layer in enumerate(decoder_layers_of(self.model)):
+
+                def hook(module, args, kwargs, i=i):
+                    x = args[0] if args else kwargs["hidden_states"]
+                    entering[i] = sequence_rows(x).clone()
+
+                handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            out = self.model(torch.tensor([token_ids]), output_hidden_states=True, **(mm or {}))
+        finally:
+            for handle in handles:
+                handle.remove()
+        if self.stream_by_hooks:
+            last = sequence_rows(out.hidden_states[-1])
+            return tuple(entering[i] for i in range(self.num_layers)) + (last,)
         return tuple(h[0] for h in out.hidden_states)
 
     @torch.inference_mode()

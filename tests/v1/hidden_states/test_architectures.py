@@ -90,6 +90,15 @@ REFERENCE_CONFIG = {
     "cohere2_moe": dict(sliding_window=SHORT_WINDOW + 1),
 }
 
+# Modules vLLM holds in bfloat16 whatever the model's dtype, by the suffix of
+# their name: the HF reference holds them in bfloat16 too (cast after
+# loading), so it computes what vLLM does. Apertus: vLLM's XIELU keeps
+# alpha_p, alpha_n, beta and eps in bfloat16 (activation.py; HF's own
+# XIELUActivation's default dtype, which its float32 load casts away), and
+# softplus(alpha) is computed and rounded there: HF's float32 xIELU is 8e-4
+# relative off vLLM at the final state.
+REFERENCE_BFLOAT16 = {"apertus": ".act_fn"}
+
 # vLLM picks its AMX MLA backend on CPUs with AMX, which takes bfloat16
 # weights only; its portable one runs float32.
 ARCH_ENGINE_ARGS = {
@@ -98,6 +107,9 @@ ARCH_ENGINE_ARGS = {
     "axk1": dict(attention_backend="CPU_MLA"),
     # Nemotron-NAS's config class is remote code (the tiny model carries it).
     "decilm": dict(trust_remote_code=True),
+    # vLLM's Mamba2 mixer fails prefilling a pure Mamba2 model with prefix
+    # caching on (an IndexError in mamba_mixer2.py, plain vLLM too): off.
+    "mamba2": dict(enable_prefix_caching=False),
 }
 
 
@@ -146,6 +158,10 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
         _Current.reference = HFReference(model_dir)
         for key, value in REFERENCE_CONFIG.get(arch, {}).items():
             setattr(_Current.reference.model.config, key, value)
+        if arch in REFERENCE_BFLOAT16:
+            for name, module in _Current.reference.model.named_modules():
+                if name.endswith(REFERENCE_BFLOAT16[arch]):
+                    module.to(torch.bfloat16)
         # The textbook attention: SDPA drops Gemma 2's logit soft-capping.
         _Current.reference.model.set_attn_implementation("eager")
         # vLLM's Transformers backend decorates HF's classes in place: its
@@ -167,8 +183,7 @@ def engine_for(arch: str, compiled: bool = False) -> tuple[LLM, HFReference]:
                     enable_steering=True,
                     steering_points="all",
                     enforce_eager=not compiled,
-                    **ENGINE_ARGS,
-                    **ARCH_ENGINE_ARGS.get(arch, {}),
+                    **{**ENGINE_ARGS, **ARCH_ENGINE_ARGS.get(arch, {})},
                 )
         except Exception as e:
             _Current.error = f"{type(e).__name__}: {e}"
@@ -310,7 +325,8 @@ def test_attn_z_at_a_mamba_layer_is_refused_per_request_and_never_steered(arch):
 # it from chunk to chunk, and the "last" extract of a finished request (a
 # prefill of its tokens after sampling) must recompute it, not read the
 # request's final state nor another request's.
-HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1")
+# (Mamba2 and Zamba2: the sweep's families, test_families_sweep_remote_d.py.)
+HYBRID_ARCHS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "zamba2")
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS, indirect=True)
@@ -387,8 +403,10 @@ def every_point(hf: HFReference) -> list[str]:
 # Transformers backend (no vLLM attention module), DeepSeek attends with MLA,
 # Bloom with ALiBi biases a pattern of queries and keys leaves out; Falcon's
 # has no HF reference (HF's eager Falcon attention is not causal).
+# A model without attention (Mamba2) refuses them at every layer: not attention.
 NO_PATTERN = (
     "Transformers backend|multi-head latent attention|ALiBi|attention pattern is not verified"
+    "|it is not attention"
 )
 
 
@@ -837,8 +855,9 @@ def assert_heads_written_like_hf(llm, hf: HFReference, what: str) -> None:
 
 
 # Why a family without writable heads refuses them (OLMo 2 runs on vLLM's
-# Transformers backend: no vLLM attention module, no attn_z).
-NO_HEADS = "Transformers backend|multi-head latent attention"
+# Transformers backend: no vLLM attention module, no attn_z; Mamba2 has no
+# attention).
+NO_HEADS = "Transformers backend|multi-head latent attention|it is not attention"
 
 
 def test_heads_are_patched_and_ablated_like_hf_hooks(arch):
@@ -857,7 +876,7 @@ def assert_heads_refused(llm, hf: HFReference) -> None:
     """Both per-head ops refused per request, naming why, on a family
     without writable heads."""
     layer = hf.num_layers // 2
-    d = hf.hidden_size // hf.num_heads
+    d = hf.hidden_size // (hf.num_heads or 1)  # (Mamba2: no attention heads)
     for item in (
         {"point": f"attn_z.{layer}", "op": "ablate_heads", "heads": [0]},
         {"point": f"attn_z.{layer}", "op": "patch", "heads": [0], "rows": [[[0.0] * d]]},
@@ -957,18 +976,24 @@ def test_attention_patterns_are_those_of_the_steered_forward(arch):
 
 
 def test_compiled_engine_steers_like_hf_hooks(compiled_arch):
-    """An add, an ablate at the last MLP, and both inside block 0, at the
+    """An add, an ablate at the last MLP (a model without MLPs, Mamba2's,
+    Zamba2's: at the last token mixer), and both inside block 0, at the
     points each layer has (a hybrid's layers lack some)."""
     llm, hf = engine_for(compiled_arch, compiled=True)
     model = layers_of(hf)
-    mlp = max(i for i in range(hf.num_layers) if "mlp_out" in model.kinds_at(i))
+    block = next(
+        k
+        for k in ("mlp_out", "attn_out")
+        if any(k in model.kinds_at(i) for i in range(hf.num_layers))
+    )
+    last = max(i for i in range(hf.num_layers) if block in model.kinds_at(i))
     inside = [
         {"point": "attn_out.0", "vector": random_vector(hf, 3), "strength": STRENGTH},
         {"point": "resid_mid.0", "op": "ablate", "vector": random_vector(hf, 4)},
     ]
     steering = [
         [{"point": "resid_pre.1", "vector": random_vector(hf, 1), "strength": STRENGTH}],
-        [{"point": f"mlp_out.{mlp}", "op": "ablate", "vector": random_vector(hf, 2)}],
+        [{"point": f"{block}.{last}", "op": "ablate", "vector": random_vector(hf, 2)}],
         [item for item in inside if item["point"].split(".")[0] in model.kinds_at(0)],
     ]
     outs = llm.generate(
