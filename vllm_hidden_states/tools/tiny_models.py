@@ -140,6 +140,8 @@ FRONTIER_ARCHS = (
     "sarvam_moe",
     "sarvam_mla",
     "mistral_large_3",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_e.py).
+    "muse_glimmer",
 )
 
 ARCHS = CORE_ARCHS + FRONTIER_ARCHS
@@ -359,6 +361,7 @@ _STYLE = {
     "sarvam_moe": "chatml",
     "sarvam_mla": "chatml",
     "mistral_large_3": "chatml",
+    "muse_glimmer": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1539,6 +1542,29 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config.update(_step3_fields(layers, hidden, moe))
         config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
+    if arch == "muse_glimmer":
+        # MuseGlimmer's text model: Gemma 2's sandwich norms ((1 + w), the
+        # post-norms with their own eps), a weightless norm on the token
+        # embeddings, per-head weightless q/k norms with the query scaled by
+        # qk_scale_factor, a sigmoid gate on the heads' outputs (from the
+        # layer's normed input), sliding layers with RoPE and a NoPE global
+        # layer every 4th counted from the last, logits times
+        # output_multiplier then soft-capped. HF's MuseGlimmerTextModel in
+        # the released names (model.language_model.*, lm_head;
+        # _muse_glimmer_text_lm); the checkpoint declares MuseGlimmerForCausalLM
+        # with the text config (vLLM reads it bare or under text_config).
+        config = T.MuseGlimmerTextConfig(
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            head_dim=hidden // num_heads,
+            sliding_window=SHORT_WINDOW,
+            rms_norm_eps=1e-5,
+            post_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            **sizes,
+        )
+        config.architectures = ["MuseGlimmerForCausalLM"]
+        return config, _muse_glimmer_text_lm()
     if arch == "pangu_embedded":
         # openPangu-Embedded (dense): Llama's blocks with biases on q, k, v
         # and o (its config's bias / attention_bias), SwiGLU, RMSNorm, no
@@ -1588,6 +1614,32 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             **ids,
         ), T.Mamba2ForCausalLM
     return None
+
+
+def _muse_glimmer_text_lm():
+    """A causal LM on HF's MuseGlimmerTextModel, only to build and save its
+    weights in the released names (``model.language_model.*``, ``lm_head``);
+    HF has no text-only MuseGlimmer class (the tests' reference is
+    tests/v1/hidden_states/muse_glimmer_reference.py)."""
+    from torch import nn
+    from transformers import MuseGlimmerTextConfig, PreTrainedModel
+    from transformers.models.muse_glimmer.modeling_muse_glimmer import MuseGlimmerTextModel
+
+    class _Body(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.language_model = MuseGlimmerTextModel(config)
+
+    class MuseGlimmerTextWeights(PreTrainedModel):
+        config_class = MuseGlimmerTextConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = _Body(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+    return MuseGlimmerTextWeights
 
 
 def build_tiny_model(
