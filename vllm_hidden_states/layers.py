@@ -662,7 +662,7 @@ def _afmoe_layers(config: Any) -> list[str]:
 # times the multiplier) leave the post-norms out, so those are refused.
 LAYER_CLASSES[_V + "hyperclovax.HyperCLOVAXDecoderLayer"] = LayerClass(
     "granite",
-    ("hyperclovax",),
+    ("hyperclovax", "hcx_v2"),
     kinds=("resid_pre", "resid_mid", "resid_post", "attn_pattern", "mlp_post", "attn_z"),
     lacks="adds each block's output through a post-norm (post_norm1, post_norm2) times "
     "residual_multiplier, which this reader of its blocks does not read: no attn_out or "
@@ -1340,6 +1340,8 @@ _MM = {
     "internvl.InternVLChatModel": FROM_TEXT_CONFIG,
     "cohere2_vision.Cohere2VisionForConditionalGeneration": FROM_TEXT_CONFIG,
     "lfm2_vl.Lfm2VLForConditionalGeneration": FROM_TEXT_CONFIG,
+    # HyperCLOVA X SEED Think 32B (listed among vLLM's text architectures).
+    "hyperclovax_vision_v2.HCXVisionV2ForCausalLM": FROM_TEXT_CONFIG,
 }
 LANGUAGE_MODELS: dict[str, str] = {
     _V + wrapper: inner if inner == FROM_TEXT_CONFIG else _V + inner

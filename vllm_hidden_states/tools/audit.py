@@ -476,6 +476,15 @@ NOTES: dict[str, str] = {
     "OpenPanguDecoderLayer is tested only as openPangu-Embedded's plain attention and MLP, "
     "and HF has no class of it (remote code) to compare its MLA, sandwich norms and experts "
     "with; not compared here",
+    "HCXVisionV2ForCausalLM": "a multimodal wrapper (HyperCLOVA X SEED Think 32B's: a "
+    "Qwen2.5-VL vision tower, a projector) listed among vLLM's text architectures; it builds "
+    "the language model its text_config names (layers.LANGUAGE_MODELS: from text_config). "
+    "Tested on text prompts with text_config HyperCLOVAXForCausalLM (as released: muP "
+    "multipliers, post-norms on both blocks) against HF's own "
+    "HyperCLOVAXVisionV2ForConditionalGeneration, the checkpoint in the released names "
+    "(language_model.model.*, vision_model.*, mm_projector; HF's layout under "
+    "hf_reference/): every point; image and video prompts untested, another text_config "
+    "as that model's own status",
     "Gemma3nForCausalLM": "seen (tiny model `gemma3n` of HF's Gemma3nTextConfig, fp32; "
     "tests/v1/hidden_states/test_unknown_layers.py): plain vLLM runs it; not vouched for "
     "inside, and layer 0 refused too (layers.NO_SINGLE_STREAM): its decoder layers take "
@@ -575,7 +584,6 @@ REFUSED: frozenset[str] = frozenset(
     Gemma3nForCausalLM
     Glm4MoeLiteForCausalLM
     HrmTextForCausalLM
-    HCXVisionV2ForCausalLM
     IQuestLoopCoderForCausalLM
     LongcatFlashForCausalLM Mamba2ForCausalLM
     OlmoHybridForCausalLM
