@@ -52,7 +52,7 @@ logger = init_logger(__name__)
 PARK_SECONDS = 5.0
 
 
-@dataclass
+@dataclass(slots=True)
 class CaptureSpec:
     """What to capture for one request id while it is in the scheduler.
 
@@ -425,26 +425,29 @@ class CapturePlanner:
     def _deliver(self, outputs: "EngineCoreOutputs", group: CapturedRows) -> None:
         """``group`` goes out with ``outputs``, unless only server monitors
         read its rows (they were read in :meth:`attach`); its captures
-        advance."""
+        advance. One pass over the group's requests."""
         active = self.active
-        if not all(
-            (spec := active.get(req_id)) is not None and spec.engine_only
-            for req_id in group.req_ids
-        ):
-            if outputs.captured is None:
-                outputs.captured = []
-            outputs.captured.append(group)
+        returned = False  # some request of the group gets its rows
         for req_id, count in zip(group.req_ids, group.counts):
-            spec = self.active.get(req_id)
-            if spec is not None and spec.num_tokens is None:
+            spec = active.get(req_id)
+            if spec is None:
+                returned = True
+                continue
+            if not spec.engine_only:
+                returned = True
+            if spec.num_tokens is None:
                 # inline: more to come (unless its window is complete)
                 spec.delivered += count
                 if spec.end is not None and spec.delivered >= spec.end:
-                    del self.active[req_id]
+                    del active[req_id]
             else:
                 # Delivered: a "prompt" capture must not run again if the
                 # request is preempted and recomputed later.
-                self.active.pop(req_id, None)
+                del active[req_id]
+        if returned:
+            if outputs.captured is None:
+                outputs.captured = []
+            outputs.captured.append(group)
 
     def on_request_freed(self, request_id: str) -> None:
         """In ``_free_request``: a capture left the scheduler (done or
