@@ -740,7 +740,7 @@ def _afmoe_layers(config: Any) -> list[str]:
 # times the multiplier) leave the post-norms out, so those are refused.
 LAYER_CLASSES[_V + "hyperclovax.HyperCLOVAXDecoderLayer"] = LayerClass(
     "granite",
-    ("hyperclovax",),
+    ("hyperclovax", "hcx_v2"),
     kinds=("resid_pre", "resid_mid", "resid_post", "attn_pattern", "mlp_post", "attn_z"),
     lacks="adds each block's output through a post-norm (post_norm1, post_norm2) times "
     "residual_multiplier, which this reader of its blocks does not read: no attn_out or "
@@ -1112,6 +1112,18 @@ LAYER_CLASSES[_V + "plamo3.Plamo3DecoderLayer"] = LayerClass(
 LAYER_CLASSES[_V + "openpangu.OpenPanguDecoderLayer"] = LayerClass("fused", ("pangu_embedded",))
 
 
+# MuseGlimmer (text): the stream in hidden only, Gemma 2's sandwich norms
+# with plain adds (each block's output after its post-norm); the layer
+# returns (resid_post, resid_mid), as Exaone 4's: the post_norm reader, the
+# MLP reading resid_mid through pre_feedforward_layernorm. Attention at
+# self_attn (weightless per-head q/k norms, the query scaled; a sigmoid gate
+# on the heads' outputs before o_proj, whose input, attn_z, is the gated
+# heads); sliding RoPE layers and NoPE global ones.
+LAYER_CLASSES[_V + "muse_glimmer.MuseGlimmerDecoderLayer"] = LayerClass(
+    "post_norm", ("muse_glimmer",), mid_norm="pre_feedforward_layernorm"
+)
+
+
 def _pangu_embedded_layers(config: Any) -> list[str]:
     name = _V + "openpangu.OpenPanguDecoderLayer"
     untested = []
@@ -1359,6 +1371,7 @@ MODEL_LAYERS.update(
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
         _V + "openpangu.PanguEmbeddedForCausalLM": _pangu_embedded_layers,
+        _V + "muse_glimmer.MuseGlimmerForCausalLM": _V + "muse_glimmer.MuseGlimmerDecoderLayer",
         _V + "param2moe.Param2MoEForCausalLM": _param2moe_layers,
         _V + "cohere2_moe.Cohere2MoeForCausalLM": _cohere2_moe_layers,
         # MiMo: vLLM's Qwen2 layers (its MTP layers are not in the main model).
@@ -1424,6 +1437,8 @@ _MM = {
     "internvl.InternVLChatModel": FROM_TEXT_CONFIG,
     "cohere2_vision.Cohere2VisionForConditionalGeneration": FROM_TEXT_CONFIG,
     "lfm2_vl.Lfm2VLForConditionalGeneration": FROM_TEXT_CONFIG,
+    # HyperCLOVA X SEED Think 32B (listed among vLLM's text architectures).
+    "hyperclovax_vision_v2.HCXVisionV2ForCausalLM": FROM_TEXT_CONFIG,
 }
 LANGUAGE_MODELS: dict[str, str] = {
     _V + wrapper: inner if inner == FROM_TEXT_CONFIG else _V + inner

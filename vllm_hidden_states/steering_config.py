@@ -76,18 +76,6 @@ INTERVENTION_KEYS = (
 )
 # Keys of per-head interventions: lowered into full-width rows on the wire.
 HEAD_KEYS = ("heads", "mode", "mean")
-# The wire form: the request's keys (less HEAD_KEYS), the point's capture id
-# after it, and the positions as start/end over prompt + output; n: the patch
-# table rows of a patch or an ablate_heads (0 otherwise).
-WIRE_KEYS = (
-    INTERVENTION_KEYS[0],
-    "id",
-    *(k for k in INTERVENTION_KEYS[1:-1] if k not in HEAD_KEYS),
-    "start",
-    "end",
-    "n",
-)
-
 ENABLE_STEERING_HINT = (
     "start the engine with enable_steering=True (LLM / EngineArgs) or "
     "`vllm serve MODEL --enable-steering`"

@@ -45,8 +45,10 @@ def tiny_config(arch: str, **overrides):
 
 
 def model_layers(config) -> ModelLayers:
+    # As vLLM's ModelConfig: hf_text_config is a wrapper's text_config (HCX V2).
+    text_config = config.get_text_config()
     return ModelLayers.of(
-        SimpleNamespace(architectures=config.architectures, hf_text_config=config), L
+        SimpleNamespace(architectures=config.architectures, hf_text_config=text_config), L
     )
 
 

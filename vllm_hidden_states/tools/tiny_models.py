@@ -144,6 +144,9 @@ FRONTIER_ARCHS = (
     "mamba2",
     "zamba2",
     "apertus",
+    # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_e.py).
+    "muse_glimmer",
+    "hcx_v2",
     # Settled by the sweep (tests/v1/hidden_states/test_families_sweep_remote_f.py).
     "glm4_moe_lite",
 )
@@ -361,6 +364,8 @@ _STYLE = {
     "sarvam_moe": "chatml",
     "sarvam_mla": "chatml",
     "mistral_large_3": "chatml",
+    "muse_glimmer": "chatml",
+    "hcx_v2": "chatml",
 }
 
 # Gemma 2 and 3: short enough that the tests' prompts overrun it.
@@ -1560,6 +1565,71 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         config.update(_step3_fields(layers, hidden, moe))
         config.architectures = ["Step3TextForCausalLM"]  # as the released checkpoints
         return config, T.LlamaForCausalLM
+    if arch == "hcx_v2":
+        # HyperCLOVA X SEED Think 32B's wrapper (HCXVisionV2ForCausalLM): a
+        # Qwen2.5-VL vision tower, a linear projector, and the language model
+        # its text_config names (HyperCLOVAX here, as released: muP
+        # multipliers, post-norms on both blocks). HF's own
+        # HyperCLOVAXVisionV2ForConditionalGeneration is the reference, saved
+        # under hf_reference/; the checkpoint beside it has the same weights
+        # in the released names (_write_hcx_v2).
+        text = T.HyperCLOVAXConfig(
+            head_dim=hidden // num_heads,
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            use_post_norm=True,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            **sizes,
+        )
+        text.architectures = ["HyperCLOVAXForCausalLM"]
+        vision = T.Qwen2_5_VLVisionConfig(
+            depth=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            out_hidden_size=hidden,
+            fullatt_block_indexes=[0],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+        )
+        config = T.HyperCLOVAXVisionV2Config(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            tie_word_embeddings=False,
+            **ids,
+        )
+        config.architectures = ["HCXVisionV2ForCausalLM"]
+        return config, T.HyperCLOVAXVisionV2ForConditionalGeneration
+    if arch == "muse_glimmer":
+        # MuseGlimmer's text model: Gemma 2's sandwich norms ((1 + w), the
+        # post-norms with their own eps), a weightless norm on the token
+        # embeddings, per-head weightless q/k norms with the query scaled by
+        # qk_scale_factor, a sigmoid gate on the heads' outputs (from the
+        # layer's normed input), sliding layers with RoPE and a NoPE global
+        # layer every 4th counted from the last, logits times
+        # output_multiplier then soft-capped. HF's MuseGlimmerTextModel in
+        # the released names (model.language_model.*, lm_head;
+        # _muse_glimmer_text_lm); the checkpoint declares MuseGlimmerForCausalLM
+        # with the text config (vLLM reads it bare or under text_config).
+        config = T.MuseGlimmerTextConfig(
+            intermediate_size=ffn,
+            num_key_value_heads=common["num_key_value_heads"],
+            head_dim=hidden // num_heads,
+            sliding_window=SHORT_WINDOW,
+            rms_norm_eps=1e-5,
+            post_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            **sizes,
+        )
+        config.architectures = ["MuseGlimmerForCausalLM"]
+        return config, _muse_glimmer_text_lm()
     if arch == "pangu_embedded":
         # openPangu-Embedded (dense): Llama's blocks with biases on q, k, v
         # and o (its config's bias / attention_bias), SwiGLU, RMSNorm, no
@@ -1615,6 +1685,32 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
 # stamp of an older version is rebuilt. GLM-4.7-Flash: 2, YaRN rotary (it
 # was built with the default rope and no query low rank while refused).
 RECIPE_VERSIONS = {"glm4_moe_lite": 2}
+
+
+def _muse_glimmer_text_lm():
+    """A causal LM on HF's MuseGlimmerTextModel, only to build and save its
+    weights in the released names (``model.language_model.*``, ``lm_head``);
+    HF has no text-only MuseGlimmer class (the tests' reference is
+    tests/v1/hidden_states/muse_glimmer_reference.py)."""
+    from torch import nn
+    from transformers import MuseGlimmerTextConfig, PreTrainedModel
+    from transformers.models.muse_glimmer.modeling_muse_glimmer import MuseGlimmerTextModel
+
+    class _Body(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.language_model = MuseGlimmerTextModel(config)
+
+    class MuseGlimmerTextWeights(PreTrainedModel):
+        config_class = MuseGlimmerTextConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = _Body(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+    return MuseGlimmerTextWeights
 
 
 def build_tiny_model(
@@ -2130,6 +2226,54 @@ def _write_mistral_large_3(out: Path, config) -> None:
 # Where a tiny model keeps its HF reference when vLLM's checkpoint layout is
 # not one HF transformers loads (ChatGLM: remote code on the Hub): the same
 # weights in an HF class's names and config.
+HCX_V2_SPECIALS = ("<|IMAGE_PAD|>", "<|VIDEO_PAD|>")
+
+
+def _write_hcx_v2(out: Path, hf_tok, token_ids: dict) -> None:
+    """HCX V2's checkpoint from HF's in ``out/hf_reference``: the tensors in
+    the released names (the language model a causal LM of its own,
+    ``language_model.model.*`` / ``language_model.lm_head``; the vision tower
+    ``vision_model.*``, the projector ``mm_projector``; HF saves it as
+    ``model.vision_projector``), config.json declaring
+    HCXVisionV2ForCausalLM with the placeholders' ids, and a processor (vLLM
+    builds the wrapper's multimodal processor at start)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        HyperCLOVAXVisionV2Processor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    reference = out / REFERENCE_SUBDIR
+    renames = (  # HF saves the LM head as model.language_model.lm_head
+        ("model.language_model.lm_head.", "language_model.lm_head."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.language_model.", "language_model.model."),
+        ("model.vision_model.", "vision_model."),
+        ("model.vision_projector.", "mm_projector."),
+    )
+    tensors = {}
+    for name, tensor in load_file(reference / "model.safetensors").items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors", {"format": "pt"})
+    ids = dict(
+        image_token_id=token_ids[HCX_V2_SPECIALS[0]], video_token_id=token_ids[HCX_V2_SPECIALS[1]]
+    )
+    fields = json.loads((reference / "config.json").read_text())
+    fields.update(ids, architectures=["HCXVisionV2ForCausalLM"])
+    (out / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+    _update_config_json(reference, **ids)
+    HyperCLOVAXVisionV2Processor(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=hf_tok,
+        video_processor=Qwen2VLVideoProcessor(),
+    ).save_pretrained(out)
+
+
 REFERENCE_SUBDIR = "hf_reference"
 
 
@@ -2349,7 +2493,12 @@ def _write_tiny_model(
         torch_dtype="float32",
         initializer_range=0.05,
     )
-    hf_tok, token_ids = _tokenizer(_STYLE[arch], vocab_size)
+    if arch == "hcx_v2":  # its image and video placeholders in the vocabulary
+        from vllm_hidden_states.tools.tiny_vlms import _with_specials
+
+        hf_tok, token_ids = _with_specials(_STYLE[arch], vocab_size, list(HCX_V2_SPECIALS))
+    else:
+        hf_tok, token_ids = _tokenizer(_STYLE[arch], vocab_size)
     config, model_cls = _arch_config(arch, common, token_ids)
     declared = list(getattr(config, "architectures", None) or [])
 
@@ -2414,6 +2563,7 @@ def _write_tiny_model(
         "sarvam_moe",
         "sarvam_mla",
         "mistral_large_3",
+        "hcx_v2",
     ):
         # The reference in HF's layout beside the released one (vLLM's).
         model.save_pretrained(out / REFERENCE_SUBDIR, safe_serialization=True)
@@ -2424,6 +2574,8 @@ def _write_tiny_model(
             _write_plamo3(out, model, config, token_ids)
         elif arch == "mistral_large_3":
             _write_mistral_large_3(out, config)
+        elif arch == "hcx_v2":
+            _write_hcx_v2(out, hf_tok, token_ids)
         elif arch == "sarvam_mla":
             _write_sarvam_mla(out, config, token_ids)
         elif arch == "param2moe":
