@@ -230,6 +230,16 @@ LAYER_CLASSES.update(
             lacks=_MLA_LACKS,
             float16=_MLA_FLOAT16.format(family="DeepSeek's"),
         ),
+        # GLM-4.7-Flash: DeepSeek V2's MLA module (vLLM's subclass of it) in
+        # GLM-4.5's layer (vLLM's fused residual, no float16 rescaling of
+        # the stream), GLM-4.5's MoE after a dense first layer.
+        _V + "glm4_moe_lite.Glm4MoeLiteDecoderLayer": LayerClass(
+            "fused",
+            ("glm4_moe_lite",),
+            neurons=None,
+            kinds=_MLA_KINDS,
+            lacks=_MLA_LACKS,
+        ),
         # LFM2: vLLM's fused residual around attention or a gated short
         # convolution, ffn_norm the add-norm before the MLP (feed_forward).
         _V + "lfm2.Lfm2AttentionDecoderLayer": LayerClass(
@@ -1042,6 +1052,24 @@ def _sarvam_mla_layers(config: Any) -> list[str]:
     )
 
 
+def _glm4_moe_lite_layers(config: Any) -> list[str]:
+    # Tested as GLM-4.7-Flash is released: one routing group, renormalized,
+    # MoE on every layer from first_k_dense_replace on.
+    name = _V + "glm4_moe_lite.Glm4MoeLiteDecoderLayer"
+    untested = [
+        flag
+        for flag, on in (
+            ("n_group > 1", int(getattr(config, "n_group", None) or 1) != 1),
+            ("norm_topk_prob unset", not getattr(config, "norm_topk_prob", True)),
+            ("moe_layer_freq", int(getattr(config, "moe_layer_freq", 1) or 1) != 1),
+        )
+        if on
+    ]
+    return [name + (f"[{', '.join(untested)}: untested]" if untested else "")] * (
+        config.num_hidden_layers
+    )
+
+
 # Step 3 (text): vLLM's fused residual, attention with one key/value head and
 # a low-rank shared query path (heads' outputs into o_proj); a dense MLP in
 # the layers moe_layers_enum leaves out, routed experts (moe) plus a shared
@@ -1339,6 +1367,7 @@ MODEL_LAYERS.update(
         # Sarvam MoE: vLLM's Ling class (its expert bias zero-meaned at load).
         _V + "sarvam.SarvamMoEForCausalLM": _bailing_moe_layers,
         _V + "sarvam.SarvamMLAForCausalLM": _sarvam_mla_layers,
+        _V + "glm4_moe_lite.Glm4MoeLiteForCausalLM": _glm4_moe_lite_layers,
         _V + "step3_text.Step3TextForCausalLM": _step3_text_layers,
         _V + "plamo3.Plamo3ForCausalLM": _V + "plamo3.Plamo3DecoderLayer",
         _V + "openpangu.PanguEmbeddedForCausalLM": _pangu_embedded_layers,

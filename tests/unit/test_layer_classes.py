@@ -381,6 +381,18 @@ def test_deepseek_layers_are_refused_inside_in_float16():
     assert "routed_scaling_factor" in model.why_not_layer(1)
 
 
+@pytest.mark.parametrize(
+    "setting, why",
+    [(dict(n_group=2), "n_group > 1"), (dict(norm_topk_prob=False), "norm_topk_prob unset")],
+)
+def test_glm4_moe_lite_routing_unlike_the_released_is_refused_inside(setting, why):
+    """GLM-4.7-Flash is tested with one routing group, renormalized: other
+    routing serves layer 0 and the final state only, naming the setting."""
+    model = model_layers(tiny_config("glm4_moe_lite", **setting))
+    assert model.exact_layers() == [0, L]
+    assert why in model.why_not_layer(1)
+
+
 def test_every_frontier_family_is_in_one_family_test_module():
     """Each frontier tiny model runs in exactly one test_families_*.py group
     (its ``arch`` fixture), so none leaves the matrix unnoticed."""

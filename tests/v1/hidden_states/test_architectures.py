@@ -105,6 +105,7 @@ ARCH_ENGINE_ARGS = {
     "deepseek_v2": dict(attention_backend="CPU_MLA"),
     "deepseek_v3": dict(attention_backend="CPU_MLA"),
     "axk1": dict(attention_backend="CPU_MLA"),
+    "glm4_moe_lite": dict(attention_backend="CPU_MLA"),
     # Nemotron-NAS's config class is remote code (the tiny model carries it).
     "decilm": dict(trust_remote_code=True),
     # vLLM's Mamba2 mixer fails prefilling a pure Mamba2 model with prefix
