@@ -120,7 +120,7 @@ def rotary_mismatch(module: nn.Module, args: tuple) -> str | None:
         scale = float(b.float().abs().max()) or 1.0
         error = float((a.float() - b.float()).abs().max()) / scale
         if error > tolerance:
-            shape = "x".join(map(str, (query if what == "queries" else key).shape))
+            shape = "x".join(map(str, a.shape))
             return (
                 f"rotates this model's {what} ([{shape}], {query.dtype}) {error:.2g} "
                 f"relative off its own forward_native (rounding: {tolerance:g})"
