@@ -262,9 +262,23 @@ def has_rows(rows: CapturedRows) -> bool:
     return any(getattr(rows, f.name) is not None for f in _FIELDS)
 
 
+# Where the front-end process records probe action firings (metrics, the
+# activation store): frontend/firings.py registers it (on_firings). Every
+# firing passes hand_out_captured, whether or not its request has a tracker
+# (one whose only actions are server monitors has none).
+_firings_sink: Callable[[str, list], None] | None = None
+
+
+def on_firings(sink: Callable[[str, list], None]) -> None:
+    """Record each step's firings with ``sink(request_id, firings)``."""
+    global _firings_sink
+    _firings_sink = sink
+
+
 def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
     """Right after the client decoded a step's outputs: each output whose
-    request captured rows gets them as ``EngineCoreOutput.captured``.
+    request captured rows gets them as ``EngineCoreOutput.captured``, and
+    the step's probe action firings are recorded (:func:`on_firings`).
 
     The scheduler grouped only rows whose request has an output in
     ``outputs`` (:meth:`~vllm_hidden_states.engine.planner.CapturePlanner.attach`).
@@ -274,6 +288,8 @@ def hand_out_captured(outputs: "EngineCoreOutputs") -> None:
         return
     by_id = {eco.request_id: eco for eco in outputs.outputs}
     for group in groups:
+        if group.op_results is not None and _firings_sink is not None:
+            _firings_sink(group.req_ids[0], group.op_results.firings)  # a group of one
         for req_id, rows in split_group(group):
             # Always there (see above); were one missing, its rows are
             # dropped here and its tracker fails the request visibly, rather

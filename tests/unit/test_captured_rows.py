@@ -6,6 +6,8 @@ import msgspec
 import torch
 
 from vllm.v1.engine import CapturedRows, EngineCoreOutput, EngineCoreOutputs
+from vllm_hidden_states import wire
+from vllm_hidden_states.frontend.firings import record_firings
 from vllm_hidden_states.wire import (
     POSITION_AXIS,
     cat_rows,
@@ -107,6 +109,27 @@ def test_a_group_without_some_requests_keeps_the_others_rows():
     parts = dict(split_group(kept))
     assert_same(parts["r2"], rows(3, 3))
     assert without(step_group([2]), {"r0"}) is None
+
+
+def test_the_client_records_a_steps_firings_as_it_hands_them_out():
+    """A request whose only actions are server monitors has no tracker in the
+    front-end: its firings are recorded as they pass the client."""
+    from vllm_hidden_states.contract import OpResults, ProbeFiring
+
+    seen = []
+    wire.on_firings(lambda request_id, firings: seen.append((request_id, firings)))
+    try:
+        firing = ProbeFiring(label="harm", position=7, score=0.9, monitor=True)
+        outputs = EngineCoreOutputs(
+            outputs=[EngineCoreOutput(request_id="m", new_token_ids=[1])],
+            captured=[
+                CapturedRows(req_ids=["m"], counts=[0], op_results=OpResults(firings=[firing]))
+            ],
+        )
+        hand_out_captured(outputs)
+    finally:
+        wire.on_firings(record_firings)
+    assert seen == [("m", [firing])]
 
 
 def test_the_client_hands_each_output_its_rows_from_the_step_group():

@@ -34,6 +34,7 @@ from vllm_hidden_states.wire import (
     extract_id_for,
     has_rows,
     num_positions,
+    on_firings,
     result_keys,
     slice_rows,
 )
@@ -155,8 +156,7 @@ class HiddenStatesTracker:
         """Rows that rode on one of the request's own outputs (and what its
         ops decided in that step)."""
         if rows.op_results is not None:
-            self.firings.extend(rows.op_results.firings)
-            record_firings(self.request_id, rows.op_results.firings)
+            self.firings.extend(rows.op_results.firings)  # recorded by hand_out_captured
             self._steer_from(rows.op_results.firings)
             if not has_rows(rows):
                 return
@@ -428,6 +428,9 @@ class ExtractDispatcher:
         self._processor = processor
         self._held: dict[str, HeldOutput] = {}  # extract id -> held output
         self._outgoing: list[HiddenStatesExtractRequest] = []
+        # Firings are recorded as the client hands a step's rows out, for
+        # requests with a tracker or without (server monitors only).
+        on_firings(record_firings)
 
     @classmethod
     def of(cls, processor: "OutputProcessor") -> "ExtractDispatcher":
@@ -437,9 +440,16 @@ class ExtractDispatcher:
         return processor.extract_dispatcher
 
     @staticmethod
-    def track(request: "EngineCoreRequest") -> HiddenStatesTracker:
-        """The tracker of a request that asked (``hidden_states_spec`` set)."""
-        assert request.hidden_states_spec is not None
+    def track(request: "EngineCoreRequest") -> HiddenStatesTracker | None:
+        """The tracker of a request that asked (``hidden_states_spec`` set);
+        None for one that asked nothing itself, only server monitors act on
+        (nothing of theirs reaches it: their firings are recorded as they
+        pass, wire.hand_out_captured), so its outputs cost the front-end
+        nothing per step."""
+        spec = request.hidden_states_spec
+        assert spec is not None
+        if spec.returns == "none" and all(a.monitor for a in spec.probe_actions):
+            return None
         params = request.sampling_params
         return HiddenStatesTracker(
             request.hidden_states_spec,
