@@ -99,13 +99,16 @@ REFERENCE_CONFIG = {
 # relative off vLLM at the final state.
 REFERENCE_BFLOAT16 = {"apertus": ".act_fn"}
 
-# vLLM picks its AMX MLA backend on CPUs with AMX, which takes bfloat16
-# weights only; its portable one runs float32.
+# vLLM picks its AMX MLA backend on CPUs with AMX (Intel Xeon since
+# Sapphire Rapids), which takes bfloat16 weights only; its portable one runs
+# float32: every MLA family names it, whatever the machine.
 ARCH_ENGINE_ARGS = {
     "deepseek_v2": dict(attention_backend="CPU_MLA"),
     "deepseek_v3": dict(attention_backend="CPU_MLA"),
     "axk1": dict(attention_backend="CPU_MLA"),
     "glm4_moe_lite": dict(attention_backend="CPU_MLA"),
+    "sarvam_mla": dict(attention_backend="CPU_MLA"),
+    "mistral_large_3": dict(attention_backend="CPU_MLA"),
     # Nemotron-NAS's config class is remote code (the tiny model carries it).
     "decilm": dict(trust_remote_code=True),
     # vLLM's Mamba2 mixer fails prefilling a pure Mamba2 model with prefix
