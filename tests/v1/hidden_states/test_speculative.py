@@ -60,7 +60,9 @@ def model_dirs(method: str) -> tuple:
         spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}
         return target, spec, {}
     target = build_tiny_mtp_model(MODELS / "tiny-deepseek_v3-mtp")
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    # vLLM's portable MLA backend for the target and its MTP layer alike (on
+    # a CPU with AMX it picks its AMX backend, which takes bfloat16 only).
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "CPU_MLA"}
     return target, spec, dict(attention_backend="CPU_MLA")
 
 
