@@ -109,17 +109,6 @@ def gemma3n_dir():
     return build_tiny_model(MODELS / "tiny-gemma3n", arch="gemma3n", max_position_embeddings=256)
 
 
-def test_gemma3n_refuses_layer_0_its_layers_take_four_stacked_streams(gemma3n_dir):
-    with pytest.raises(ValueError, match=r"--hidden-states-layers 0: .*four AltUp streams"):
-        LLM(
-            model=str(gemma3n_dir),
-            enable_hidden_states=True,
-            hidden_states_layers=[0, -1],
-            enforce_eager=True,
-            **ENGINE_ARGS,
-        )
-
-
 def test_gemma3n_serves_its_final_state_the_one_its_logits_come_from(gemma3n_dir):
     """HF's own hidden_states[-1] for Gemma 3n is not the final post-norm
     state, and vLLM's Gemma 3n differs from HF's (its prompt logprobs, seen:
@@ -156,10 +145,18 @@ def hrm_text_dir():
     return build_tiny_model(MODELS / "tiny-hrm_text", arch="hrm_text", max_position_embeddings=256)
 
 
-def test_hrm_text_refuses_layer_0_its_layers_run_several_times_a_forward(hrm_text_dir):
-    with pytest.raises(ValueError, match=r"--hidden-states-layers 0: .*several times per"):
+@pytest.mark.parametrize(
+    "arch, why",
+    [
+        ("gemma3n", "four AltUp streams"),  # its layers take four stacked streams
+        ("hrm_text", "several times per"),  # its layers run several times a forward
+    ],
+)
+def test_a_family_whose_layers_hold_no_single_stream_refuses_layer_0_at_start(arch, why, request):
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    with pytest.raises(ValueError, match=rf"--hidden-states-layers 0: .*{why}"):
         LLM(
-            model=str(hrm_text_dir),
+            model=str(model_dir),
             enable_hidden_states=True,
             hidden_states_layers=[0, -1],
             enforce_eager=True,
