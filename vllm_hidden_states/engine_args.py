@@ -15,6 +15,36 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+# The API server's limits: their flags and defaults (server/limits.py reads
+# them; EngineArgs ignores them).
+# Admission: what a hidden-states request may cost.
+MAX_RESPONSE_ENV = "VLLM_HIDDEN_STATES_MAX_RESPONSE_MB"
+DEFAULT_MAX_RESPONSE_MB = 256.0
+DEFAULT_MAX_BATCH = 256
+DEFAULT_MAX_INPUT_CHARS = 2_000_000
+
+RESPONSE_FLAG = "--hidden-states-max-response-mb"
+BATCH_FLAG = "--hidden-states-max-batch"
+CHARS_FLAG = "--hidden-states-max-input-chars"
+
+# Bodies: what any request body may hold, measured before it is parsed.
+DEFAULT_MAX_BODY_MB = 64.0
+DEFAULT_MAX_JSON_VALUES = 2_000_000
+DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_MAX_LIST_ITEMS = 65_536
+DEFAULT_MAX_OBJECT_KEYS = 16_384
+DEFAULT_MAX_MESSAGES = 8_192
+DEFAULT_MAX_INPUT_ITEMS = 1_024
+
+BODY_FLAG = "--request-max-body-mb"
+VALUES_FLAG = "--request-max-json-values"
+DEPTH_FLAG = "--request-max-json-depth"
+LIST_FLAG = "--request-max-list-items"
+KEYS_FLAG = "--request-max-object-keys"
+MESSAGES_FLAG = "--request-max-messages"
+INPUT_ITEMS_FLAG = "--request-max-input-items"
+
+
 def additional_config_entry(
     layers: str | list[int] | None,
     max_rows: int | None = None,
@@ -655,32 +685,10 @@ def add_cli_args(parser) -> None:
 
 def _add_server_limit_args(group) -> None:
     """The admission caps of the hidden-states routes and the body caps of
-    every route, named and defaulted by ``server/limits.py``."""
-    from vllm_hidden_states.server.limits import (
-        BATCH_FLAG,
-        BODY_FLAG,
-        CHARS_FLAG,
-        DEFAULT_MAX_BATCH,
-        DEFAULT_MAX_BODY_MB,
-        DEFAULT_MAX_INPUT_CHARS,
-        DEFAULT_MAX_INPUT_ITEMS,
-        DEFAULT_MAX_JSON_DEPTH,
-        DEFAULT_MAX_JSON_VALUES,
-        DEFAULT_MAX_LIST_ITEMS,
-        DEFAULT_MAX_MESSAGES,
-        DEFAULT_MAX_OBJECT_KEYS,
-        DEFAULT_MAX_RESPONSE_MB,
-        DEFAULT_MAX_SWEEP_CELLS,
-        DEPTH_FLAG,
-        INPUT_ITEMS_FLAG,
-        KEYS_FLAG,
-        LIST_FLAG,
-        MAX_RESPONSE_ENV,
-        MESSAGES_FLAG,
-        RESPONSE_FLAG,
-        SWEEP_CELLS_FLAG,
-        VALUES_FLAG,
-    )
+    every route (named and defaulted at the top of this module; read by
+    ``server/limits.py``)."""
+    from vllm_hidden_states.sweep import DEFAULT_MAX_CELLS as DEFAULT_MAX_SWEEP_CELLS
+    from vllm_hidden_states.sweep import MAX_CELLS_FLAG as SWEEP_CELLS_FLAG
 
     group.add_argument(
         RESPONSE_FLAG,
@@ -713,8 +721,7 @@ def _add_server_limit_args(group) -> None:
         "/v1/patch_sweep may run; larger sweeps are refused (400) before any "
         f"work. Default: {DEFAULT_MAX_SWEEP_CELLS}.",
     )
-    """The body flags, on the ``Hidden states (vllm-hidden-states)`` group (the
-    API server reads them; EngineArgs ignores them)."""
+    # The body flags.
     group.add_argument(
         BODY_FLAG,
         type=float,

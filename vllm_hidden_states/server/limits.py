@@ -6,8 +6,8 @@ against the body caps before anything parses it, and the hidden-states routes
 (:mod:`.openai_request`, :mod:`.hidden_states_route`) price a request against
 the admission caps (input characters, results, response size) before any
 tokenization or generation. Each refusal names the limit, its value and the
-flag that sets it. The flags themselves are added with the package's others
-(``engine_args.add_cli_args``).
+flag that sets it. The flags, their names and defaults, live with the
+package's others (:mod:`vllm_hidden_states.engine_args`).
 """
 
 import os
@@ -16,39 +16,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hidden_states.engine_args import (
+    BATCH_FLAG,
+    BODY_FLAG,
+    CHARS_FLAG,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_MAX_INPUT_CHARS,
+    DEFAULT_MAX_INPUT_ITEMS,
+    DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_MAX_JSON_VALUES,
+    DEFAULT_MAX_LIST_ITEMS,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_OBJECT_KEYS,
+    DEFAULT_MAX_RESPONSE_MB,
+    DEPTH_FLAG,
+    INPUT_ITEMS_FLAG,
+    KEYS_FLAG,
+    LIST_FLAG,
+    MAX_RESPONSE_ENV,
+    MESSAGES_FLAG,
+    RESPONSE_FLAG,
+    VALUES_FLAG,
+)
 from vllm_hidden_states.server.encoding import value_bytes
 from vllm_hidden_states.server.errors import invalid_request, too_large
 from vllm_hidden_states.sweep import DEFAULT_MAX_CELLS as DEFAULT_MAX_SWEEP_CELLS
 from vllm_hidden_states.sweep import MAX_CELLS_FLAG as SWEEP_CELLS_FLAG
 
 MB = 2**20
-
-# Admission: what a hidden-states request may cost.
-MAX_RESPONSE_ENV = "VLLM_HIDDEN_STATES_MAX_RESPONSE_MB"
-DEFAULT_MAX_RESPONSE_MB = 256.0
-DEFAULT_MAX_BATCH = 256
-DEFAULT_MAX_INPUT_CHARS = 2_000_000
-
-RESPONSE_FLAG = "--hidden-states-max-response-mb"
-BATCH_FLAG = "--hidden-states-max-batch"
-CHARS_FLAG = "--hidden-states-max-input-chars"
-
-# Bodies: what any request body may hold, measured before it is parsed.
-DEFAULT_MAX_BODY_MB = 64.0
-DEFAULT_MAX_JSON_VALUES = 2_000_000
-DEFAULT_MAX_JSON_DEPTH = 64
-DEFAULT_MAX_LIST_ITEMS = 65_536
-DEFAULT_MAX_OBJECT_KEYS = 16_384
-DEFAULT_MAX_MESSAGES = 8_192
-DEFAULT_MAX_INPUT_ITEMS = 1_024
-
-BODY_FLAG = "--request-max-body-mb"
-VALUES_FLAG = "--request-max-json-values"
-DEPTH_FLAG = "--request-max-json-depth"
-LIST_FLAG = "--request-max-list-items"
-KEYS_FLAG = "--request-max-object-keys"
-MESSAGES_FLAG = "--request-max-messages"
-INPUT_ITEMS_FLAG = "--request-max-input-items"
 
 # Bodies at least this large are counted, parsed and walked in a worker
 # thread; smaller ones (at most ~85k values) take milliseconds on the loop.

@@ -432,6 +432,20 @@ def _tokenizer(style: str, vocab_size: int):
     return hf_tok, token_ids
 
 
+def _with_specials(style: str, vocab_size: int, specials: list[str], plain: tuple[str, ...] = ()):
+    """A trained tokenizer of ``style`` that also knows ``specials``, every id
+    below ``vocab_size``; ``(tokenizer, {name: id})``."""
+    # Trained a little short of the model's vocabulary, so that the added
+    # tokens' ids stay inside it (vLLM refuses ids past it).
+    hf_tok, token_ids = _tokenizer(style, vocab_size - len(specials) - len(plain))
+    hf_tok.add_special_tokens({"additional_special_tokens": specials})
+    if plain:
+        hf_tok.add_tokens(list(plain))
+    for s in specials:
+        token_ids[s] = hf_tok.convert_tokens_to_ids(s)
+    return hf_tok, token_ids
+
+
 def _arch_config(arch: str, common: dict, token_ids: dict):
     """``(config, model class)`` of an architecture, from the shared sizes."""
     import transformers as T
@@ -2596,8 +2610,6 @@ def _write_tiny_model(
         initializer_range=0.05,
     )
     if arch == "hcx_v2":  # its image and video placeholders in the vocabulary
-        from vllm_hidden_states.tools.tiny_vlms import _with_specials
-
         hf_tok, token_ids = _with_specials(_STYLE[arch], vocab_size, list(HCX_V2_SPECIALS))
     else:
         hf_tok, token_ids = _tokenizer(_STYLE[arch], vocab_size)

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from vllm_hidden_states.tools.tiny_models import _arch_config, _built, _tokenizer
+from vllm_hidden_states.tools.tiny_models import _arch_config, _built, _with_specials
 
 # wrapper -> the tiny text family inside it.
 VLM_ARCHS: dict[str, str] = {
@@ -47,20 +47,6 @@ def _vision_tower(hidden: int = 64) -> dict:
         image_size=IMAGE_SIZE,
         patch_size=PATCH,
     )
-
-
-def _with_specials(style: str, vocab_size: int, specials: list[str], plain: tuple[str, ...] = ()):
-    """A trained tokenizer of ``style`` that also knows ``specials``, every id
-    below ``vocab_size``; ``(tokenizer, {name: id})``."""
-    # Trained a little short of the model's vocabulary, so that the added
-    # tokens' ids stay inside it (vLLM refuses ids past it).
-    hf_tok, token_ids = _tokenizer(style, vocab_size - len(specials) - len(plain))
-    hf_tok.add_special_tokens({"additional_special_tokens": specials})
-    if plain:
-        hf_tok.add_tokens(list(plain))
-    for s in specials:
-        token_ids[s] = hf_tok.convert_tokens_to_ids(s)
-    return hf_tok, token_ids
 
 
 def _named_specials(tok, names: dict[str, str]):
