@@ -208,12 +208,19 @@ class StepRun:
     """One variant of a step-interleaved comparison (:func:`interleave_steps`):
     its own engine, in this process (an ``LLM`` built under
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: see :func:`in_process_engines`), and
-    the sampling parameters of its requests. ``asks``: the requests ask for
-    hidden states, so each finished one must carry them."""
+    the sampling parameters of its requests (a list: a round's request ``i``
+    takes ``params[i % len(params)]``, e.g. each its own patch). ``asks``: the
+    requests ask for hidden states, so each finished one must carry them."""
 
     llm: Any
-    params: Any  # vllm.SamplingParams
+    params: Any  # vllm.SamplingParams, or a list of them
     asks: bool = False
+
+    def params_of(self, i: int) -> Any:
+        """The sampling parameters of a round's request ``i``."""
+        if isinstance(self.params, list):
+            return self.params[i % len(self.params)]
+        return self.params
 
 
 @contextmanager
@@ -264,9 +271,9 @@ def interleave_steps(
     for _ in range(rounds):
         for name in names:
             run = variants[name]
-            for prompt in prompts():
+            for i, prompt in enumerate(prompts()):
                 request_id += 1
-                run.llm.llm_engine.add_request(f"{name}-{request_id}", prompt, run.params)
+                run.llm.llm_engine.add_request(f"{name}-{request_id}", prompt, run.params_of(i))
         seconds = dict.fromkeys(names, 0.0)
         tokens = dict.fromkeys(names, 0)
         live = set(names)

@@ -149,13 +149,14 @@ def test_small_model_modes_runs_a_mode_in_its_own_process(tmp_path):
 
 
 def test_the_patching_benchmark_runs_its_variants(make_bench):
-    """The patching section: plain, steering without a patch table, patching
-    enabled unused, patched and spliced requests."""
+    """The patching section: plain and its A/A control, steering without a
+    patch table, patching enabled unused, patched and spliced requests."""
     [summary] = named(make_bench, "patching:")
     comparison(
         summary,
         {
             "plain vLLM (no hidden states)",
+            "A/A control: a second plain engine",
             "steering, max_patch_rows=0, nobody steers",
             "patching enabled, nobody patches",
             "patch resid_pre.2 x 8 positions, every request",
