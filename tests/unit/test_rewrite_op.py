@@ -148,6 +148,23 @@ def test_a_splice_is_decode_of_the_edited_encoding_plus_the_error_term_if_kept(
     assert (got.double() - expected).abs().max() / expected.abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("arch, code, k", [("standard", 0, 0), ("jumprelu", 1, 0), ("topk", 2, 3)])
+def test_rows_keeping_and_dropping_the_error_term_splice_each_as_their_own_request(arch, code, k):
+    w = sae()
+    x = torch.randn(6, H)
+    edits = [(1, "set", 2.5), (4, "scale", 3.0)]
+    ids, mode, vals, keep = edit_tables(12, edits, True, slot=1)
+    ids2, mode2, vals2, _ = edit_tables(12, edits, False, slot=2)
+    ids[2], mode[2], vals[2], keep[2] = ids2[2], mode2[2], vals2[2], 0.0
+    s = torch.tensor([1, 2, 1, 2, 2, 1])
+    tables = [w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], w["threshold"]]
+    got = spliced(x, s, tables, [code, k, True], [ids, mode, vals, keep]).double()
+    for slot, keep_error in ((1, True), (2, False)):
+        rows = s == slot
+        expected = reference_splice(x[rows], w, arch, k, edits, keep_error)
+        assert (got[rows] - expected).abs().max() / expected.abs().max() < 1e-5, slot
+
+
 def test_a_splice_without_edits_keeping_the_error_gives_back_the_stream():
     w = sae()
     x = torch.randn(4, H)

@@ -125,19 +125,23 @@ def build_tiny_eagle3_drafter(out: str | Path, target_dir: str | Path, seed: int
     return out
 
 
-def build_tiny_mtp_model(out: str | Path, num_layers: int = 3, seed: int = 0) -> Path:
-    """A tiny DeepSeek V3 (``num_layers`` decoder layers) whose checkpoint
-    carries one MTP layer, ``model.layers.{num_layers}.*``."""
+def build_tiny_mtp_model(
+    out: str | Path, num_layers: int = 3, seed: int = 0, arch: str = "deepseek_v3"
+) -> Path:
+    """A tiny DeepSeek V3 or GLM-4.5 (``arch`` "glm4_moe"; ``num_layers``
+    decoder layers) whose checkpoint carries one MTP layer as both ship it,
+    ``model.layers.{num_layers}.*``: a decoder layer, ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head``."""
     import torch
     from safetensors.torch import load_file, save_file
 
     out = Path(out)
-    recipe = dict(kind="deepseek_v3_mtp", num_layers=num_layers, seed=seed, version=3)
+    recipe = dict(kind=f"{arch}_mtp", num_layers=num_layers, seed=seed, version=3)
     if _stamp_ok(out, recipe):
         return out
     # A model of num_layers + 1 layers: its last layer is the MTP block.
     base = build_tiny_model(
-        out.parent / f"{out.name}-base", arch="deepseek_v3", num_layers=num_layers + 1, seed=seed
+        out.parent / f"{out.name}-base", arch=arch, num_layers=num_layers + 1, seed=seed
     )
     if out.exists():
         shutil.rmtree(out)

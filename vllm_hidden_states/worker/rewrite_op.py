@@ -10,6 +10,7 @@ docs/architecture.md, "Patching and splicing".
 """
 
 import torch
+import torch.nn.functional as F
 
 from vllm_hidden_states.worker.capture_op import (
     count_readable_on_host,
@@ -80,30 +81,6 @@ def _patch_fake(
     return None
 
 
-def sae_encode(
-    x: torch.Tensor,
-    w_enc: torch.Tensor,
-    b_enc: torch.Tensor,
-    b_dec: torch.Tensor,
-    threshold: torch.Tensor | None,
-    arch: int,
-    k: int,
-    b_dec_to_input: bool,
-) -> torch.Tensor:
-    """Dense activations ``[n, d_sae]`` of ``x`` ``[n, d_in]`` (float32), by
-    the SAE's architecture (``SAE_ARCH_CODES``), in float32."""
-    if b_dec_to_input:
-        x = x - b_dec.float()
-    pre = x @ w_enc.float() + b_enc.float()
-    if arch == 1:
-        assert threshold is not None
-        return torch.relu(pre) * (pre > threshold.float())
-    if arch == 2:
-        top = pre.topk(k, dim=-1)
-        return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
-    return torch.relu(pre)
-
-
 def spliced(
     x: torch.Tensor,
     s: torch.Tensor,
@@ -119,23 +96,55 @@ def spliced(
     ``edit_ids`` int64 ``[slots, E]`` (``d_sae`` where unused: an extra
     column, dropped), ``edit_mode`` float32 (1 sets, 0 scales),
     ``edit_vals`` float32, ``keep`` float32 ``[slots]`` (1: the error term
-    added back). Returns float32 ``[n, d_in]``."""
+    added back). Returns float32 ``[n, d_in]``.
+
+    A request edits a feature at most once, so ``edit(f) - f`` is nonzero
+    at the edited features only: a top-k SAE's rows decode from their ``k``
+    active features and the edits (no dense ``[n, d_sae]`` product), and on
+    CPU rows that all keep their error term add the edits' deltas alone."""
     w_enc, b_enc, w_dec, b_dec = sae[:4]
     threshold = sae[4] if len(sae) > 4 else None
     arch, k, b_dec_to_input = sae_arch
     edit_ids, edit_mode, edit_vals, keep = edits
-    f = sae_encode(x, w_enc, b_enc, b_dec, threshold, arch, k, bool(b_dec_to_input))
     ids = edit_ids.index_select(0, s)
     mode = edit_mode.index_select(0, s)
     vals = edit_vals.index_select(0, s)
-    wide = torch.cat([f, torch.zeros_like(f[:, :1])], dim=1)
-    current = wide.gather(1, ids)
-    edited = wide.scatter(1, ids, mode * vals + (1 - mode) * vals * current)[:, :-1]
-    w = w_dec.float()
     keep_rows = keep.index_select(0, s)[:, None]
-    # decode(edited) + keep * (x - decode(f)), with one product: the biases
-    # cancel where the error term is kept.
-    return (edited - keep_rows * f) @ w + (1 - keep_rows) * b_dec.float() + keep_rows * x
+    w = w_dec.float()
+    if b_dec_to_input:
+        pre = (x - b_dec.float()) @ w_enc.float() + b_enc.float()
+    else:
+        pre = x @ w_enc.float() + b_enc.float()
+    d_sae = w.shape[0]
+    valid = ids < d_sae
+    at = ids.clamp(max=d_sae - 1)
+    if arch == 2:
+        top = pre.topk(k, dim=-1)
+        active = torch.relu(top.values)  # [n, k]
+        hit = top.indices[:, :, None] == ids[:, None, :]  # [n, k, E]
+        current = (active[:, :, None] * hit).sum(dim=1)  # [n, E]: 0 where inactive
+        new = torch.where(valid, mode * vals + (1 - mode) * vals * current, 0.0)
+        deltas = F.embedding_bag(at, w, per_sample_weights=new - current, mode="sum")
+        unedited = active * ~hit.any(dim=-1)
+        decoded = F.embedding_bag(
+            torch.cat([top.indices, at], dim=1),
+            w,
+            per_sample_weights=torch.cat([unedited, new], dim=1),
+            mode="sum",
+        )
+        return torch.where(keep_rows == 1, x + deltas, decoded + b_dec.float())
+    if arch == 1:
+        assert threshold is not None
+        f = torch.relu(pre) * (pre > threshold.float())
+    else:
+        f = torch.relu(pre)
+    current = torch.where(valid, f.gather(1, at), 0.0)
+    new = torch.where(valid, mode * vals + (1 - mode) * vals * current, 0.0)
+    deltas = F.embedding_bag(at, w, per_sample_weights=new - current, mode="sum")
+    if x.is_cpu and bool(keep_rows.min() == 1):  # a host read on CPU: no device to sync
+        return x + deltas
+    # decode(edited) + keep * (x - decode(f)) = decode(f) + deltas + keep * (x - decode(f))
+    return (1 - keep_rows) * (f @ w + b_dec.float()) + deltas + keep_rows * x
 
 
 def _splice(

@@ -3,8 +3,9 @@
 gets the tables as buffers and one forward hook that writes its points
 (``steering_op.steer_hook``), before any capture hook there."""
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from vllm.logger import init_logger
@@ -14,13 +15,44 @@ from vllm_hidden_states.worker.capture_op import count_readable_on_host, off_cpu
 from vllm_hidden_states.worker.rewrite_op import SAE_ARCH_CODES, register_ops
 from vllm_hidden_states.worker.steering_op import SteerTap, steer_hook
 
-if TYPE_CHECKING:
-    from vllm_hidden_states.worker.steering_tables import Steering
-
 logger = init_logger(__name__)
 
 
-def install_hooks(steering: "Steering", taps: dict[int, SteerTap], sae: Any) -> None:
+class SteeringTables(Protocol):
+    """What the hooks read of the runner's steering state
+    (``steering_tables.Steering``): the config, the device tables the ops
+    read in the graph, and where each steerable id's row lies."""
+
+    config: SteeringConfig
+    device: torch.device
+    hidden_size: int
+    index_of: dict[str, int]
+    # steer: [points, max_tokens] int64 rows and slots, [2 * points] counts,
+    # [slots, hidden] float32 vectors
+    rows: torch.Tensor
+    slots: torch.Tensor
+    counts: torch.Tensor
+    token_slots: torch.Tensor | None
+    adds: torch.Tensor
+    dirs: torch.Tensor
+    enc: torch.Tensor | None
+    dec: torch.Tensor | None
+    par: torch.Tensor | None
+    # patch and splice: the same per point, plus the splice's row
+    rewrites: bool
+    splice_index: int
+    rw_rows: torch.Tensor
+    rw_slots: torch.Tensor
+    rw_counts: torch.Tensor
+    patch_table: torch.Tensor
+    patch_token_slots: torch.Tensor | None
+    edit_ids: torch.Tensor
+    edit_mode: torch.Tensor
+    edit_vals: torch.Tensor
+    keep: torch.Tensor
+
+
+def install_hooks(steering: SteeringTables, taps: dict[int, SteerTap], sae: Any) -> None:
     """Register ``steering``'s tables on each tap's module and one hook per
     module and side (pre / post), its points in network order."""
     config, device = steering.config, steering.device
@@ -71,7 +103,7 @@ def install_hooks(steering: "Steering", taps: dict[int, SteerTap], sae: Any) -> 
             [(t.pair, i, t.scale, t.heads) for t, i in entries],
             when == "post",
             host_counts,
-            rewrites=steering.rewrites,
+            patches=config.max_patch_rows > 0,
             rw_host_counts=rw_host_counts,
             splice=(sae_index, steering.splice_index) if sae_index is not None else None,
         )
@@ -104,7 +136,7 @@ def splices(config: SteeringConfig, sae: Any) -> bool:
     return sae is not None and config.sae_splice_problem is None and (config.sae_id in config.ids)
 
 
-def _splice_buffers(steering: "Steering", module: nn.Module, sae: Any) -> None:
+def _splice_buffers(steering: SteeringTables, module: nn.Module, sae: Any) -> None:
     """The SAE's weights and the edit tables, where the splice op reads
     them (its point's module)."""
     module.register_buffer("_hs_sae_w_enc", sae.W_enc, persistent=False)

@@ -289,14 +289,14 @@ def steer_hook(
     entries: list[tuple[Callable, int, float, bool]],
     post: bool,
     host_counts: np.ndarray | None,
-    rewrites: bool = False,
+    patches: bool = False,
     rw_host_counts: np.ndarray | None = None,
     splice: tuple[int, int] | None = None,
 ) -> Callable[..., None]:
     """A forward hook that steers the ids written at one module:
     ``(pair, index in counts, scale, heads)`` each (``heads``: attn_z, only
     patched, per head), in network order, each one
-    followed by its rewrites (``rewrites``: the engine patches or splices;
+    followed by its rewrites (``patches``: the engine has a patch table;
     ``splice``: ``(index of the SAE's point, the splice's index)`` at the
     module of the SAE's point). ``host_counts`` / ``rw_host_counts``: on
     CPU, the counts as numpy views, so that an eager forward where nobody
@@ -329,21 +329,20 @@ def steer_hook(
                     # Registered only on CPU (the compiled route's slot map).
                     getattr(module, "_hs_steer_token_slots", None),
                 )
-            if not rewrites:
-                continue
-            patch(
-                target,
-                other,
-                module._hs_rw_rows,
-                module._hs_rw_slots,
-                module._hs_rw_counts,
-                index,
-                module._hs_patch_table,
-                scale,
-                # Registered only on CPU (the compiled route's row map).
-                getattr(module, "_hs_patch_token_slots", None),
-                heads,
-            )
+            if patches:
+                patch(
+                    target,
+                    other,
+                    module._hs_rw_rows,
+                    module._hs_rw_slots,
+                    module._hs_rw_counts,
+                    index,
+                    module._hs_patch_table,
+                    scale,
+                    # Registered only on CPU (the compiled route's row map).
+                    getattr(module, "_hs_patch_token_slots", None),
+                    heads,
+                )
             if splice is not None and index == splice[0]:
                 splice_rows(module, target, other, splice[1], scale)
 
