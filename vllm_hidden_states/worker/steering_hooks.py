@@ -26,7 +26,7 @@ class SteeringTables(Protocol):
     config: SteeringConfig
     device: torch.device
     hidden_size: int
-    index_of: dict[str, int]
+    index_of: dict[int, int]  # steerable id -> its row in the tables
     # steer: [points, max_tokens] int64 rows and slots, [2 * points] counts,
     # [slots, hidden] float32 vectors
     rows: torch.Tensor
