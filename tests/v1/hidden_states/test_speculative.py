@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative decoding with a drafter model next to hidden states: EAGLE-3
-on a tiny Llama and MTP on a tiny DeepSeek V3 (its MTP layer in the same
-checkpoint), each drafter built for the test
+on a tiny Llama, and MTP on a tiny DeepSeek V3 and a tiny GLM-4.5 (each MTP
+layer in the same checkpoint, as both ship it), each drafter built for the test
 (:mod:`vllm_hidden_states.tools.tiny_drafters`) so that some drafts are
 accepted and others rejected.
 
@@ -34,7 +34,7 @@ from .conftest import (
 )
 from .probe_reference import Reference, probe_points, write_probes
 
-METHODS = ("eagle3", "mtp")
+METHODS = ("eagle3", "mtp", "glm4_moe_mtp")
 
 # Prompts whose greedy continuations start varied and then repeat: drafts
 # are rejected early and accepted later.
@@ -59,6 +59,9 @@ def model_dirs(method: str) -> tuple:
         drafter = build_tiny_eagle3_drafter(MODELS / "tiny-llama-eagle3", target)
         spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}
         return target, spec, {}
+    if method == "glm4_moe_mtp":  # GLM-4.5's MTP layer (vLLM's Glm4MoeMTP)
+        target = build_tiny_mtp_model(MODELS / "tiny-glm4_moe-mtp", arch="glm4_moe")
+        return target, {"method": "mtp", "num_speculative_tokens": 1}, {}
     target = build_tiny_mtp_model(MODELS / "tiny-deepseek_v3-mtp")
     # vLLM's portable MLA backend for the target and its MTP layer alike (on
     # a CPU with AMX it picks its AMX backend, which takes bfloat16 only).
