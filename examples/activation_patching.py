@@ -5,7 +5,7 @@ A clean and a corrupted prompt of the same length differ in one name, and so
 in their answer. The clean run's residual stream (``resid_pre.k`` at every
 position) is captured into the server's activation store; then, for each
 layer ``k`` and position ``p``, the corrupted run is repeated with that one
-row replaced by the clean run's, by reference to the stored capture (no
+row replaced by the clean run's, by reference to the stored rows (no
 tensor through the client). The logit difference of the two answers,
 ``log p(clean answer) - log p(corrupted answer)`` at the last position, is
 read from the prompt's logprobs; its recovery per (layer, position),
@@ -115,7 +115,7 @@ async def sweep(base_url: str, concurrency: int = 16) -> Sweep:
             "op": "patch",
             "point": f"resid_pre.{k}",
             "positions": {"start": p, "end": p + 1},
-            "capture": {"request_id": captured.id},
+            "stored": {"request_id": captured.id},
         }]  # fmt: skip
         async with gate:
             return await logit_diff(client, model, a, b, corrupt_ids, steering)

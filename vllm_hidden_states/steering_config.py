@@ -66,7 +66,7 @@ INTERVENTION_KEYS = (
     "strength",
     "value",
     "rows",
-    "capture",
+    "stored",
     "edits",
     "keep_error",
     "heads",

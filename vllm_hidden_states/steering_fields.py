@@ -213,10 +213,10 @@ def _patch_rows(
     ``[n, heads, head_dim]``)."""
     from vllm_hidden_states.patch_rows import decode_rows, rows_bytes
 
-    if item.get("capture") is not None:
+    if item.get("stored") is not None:
         raise _fail(
             i,
-            "capture",
+            "stored",
             "a reference to stored rows is resolved by the API server (HTTP, with "
             "--activation-store); here give 'rows' or 'name'",
         )
@@ -226,7 +226,7 @@ def _patch_rows(
             i,
             "rows",
             "give exactly one of 'rows' (the replacement rows), 'name' (a [n, hidden_size] "
-            "matrix of --steering-vectors) or, over HTTP, 'capture' (rows of an earlier "
+            "matrix of --steering-vectors) or, over HTTP, 'stored' (rows of an earlier "
             f"request in the activation store); got {given or 'none'}",
         )
     if given[0] == "rows":
@@ -367,11 +367,11 @@ def check_steering(
                 )
             )
             continue
-        for key in ("rows", "capture", "edits", "keep_error", *HEAD_KEYS):
+        for key in ("rows", "stored", "edits", "keep_error", *HEAD_KEYS):
             if item.get(key) is not None:
                 owner = (
                     "patch"
-                    if key in ("rows", "capture")
+                    if key in ("rows", "stored")
                     else "patch and ablate_heads at attn_z"
                     if key == "heads"
                     else "ablate_heads"
@@ -473,7 +473,7 @@ def _rewrite_wire(
     """The wire form of a ``patch``, an ``ablate_heads`` or an ``sae_splice``
     (per-head forms lowered to full-width rows: :func:`_head_wire`)."""
     allowed = {
-        "patch": ("point", "op", "rows", "name", "capture", "heads", "positions"),
+        "patch": ("point", "op", "rows", "name", "stored", "heads", "positions"),
         "ablate_heads": ("point", "op", "heads", "mode", "mean", "positions"),
         "sae_splice": ("point", "op", "edits", "keep_error", "positions"),
     }[op]
@@ -550,7 +550,7 @@ def _head_wire(
                 "rows",
                 f"a per-head patch (heads given) takes inline rows [n, {len(heads)}, "
                 f"{head_dim}] (positions, heads given, head_dim); a named matrix or a "
-                f"stored capture patches every head: leave heads out",
+                f"patch of stored rows patches every head: leave heads out",
             )
         try:
             values = decode_head_rows(item["rows"], len(heads), head_dim)

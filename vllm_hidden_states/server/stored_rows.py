@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A patch's store reference (its ``capture`` field): rows an earlier
+"""A patch's store reference (its ``stored`` field): rows an earlier
 response stored in the activation store, resolved in the API server into the
 patch's ``rows`` (the store answers: ``activation_store.stored_rows``).
 
 ``{"op": "patch", "point": "resid_pre.3", "positions": {"start": 2, "end":
-6}, "capture": {"request_id": "cmpl-...", "choice": 0, "point":
-"resid_pre.3", "positions": {"start": 2, "end": 6}}}``: the capture's point
+6}, "stored": {"request_id": "cmpl-...", "choice": 0, "point":
+"resid_pre.3", "positions": {"start": 2, "end": 6}}}``: the reference's point
 and positions default to the patch's own (and the patch's positions to the
-capture's). The store must keep hidden states (``--activation-store DIR
+reference's). The store must keep hidden states (``--activation-store DIR
 --activation-store-hidden-states``) and the earlier request must have asked
 for those rows. Read off the event loop (a thread); a reference that does not
 resolve is a 400 naming what the store holds.
@@ -27,7 +27,7 @@ from vllm_hidden_states.store import choice_writer
 logger = init_logger(__name__)
 
 STEERING_PARAM = "steering"
-CAPTURE_KEYS = ("request_id", "choice", "point", "positions")
+STORED_KEYS = ("request_id", "choice", "point", "positions")
 # How long a reference waits for the store's writer to write what it holds
 # (the earlier request's rows are queued when its response is sent).
 FLUSH_TIMEOUT_S = 30.0
@@ -35,31 +35,31 @@ FLUSH_TIMEOUT_S = 30.0
 
 def has_store_refs(value: Any) -> bool:
     return isinstance(value, list) and any(
-        isinstance(item, dict) and item.get("capture") is not None for item in value
+        isinstance(item, dict) and item.get("stored") is not None for item in value
     )
 
 
 async def resolve_store_refs(value: list[Any], num_layers: int) -> list[Any]:
-    """``value`` with every patch's ``capture`` replaced by the stored rows
+    """``value`` with every patch's ``stored`` replaced by the stored rows
     (float32 ``[n, hidden]``); :class:`ApiError` (400) when one does not
     resolve."""
     store, keeps_hidden = choice_writer.opened()
     if store is None or not keeps_hidden:
         raise invalid_request(
-            "steering: a patch's 'capture' reads the activation store; start the server "
+            "steering: a patch's 'stored' reads the activation store; start the server "
             "with --activation-store DIR --activation-store-hidden-states (or give 'rows')",
             STEERING_PARAM,
         )
     out = []
     for i, item in enumerate(value):
-        if not (isinstance(item, dict) and item.get("capture") is not None):
+        if not (isinstance(item, dict) and item.get("stored") is not None):
             out.append(item)
             continue
-        where = f"steering[{i}].capture"
-        ref = item["capture"]
-        if not isinstance(ref, dict) or set(ref) - set(CAPTURE_KEYS):
+        where = f"steering[{i}].stored"
+        ref = item["stored"]
+        if not isinstance(ref, dict) or set(ref) - set(STORED_KEYS):
             raise invalid_request(
-                f"{where}: must be an object with keys {list(CAPTURE_KEYS)} (point and "
+                f"{where}: must be an object with keys {list(STORED_KEYS)} (point and "
                 "positions default to the patch's)",
                 STEERING_PARAM,
             )
@@ -81,7 +81,7 @@ async def resolve_store_refs(value: list[Any], num_layers: int) -> list[Any]:
         if not isinstance(window, Window) or window.end is None:
             raise invalid_request(
                 f"{where}: positions must be a window {{'start': s, 'end': e}} (the "
-                f"capture's or the patch's); got {positions!r}",
+                f"reference's or the patch's); got {positions!r}",
                 STEERING_PARAM,
             )
         start, end = window.start, window.end
@@ -91,7 +91,7 @@ async def resolve_store_refs(value: list[Any], num_layers: int) -> list[Any]:
         )  # fmt: skip
         if isinstance(rows, str):
             raise invalid_request(f"{where}: {rows}", STEERING_PARAM)
-        resolved = {k: v for k, v in item.items() if k != "capture"}
+        resolved = {k: v for k, v in item.items() if k != "stored"}
         resolved["rows"] = rows
         resolved.setdefault("positions", {"start": start, "end": end})
         out.append(resolved)

@@ -414,8 +414,8 @@ def test_a_patch_beside_another_intervention_at_its_point_is_refused(llm, hf_qwe
     refused(llm, [patch("resid_pre.2", torch.zeros(2, h), 0), add], "only intervention")
 
 
-def test_a_stored_capture_reference_is_refused_off_http(llm):
-    item = {"point": "resid_pre.2", "op": "patch", "capture": {"request_id": "x"}}
+def test_a_stored_rows_reference_is_refused_off_http(llm):
+    item = {"point": "resid_pre.2", "op": "patch", "stored": {"request_id": "x"}}
     refused(llm, [item], "resolved by the API server")
 
 

@@ -136,7 +136,7 @@ def test_clean_then_corrupted_by_store_reference_is_two_calls(oai, hf_qwen3):
     clean_rows = states_of(clean.choices[0])[len(LAYERS)]  # rows: the layers, then the point
     window = {"start": 8, "end": 10}
     steering = [{"op": "patch", "point": POINT, "positions": window,
-                 "capture": {"request_id": clean.id}}]  # fmt: skip
+                 "stored": {"request_id": clean.id}}]  # fmt: skip
     out = complete(oai, CORRUPTED, steering=steering)
     assert_patched_like_hf(out.choices[0], hf_qwen3, clean_rows[8:10], 8, "store reference")
 
@@ -208,7 +208,7 @@ def test_the_hidden_states_route_patches_by_store_reference(http, oai, hf_qwen3,
     clean_rows = states_of(clean.choices[0])[LAYERS.index(2)]
     ids = AutoTokenizer.from_pretrained(qwen3_dir).encode(CORRUPTED)
     steering = [{"op": "patch", "point": POINT, "positions": {"start": 8, "end": 10},
-                 "capture": {"request_id": clean.id}}]  # fmt: skip
+                 "stored": {"request_id": clean.id}}]  # fmt: skip
     r = http.post(
         "/v1/hidden_states",
         json={"model": MODEL, "input": CORRUPTED, "layer": 3, "steering": steering},
@@ -236,7 +236,7 @@ def test_an_unknown_store_reference_is_a_400_naming_what_is_missing(http):
     steering_error(
         http,
         [{"op": "patch", "point": POINT, "positions": {"start": 0, "end": 2},
-          "capture": {"request_id": "cmpl-nobody"}}],
+          "stored": {"request_id": "cmpl-nobody"}}],
         "cmpl-nobody", "missing",
     )  # fmt: skip
 
