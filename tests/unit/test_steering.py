@@ -219,6 +219,12 @@ def test_an_unknown_key_is_named_with_the_allowed_ones():
         check([add(weight=2)])
 
 
+def test_a_patch_naming_its_stored_rows_by_the_old_capture_key_is_told_the_key_stored():
+    item = {"point": "resid_pre.1", "op": "patch", "capture": {"request_id": "cmpl-1"}}
+    with pytest.raises(ValueError, match=r"steering\[0\]\.capture: unknown key.*'stored'"):
+        check([item])
+
+
 @pytest.mark.parametrize("point", ["resid_pre.9", "resid_pre", "nope.1", None])
 def test_an_unknown_point_names_the_address_forms(point):
     with pytest.raises(ValueError, match=r"steering\[0\]\.point: .*'<kind>\.<i>'"):
