@@ -1457,6 +1457,7 @@ IMAGE_PROMPTS_TESTED: frozenset[str] = frozenset(
         "qwen3_vl.Qwen3VLForConditionalGeneration",
         "llava_onevision.LlavaOnevisionForConditionalGeneration",
         "interns1.InternS1ForConditionalGeneration",
+        "mistral3.Mistral3ForConditionalGeneration",
     )
 )
 

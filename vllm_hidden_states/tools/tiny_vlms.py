@@ -153,10 +153,13 @@ def _mistral3(common: dict):
 
     tok, ids = _with_specials("llama", common["vocab_size"], ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
     text, _ = _arch_config("mistral", common, ids)
+    # Images of up to 56 pixels (2 x 2 merged patches and more): with a single
+    # merged patch HF's Mistral3 squeezes its one image feature away.
     config = T.Mistral3Config(
         text_config=text.to_dict(),
         vision_config=dict(
             _vision_tower(),
+            image_size=2 * IMAGE_SIZE,
             head_dim=64,
             model_type="pixtral",
         ),
@@ -166,7 +169,7 @@ def _mistral3(common: dict):
     )
     processor = T.PixtralProcessor(
         image_processor=T.PixtralImageProcessor(
-            size={"longest_edge": IMAGE_SIZE}, patch_size=PATCH
+            size={"longest_edge": 2 * IMAGE_SIZE}, patch_size=PATCH
         ),
         tokenizer=tok,
         patch_size=PATCH,
@@ -432,6 +435,10 @@ _BUILDERS = {
 }
 
 
+# A wrapper's recipe version, where its checkpoint changed since version 4.
+_RECIPE_VERSIONS = {"mistral3": 5}
+
+
 def build_tiny_vlm(
     out: str | Path,
     arch: str = "llava",
@@ -454,7 +461,7 @@ def build_tiny_vlm(
         hidden_size=hidden_size,
         vocab_size=vocab_size,
         seed=seed,
-        version=4,
+        version=_RECIPE_VERSIONS.get(arch, 4),
         multimodal=True,
     )
     stamp = out / "tiny_model.json"

@@ -32,6 +32,7 @@ IMAGE_ARCHS = {
     "internvl": "<IMG_CONTEXT>",
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "mistral3": "[IMG]",
 }
 MAX_TOKENS = 3
 
