@@ -613,3 +613,17 @@ def test_llama4_serves_query_key_value_at_every_layer_with_its_heads_put_back_in
     assert capturable_point_ids(["q.1", "k.3", "v.0"], L, model)
     assert all(model.known(i).qk_halves for i in range(L))
     assert not any(c.qk_halves for name, c in layers.LAYER_CLASSES.items() if "llama4" not in name)
+
+
+@pytest.mark.parametrize("uses_mrope, served", [(True, True), (False, False)])
+def test_qwen35_image_prompts_are_served_only_where_the_config_names_its_mrope_section(
+    uses_mrope, served
+):
+    config = SimpleNamespace(
+        architectures=["Qwen3_5ForConditionalGeneration"], uses_mrope=uses_mrope
+    )
+    problem = layers.multimodal_prompt_problem(config)
+    if served:
+        assert problem is None
+    else:
+        assert problem is not None and "no mrope_section" in problem and "1-D" in problem

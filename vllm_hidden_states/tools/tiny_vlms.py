@@ -208,12 +208,12 @@ def _qwen_vl_token_ids(ids: dict) -> dict:
     )
 
 
-def _qwen_vl_processor(processor_cls, video_processor, tok):
+def _qwen_vl_processor(processor_cls, video_processor, tok, size: int = IMAGE_SIZE):
     import transformers as T
 
     return processor_cls(
         image_processor=T.Qwen2VLImageProcessor(
-            min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE, patch_size=PATCH
+            min_pixels=size * size, max_pixels=size * size, patch_size=PATCH
         ),
         video_processor=video_processor,
         tokenizer=tok,
@@ -412,12 +412,22 @@ def _qwen3_5_mm(common: dict):
 
     tok, ids = _with_specials("chatml", common["vocab_size"], _QWEN_VL_TOKENS)
     text, _ = _arch_config("qwen3_5", common, ids)
+    text_dict = text.to_dict()
+    # M-RoPE as the published checkpoints set it (interleaved, [11, 11, 10] of
+    # 32 rotary pairs there; here 8 pairs: 64-wide heads, a quarter rotary).
+    text_dict["rope_parameters"] = dict(
+        text_dict["rope_parameters"], mrope_section=[2, 3, 3], mrope_interleaved=True
+    )
     config = T.Qwen3_5Config(
-        text_config=text.to_dict(),
+        text_config=text_dict,
         vision_config=_qwen_vl_vision(common, depth=1, num_position_embeddings=16),
         **_qwen_vl_token_ids(ids),
     )
-    processor = _qwen_vl_processor(T.Qwen3VLProcessor, T.Qwen3VLVideoProcessor(), tok)
+    # Images of 56 pixels: 2 x 2 merged patches, so that M-RoPE's height and
+    # width positions differ between image tokens.
+    processor = _qwen_vl_processor(
+        T.Qwen3VLProcessor, T.Qwen3VLVideoProcessor(), tok, size=2 * IMAGE_SIZE
+    )
     return config, T.Qwen3_5ForConditionalGeneration, processor
 
 
@@ -436,7 +446,7 @@ _BUILDERS = {
 
 
 # A wrapper's recipe version, where its checkpoint changed since version 4.
-_RECIPE_VERSIONS = {"mistral3": 5}
+_RECIPE_VERSIONS = {"mistral3": 5, "qwen3_5_mm": 5}
 
 
 def build_tiny_vlm(

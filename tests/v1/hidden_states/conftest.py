@@ -526,7 +526,11 @@ class HFReference:
 
     @torch.inference_mode()
     def layer_by_layer(
-        self, token_ids: list[int], inputs: dict[int, torch.Tensor], interventions: list[dict] = ()
+        self,
+        token_ids: list[int],
+        inputs: dict[int, torch.Tensor],
+        interventions: list[dict] = (),
+        mm: dict | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor], tuple]:
         """Every point of every layer with each decoder layer ``i`` fed
         ``inputs[i]`` (``[len(token_ids), hidden]``, e.g. the engine's own
@@ -537,7 +541,7 @@ class HFReference:
         gap between the last chosen and the first unchosen router logit, per
         row; where it is near zero the routes of two precisions may part),
         and HF's eager attention weights; ``interventions`` as
-        :meth:`steering`."""
+        :meth:`steering`; ``mm`` as :meth:`states`."""
         handles = []
         margins: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(decoder_layers_of(self.model)):
@@ -559,9 +563,9 @@ class HFReference:
                 handles.append(gate.register_forward_hook(margin))
         try:
             with self.steering(list(interventions)):
-                found = self.points(token_ids)
+                found = self.points(token_ids, mm)
                 attentions = self.model(
-                    torch.tensor([token_ids]), output_attentions=True
+                    torch.tensor([token_ids]), output_attentions=True, **(mm or {})
                 ).attentions
         finally:
             for handle in handles:

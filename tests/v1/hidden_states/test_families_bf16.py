@@ -122,11 +122,11 @@ def capture(llm, hf, prompt=PROMPT, positions="all", steering=(), ignore_eos=Fal
     return out
 
 
-def assert_layers_match_hf(out, hf, arch, interventions=()):
+def assert_layers_match_hf(out, hf, arch, interventions=(), mm=None):
     states = out.outputs[0].hidden_states
     ids = token_ids_of(out)
     inputs = {i: states[f"resid_pre.{i}"] for i in range(hf.num_layers)}
-    found, margins, _ = hf.layer_by_layer(ids, inputs, interventions)
+    found, margins, _ = hf.layer_by_layer(ids, inputs, interventions, mm)
     model = layers_of(hf)
     for i in range(hf.num_layers):
         ties = None
@@ -338,3 +338,44 @@ def test_heads_are_patched_and_ablated_like_hf_hooks_layer_by_layer(family):
             value = states[item["point"]][:, head].float()
             want = torch.zeros_like(value) if "mean" not in item else mean[0].expand_as(value)
             assert torch.equal(value, want), f"{arch} {at}: head {head} is not written"
+
+
+@pytest.mark.parametrize("family", WRAPPERS, indirect=True)
+def test_an_image_prompt_matches_hf_layer_by_layer(family):
+    """Qwen3.5 as published, a prompt with one image of 2 x 3 merged patches
+    (M-RoPE: its height and width positions differ; with 1-D positions
+    instead, the attention layer reads 17% off): the image rows marked where
+    HF's processor put the image tokens, resid_pre.0 (the text embeddings
+    with the vision tower's features merged in) against HF's given the same
+    pixels, every point of every layer on its own for "all", and "last",
+    whose extract replays the image, like "all"'s final row."""
+    from .test_multimodal_prompts import ImagePrompt
+
+    arch, llm, hf = family
+    prompt = ImagePrompt(arch, hf, image_text="<|vision_start|><|image_pad|><|vision_end|>")
+    assert len(prompt.image_positions) > 1
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=3,
+            ignore_eos=True,
+            return_hidden_states=True,
+            hidden_states_points=every_row_point(hf),
+            hidden_states_layers=[-1],
+            hidden_states_positions=positions,
+        )
+        for positions in ("all", "last")
+    ]
+    every, last = llm.generate([prompt.vllm_input] * 2, params, use_tqdm=False)
+    for out in (every, last):
+        assert out.prompt_token_ids == prompt.prompt_ids
+        assert out.outputs[0].mm_positions == {"image": prompt.image_positions}
+    assert token_ids_of(last) == token_ids_of(every)
+    ids = token_ids_of(every)
+    mm = prompt.hf_inputs(len(ids))
+    with torch.inference_mode():
+        embedded = hf.states(ids, mm)[0]
+    states = assert_layers_match_hf(every, hf, arch, mm=mm)
+    assert_bf16_close(states["resid_pre.0"], embedded, f"{arch} resid_pre.0")
+    for name, rows in last.outputs[0].hidden_states.items():
+        assert_bf16_close(rows, states[name][-1:], f"{arch} last {name}")

@@ -58,10 +58,15 @@ def image(seed: int) -> Image.Image:
 class ImagePrompt:
     """One prompt with an image: vLLM's input, and HF's processor outputs."""
 
-    def __init__(self, arch: str, hf: HFReference, seed: int = 0, tail: str = ""):
+    def __init__(
+        self, arch: str, hf: HFReference, seed: int = 0, tail: str = "", image_text: str = ""
+    ):
+        """``image_text``: the text that stands for one image (default: the
+        arch's in :data:`IMAGE_ARCHS`)."""
         from transformers import AutoProcessor
 
-        self.text = f"Once upon a time {IMAGE_ARCHS[arch]} there was a small robot{tail}"
+        image_text = image_text or IMAGE_ARCHS[arch]
+        self.text = f"Once upon a time {image_text} there was a small robot{tail}"
         self.image = image(seed)
         processor = AutoProcessor.from_pretrained(hf.model.name_or_path)
         inputs = processor(images=[self.image], text=[self.text], return_tensors="pt")
