@@ -107,8 +107,10 @@ def every_row_point(hf: HFReference) -> list[str]:
     ]
 
 
-def capture(llm, hf, prompt=PROMPT, positions="all", steering=(), ignore_eos=False):
-    params = SamplingParams(
+def every_point_params(hf, positions="all", steering=(), ignore_eos=False) -> SamplingParams:
+    """4 greedy tokens, with every row point of every layer and the final
+    state at ``positions``."""
+    return SamplingParams(
         temperature=0.0,
         max_tokens=4,
         ignore_eos=ignore_eos,
@@ -118,6 +120,10 @@ def capture(llm, hf, prompt=PROMPT, positions="all", steering=(), ignore_eos=Fal
         hidden_states_positions=positions,
         steering=[{**s, "vector": s["vector"].tolist()} for s in steering] or None,
     )
+
+
+def capture(llm, hf, prompt=PROMPT, positions="all", steering=(), ignore_eos=False):
+    params = every_point_params(hf, positions, steering, ignore_eos)
     (out,) = llm.generate([prompt], params, use_tqdm=False)
     return out
 
@@ -354,18 +360,7 @@ def test_an_image_prompt_matches_hf_layer_by_layer(family):
     arch, llm, hf = family
     prompt = ImagePrompt(arch, hf, image_text="<|vision_start|><|image_pad|><|vision_end|>")
     assert len(prompt.image_positions) > 1
-    params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=3,
-            ignore_eos=True,
-            return_hidden_states=True,
-            hidden_states_points=every_row_point(hf),
-            hidden_states_layers=[-1],
-            hidden_states_positions=positions,
-        )
-        for positions in ("all", "last")
-    ]
+    params = [every_point_params(hf, positions, ignore_eos=True) for positions in ("all", "last")]
     every, last = llm.generate([prompt.vllm_input] * 2, params, use_tqdm=False)
     for out in (every, last):
         assert out.prompt_token_ids == prompt.prompt_ids
