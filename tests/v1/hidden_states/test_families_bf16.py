@@ -68,6 +68,30 @@ def assert_bf16_close(actual, reference, what, rows=None, tol=BF16_TOL):
     assert rel < tol, f"{what}: relative error {rel:.2e} >= {tol}"
 
 
+def bf16_reference(model_dir) -> HFReference:
+    """HF on the engine's weights: the checkpoint rounded to bfloat16, fp32
+    arithmetic, eager attention."""
+    hf = HFReference(model_dir)
+    hf.model.to(torch.bfloat16).float()
+    hf.model.set_attn_implementation("eager")
+    return hf
+
+
+def bf16_engine(model_dir, **flags) -> LLM:
+    """An in-process bfloat16 eager engine, every point capturable; ``flags``
+    added."""
+    args = dict(COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8)
+    with in_process_engine():
+        return LLM(
+            model=str(model_dir),
+            enable_hidden_states=True,
+            hidden_states_points="all",
+            enforce_eager=True,
+            max_model_len=512,
+            **{**args, **flags},
+        )
+
+
 @pytest.fixture(scope="module", params=FAMILIES + WRAPPERS)
 def family(request):
     from vllm_hidden_states.tools.tiny_models import build_tiny_model
@@ -76,21 +100,8 @@ def family(request):
     arch = request.param
     build = build_tiny_vlm if arch in BF16_VLM_ARCHS else build_tiny_model
     model_dir = build(MODELS / f"tiny-{arch}", arch=arch)
-    hf = HFReference(model_dir)
-    # The engine's weights: the checkpoint rounded to bfloat16; fp32 arithmetic.
-    hf.model.to(torch.bfloat16).float()
-    hf.model.set_attn_implementation("eager")
-    with in_process_engine():
-        llm = LLM(
-            model=str(model_dir),
-            enable_hidden_states=True,
-            hidden_states_points="all",
-            enable_steering=True,
-            steering_points="all",
-            enforce_eager=True,
-            max_model_len=512,
-            **dict(COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8),
-        )
+    hf = bf16_reference(model_dir)
+    llm = bf16_engine(model_dir, enable_steering=True, steering_points="all")
     yield arch, llm, hf
     shut_down_in_process(llm)
     del llm
@@ -389,22 +400,13 @@ def test_qwen3_next_mtp_captures_each_position_once_layer_by_layer():
     from .test_speculative import PROMPTS, Spec
 
     model_dir = build_tiny_qwen3_next_mtp_model(MODELS / "tiny-qwen3_next-mtp")
-    hf = HFReference(model_dir)
-    hf.model.to(torch.bfloat16).float()
-    hf.model.set_attn_implementation("eager")
-    with in_process_engine():
-        llm = LLM(
-            model=str(model_dir),
-            enable_hidden_states=True,
-            hidden_states_points="all",
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-            enforce_eager=True,
-            max_model_len=512,
-            disable_log_stats=False,  # the acceptance counters
-            **dict(
-                COMMON_ENGINE_ARGS, dtype="bfloat16", max_num_seqs=8, enable_prefix_caching=False
-            ),
-        )
+    hf = bf16_reference(model_dir)
+    llm = bf16_engine(
+        model_dir,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        disable_log_stats=False,  # the acceptance counters
+        enable_prefix_caching=False,
+    )
     try:
         spec = Spec("qwen3_next_mtp", llm, hf, None)
         before = spec.counters()
